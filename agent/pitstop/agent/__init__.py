@@ -1,0 +1,1 @@
+"""The node agent: GPU health, heartbeats, rank supervision."""

@@ -1,0 +1,1 @@
+"""The per-node checkpoint daemon: in-memory snapshots, buddy replication, durable flush."""

@@ -1,0 +1,265 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from pitstop.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Register(_message.Message):
+    __slots__ = ("node_id", "inventory", "labels", "requested_role", "running_ranks", "agent_started_at")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_ROLE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    inventory: _common_pb2.Inventory
+    labels: _common_pb2.TopologyLabels
+    requested_role: _common_pb2.NodeRole
+    running_ranks: _containers.RepeatedCompositeFieldContainer[RunningRank]
+    agent_started_at: _timestamp_pb2.Timestamp
+    def __init__(self, node_id: _Optional[str] = ..., inventory: _Optional[_Union[_common_pb2.Inventory, _Mapping]] = ..., labels: _Optional[_Union[_common_pb2.TopologyLabels, _Mapping]] = ..., requested_role: _Optional[_Union[_common_pb2.NodeRole, str]] = ..., running_ranks: _Optional[_Iterable[_Union[RunningRank, _Mapping]]] = ..., agent_started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class RunningRank(_message.Message):
+    __slots__ = ("job_id", "generation", "rank", "pid", "step", "standby")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    rank: int
+    pid: int
+    step: int
+    standby: bool
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., standby: _Optional[bool] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("time", "health", "running_ranks")
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    time: _timestamp_pb2.Timestamp
+    health: _common_pb2.NodeHealth
+    running_ranks: _containers.RepeatedCompositeFieldContainer[RunningRank]
+    def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., health: _Optional[_Union[_common_pb2.NodeHealth, _Mapping]] = ..., running_ranks: _Optional[_Iterable[_Union[RunningRank, _Mapping]]] = ...) -> None: ...
+
+class StepSample(_message.Message):
+    __slots__ = ("rank", "step", "step_seconds", "loss", "tokens", "checkpoint_step", "time")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    step: int
+    step_seconds: float
+    loss: float
+    tokens: int
+    checkpoint_step: bool
+    time: _timestamp_pb2.Timestamp
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., checkpoint_step: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class StepTimes(_message.Message):
+    __slots__ = ("job_id", "generation", "samples")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    samples: _containers.RepeatedCompositeFieldContainer[StepSample]
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ...) -> None: ...
+
+class RankExited(_message.Message):
+    __slots__ = ("job_id", "generation", "rank", "exit_code", "signal", "time", "stderr_tail", "result")
+    class ResultEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    STDERR_TAIL_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    rank: int
+    exit_code: int
+    signal: int
+    time: _timestamp_pb2.Timestamp
+    stderr_tail: str
+    result: _containers.ScalarMap[str, str]
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stderr_tail: _Optional[str] = ..., result: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CommandAck(_message.Message):
+    __slots__ = ("command_id", "ok", "error")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    ok: bool
+    error: str
+    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class AgentMessage(_message.Message):
+    __slots__ = ("seq", "register", "heartbeat", "xid", "step_times", "rank_exited", "ack")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    XID_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMES_FIELD_NUMBER: _ClassVar[int]
+    RANK_EXITED_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    register: Register
+    heartbeat: Heartbeat
+    xid: _common_pb2.XidEvent
+    step_times: StepTimes
+    rank_exited: RankExited
+    ack: CommandAck
+    def __init__(self, seq: _Optional[int] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., xid: _Optional[_Union[_common_pb2.XidEvent, _Mapping]] = ..., step_times: _Optional[_Union[StepTimes, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ...) -> None: ...
+
+class Registered(_message.Message):
+    __slots__ = ("node_id", "heartbeat_interval_seconds", "role", "state")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    heartbeat_interval_seconds: float
+    role: _common_pb2.NodeRole
+    state: _common_pb2.NodeState
+    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., role: _Optional[_Union[_common_pb2.NodeRole, str]] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ...) -> None: ...
+
+class StartRanks(_message.Message):
+    __slots__ = ("job_id", "generation", "command", "env", "working_dir", "rank_map", "rendezvous_address", "restore_step")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
+    RANK_MAP_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    command: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    working_dir: str
+    rank_map: _common_pb2.RankMap
+    rendezvous_address: str
+    restore_step: int
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ...) -> None: ...
+
+class StopRanks(_message.Message):
+    __slots__ = ("job_id", "ranks", "grace_seconds", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    grace_seconds: float
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., grace_seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Reconfigure(_message.Message):
+    __slots__ = ("job_id", "generation", "rank_map", "rendezvous_address", "restore_step", "adopted_ranks")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_MAP_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    rank_map: _common_pb2.RankMap
+    rendezvous_address: str
+    restore_step: int
+    adopted_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., adopted_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PauseJob(_message.Message):
+    __slots__ = ("job_id", "generation")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ResumeJob(_message.Message):
+    __slots__ = ("job_id", "generation")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class DrainNode(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class SchedulerMessage(_message.Message):
+    __slots__ = ("command_id", "registered", "start_ranks", "stop_ranks", "reconfigure", "pause", "resume", "drain", "inject_fault")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    START_RANKS_FIELD_NUMBER: _ClassVar[int]
+    STOP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    RECONFIGURE_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    INJECT_FAULT_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    registered: Registered
+    start_ranks: StartRanks
+    stop_ranks: StopRanks
+    reconfigure: Reconfigure
+    pause: PauseJob
+    resume: ResumeJob
+    drain: DrainNode
+    inject_fault: _common_pb2.Fault
+    def __init__(self, command_id: _Optional[int] = ..., registered: _Optional[_Union[Registered, _Mapping]] = ..., start_ranks: _Optional[_Union[StartRanks, _Mapping]] = ..., stop_ranks: _Optional[_Union[StopRanks, _Mapping]] = ..., reconfigure: _Optional[_Union[Reconfigure, _Mapping]] = ..., pause: _Optional[_Union[PauseJob, _Mapping]] = ..., resume: _Optional[_Union[ResumeJob, _Mapping]] = ..., drain: _Optional[_Union[DrainNode, _Mapping]] = ..., inject_fault: _Optional[_Union[_common_pb2.Fault, _Mapping]] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("join_token", "node_id", "csr_pem")
+    JOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    join_token: str
+    node_id: str
+    csr_pem: str
+    def __init__(self, join_token: _Optional[str] = ..., node_id: _Optional[str] = ..., csr_pem: _Optional[str] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("certificate_pem", "ca_certificate_pem")
+    CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    CA_CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    certificate_pem: str
+    ca_certificate_pem: str
+    def __init__(self, certificate_pem: _Optional[str] = ..., ca_certificate_pem: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,215 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from pitstop.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StragglerAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STRAGGLER_ACTION_UNSPECIFIED: _ClassVar[StragglerAction]
+    STRAGGLER_ACTION_REPORT: _ClassVar[StragglerAction]
+    STRAGGLER_ACTION_SWAP: _ClassVar[StragglerAction]
+STRAGGLER_ACTION_UNSPECIFIED: StragglerAction
+STRAGGLER_ACTION_REPORT: StragglerAction
+STRAGGLER_ACTION_SWAP: StragglerAction
+
+class CheckpointPolicy(_message.Message):
+    __slots__ = ("snapshot_every_steps", "durable_every_steps", "durable_url", "keep_in_memory", "keep_durable", "auto_interval")
+    SNAPSHOT_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_URL_FIELD_NUMBER: _ClassVar[int]
+    KEEP_IN_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    KEEP_DURABLE_FIELD_NUMBER: _ClassVar[int]
+    AUTO_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    snapshot_every_steps: int
+    durable_every_steps: int
+    durable_url: str
+    keep_in_memory: int
+    keep_durable: int
+    auto_interval: bool
+    def __init__(self, snapshot_every_steps: _Optional[int] = ..., durable_every_steps: _Optional[int] = ..., durable_url: _Optional[str] = ..., keep_in_memory: _Optional[int] = ..., keep_durable: _Optional[int] = ..., auto_interval: _Optional[bool] = ...) -> None: ...
+
+class StragglerPolicy(_message.Message):
+    __slots__ = ("action", "threshold", "windows", "window_steps", "warmup_steps")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    action: StragglerAction
+    threshold: float
+    windows: int
+    window_steps: int
+    warmup_steps: int
+    def __init__(self, action: _Optional[_Union[StragglerAction, str]] = ..., threshold: _Optional[float] = ..., windows: _Optional[int] = ..., window_steps: _Optional[int] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("name", "command", "tp", "pp", "dp", "gpus_per_node", "min_dp", "spares", "priority", "max_restarts", "checkpoint", "env", "straggler", "working_dir")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    PP_FIELD_NUMBER: _ClassVar[int]
+    DP_FIELD_NUMBER: _ClassVar[int]
+    GPUS_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    MIN_DP_FIELD_NUMBER: _ClassVar[int]
+    SPARES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MAX_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_FIELD_NUMBER: _ClassVar[int]
+    WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    command: _containers.RepeatedScalarFieldContainer[str]
+    tp: int
+    pp: int
+    dp: int
+    gpus_per_node: int
+    min_dp: int
+    spares: int
+    priority: int
+    max_restarts: int
+    checkpoint: CheckpointPolicy
+    env: _containers.ScalarMap[str, str]
+    straggler: StragglerPolicy
+    working_dir: str
+    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., min_dp: _Optional[int] = ..., spares: _Optional[int] = ..., priority: _Optional[int] = ..., max_restarts: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointPolicy, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., straggler: _Optional[_Union[StragglerPolicy, _Mapping]] = ..., working_dir: _Optional[str] = ...) -> None: ...
+
+class Goodput(_message.Message):
+    __slots__ = ("productive_seconds", "detect_seconds", "recovery_seconds", "recompute_seconds", "ratio", "recoveries")
+    PRODUCTIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DETECT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RATIO_FIELD_NUMBER: _ClassVar[int]
+    RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    productive_seconds: float
+    detect_seconds: float
+    recovery_seconds: float
+    recompute_seconds: float
+    ratio: float
+    recoveries: int
+    def __init__(self, productive_seconds: _Optional[float] = ..., detect_seconds: _Optional[float] = ..., recovery_seconds: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., ratio: _Optional[float] = ..., recoveries: _Optional[int] = ...) -> None: ...
+
+class RankStepStats(_message.Message):
+    __slots__ = ("rank", "node_id", "p50_seconds", "p99_seconds", "straggler")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    P50_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    P99_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node_id: str
+    p50_seconds: float
+    p99_seconds: float
+    straggler: bool
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., p50_seconds: _Optional[float] = ..., p99_seconds: _Optional[float] = ..., straggler: _Optional[bool] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("id", "spec", "state", "reason", "generation", "rank_map", "created_at", "updated_at", "restarts", "current_step", "committed_step", "durable_step", "goodput", "rank_stats", "result")
+    class ResultEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_MAP_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_STEP_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_STEP_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    RANK_STATS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    spec: JobSpec
+    state: _common_pb2.JobState
+    reason: str
+    generation: int
+    rank_map: _common_pb2.RankMap
+    created_at: _timestamp_pb2.Timestamp
+    updated_at: _timestamp_pb2.Timestamp
+    restarts: int
+    current_step: int
+    committed_step: int
+    durable_step: int
+    goodput: Goodput
+    rank_stats: _containers.RepeatedCompositeFieldContainer[RankStepStats]
+    result: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., restarts: _Optional[int] = ..., current_step: _Optional[int] = ..., committed_step: _Optional[int] = ..., durable_step: _Optional[int] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., rank_stats: _Optional[_Iterable[_Union[RankStepStats, _Mapping]]] = ..., result: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("spec", "request_id")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    spec: JobSpec
+    request_id: str
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class SubmitJobResponse(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: Job
+    def __init__(self, job: _Optional[_Union[Job, _Mapping]] = ...) -> None: ...
+
+class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ("states", "page_size", "page_token")
+    STATES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    states: _containers.RepeatedScalarFieldContainer[_common_pb2.JobState]
+    page_size: int
+    page_token: str
+    def __init__(self, states: _Optional[_Iterable[_Union[_common_pb2.JobState, str]]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListJobsResponse(_message.Message):
+    __slots__ = ("jobs", "next_page_token")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    next_page_token: str
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class JobControlRequest(_message.Message):
+    __slots__ = ("job_id", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class WatchJobRequest(_message.Message):
+    __slots__ = ("job_id", "after_event_id")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    after_event_id: int
+    def __init__(self, job_id: _Optional[str] = ..., after_event_id: _Optional[int] = ...) -> None: ...

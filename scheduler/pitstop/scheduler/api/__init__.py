@@ -1,0 +1,1 @@
+"""gRPC servicers: decode the request, call a service, encode the answer. Nothing else."""

@@ -1,0 +1,108 @@
+"""JobService."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from sqlalchemy import select
+
+from pitstop.scheduler.api.watch import follow_events
+from pitstop.scheduler.auth import current_caller
+from pitstop.scheduler.convert import event_to_pb, job_states_from_pb, job_to_pb
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import TERMINAL_JOB_STATES
+from pitstop.scheduler.services import events as event_service
+from pitstop.scheduler.services import jobs as job_service
+from pitstop.scheduler.store import Store
+from pitstop.v1 import common_pb2, jobs_pb2
+
+_TERMINAL_NAMES = {s.value for s in TERMINAL_JOB_STATES}
+
+
+class JobServicer:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def Submit(  # noqa: N802 (gRPC method names)
+        self, request: jobs_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext
+    ) -> jobs_pb2.SubmitJobResponse:
+        async with self.store.write() as session:
+            job = await job_service.submit_job(
+                session,
+                request.spec,
+                request_id=request.request_id,
+                actor=current_caller.get().actor,
+            )
+        return jobs_pb2.SubmitJobResponse(job=job_to_pb(job))
+
+    async def Get(  # noqa: N802
+        self, request: jobs_pb2.GetJobRequest, context: grpc.aio.ServicerContext
+    ) -> jobs_pb2.Job:
+        async with self.store.read() as session:
+            job = await job_service.get_job(session, request.job_id)
+            ranks = (
+                await session.scalars(
+                    select(models.RankAssignment)
+                    .where(models.RankAssignment.job_id == job.id)
+                    .where(models.RankAssignment.generation == job.generation)
+                    .order_by(models.RankAssignment.rank)
+                )
+            ).all()
+        return job_to_pb(job, ranks)
+
+    async def List(  # noqa: N802
+        self, request: jobs_pb2.ListJobsRequest, context: grpc.aio.ServicerContext
+    ) -> jobs_pb2.ListJobsResponse:
+        states = job_states_from_pb(request.states)
+        async with self.store.read() as session:
+            jobs, token = await job_service.list_jobs(
+                session, states=states, page_size=request.page_size, page_token=request.page_token
+            )
+        return jobs_pb2.ListJobsResponse(jobs=[job_to_pb(j) for j in jobs], next_page_token=token)
+
+    async def _control(self, request: jobs_pb2.JobControlRequest, action: str) -> jobs_pb2.Job:
+        async with self.store.write() as session:
+            job = await job_service.change_job_state(
+                session,
+                request.job_id,
+                action,
+                reason=request.reason,
+                actor=current_caller.get().actor,
+            )
+        return job_to_pb(job)
+
+    async def Cancel(  # noqa: N802
+        self, request: jobs_pb2.JobControlRequest, context: grpc.aio.ServicerContext
+    ) -> jobs_pb2.Job:
+        return await self._control(request, "cancel")
+
+    async def Pause(  # noqa: N802
+        self, request: jobs_pb2.JobControlRequest, context: grpc.aio.ServicerContext
+    ) -> jobs_pb2.Job:
+        return await self._control(request, "pause")
+
+    async def Resume(  # noqa: N802
+        self, request: jobs_pb2.JobControlRequest, context: grpc.aio.ServicerContext
+    ) -> jobs_pb2.Job:
+        return await self._control(request, "resume")
+
+    async def Watch(  # noqa: N802
+        self, request: jobs_pb2.WatchJobRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.Event]:
+        async with self.store.read() as session:
+            job = await job_service.get_job(session, request.job_id)
+            if job.state in TERMINAL_JOB_STATES:
+                # Nothing more will happen: replay what is left and end the stream.
+                for row in await event_service.list_events(
+                    session, job_id=job.id, after_id=request.after_event_id, limit=1000
+                ):
+                    yield event_to_pb(row)
+                return
+        async for event in follow_events(
+            self.store,
+            job_id=job.id,
+            after_id=request.after_event_id,
+            until=lambda e: e.to_state in _TERMINAL_NAMES,
+        ):
+            yield event

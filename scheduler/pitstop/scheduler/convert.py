@@ -1,0 +1,172 @@
+"""ORM rows <-> wire messages. Nothing else happens here."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+from google.protobuf import json_format, timestamp_pb2
+
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import JobState, NodeRole, NodeState
+from pitstop.scheduler.errors import InvalidArgument
+from pitstop.scheduler.services.jobs import spec_from_json
+from pitstop.v1 import common_pb2, jobs_pb2, nodes_pb2
+
+_JOB_STATE_TO_PB: dict[JobState, common_pb2.JobState] = {
+    s: getattr(common_pb2, f"JOB_STATE_{s.name}") for s in JobState
+}
+_JOB_STATE_FROM_PB: dict[int, JobState] = {int(v): k for k, v in _JOB_STATE_TO_PB.items()}
+NODE_STATE_TO_PB: dict[NodeState, common_pb2.NodeState] = {
+    s: getattr(common_pb2, f"NODE_STATE_{s.name}") for s in NodeState
+}
+_NODE_STATE_FROM_PB: dict[int, NodeState] = {int(v): k for k, v in NODE_STATE_TO_PB.items()}
+NODE_ROLE_TO_PB: dict[NodeRole, common_pb2.NodeRole] = {
+    r: getattr(common_pb2, f"NODE_ROLE_{r.name}") for r in NodeRole
+}
+_NODE_ROLE_FROM_PB: dict[int, NodeRole] = {int(v): k for k, v in NODE_ROLE_TO_PB.items()}
+
+
+def _enum_or_zero(wrapper: Any, name: str) -> Any:
+    """The enum value stored by name, or 0 (UNSPECIFIED) for a name this build lacks."""
+    try:
+        return wrapper.Value(name)
+    except ValueError:
+        return 0
+
+
+def timestamp(value: dt.datetime | None) -> timestamp_pb2.Timestamp | None:
+    if value is None:
+        return None
+    ts = timestamp_pb2.Timestamp()
+    ts.FromDatetime(value)
+    return ts
+
+
+def job_states_from_pb(values: Sequence[int], field: str = "states") -> list[JobState]:
+    try:
+        return [_JOB_STATE_FROM_PB[v] for v in values]
+    except KeyError as exc:
+        raise InvalidArgument(field, exc.args[0], "use a JobState other than UNSPECIFIED") from None
+
+
+def node_states_from_pb(values: Sequence[int], field: str = "states") -> list[NodeState]:
+    try:
+        return [_NODE_STATE_FROM_PB[v] for v in values]
+    except KeyError as exc:
+        raise InvalidArgument(
+            field, exc.args[0], "use a NodeState other than UNSPECIFIED"
+        ) from None
+
+
+def node_roles_from_pb(values: Sequence[int], field: str = "roles") -> list[NodeRole]:
+    try:
+        return [_NODE_ROLE_FROM_PB[v] for v in values]
+    except KeyError as exc:
+        raise InvalidArgument(field, exc.args[0], "use worker or spare") from None
+
+
+def job_to_pb(job: models.Job, ranks: Sequence[models.RankAssignment] = ()) -> jobs_pb2.Job:
+    msg = jobs_pb2.Job(
+        id=job.id,
+        spec=spec_from_json(job.spec),
+        state=_JOB_STATE_TO_PB[job.state],
+        reason=job.reason,
+        generation=job.generation,
+        created_at=timestamp(job.created_at),
+        updated_at=timestamp(job.updated_at),
+        restarts=job.restarts,
+        current_step=job.current_step,
+        committed_step=job.committed_step,
+        durable_step=job.durable_step,
+        result={str(k): str(v) for k, v in job.result.items()},
+    )
+    if job.goodput:
+        json_format.ParseDict(job.goodput, msg.goodput, ignore_unknown_fields=True)
+    if ranks:
+        msg.rank_map.generation = job.generation
+        msg.rank_map.world_size = len(ranks)
+        msg.rank_map.ranks.extend(
+            common_pb2.RankAssignment(
+                rank=r.rank,
+                node_id=r.node_id,
+                gpu_index=r.gpu_index,
+                local_rank=r.local_rank,
+                dp=r.dp,
+                pp=r.pp,
+                tp=r.tp,
+            )
+            for r in ranks
+        )
+    return msg
+
+
+def node_to_pb(
+    node: models.Node,
+    *,
+    xids: Sequence[models.XidRecord] = (),
+    job_ids: Sequence[str] = (),
+    live_health: dict[str, Any] | None = None,
+) -> nodes_pb2.Node:
+    msg = nodes_pb2.Node(
+        id=node.id,
+        role=NODE_ROLE_TO_PB[node.role],
+        state=NODE_STATE_TO_PB[node.state],
+        reason=node.reason,
+        labels=common_pb2.TopologyLabels(
+            zone=node.zone, block=node.block, rack=node.rack, nvlink_domain=node.nvlink_domain
+        ),
+        inventory=common_pb2.Inventory(
+            hostname=node.hostname,
+            driver_version=node.driver_version,
+            agent_version=node.agent_version,
+            gpu_backend=node.gpu_backend,
+            checkpointd_address=node.checkpointd_address,
+            gpus=[
+                common_pb2.GpuInfo(
+                    index=g.index,
+                    uuid=g.uuid,
+                    name=g.name,
+                    memory_bytes=g.memory_bytes,
+                    pci_bus_id=g.pci_bus_id,
+                    fabric_cluster_uuid=g.fabric_cluster_uuid,
+                    fabric_clique_id=g.fabric_clique_id,
+                )
+                for g in node.gpus
+            ],
+        ),
+        connected=node.connected,
+        last_heartbeat=timestamp(node.last_seen_at),
+        registered_at=timestamp(node.registered_at),
+        job_ids=list(job_ids),
+    )
+    health = live_health if live_health is not None else node.health
+    if health:
+        json_format.ParseDict(health, msg.health, ignore_unknown_fields=True)
+    for x in xids:
+        msg.xid_history.add(
+            gpu_index=x.gpu_index,
+            gpu_uuid=x.gpu_uuid,
+            xid=x.xid,
+            message=x.message,
+            time=timestamp(x.time),
+            source=_enum_or_zero(common_pb2.XidSource, x.source),
+            verdict=_enum_or_zero(common_pb2.HealthVerdict, x.verdict),
+        )
+    return msg
+
+
+def event_to_pb(event: models.Event) -> common_pb2.Event:
+    return common_pb2.Event(
+        id=event.id,
+        time=timestamp(event.time),
+        kind=event.kind,
+        job_id=event.job_id or "",
+        node_id=event.node_id or "",
+        from_state=event.from_state,
+        to_state=event.to_state,
+        reason=event.reason,
+        actor=event.actor,
+        attributes={str(k): str(v) for k, v in event.attributes.items()},
+    )

@@ -1,0 +1,1 @@
+"""PostgreSQL: typed ORM models, the async engine, migrations at start."""

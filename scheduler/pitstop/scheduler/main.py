@@ -1,0 +1,89 @@
+"""`pitstop-scheduler`: the central gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+
+from pitstop.scheduler.config import SchedulerSettings, load_settings
+from pitstop.scheduler.embedded import EmbeddedUnavailable
+
+app = typer.Typer(add_completion=False, help="Run the pitstop scheduler.")
+log = logging.getLogger("pitstop.scheduler")
+
+
+@app.command()
+def serve(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file")] = None,
+    host: Annotated[str | None, typer.Option(help="Address to bind [127.0.0.1]")] = None,
+    port: Annotated[
+        int | None, typer.Option(help="Port to bind; 0 picks a free one and prints it [50051]")
+    ] = None,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where embedded PostgreSQL and Redis keep data [.state/scheduler]"),
+    ] = None,
+    database_url: Annotated[
+        str | None, typer.Option(help="PostgreSQL URL; empty starts an embedded server")
+    ] = None,
+    redis_url: Annotated[
+        str | None, typer.Option(help="Redis URL; empty starts an embedded server")
+    ] = None,
+    log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING [INFO]")] = None,
+) -> None:
+    """Serve the pitstop API until SIGTERM or SIGINT."""
+    try:
+        settings = load_settings(
+            config,
+            host=host,
+            port=port,
+            state_dir=state_dir,
+            database_url=database_url,
+            redis_url=redis_url,
+            log_level=log_level,
+        )
+    except (ValidationError, FileNotFoundError, ValueError) as exc:
+        typer.echo(f"pitstop-scheduler: invalid configuration: {exc}", err=True)
+        raise typer.Exit(2) from None
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        asyncio.run(_serve(settings))
+    except EmbeddedUnavailable as exc:
+        typer.echo(f"pitstop-scheduler: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except OSError as exc:
+        typer.echo(f"pitstop-scheduler: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+async def _serve(settings: SchedulerSettings) -> None:
+    from pitstop.scheduler.server import start_scheduler
+
+    scheduler = await start_scheduler(settings)
+    # One line a script can parse for the bound port (useful with --port 0).
+    print(f"pitstop-scheduler listening on {scheduler.address}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: no new calls, finishing in-flight ones")
+    await scheduler.stop()
+    log.info("stopped")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

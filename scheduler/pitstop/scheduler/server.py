@@ -1,0 +1,165 @@
+"""Assemble and run the scheduler: stores, migrations, gRPC services, health, reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from pitstop.scheduler.api.agent import AgentServicer
+from pitstop.scheduler.api.jobs import JobServicer
+from pitstop.scheduler.api.nodes import EventServicer, NodeServicer
+from pitstop.scheduler.auth import AuthorizationInterceptor, TokenBook
+from pitstop.scheduler.config import SchedulerSettings
+from pitstop.scheduler.db.engine import create_engine_for, migrate, session_factory
+from pitstop.scheduler.embedded import EmbeddedStores, start_embedded
+from pitstop.scheduler.gateway import AgentGateway
+from pitstop.scheduler.hotstate import EventBus, HotState
+from pitstop.scheduler.interceptors import ErrorMappingInterceptor
+from pitstop.scheduler.store import Store
+from pitstop.v1 import (
+    agent_pb2,
+    agent_pb2_grpc,
+    jobs_pb2,
+    jobs_pb2_grpc,
+    nodes_pb2,
+    nodes_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = (
+    jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
+    nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
+    nodes_pb2.DESCRIPTOR.services_by_name["EventService"].full_name,
+    agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
+)
+HEALTH_CHECK_SECONDS = 2.0
+
+
+@dataclass
+class Scheduler:
+    """A running scheduler process. ``port`` is the bound port (useful with port 0)."""
+
+    settings: SchedulerSettings
+    server: grpc.aio.Server
+    engine: AsyncEngine
+    hot: HotState
+    bus: EventBus
+    port: int
+    embedded: EmbeddedStores | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.host}:{self.port}"
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting calls, let in-flight ones finish within ``grace``, close the stores."""
+        await self.server.stop(self.settings.shutdown_grace_seconds if grace is None else grace)
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.bus.stop()
+        await self.hot.close()
+        await self.engine.dispose()
+        if self.embedded is not None:
+            await asyncio.to_thread(self.embedded.stop)
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
+    """Start stores (embedded if no URLs), migrate, bind, serve. Returns once serving."""
+    embedded: EmbeddedStores | None = None
+    database_url, redis_url = settings.database_url, settings.redis_url
+    if not database_url or not redis_url:
+        embedded = await asyncio.to_thread(
+            start_embedded, settings.state_dir, not database_url, not redis_url
+        )
+        database_url = database_url or embedded.database_url
+        redis_url = redis_url or embedded.redis_url
+    try:
+        await asyncio.to_thread(migrate, database_url)
+        engine = create_engine_for(database_url, settings.db_pool_size)
+        hot = HotState.from_url(redis_url, settings.redis_prefix)
+        bus = EventBus(hot)
+        bus.start()
+        store = Store(session_factory(engine), bus)
+        gateway = AgentGateway()
+        tokens = TokenBook(settings.tokens)
+        if tokens.open:
+            log.warning(
+                "no API tokens configured: the scheduler runs OPEN (every caller is admin). "
+                "Set tokens in the config file for anything but a local trial."
+            )
+        server = grpc.aio.server(
+            interceptors=[ErrorMappingInterceptor(), AuthorizationInterceptor(tokens)],
+            options=[("grpc.so_reuseport", 0)],
+        )
+        jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(store), server)
+        nodes_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(store, hot, gateway), server)
+        nodes_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(store), server)
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(
+            AgentServicer(store, hot, gateway, settings.heartbeat_interval_seconds), server
+        )
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        if port == 0:
+            raise OSError(f"cannot bind {settings.host}:{settings.port}; is the port in use?")
+        await server.start()
+    except BaseException:
+        if embedded is not None:
+            await asyncio.to_thread(embedded.stop)
+        raise
+    scheduler = Scheduler(settings, server, engine, hot, bus, port, embedded)
+    await _report_health(health_servicer, engine, hot)
+    scheduler._tasks.append(
+        asyncio.create_task(_health_loop(health_servicer, engine, hot), name="health")
+    )
+    return scheduler
+
+
+async def _stores_reachable(engine: AsyncEngine, hot: HotState) -> bool:
+    try:
+        async with asyncio.timeout(HEALTH_CHECK_SECONDS):
+            async with engine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+            return await hot.ping()
+    except Exception:
+        return False
+
+
+async def _report_health(
+    servicer: health.aio.HealthServicer, engine: AsyncEngine, hot: HotState
+) -> None:
+    ok = await _stores_reachable(engine, hot)
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if ok
+        else (health_pb2.HealthCheckResponse.NOT_SERVING)
+    )
+    for name in ("", *SERVICE_NAMES):
+        await servicer.set(name, status)
+
+
+async def _health_loop(
+    servicer: health.aio.HealthServicer, engine: AsyncEngine, hot: HotState
+) -> None:
+    # Load balancers and `grpc_health_probe` see NOT_SERVING while a store is down.
+    while True:
+        await asyncio.sleep(HEALTH_CHECK_SECONDS)
+        await _report_health(servicer, engine, hot)

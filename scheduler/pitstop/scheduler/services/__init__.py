@@ -1,0 +1,1 @@
+"""Domain services: take an explicit database session, do one thing, record its events."""

@@ -1,0 +1,134 @@
+"""Jobs: submit, read, list, and the user-driven transitions (cancel, pause, resume)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+from google.protobuf import json_format
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from pitstop.scheduler import jobstate
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import JobState
+from pitstop.scheduler.errors import InvalidArgument, NotFound
+from pitstop.scheduler.jobspec import check_text, validate_job_spec
+from pitstop.scheduler.services.events import record_event
+from pitstop.v1 import jobs_pb2
+
+MAX_PAGE = 1000
+DEFAULT_PAGE = 100
+
+
+def new_job_id() -> str:
+    return "j-" + uuid.uuid4().hex[:12]
+
+
+def spec_to_json(spec: jobs_pb2.JobSpec) -> dict[str, object]:
+    return json_format.MessageToDict(spec, preserving_proto_field_name=True)
+
+
+def spec_from_json(data: dict[str, object]) -> jobs_pb2.JobSpec:
+    return json_format.ParseDict(data, jobs_pb2.JobSpec(), ignore_unknown_fields=True)
+
+
+async def submit_job(
+    session: AsyncSession, spec: jobs_pb2.JobSpec, *, request_id: str, actor: str
+) -> models.Job:
+    """Validate and store a job in PENDING with its event. A repeated request_id returns
+    the job the first request created."""
+    check_text("request_id", request_id, max_len=128)
+    if request_id:
+        existing = await session.scalar(
+            select(models.Job).where(models.Job.request_id == request_id)
+        )
+        if existing is not None:
+            return existing
+    accepted = validate_job_spec(spec)
+    job = models.Job(
+        id=new_job_id(),
+        name=accepted.name,
+        spec=spec_to_json(accepted),
+        state=JobState.PENDING,
+        reason="waiting for placement",
+        priority=accepted.priority,
+        request_id=request_id or None,
+        generation=0,
+        restarts=0,
+        current_step=0,
+        committed_step=0,
+        durable_step=0,
+        goodput={},
+        result={},
+    )
+    session.add(job)
+    record_event(
+        session,
+        "job.submitted",
+        actor=actor,
+        job_id=job.id,
+        to_state=JobState.PENDING.value,
+        reason=f"{accepted.tp}x{accepted.pp}x{accepted.dp} (tp x pp x dp)",
+        attributes={"name": accepted.name},
+    )
+    return job
+
+
+async def get_job(session: AsyncSession, job_id: str, *, for_update: bool = False) -> models.Job:
+    if not job_id:
+        raise InvalidArgument("job_id", job_id, "give a job id such as j-4f1c2a9b0d3e")
+    query = select(models.Job).where(models.Job.id == job_id)
+    if for_update:
+        query = query.with_for_update()
+    job = await session.scalar(query)
+    if job is None:
+        raise NotFound("job", job_id, "list jobs with `pitstop job list`")
+    return job
+
+
+async def list_jobs(
+    session: AsyncSession, *, states: Sequence[JobState], page_size: int, page_token: str
+) -> tuple[Sequence[models.Job], str]:
+    """Newest first. The page token is the last id returned plus its creation time."""
+    size = DEFAULT_PAGE if page_size == 0 else min(page_size, MAX_PAGE)
+    query = select(models.Job)
+    if states:
+        query = query.where(models.Job.state.in_(states))
+    if page_token:
+        after = await session.scalar(select(models.Job).where(models.Job.id == page_token))
+        if after is None:
+            raise InvalidArgument(
+                "page_token", page_token, "pass the next_page_token of the previous response"
+            )
+        query = query.where(
+            (models.Job.created_at < after.created_at)
+            | ((models.Job.created_at == after.created_at) & (models.Job.id < after.id))
+        )
+    query = query.order_by(models.Job.created_at.desc(), models.Job.id.desc()).limit(size + 1)
+    jobs = (await session.scalars(query)).all()
+    if len(jobs) > size:
+        return jobs[:size], jobs[size - 1].id
+    return jobs, ""
+
+
+async def change_job_state(
+    session: AsyncSession, job_id: str, action: str, *, reason: str, actor: str
+) -> models.Job:
+    """A user's cancel, pause or resume: one locked row, one transition, one event."""
+    check_text("reason", reason, max_len=1024)
+    job = await get_job(session, job_id, for_update=True)
+    target = jobstate.check_user_action(job.id, job.state, action)
+    previous = job.state
+    job.state = target
+    job.reason = reason or f"{action} requested by {actor}"
+    record_event(
+        session,
+        f"job.{action}",
+        actor=actor,
+        job_id=job.id,
+        from_state=previous.value,
+        to_state=target.value,
+        reason=job.reason,
+    )
+    return job

@@ -1,0 +1,260 @@
+"""Nodes: registration from agents, operator actions (cordon, uncordon, drain, role)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import selectinload
+
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import TERMINAL_JOB_STATES, NodeRole, NodeState
+from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
+from pitstop.scheduler.jobspec import check_text
+from pitstop.scheduler.services.events import record_event
+from pitstop.v1 import agent_pb2
+
+XID_HISTORY = 50
+
+
+async def get_node(session: AsyncSession, node_id: str, *, for_update: bool = False) -> models.Node:
+    if not node_id:
+        raise InvalidArgument(
+            "node_id", node_id, "give a node id; list them with pitstop node list"
+        )
+    check_text("node_id", node_id, max_len=253)
+    query = (
+        select(models.Node).where(models.Node.id == node_id).options(selectinload(models.Node.gpus))
+    )
+    if for_update:
+        query = query.with_for_update()
+    node = await session.scalar(query)
+    if node is None:
+        raise NotFound("node", node_id, "list nodes with `pitstop node list`")
+    return node
+
+
+async def list_nodes(
+    session: AsyncSession, *, states: Sequence[NodeState], roles: Sequence[NodeRole]
+) -> Sequence[models.Node]:
+    query = select(models.Node).options(selectinload(models.Node.gpus)).order_by(models.Node.id)
+    if states:
+        query = query.where(models.Node.state.in_(states))
+    if roles:
+        query = query.where(models.Node.role.in_(roles))
+    return (await session.scalars(query)).all()
+
+
+async def xid_history(session: AsyncSession, node_id: str) -> Sequence[models.XidRecord]:
+    query = (
+        select(models.XidRecord)
+        .where(models.XidRecord.node_id == node_id)
+        .order_by(models.XidRecord.time.desc(), models.XidRecord.id.desc())
+        .limit(XID_HISTORY)
+    )
+    return (await session.scalars(query)).all()
+
+
+async def active_jobs_on(session: AsyncSession, node_id: str) -> list[str]:
+    """Jobs whose current generation places a rank on the node."""
+    query = (
+        select(models.Job.id)
+        .join(
+            models.RankAssignment,
+            (models.RankAssignment.job_id == models.Job.id)
+            & (models.RankAssignment.generation == models.Job.generation),
+        )
+        .where(models.RankAssignment.node_id == node_id)
+        .where(models.Job.state.not_in(TERMINAL_JOB_STATES))
+        .distinct()
+        .order_by(models.Job.id)
+    )
+    return list((await session.scalars(query)).all())
+
+
+def _transition(
+    session: AsyncSession,
+    node: models.Node,
+    target: NodeState,
+    *,
+    kind: str,
+    reason: str,
+    actor: str,
+) -> None:
+    previous = node.state
+    node.state = target
+    node.reason = reason
+    record_event(
+        session,
+        kind,
+        actor=actor,
+        node_id=node.id,
+        from_state=previous.value,
+        to_state=target.value,
+        reason=reason,
+    )
+
+
+async def cordon_node(
+    session: AsyncSession, node_id: str, *, reason: str, actor: str
+) -> models.Node:
+    """READY -> CORDONED; already cordoned is a no-op."""
+    check_text("reason", reason, max_len=1024)
+    node = await get_node(session, node_id, for_update=True)
+    if node.state is NodeState.CORDONED:
+        return node
+    if node.state is not NodeState.READY:
+        raise FailedPrecondition(
+            f"node {node.id} is {node.state.value}; only a ready node can be cordoned"
+        )
+    _transition(
+        session,
+        node,
+        NodeState.CORDONED,
+        kind="node.cordoned",
+        reason=reason or f"cordoned by {actor}",
+        actor=actor,
+    )
+    return node
+
+
+async def uncordon_node(
+    session: AsyncSession, node_id: str, *, reason: str, actor: str
+) -> models.Node:
+    """CORDONED or DRAINING -> READY; already ready is a no-op. A broken node stays broken."""
+    check_text("reason", reason, max_len=1024)
+    node = await get_node(session, node_id, for_update=True)
+    if node.state is NodeState.READY:
+        return node
+    if node.state not in (NodeState.CORDONED, NodeState.DRAINING):
+        raise FailedPrecondition(
+            f"node {node.id} is {node.state.value} ({node.reason}); it returns to ready when "
+            "its agent reconnects and reports healthy, not by uncordon"
+        )
+    _transition(
+        session,
+        node,
+        NodeState.READY,
+        kind="node.uncordoned",
+        reason=reason or f"uncordoned by {actor}",
+        actor=actor,
+    )
+    return node
+
+
+async def drain_node(
+    session: AsyncSession, node_id: str, *, reason: str, actor: str
+) -> models.Node:
+    """READY or CORDONED -> DRAINING; already draining is a no-op."""
+    check_text("reason", reason, max_len=1024)
+    node = await get_node(session, node_id, for_update=True)
+    if node.state is NodeState.DRAINING:
+        return node
+    if node.state not in (NodeState.READY, NodeState.CORDONED):
+        raise FailedPrecondition(
+            f"node {node.id} is {node.state.value}; only a ready or cordoned node can be drained"
+        )
+    _transition(
+        session,
+        node,
+        NodeState.DRAINING,
+        kind="node.draining",
+        reason=reason or f"drained by {actor}",
+        actor=actor,
+    )
+    return node
+
+
+async def set_node_role(
+    session: AsyncSession, node_id: str, role: NodeRole, *, reason: str, actor: str
+) -> models.Node:
+    """Worker <-> spare, refused while the node runs ranks (their jobs would lose them)."""
+    check_text("reason", reason, max_len=1024)
+    node = await get_node(session, node_id, for_update=True)
+    if node.role is role:
+        return node
+    jobs = await active_jobs_on(session, node.id)
+    if jobs:
+        raise FailedPrecondition(
+            f"node {node.id} runs ranks of {', '.join(jobs)}; drain it first "
+            f"(pitstop node drain {node.id}) and set its role once they moved"
+        )
+    previous = node.role
+    node.role = role
+    record_event(
+        session,
+        "node.role",
+        actor=actor,
+        node_id=node.id,
+        reason=reason or f"role set to {role.value} by {actor}",
+        attributes={"from_role": previous.value, "to_role": role.value},
+    )
+    return node
+
+
+async def register_node(
+    session: AsyncSession, reg: agent_pb2.Register, *, now: dt.datetime
+) -> tuple[models.Node, bool]:
+    """Create or refresh a node from its agent's Register. Returns (node, created).
+
+    The scheduler's record wins for role and state; inventory and labels are the agent's.
+    """
+    inv = reg.inventory
+    node = await session.scalar(
+        select(models.Node)
+        .where(models.Node.id == reg.node_id)
+        .options(selectinload(models.Node.gpus))
+        .with_for_update()
+    )
+    created = node is None
+    if node is None:
+        role = NodeRole.SPARE if reg.requested_role == 2 else NodeRole.WORKER
+        node = models.Node(
+            id=reg.node_id, role=role, state=NodeState.READY, reason="registered", health={}
+        )
+        session.add(node)
+    node.hostname = inv.hostname
+    node.driver_version = inv.driver_version
+    node.gpu_backend = inv.gpu_backend
+    node.agent_version = inv.agent_version
+    node.checkpointd_address = inv.checkpointd_address
+    node.zone, node.block = reg.labels.zone, reg.labels.block
+    node.rack, node.nvlink_domain = reg.labels.rack, reg.labels.nvlink_domain
+    node.connected = True
+    node.last_seen_at = now
+    by_index = {g.index: g for g in node.gpus}
+    seen = set()
+    for g in inv.gpus:
+        seen.add(g.index)
+        gpu = by_index.get(g.index)
+        if gpu is None:
+            gpu = models.Gpu(index=g.index)
+            node.gpus.append(gpu)
+        gpu.uuid, gpu.name, gpu.memory_bytes = g.uuid, g.name, g.memory_bytes
+        gpu.pci_bus_id = g.pci_bus_id
+        gpu.fabric_cluster_uuid, gpu.fabric_clique_id = g.fabric_cluster_uuid, g.fabric_clique_id
+    node.gpus = [g for g in node.gpus if g.index in seen]
+    record_event(
+        session,
+        "node.registered" if created else "node.reconnected",
+        actor=f"agent:{node.id}",
+        node_id=node.id,
+        to_state=node.state.value,
+        reason=f"{len(inv.gpus)} GPUs, backend {inv.gpu_backend or 'unknown'}",
+    )
+    return node, created
+
+
+async def mark_disconnected(session: AsyncSession, node_id: str) -> None:
+    node = await session.get(models.Node, node_id, with_for_update=True)
+    if node is not None and node.connected:
+        node.connected = False
+        record_event(
+            session,
+            "node.disconnected",
+            actor="scheduler",
+            node_id=node_id,
+            reason="agent stream closed",
+        )

