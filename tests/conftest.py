@@ -32,7 +32,7 @@ RUN_ID = uuid.uuid4().hex[:10]
 
 
 @dataclass
-class TestStores:
+class StoreUrls:
     database_url: str
     redis_url: str
     redis_prefix: str
@@ -46,7 +46,7 @@ def _admin_url(url: str, dbname: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestStores]:
+def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreUrls]:
     embedded: list[Any] = []
     base_db = os.environ.get("PITSTOP_TEST_DATABASE_URL", "")
     redis_url = os.environ.get("PITSTOP_TEST_REDIS_URL", "")
@@ -62,7 +62,7 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestStores]:
         conn.execute(f'CREATE DATABASE "{dbname}"')
     prefix = f"pitstop-test-{RUN_ID}:"
     try:
-        yield TestStores(_admin_url(base_db, dbname), redis_url, prefix)
+        yield StoreUrls(_admin_url(base_db, dbname), redis_url, prefix)
     finally:
         with psycopg.connect(_admin_url(base_db, "postgres"), autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
@@ -186,7 +186,14 @@ class AgentStream:
 
     def next_command(self, timeout: float = 10.0) -> agent_pb2.SchedulerMessage:
         result: Future[agent_pb2.SchedulerMessage] = Future()
-        threading.Thread(target=lambda: result.set_result(next(self.responses))).start()
+
+        def pull() -> None:
+            try:
+                result.set_result(next(self.responses))
+            except BaseException as exc:  # handed to the waiting test
+                result.set_exception(exc)
+
+        threading.Thread(target=pull, daemon=True).start()
         return result.result(timeout)
 
     def close(self) -> None:
@@ -196,7 +203,7 @@ class AgentStream:
                 pass
 
 
-def scheduler_settings(stores: TestStores, state_dir: Path, **overrides: Any) -> SchedulerSettings:
+def scheduler_settings(stores: StoreUrls, state_dir: Path, **overrides: Any) -> SchedulerSettings:
     values: dict[str, Any] = {
         "host": "127.0.0.1",
         "port": 0,
@@ -212,7 +219,7 @@ def scheduler_settings(stores: TestStores, state_dir: Path, **overrides: Any) ->
 
 @pytest.fixture(scope="session")
 def scheduler(
-    stores: TestStores, tmp_path_factory: pytest.TempPathFactory
+    stores: StoreUrls, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SchedulerThread]:
     """One scheduler for the whole run, on the run's own database; tests use unique ids."""
     thread = SchedulerThread(scheduler_settings(stores, tmp_path_factory.mktemp("scheduler")))
@@ -223,7 +230,7 @@ def scheduler(
 
 
 @pytest.fixture
-def db(stores: TestStores) -> Iterator[psycopg.Connection[Any]]:
+def db(stores: StoreUrls) -> Iterator[psycopg.Connection[Any]]:
     """A direct connection to the run's database, for asserting what was (not) written."""
     with psycopg.connect(stores.database_url, autocommit=True) as conn:
         yield conn

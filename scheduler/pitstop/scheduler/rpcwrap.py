@@ -8,15 +8,56 @@ from typing import Any
 
 import grpc
 
+from pitstop.scheduler.errors import InvalidArgument
+
 Before = Callable[[], Any]
 OnError = Callable[[Exception, grpc.aio.ServicerContext], Awaitable[None]]
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes did not parse, so the handler can refuse it
+    with INVALID_ARGUMENT instead of grpc answering UNKNOWN."""
+
+    def __init__(self, size: int, error: str) -> None:
+        self.size = size
+        self.error = error
+
+    def refuse(self) -> InvalidArgument:
+        return InvalidArgument(
+            "request", f"<{self.size} bytes>", f"send a valid protobuf message ({self.error})"
+        )
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError and friends: refused in the handler
+            return _Undecodable(len(data), str(exc))
+
+    return decode
+
+
+def _checked(request: Any) -> Any:
+    if isinstance(request, _Undecodable):
+        raise request.refuse()
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _checked(request)
 
 
 def wrap_handler(
     handler: grpc.RpcMethodHandler, before: Before | None = None, on_error: OnError | None = None
 ) -> grpc.RpcMethodHandler:
     """A handler that runs ``before()`` then the original behaviour; an exception other than
-    an abort goes to ``on_error`` (which is expected to abort the call)."""
+    an abort goes to ``on_error`` (which is expected to abort the call). With ``on_error``,
+    undecodable requests become InvalidArgument too."""
 
     async def guard(exc: Exception, context: grpc.aio.ServicerContext) -> None:
         if on_error is None or isinstance(exc, grpc.aio.AbortError):
@@ -29,7 +70,7 @@ def wrap_handler(
             try:
                 if before is not None:
                     before()
-                return await behavior(request, context)
+                return await behavior(_check(request), context)
             except Exception as exc:
                 await guard(exc, context)
 
@@ -40,15 +81,23 @@ def wrap_handler(
             try:
                 if before is not None:
                     before()
-                async for item in behavior(request, context):
+                async for item in behavior(_check(request), context):
                     yield item
             except Exception as exc:
                 await guard(exc, context)
 
         return call
 
+    def _check(request: Any) -> Any:
+        if on_error is None:
+            return request
+        if hasattr(request, "__aiter__"):
+            return _checked_stream(request)
+        return _checked(request)
+
+    deserializer = handler.request_deserializer
     kwargs = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": _tolerant(deserializer) if on_error else deserializer,
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary is not None:

@@ -1,0 +1,104 @@
+"""Job spec validation: every bad field is named, with the value and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pitstop.scheduler.errors import InvalidArgument
+from pitstop.scheduler.jobspec import validate_job_spec
+from pitstop.v1 import jobs_pb2
+
+
+def make(**fields: Any) -> jobs_pb2.JobSpec:
+    values: dict[str, Any] = {"name": "tiny", "command": ["python", "train.py"]}
+    values.update(fields)
+    return jobs_pb2.JobSpec(**values)
+
+
+def test_defaults_fill_unset_fields() -> None:
+    spec = validate_job_spec(make(dp=4))
+    assert (spec.tp, spec.pp, spec.dp, spec.gpus_per_node) == (1, 1, 4, 8)
+    assert spec.min_dp == 4
+    assert spec.max_restarts == 3
+    assert spec.checkpoint.snapshot_every_steps == 1
+    assert spec.checkpoint.keep_in_memory == 2
+    assert spec.checkpoint.keep_durable == 3
+    assert spec.straggler.action == jobs_pb2.STRAGGLER_ACTION_REPORT
+    assert spec.straggler.warmup_steps == 10
+
+
+def test_explicit_zero_restarts_and_warmup_are_kept() -> None:
+    spec = validate_job_spec(
+        make(max_restarts=0, straggler=jobs_pb2.StragglerPolicy(warmup_steps=0))
+    )
+    assert spec.max_restarts == 0
+    assert spec.straggler.warmup_steps == 0
+
+
+def test_the_input_is_not_modified() -> None:
+    original = make()
+    validate_job_spec(original)
+    assert original.gpus_per_node == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "fix_part"),
+    [
+        ({"name": ""}, "spec.name", "give the job a name"),
+        ({"name": "Big_Job"}, "spec.name", "lowercase"),
+        ({"name": "a" * 64}, "spec.name", "at most 63"),
+        ({"name": "ok\x00"}, "spec.name", "NUL"),
+        ({"command": []}, "spec.command", "command each rank runs"),
+        ({"command": ["  "]}, "spec.command[0]", "program"),
+        ({"command": ["python", "a\x00b"]}, "spec.command[1]", "NUL"),
+        ({"tp": 16}, "spec.tp", "inside one node"),
+        ({"tp": 3}, "spec.tp", "divide gpus_per_node"),
+        ({"gpus_per_node": 65}, "spec.gpus_per_node", "at most 64"),
+        ({"dp": 2, "min_dp": 3}, "spec.min_dp", "at most dp"),
+        ({"tp": 8, "pp": 1000, "dp": 1000}, "spec.dp", "at most 1000000"),
+        ({"priority": 5000}, "spec.priority", "-1000 to 1000"),
+        ({"env": {"RANK": "3"}}, "spec.env.RANK", "set by pitstop"),
+        ({"env": {"PITSTOP_X": "1"}}, "spec.env.PITSTOP_X", "set by pitstop"),
+        ({"env": {"1BAD": "1"}}, "spec.env.1BAD", "letters, digits"),
+        (
+            {"checkpoint": jobs_pb2.CheckpointPolicy(durable_url="not a url")},
+            "spec.checkpoint.durable_url",
+            "fsspec URL",
+        ),
+        (
+            {"checkpoint": jobs_pb2.CheckpointPolicy(keep_in_memory=17)},
+            "spec.checkpoint.keep_in_memory",
+            "at most 16",
+        ),
+        (
+            {"straggler": jobs_pb2.StragglerPolicy(threshold=float("nan"))},
+            "spec.straggler.threshold",
+            "positive",
+        ),
+        (
+            {"straggler": jobs_pb2.StragglerPolicy(threshold=-1)},
+            "spec.straggler.threshold",
+            "positive",
+        ),
+        (
+            {"straggler": jobs_pb2.StragglerPolicy(action=7)},
+            "spec.straggler.action",
+            "report or swap",
+        ),
+    ],
+)
+def test_bad_fields_are_named(fields: dict[str, Any], field: str, fix_part: str) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        validate_job_spec(make(**fields))
+    assert err.value.field == field
+    message = str(err.value)
+    assert message.startswith(f"{field}: ")
+    assert fix_part in message
+
+
+def test_valid_durable_urls_are_accepted() -> None:
+    for url in ("file:///var/lib/pitstop", "s3://bucket/prefix", "gs://b/p"):
+        spec = validate_job_spec(make(checkpoint=jobs_pb2.CheckpointPolicy(durable_url=url)))
+        assert spec.checkpoint.durable_url == url
