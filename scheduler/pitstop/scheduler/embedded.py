@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 log = logging.getLogger(__name__)
 # pgserver narrates every initdb and pg_ctl call at INFO; its warnings are what matter.
 logging.getLogger("pgserver").setLevel(logging.WARNING)
@@ -33,12 +35,25 @@ class EmbeddedStores:
             return
         self._stopped = True
         if self._redis is not None:
-            try:
-                self._redis.shutdown(save=True, now=True)
-            except Exception:  # already gone: nothing to stop
-                log.debug("embedded redis already stopped", exc_info=True)
+            self._stop_redis()
         if self._pg is not None:
             self._pg.cleanup()
+
+    def _stop_redis(self) -> None:
+        # SIGTERM makes Redis save and exit. A SHUTDOWN command through redis-py would be
+        # retried as a connection error once the server is gone, for seconds.
+        pid = getattr(self._redis, "pid", None)
+        if not pid:
+            return
+        try:
+            server = psutil.Process(pid)
+            server.terminate()
+            server.wait(timeout=10)
+        except psutil.NoSuchProcess:
+            return
+        except psutil.TimeoutExpired:
+            log.warning("embedded redis (pid %d) ignored SIGTERM; killing it", pid)
+            server.kill()
 
 
 def start_postgres(state_dir: Path) -> tuple[str, Any]:

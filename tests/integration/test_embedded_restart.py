@@ -1,0 +1,72 @@
+"""The real binaries on embedded stores: a job and its events survive a scheduler restart
+on the same state dir, and SIGTERM shuts everything down."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+# The scheduler under test must choose the embedded stores: no PITSTOP_* from outside.
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+
+
+@contextmanager
+def scheduler_process(state_dir: Path) -> Iterator[str]:
+    proc = subprocess.Popen(
+        [str(BIN / "pitstop-scheduler"), "--state-dir", str(state_dir), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    assert proc.stdout is not None
+    try:
+        line = proc.stdout.readline()
+        assert "listening on" in line, (line, proc.stderr.read() if proc.poll() else "")
+        yield line.rsplit(" ", 1)[1].strip()
+    finally:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        _gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, f"left running after SIGTERM: {alive}"
+
+
+def cli(address: str, *args: str) -> str:
+    result = subprocess.run(
+        [str(BIN / "pitstop"), "--server", address, *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_a_job_and_its_events_survive_a_restart_on_embedded_stores(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with scheduler_process(state) as address:
+        job = json.loads(cli(address, "job", "submit", "-f", "examples/jobs/tiny.yaml", "--json"))
+        listed = json.loads(cli(address, "job", "list", "--json"))
+        assert job["id"] in [j["id"] for j in listed]
+    assert (state / "postgres" / "PG_VERSION").is_file()
+
+    with scheduler_process(state) as address:
+        listed = json.loads(cli(address, "job", "list", "--json"))
+        (again,) = [j for j in listed if j["id"] == job["id"]]
+        assert again["spec"]["name"] == "tiny"
+        assert again["state"] == "JOB_STATE_PENDING"
+        events = json.loads(cli(address, "events", "--job", job["id"], "--json"))
+        assert [e["kind"] for e in events] == ["job.submitted"]
