@@ -1,0 +1,318 @@
+"""Typed, synchronous client for the pitstop scheduler's admin API."""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from types import TracebackType
+from typing import Any, Self, TypeVar, cast
+
+import grpc
+from google.protobuf.message import Message
+from tenacity import (
+    Retrying,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+    wait_random,
+)
+
+from pitstop.client.errors import PitstopError
+from pitstop.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+SERVER_ENV = "PITSTOP_SERVER"
+TOKEN_ENV = "PITSTOP_TOKEN"
+
+_M = TypeVar("_M", bound=Message)
+
+
+def _is_unavailable(error: BaseException) -> bool:
+    return isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _stub(stub_class: Any, channel: grpc.Channel) -> Any:
+    # The generated *_pb2_grpc modules carry no types; keep that Any in one place.
+    return stub_class(channel)
+
+
+class PitstopClient:
+    """A connection to the scheduler's JobService, NodeService and EventService.
+
+    Every unary call gets a deadline of ``timeout`` seconds and is retried on
+    UNAVAILABLE with bounded exponential backoff and jitter. Streams have no deadline;
+    they resume after the last event seen when the connection drops. Failures raise
+    :class:`PitstopError`. Use it as a context manager to close the channel.
+    """
+
+    def __init__(
+        self,
+        server: str = DEFAULT_SERVER,
+        token: str | None = None,
+        timeout: float = 10.0,
+        *,
+        credentials: grpc.ChannelCredentials | None = None,
+        channel: grpc.Channel | None = None,
+        max_attempts: int = 5,
+        max_retry_seconds: float = 10.0,
+    ) -> None:
+        self.server = server
+        self.timeout = timeout
+        if channel is not None:
+            self._channel = channel
+        elif credentials is not None:
+            self._channel = grpc.secure_channel(server, credentials)
+        else:
+            self._channel = grpc.insecure_channel(server)
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ()
+        )
+        self._max_attempts = max_attempts
+        self._retrying = Retrying(
+            retry=retry_if_exception(_is_unavailable),
+            stop=stop_after_attempt(max_attempts) | stop_after_delay(max_retry_seconds),
+            # Spelled out rather than wait_exponential_jitter, whose arguments changed
+            # between the tenacity versions pyproject allows.
+            wait=wait_exponential(multiplier=0.1, max=2.0) + wait_random(0, 0.1),
+            reraise=True,
+        )
+        self._jobs = _stub(jobs_pb2_grpc.JobServiceStub, self._channel)
+        self._nodes = _stub(nodes_pb2_grpc.NodeServiceStub, self._channel)
+        self._events = _stub(nodes_pb2_grpc.EventServiceStub, self._channel)
+
+    @classmethod
+    def from_env(cls, server: str | None = None, token: str | None = None, **kwargs: Any) -> Self:
+        """A client for ``PITSTOP_SERVER`` with ``PITSTOP_TOKEN``; arguments given win."""
+        return cls(
+            server or os.environ.get(SERVER_ENV) or DEFAULT_SERVER,
+            token if token is not None else os.environ.get(TOKEN_ENV) or None,
+            **kwargs,
+        )
+
+    def close(self) -> None:
+        """Close the channel; in-flight streams end with CANCELLED."""
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # Jobs
+
+    def submit_job(self, spec: jobs_pb2.JobSpec, request_id: str | None = None) -> jobs_pb2.Job:
+        """Submit a job. A request id is always sent so that a retry after a lost answer
+        returns the first job instead of creating a second one."""
+        request = jobs_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
+        response = self._unary(self._jobs.Submit, request, jobs_pb2.SubmitJobResponse)
+        return response.job
+
+    def get_job(self, job_id: str) -> jobs_pb2.Job:
+        """One job; NOT_FOUND when the id is unknown."""
+        return self._unary(self._jobs.Get, jobs_pb2.GetJobRequest(job_id=job_id), jobs_pb2.Job)
+
+    def list_jobs(self, states: Sequence[int] = (), page_size: int = 100) -> list[jobs_pb2.Job]:
+        """Every job (newest first), optionally only those in ``states``; follows pages."""
+        jobs: list[jobs_pb2.Job] = []
+        page_token = ""
+        while True:
+            request = jobs_pb2.ListJobsRequest(
+                states=[cast(common_pb2.JobState, s) for s in states],
+                page_size=page_size,
+                page_token=page_token,
+            )
+            page = self._unary(self._jobs.List, request, jobs_pb2.ListJobsResponse)
+            jobs.extend(page.jobs)
+            if not page.next_page_token or page.next_page_token == page_token:
+                return jobs
+            page_token = page.next_page_token
+
+    def cancel_job(self, job_id: str, reason: str = "") -> jobs_pb2.Job:
+        """Stop a job for good; FAILED_PRECONDITION when it already ended."""
+        return self._job_control(self._jobs.Cancel, job_id, reason)
+
+    def pause_job(self, job_id: str, reason: str = "") -> jobs_pb2.Job:
+        """Pause a running job at its next step boundary."""
+        return self._job_control(self._jobs.Pause, job_id, reason)
+
+    def resume_job(self, job_id: str, reason: str = "") -> jobs_pb2.Job:
+        """Continue a paused job."""
+        return self._job_control(self._jobs.Resume, job_id, reason)
+
+    def watch_job(self, job_id: str, after_event_id: int = 0) -> Iterator[common_pb2.Event]:
+        """The job's events, replaying those after ``after_event_id`` first."""
+
+        def open_stream(cursor: int) -> Any:
+            request = jobs_pb2.WatchJobRequest(job_id=job_id, after_event_id=cursor)
+            return self._jobs.Watch(request, metadata=self._metadata)
+
+        return self._follow(open_stream, after_event_id)
+
+    # Nodes
+
+    def list_nodes(
+        self, states: Sequence[int] = (), roles: Sequence[int] = ()
+    ) -> list[nodes_pb2.Node]:
+        """Nodes ordered by id, optionally only those in ``states`` and ``roles``."""
+        request = nodes_pb2.ListNodesRequest(
+            states=[cast(common_pb2.NodeState, s) for s in states],
+            roles=[cast(common_pb2.NodeRole, r) for r in roles],
+        )
+        return list(self._unary(self._nodes.List, request, nodes_pb2.ListNodesResponse).nodes)
+
+    def get_node(self, node_id: str) -> nodes_pb2.Node:
+        """One node with per-GPU health and Xid history; NOT_FOUND when unknown."""
+        request = nodes_pb2.GetNodeRequest(node_id=node_id)
+        return self._unary(self._nodes.Get, request, nodes_pb2.Node)
+
+    def cordon_node(self, node_id: str, reason: str = "") -> nodes_pb2.Node:
+        """Let the node take nothing new."""
+        return self._node_control(self._nodes.Cordon, node_id, reason)
+
+    def uncordon_node(self, node_id: str, reason: str = "") -> nodes_pb2.Node:
+        """Make a cordoned or draining node ready again."""
+        return self._node_control(self._nodes.Uncordon, node_id, reason)
+
+    def drain_node(self, node_id: str, reason: str = "") -> nodes_pb2.Node:
+        """Take nothing new and move ranks off at the next committed checkpoint."""
+        return self._node_control(self._nodes.Drain, node_id, reason)
+
+    def set_node_role(self, node_id: str, role: int, reason: str = "") -> nodes_pb2.Node:
+        """Make the node a worker or a hot spare (``common_pb2.NODE_ROLE_*``)."""
+        request = nodes_pb2.SetNodeRoleRequest(
+            node_id=node_id, role=cast(common_pb2.NodeRole, role), reason=reason
+        )
+        return self._unary(self._nodes.SetRole, request, nodes_pb2.Node)
+
+    def inject_fault(self, node_id: str, fault: common_pb2.Fault) -> nodes_pb2.InjectFaultResponse:
+        """Send a fault down the node's agent stream (drills and tests)."""
+        request = nodes_pb2.InjectFaultRequest(node_id=node_id, fault=fault)
+        return self._unary(self._nodes.InjectFault, request, nodes_pb2.InjectFaultResponse)
+
+    # Events
+
+    def list_events(
+        self, job_id: str = "", node_id: str = "", after_event_id: int = 0, limit: int = 100
+    ) -> list[common_pb2.Event]:
+        """Events oldest first, with id above ``after_event_id``, at most ``limit``; a
+        negative ``after_event_id`` gives the newest ``limit`` events."""
+        request = nodes_pb2.ListEventsRequest(
+            job_id=job_id, node_id=node_id, after_event_id=after_event_id, limit=limit
+        )
+        return list(self._unary(self._events.List, request, nodes_pb2.ListEventsResponse).events)
+
+    def watch_events(
+        self, job_id: str = "", node_id: str = "", after_event_id: int = -1
+    ) -> Iterator[common_pb2.Event]:
+        """Events as they are recorded; a negative ``after_event_id`` starts at the newest
+        without replay, otherwise events after that id are replayed first."""
+
+        def open_stream(cursor: int) -> Any:
+            request = nodes_pb2.WatchEventsRequest(
+                job_id=job_id, node_id=node_id, after_event_id=cursor
+            )
+            return self._events.Watch(request, metadata=self._metadata)
+
+        return self._follow(open_stream, after_event_id)
+
+    # Plumbing
+
+    def _job_control(self, rpc: Any, job_id: str, reason: str) -> jobs_pb2.Job:
+        request = jobs_pb2.JobControlRequest(job_id=job_id, reason=reason)
+        return self._unary(rpc, request, jobs_pb2.Job)
+
+    def _node_control(self, rpc: Any, node_id: str, reason: str) -> nodes_pb2.Node:
+        request = nodes_pb2.NodeControlRequest(node_id=node_id, reason=reason)
+        return self._unary(rpc, request, nodes_pb2.Node)
+
+    def _unary(self, rpc: Callable[..., Any], request: Message, response_type: type[_M]) -> _M:
+        try:
+            response = self._retrying(rpc, request, timeout=self.timeout, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise PitstopError.from_rpc_error(error) from None
+        if not isinstance(response, response_type):
+            raise TypeError(f"expected {response_type.__name__}, got {type(response).__name__}")
+        return response
+
+    def _follow(
+        self, open_stream: Callable[[int], Any], after_event_id: int
+    ) -> Iterator[common_pb2.Event]:
+        # A dropped connection (scheduler restart, failover) resumes after the last
+        # event seen, so a watcher sees every event once; only repeated failures without
+        # a single event in between give up.
+        cursor = after_event_id
+        failures = 0
+        while True:
+            pump = _StreamPump(open_stream, cursor)
+            try:
+                while (item := pump.received.get()) is not _STREAM_END:
+                    if isinstance(item, BaseException):
+                        raise item
+                    event = cast(common_pb2.Event, item)
+                    failures = 0
+                    cursor = max(cursor, event.id)
+                    yield event
+                return
+            except grpc.RpcError as error:
+                failures += 1
+                if not _is_unavailable(error) or failures >= self._max_attempts:
+                    raise PitstopError.from_rpc_error(error) from None
+            finally:
+                pump.cancel()
+            time.sleep(min(2.0, 0.1 * 2**failures) + random.uniform(0, 0.1))
+
+
+_STREAM_END = object()
+
+
+class _StreamPump:
+    """Opens a server stream and reads it on its own thread, onto a queue.
+
+    Ctrl-C is raised in the main thread. Were the stream opened or read there, it could
+    land inside gRPC's call bookkeeping and leave the channel unable to close (close()
+    then waits forever). Here it lands in ``queue.get()``, which is safe to interrupt.
+    """
+
+    def __init__(self, open_stream: Callable[[int], Any], cursor: int) -> None:
+        self.received: queue.Queue[object] = queue.Queue()
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self._cancelled = False
+        threading.Thread(
+            target=self._run, args=(open_stream, cursor), name="pitstop-stream", daemon=True
+        ).start()
+
+    def _run(self, open_stream: Callable[[int], Any], cursor: int) -> None:
+        try:
+            call = open_stream(cursor)
+            with self._lock:
+                self._call = call
+                cancelled = self._cancelled
+            if cancelled:
+                call.cancel()
+            for message in call:
+                self.received.put(message)
+        except Exception as error:  # handed to the reader, who raises it in its own thread
+            self.received.put(error)
+        else:
+            self.received.put(_STREAM_END)
+
+    def cancel(self) -> None:
+        """End the stream; safe before it is open and after it has ended."""
+        with self._lock:
+            self._cancelled = True
+            call = self._call
+        if call is not None:
+            call.cancel()

@@ -1,0 +1,166 @@
+"""Rich tables and detail views of jobs."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from datetime import datetime
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+
+from pitstop.client.enums import JOB_STATES, STRAGGLER_ACTIONS, enum_word
+from pitstop.client.render import (
+    add_row,
+    details,
+    format_age,
+    format_seconds,
+    format_shape,
+    format_time,
+    table,
+)
+from pitstop.v1 import jobs_pb2
+
+
+def job_state(job: jobs_pb2.Job) -> str:
+    """The job's state as a word, e.g. ``running``."""
+    return enum_word(JOB_STATES, job.state)
+
+
+def jobs_table(jobs: Sequence[jobs_pb2.Job], now: datetime) -> Table:
+    """One row per job: id, name, state, shape, generation, step, age."""
+    result = table("ID", "NAME", "STATE", "SHAPE", "GEN", "STEP", "AGE")
+    for job in jobs:
+        add_row(
+            result,
+            (
+                job.id,
+                job.spec.name,
+                job_state(job),
+                format_shape(job.spec),
+                job.generation,
+                job.current_step,
+                format_age(job.created_at, now),
+            ),
+        )
+    return result
+
+
+def job_summary(job: jobs_pb2.Job, now: datetime) -> Table:
+    """Key facts of a job: spec, state and progress."""
+    spec = job.spec
+    world = spec.tp * spec.pp * spec.dp
+    state = job_state(job) + (f" ({job.reason})" if job.reason else "")
+    rows: list[tuple[str, object]] = [
+        ("id", job.id),
+        ("name", spec.name),
+        ("state", state),
+        ("command", shlex.join(spec.command) or "-"),
+        ("shape", f"tp x pp x dp = {format_shape(spec)} ({world} ranks)"),
+        ("gpus per node", spec.gpus_per_node),
+        ("elastic dp", f"{spec.min_dp or spec.dp}..{spec.dp}"),
+        ("spares", spec.spares),
+        ("priority", spec.priority),
+        ("restarts", f"{job.restarts} of {spec.max_restarts}"),
+        ("generation", job.generation),
+        (
+            "step",
+            f"{job.current_step} (committed {job.committed_step}, durable {job.durable_step})",
+        ),
+        ("created", f"{format_time(job.created_at)} ({format_age(job.created_at, now)} ago)"),
+        ("updated", f"{format_time(job.updated_at)} ({format_age(job.updated_at, now)} ago)"),
+    ]
+    rows.append(("checkpoint", checkpoint_policy(spec.checkpoint)))
+    straggler = spec.straggler
+    if straggler.action:
+        rows.append(
+            (
+                "stragglers",
+                f"{enum_word(STRAGGLER_ACTIONS, straggler.action)} above "
+                f"{straggler.threshold:g} deviations for {straggler.windows} windows",
+            )
+        )
+    if spec.working_dir:
+        rows.append(("working dir", spec.working_dir))
+    if spec.env:
+        rows.append(("env", " ".join(f"{k}={v}" for k, v in sorted(spec.env.items()))))
+    return details(rows)
+
+
+def checkpoint_policy(policy: jobs_pb2.CheckpointPolicy) -> str:
+    """The snapshot and durable-flush cadence in words."""
+    every = policy.snapshot_every_steps
+    snapshot = "snapshot every step" if every <= 1 else f"snapshot every {every} steps"
+    if policy.auto_interval:
+        durable = "durable at the Young/Daly interval"
+    elif policy.durable_every_steps:
+        durable = f"durable every {policy.durable_every_steps} steps"
+    else:
+        durable = "never durable"
+    where = f" to {policy.durable_url}" if policy.durable_url else ""
+    return f"{snapshot}, {durable}{where}"
+
+
+def goodput_view(goodput: jobs_pb2.Goodput) -> Table:
+    """Where the job's GPU time went."""
+    return details(
+        [
+            ("ratio", f"{goodput.ratio:.1%}"),
+            ("productive", format_seconds(goodput.productive_seconds)),
+            ("detect", format_seconds(goodput.detect_seconds)),
+            ("recovery", format_seconds(goodput.recovery_seconds)),
+            ("recompute", format_seconds(goodput.recompute_seconds)),
+            ("recoveries", goodput.recoveries),
+        ],
+        title="goodput",
+    )
+
+
+def rank_map_table(job: jobs_pb2.Job) -> Table:
+    """Where each rank runs in the current generation."""
+    result = table(
+        "RANK",
+        "NODE",
+        "GPU",
+        "LOCAL",
+        "DP",
+        "PP",
+        "TP",
+        title=f"rank map (generation {job.rank_map.generation}, "
+        f"world size {job.rank_map.world_size})",
+    )
+    for rank in job.rank_map.ranks:
+        add_row(
+            result,
+            (rank.rank, rank.node_id, rank.gpu_index, rank.local_rank, rank.dp, rank.pp, rank.tp),
+        )
+    return result
+
+
+def rank_stats_table(job: jobs_pb2.Job) -> Table:
+    """Per-rank step-time percentiles, stragglers flagged."""
+    result = table("RANK", "NODE", "P50", "P99", "STRAGGLER", title="step times")
+    for stats in job.rank_stats:
+        add_row(
+            result,
+            (
+                stats.rank,
+                stats.node_id,
+                format_seconds(stats.p50_seconds),
+                format_seconds(stats.p99_seconds),
+                "yes" if stats.straggler else "",
+            ),
+        )
+    return result
+
+
+def job_view(job: jobs_pb2.Job, now: datetime) -> RenderableType:
+    """Everything ``pitstop job show`` prints, sections left out when empty."""
+    parts: list[RenderableType] = [job_summary(job, now), "", goodput_view(job.goodput)]
+    if job.rank_map.ranks:
+        parts += ["", rank_map_table(job)]
+    if job.rank_stats:
+        parts += ["", rank_stats_table(job)]
+    if job.result:
+        parts += ["", details(sorted(job.result.items()), title="result")]
+    return Group(*parts)

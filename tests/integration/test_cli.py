@@ -1,0 +1,281 @@
+"""The ``pitstop`` CLI against a real scheduler (the ``scheduler`` fixture from conftest).
+
+Every test makes its own job names and node ids, so it never depends on another test's
+rows; assertions look for those rows rather than counting.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+import yaml
+from typer.testing import CliRunner, Result
+
+from pitstop.client.cli import app
+from pitstop.client.enums import JOB_STATES, enum_words
+
+TINY_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "jobs" / "tiny.yaml"
+
+
+class SchedulerFixture(Protocol):
+    address: str
+
+    def register_node(
+        self,
+        node_id: str,
+        gpus: int = 8,
+        zone: str = "z1",
+        block: str = "b1",
+        rack: str = "r1",
+        role: str = "worker",
+    ) -> None: ...
+
+    def agent_stream(
+        self, node_id: str, gpus: int = 8
+    ) -> AbstractContextManager[Any]:  # an open agent stream; .next_command()
+        ...
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def pitstop(scheduler: SchedulerFixture | None, *args: str, server: str | None = None) -> Result:
+    address = server or (scheduler.address if scheduler else "127.0.0.1:1")
+    # catch_exceptions=False: a traceback inside the CLI fails the test loudly.
+    return CliRunner().invoke(app, ["--server", address, *args], catch_exceptions=False)
+
+
+def ok_json(result: Result) -> Any:
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def assert_one_line_error(result: Result, *fragments: str) -> None:
+    assert result.exit_code == 1, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def write_spec(tmp_path: Path, **overrides: Any) -> tuple[Path, str]:
+    """The tiny example (or a stand-in while it does not exist) under a unique name."""
+    if TINY_EXAMPLE.exists():
+        spec = yaml.safe_load(TINY_EXAMPLE.read_text())
+    else:
+        spec = {
+            "command": ["python", "-c", "pass"],
+            "tp": 1,
+            "pp": 1,
+            "dp": 2,
+            "gpus_per_node": 1,
+        }
+    name = unique("cli")
+    spec.update(name=name, **overrides)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path, name
+
+
+def submit(scheduler: SchedulerFixture, tmp_path: Path) -> dict[str, Any]:
+    path, name = write_spec(tmp_path)
+    job: dict[str, Any] = ok_json(pitstop(scheduler, "job", "submit", "-f", str(path), "--json"))
+    assert job["spec"]["name"] == name
+    return job
+
+
+def test_submit_list_show(scheduler: SchedulerFixture, tmp_path: Path) -> None:
+    job = submit(scheduler, tmp_path)
+    assert job["id"]
+    assert job["state"].startswith("JOB_STATE_")
+
+    listed = ok_json(pitstop(scheduler, "job", "list", "--json"))
+    assert isinstance(listed, list)
+    assert job["id"] in {row["id"] for row in listed}
+
+    shown = ok_json(pitstop(scheduler, "job", "show", job["id"], "--json"))
+    assert shown["id"] == job["id"]
+    assert shown["spec"]["name"] == job["spec"]["name"]
+
+    human = pitstop(scheduler, "job", "show", job["id"])
+    assert human.exit_code == 0, human.stderr
+    assert job["spec"]["name"] in human.stdout
+    table = pitstop(scheduler, "job", "list")
+    assert table.exit_code == 0, table.stderr
+    assert job["id"] in table.stdout
+
+
+def test_submit_prints_id_and_state(scheduler: SchedulerFixture, tmp_path: Path) -> None:
+    path, name = write_spec(tmp_path)
+    result = pitstop(scheduler, "job", "submit", "-f", str(path))
+    assert result.exit_code == 0, result.stderr
+    match = re.fullmatch(rf"submitted {name} as job (\S+): (\w+)( \(.*\))?\n", result.stdout)
+    assert match, result.stdout
+    shown = ok_json(pitstop(scheduler, "job", "show", match[1], "--json"))
+    assert shown["spec"]["name"] == name
+    # The state may have moved on since; the word printed must still be a job state.
+    assert match[2] in enum_words(JOB_STATES)
+
+
+def test_list_filters_by_state(scheduler: SchedulerFixture, tmp_path: Path) -> None:
+    job = submit(scheduler, tmp_path)
+    assert pitstop(scheduler, "job", "cancel", job["id"]).exit_code == 0
+    cancelled = ok_json(pitstop(scheduler, "job", "list", "--state", "cancelled", "--json"))
+    assert job["id"] in {row["id"] for row in cancelled}
+    assert {row["state"] for row in cancelled} == {"JOB_STATE_CANCELLED"}
+    running = ok_json(pitstop(scheduler, "job", "list", "--state", "running", "--json"))
+    assert job["id"] not in {row["id"] for row in running}
+
+
+def test_cancel_twice_is_a_failed_precondition(scheduler: SchedulerFixture, tmp_path: Path) -> None:
+    job = submit(scheduler, tmp_path)
+    first = pitstop(scheduler, "job", "cancel", job["id"], "--reason", "test over")
+    assert first.exit_code == 0, first.stderr
+    assert "cancelled" in first.stdout
+
+    second = pitstop(scheduler, "job", "cancel", job["id"])
+    assert_one_line_error(second, "(FAILED_PRECONDITION)")
+
+
+def test_watch_replays_until_the_job_ends(scheduler: SchedulerFixture, tmp_path: Path) -> None:
+    job = submit(scheduler, tmp_path)
+    assert pitstop(scheduler, "job", "cancel", job["id"]).exit_code == 0
+    # The job has ended, so the replay reaches its final event and the command returns.
+    result = pitstop(scheduler, "job", "watch", job["id"], "--json")
+    assert result.exit_code == 0, result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    assert events
+    assert all(event["job_id"] == job["id"] for event in events)
+    assert "cancelled" in events[-1]["to_state"].lower()
+
+
+def test_show_unknown_job_is_not_found(scheduler: SchedulerFixture) -> None:
+    missing = unique("j-missing")
+    result = pitstop(scheduler, "job", "show", missing)
+    assert_one_line_error(result, missing, "(NOT_FOUND)")
+
+
+def test_server_rejects_a_bad_spec_naming_the_field(
+    scheduler: SchedulerFixture, tmp_path: Path
+) -> None:
+    path, _ = write_spec(tmp_path, dp=0, min_dp=3)
+    result = pitstop(scheduler, "job", "submit", "-f", str(path))
+    assert_one_line_error(result, "(INVALID_ARGUMENT)", "dp")
+
+
+def test_malformed_spec_never_reaches_the_server(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\ndp: two\n")
+    # No scheduler: the file is rejected before any connection is made.
+    result = pitstop(None, "job", "submit", "-f", str(path))
+    assert_one_line_error(result, "bad.yaml: spec.dp:", '"two" is not a whole number')
+
+
+def test_node_lifecycle(scheduler: SchedulerFixture) -> None:
+    node_id = unique("node")
+    scheduler.register_node(node_id, gpus=4, zone="zq", block="bq", rack="rq")
+
+    listed = ok_json(pitstop(scheduler, "node", "list", "--json"))
+    row = next(n for n in listed if n["id"] == node_id)
+    assert row["role"] == "NODE_ROLE_WORKER"
+    assert row["labels"]["rack"] == "rq"
+
+    shown = ok_json(pitstop(scheduler, "node", "show", node_id, "--json"))
+    assert shown["id"] == node_id
+    assert len(shown["inventory"]["gpus"]) == 4
+    human = pitstop(scheduler, "node", "show", node_id)
+    assert human.exit_code == 0, human.stderr
+    assert "zq/bq/rq" in human.stdout
+
+    def state_after(*command: str) -> str:
+        result = pitstop(scheduler, "node", *command)
+        assert result.exit_code == 0, result.stderr
+        node = ok_json(pitstop(scheduler, "node", "show", node_id, "--json"))
+        return str(node["state"])
+
+    assert state_after("cordon", node_id, "--reason", "bad fan") == "NODE_STATE_CORDONED"
+    cordoned = ok_json(pitstop(scheduler, "node", "list", "--state", "cordoned", "--json"))
+    assert node_id in {n["id"] for n in cordoned}
+    assert state_after("uncordon", node_id) == "NODE_STATE_READY"
+
+    result = pitstop(scheduler, "node", "set-role", node_id, "spare", "--reason", "hot spare")
+    assert result.exit_code == 0, result.stderr
+    assert "spare" in result.stdout
+    spares = ok_json(pitstop(scheduler, "node", "list", "--role", "spare", "--json"))
+    assert node_id in {n["id"] for n in spares}
+
+    assert state_after("drain", node_id) == "NODE_STATE_DRAINING"
+    assert state_after("uncordon", node_id) == "NODE_STATE_READY"
+
+    events = ok_json(pitstop(scheduler, "events", "--node", node_id, "--json"))
+    assert events
+    assert all(event["node_id"] == node_id for event in events)
+
+
+def test_inject_fault_reaches_the_agent(scheduler: SchedulerFixture) -> None:
+    node_id = unique("node")
+    with scheduler.agent_stream(node_id, gpus=2) as agent:
+        response = ok_json(
+            pitstop(
+                scheduler, "node", "inject-fault", node_id, "--gpu", "1", "--slow", "2", "--json"
+            )
+        )
+        command = agent.next_command()
+    assert int(response["command_id"]) == command.command_id
+    assert command.inject_fault.gpu_index == 1
+    assert command.inject_fault.slow_multiplier == 2.0
+
+
+def test_inject_fault_without_agent_stream(scheduler: SchedulerFixture) -> None:
+    node_id = unique("node")
+    scheduler.register_node(node_id, gpus=2)  # registers, then closes the stream
+    result = pitstop(scheduler, "node", "inject-fault", node_id, "--gpu", "0", "--xid", "79")
+    # The scheduler's own UNAVAILABLE, not "cannot reach the scheduler".
+    assert_one_line_error(result, node_id, "(UNAVAILABLE)")
+    assert "cannot reach" not in result.stderr
+
+
+def test_inject_fault_needs_exactly_one_kind() -> None:
+    result = pitstop(None, "node", "inject-fault", "n-1", "--gpu", "0", "--xid", "79", "--clear")
+    assert result.exit_code == 2
+    assert "exactly one" in result.stderr
+
+
+def test_unknown_node_is_not_found(scheduler: SchedulerFixture) -> None:
+    missing = unique("node-missing")
+    assert_one_line_error(pitstop(scheduler, "node", "cordon", missing), missing, "(NOT_FOUND)")
+
+
+def test_events_for_a_job(scheduler: SchedulerFixture, tmp_path: Path) -> None:
+    job = submit(scheduler, tmp_path)
+    events = ok_json(pitstop(scheduler, "events", "--job", job["id"], "--json"))
+    assert isinstance(events, list)
+    assert events
+    assert all(event["job_id"] == job["id"] for event in events)
+    ids = [int(event["id"]) for event in events]
+    assert ids == sorted(ids)
+
+    human = pitstop(scheduler, "events", "--job", job["id"], "--limit", "1")
+    assert human.exit_code == 0, human.stderr
+    assert len(human.stdout.splitlines()) == 1
+    assert f"job={job['id']}" in human.stdout
+
+
+@pytest.mark.parametrize("command", [["job", "list"], ["node", "list"], ["events"]])
+def test_unreachable_server(command: list[str]) -> None:
+    # Nothing listens on port 1; the client retries briefly, then explains.
+    result = pitstop(None, *command, server="127.0.0.1:1")
+    assert_one_line_error(
+        result,
+        "cannot reach the pitstop scheduler at 127.0.0.1:1 (UNAVAILABLE)",
+        "pass --server",
+    )
