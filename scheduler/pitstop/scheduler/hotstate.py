@@ -72,7 +72,8 @@ class EventBus:
 
     def __init__(self, hot: HotState) -> None:
         self._hot = hot
-        self._cond = asyncio.Condition()
+        # Replaced on every wake-up: waiters hold the one that was current when they began.
+        self._changed = asyncio.Event()
         self._version = 0
         self._task: asyncio.Task[None] | None = None
 
@@ -89,26 +90,28 @@ class EventBus:
         """Wake local watchers now and tell the other processes through Redis."""
         if not event_ids:
             return
-        await self._wake()
+        self._wake()
         await self._hot.notify_event(max(event_ids))
 
     async def wait(self, seen_version: int, timeout: float) -> int:
         """Wait until the log may have grown past ``seen_version`` or ``timeout`` passes."""
-        async with self._cond:
+        if self._version == seen_version:
+            changed = self._changed
+            # No lock is held while waiting, so a watcher abandoned mid-wait (client gone,
+            # server stopping) leaves nothing half-released behind.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._cond.wait_for(lambda: self._version != seen_version), timeout
-                )
-            return self._version
+                async with asyncio.timeout(timeout):
+                    await changed.wait()
+        return self._version
 
     @property
     def version(self) -> int:
         return self._version
 
-    async def _wake(self) -> None:
-        async with self._cond:
-            self._version += 1
-            self._cond.notify_all()
+    def _wake(self) -> None:
+        self._version += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def _listen(self) -> None:
         # Reconnects forever: a Redis outage only slows watchers down to their poll.
@@ -118,7 +121,7 @@ class EventBus:
                 await pubsub.subscribe(self._hot.events_channel)
                 try:
                     async for _message in pubsub.listen():
-                        await self._wake()
+                        self._wake()
                 finally:
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
             except asyncio.CancelledError:
