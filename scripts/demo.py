@@ -65,7 +65,7 @@ def pitstop(address: str, *args: str, check: bool = True) -> str:
     )
     out = (result.stdout + result.stderr).rstrip()
     if out and "--json" not in args:
-        console.print(out, highlight=False, markup=False)
+        console.print(out, highlight=False, markup=False, soft_wrap=True)
     if check and result.returncode != 0:
         raise SystemExit(f"command failed with exit {result.returncode}")
     return result.stdout

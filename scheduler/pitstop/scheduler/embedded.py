@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,11 @@ class EmbeddedStores:
 def start_postgres(state_dir: Path) -> tuple[str, Any]:
     """Start (or reattach to) PostgreSQL with its data in ``state_dir/postgres``."""
     try:
-        import pgserver
+        with warnings.catch_warnings():
+            # platformdirs warns at import when XDG_RUNTIME_DIR is unset (root, CI); the
+            # fallback it picks is fine.
+            warnings.simplefilter("ignore")
+            import pgserver
     except ImportError as exc:
         raise EmbeddedUnavailable(
             "embedded PostgreSQL (pgserver) is not installed"

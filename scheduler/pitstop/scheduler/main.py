@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from pydantic import ValidationError
+
+# gRPC core logs at INFO when a child process forks (pgserver's pg_ctl); only its
+# errors belong in the scheduler's output. Set before grpc is first imported.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from pitstop.scheduler.config import SchedulerSettings, load_settings
 from pitstop.scheduler.embedded import EmbeddedUnavailable
