@@ -85,6 +85,7 @@ class SchedulerThread:
         self._thread.start()
         self.scheduler: Scheduler = self._call(start_scheduler(settings), timeout=120)
         self._channels: list[grpc.Channel] = []
+        self._open_streams: list[AgentStream] = []
 
     def _call(self, coro: Any, timeout: float = 30) -> Any:
         future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -108,9 +109,12 @@ class SchedulerThread:
         rack: str = "r1",
         role: str = "worker",
     ) -> None:
-        """Make a node exist the way production does: an agent stream sends Register."""
-        with self.agent_stream(node_id, gpus=gpus, zone=zone, block=block, rack=rack, role=role):
-            pass
+        """Make a node exist the way production does: an agent stream sends Register. The
+        stream stays open until the scheduler stops, so the node stays connected (the
+        session scheduler's heartbeat interval is long enough that none is needed)."""
+        self._open_streams.append(
+            AgentStream(self.channel(), node_id, gpus, zone, block, rack, role)
+        )
 
     @contextlib.contextmanager
     def agent_stream(
@@ -129,9 +133,11 @@ class SchedulerThread:
             stream.close()
 
     def stop(self) -> None:
+        self._call(self.scheduler.stop(grace=1.0))
+        for stream in self._open_streams:
+            stream.close()
         for channel in self._channels:
             channel.close()
-        self._call(self.scheduler.stop(grace=1.0))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
@@ -221,8 +227,14 @@ def scheduler_settings(stores: StoreUrls, state_dir: Path, **overrides: Any) -> 
 def scheduler(
     stores: StoreUrls, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SchedulerThread]:
-    """One scheduler for the whole run, on the run's own database; tests use unique ids."""
-    thread = SchedulerThread(scheduler_settings(stores, tmp_path_factory.mktemp("scheduler")))
+    """One scheduler for the whole run, on the run's own database; tests use unique ids.
+    Its heartbeat interval is long: API tests hold agent streams open without beating.
+    Liveness tests start their own scheduler with a short interval."""
+    thread = SchedulerThread(
+        scheduler_settings(
+            stores, tmp_path_factory.mktemp("scheduler"), heartbeat_interval_seconds=60.0
+        )
+    )
     try:
         yield thread
     finally:

@@ -237,7 +237,8 @@ def test_inject_fault_reaches_the_agent(scheduler: SchedulerFixture) -> None:
 
 def test_inject_fault_without_agent_stream(scheduler: SchedulerFixture) -> None:
     node_id = unique("node")
-    scheduler.register_node(node_id, gpus=2)  # registers, then closes the stream
+    with scheduler.agent_stream(node_id, gpus=2):
+        pass  # registered, then the stream closed: the node has no agent stream now
     result = pitstop(scheduler, "node", "inject-fault", node_id, "--gpu", "0", "--xid", "79")
     # The scheduler's own UNAVAILABLE, not "cannot reach the scheduler".
     assert_one_line_error(result, node_id, "(UNAVAILABLE)")

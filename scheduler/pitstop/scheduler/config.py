@@ -51,6 +51,12 @@ class SchedulerSettings(BaseSettings):
     # With no tokens the API is open; the scheduler says so loudly at start.
     tokens: list[ApiToken] = Field(default_factory=list)
     heartbeat_interval_seconds: float = Field(default=1.0, gt=0)
+    # A node is LOST after this many intervals without a heartbeat; the scan runs every
+    # liveness_tick_seconds, so detection takes at most (intervals * beat + tick).
+    liveness_timeout_intervals: float = Field(default=2.5, ge=1.5)
+    liveness_tick_seconds: float = Field(default=0.1, gt=0)
+    # After a (re)start, agents get this long to reconnect before deadlines count.
+    liveness_startup_grace_seconds: float = Field(default=5.0, ge=0)
     shutdown_grace_seconds: float = Field(default=10.0, ge=0)
     db_pool_size: int = Field(default=10, ge=1)
     log_level: str = "INFO"

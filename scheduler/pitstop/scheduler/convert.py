@@ -151,8 +151,8 @@ def node_to_pb(
             xid=x.xid,
             message=x.message,
             time=timestamp(x.time),
-            source=_enum_or_zero(common_pb2.XidSource, x.source),
-            verdict=_enum_or_zero(common_pb2.HealthVerdict, x.verdict),
+            source=_enum_or_zero(common_pb2.XidSource, "XID_SOURCE_" + x.source.upper()),
+            verdict=_enum_or_zero(common_pb2.HealthVerdict, "HEALTH_VERDICT_" + x.verdict.upper()),
         )
     return msg
 

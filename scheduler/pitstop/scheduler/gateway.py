@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import dataclass
 from typing import Any
 
 from pitstop.v1 import agent_pb2
 
-_CLOSE = object()
+
+@dataclass(frozen=True)
+class CloseStream:
+    """Put on a stream's queue to end it; the reason is recorded."""
+
+    reason: str
 
 
 class AgentGateway:
@@ -22,7 +28,7 @@ class AgentGateway:
         """Own the node's stream. An older stream of the same node is told to close."""
         old = self._queues.get(node_id)
         if old is not None:
-            old.put_nowait(_CLOSE)
+            old.put_nowait(CloseStream("replaced by a newer stream from the same node"))
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[node_id] = queue
         return queue
@@ -33,6 +39,14 @@ class AgentGateway:
             del self._queues[node_id]
             return True
         return False
+
+    def close(self, node_id: str, reason: str) -> bool:
+        """End the node's stream (its agent will reconnect and register again)."""
+        queue = self._queues.get(node_id)
+        if queue is None:
+            return False
+        queue.put_nowait(CloseStream(reason))
+        return True
 
     def connected(self, node_id: str) -> bool:
         return node_id in self._queues
@@ -51,4 +65,4 @@ class AgentGateway:
 
     @staticmethod
     def is_close(item: object) -> bool:
-        return item is _CLOSE
+        return isinstance(item, CloseStream)

@@ -11,9 +11,12 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+
+from pitstop.v1 import agent_pb2
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,39 @@ class HotState:
             pipe.zadd(self.deadlines_key, {node_id: at + deadline_s})
             pipe.set(self.node_health_key(node_id), health_json, ex=max(int(deadline_s * 10), 60))
             await pipe.execute()
+
+    def steps_key(self, job_id: str) -> str:
+        return f"{self.prefix}steps:{job_id}"
+
+    async def record_step_times(self, batch: agent_pb2.StepTimes, keep: int = 100_000) -> None:
+        """Append a node's batch to the job's capped step-time stream (one entry a batch)."""
+        if not batch.job_id or not batch.samples:
+            return
+        await self.redis.xadd(
+            self.steps_key(batch.job_id),
+            {"batch": batch.SerializeToString()},
+            maxlen=keep // 8,
+            approximate=True,
+        )
+
+    async def expired_nodes(self, now: float, limit: int = 1000) -> list[str]:
+        """Nodes whose liveness deadline passed, claimed: each is returned to one caller only
+        (ZREM decides), so the cost follows what expired, not the fleet's size."""
+        due = await self.redis.zrangebyscore(self.deadlines_key, "-inf", now, start=0, num=limit)
+        claimed = []
+        for raw in due:
+            node_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if await self.redis.zrem(self.deadlines_key, node_id):
+                claimed.append(node_id)
+        return claimed
+
+    async def extend_deadlines(self, at_least: float) -> None:
+        """Give every known node until ``at_least``: used when a leader starts, so agents
+        that are reconnecting after a scheduler restart are not declared lost."""
+        members = cast(list[bytes], await self.redis.zrange(self.deadlines_key, 0, -1))
+        if members:
+            pushed: dict[bytes, float] = dict.fromkeys(members, at_least)
+            await self.redis.zadd(self.deadlines_key, pushed, gt=True)
 
     async def forget_node(self, node_id: str) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -23,6 +23,7 @@ from pitstop.scheduler.embedded import EmbeddedStores, start_embedded
 from pitstop.scheduler.gateway import AgentGateway
 from pitstop.scheduler.hotstate import EventBus, HotState
 from pitstop.scheduler.interceptors import ErrorMappingInterceptor
+from pitstop.scheduler.liveness import LivenessMonitor
 from pitstop.scheduler.store import Store
 from pitstop.v1 import (
     agent_pb2,
@@ -54,6 +55,7 @@ class Scheduler:
     hot: HotState
     bus: EventBus
     port: int
+    agents: AgentServicer
     embedded: EmbeddedStores | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -63,6 +65,7 @@ class Scheduler:
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting calls, let in-flight ones finish within ``grace``, close the stores."""
+        self.agents.stopping = True  # streams we close now are not lost nodes
         await self.server.stop(self.settings.shutdown_grace_seconds if grace is None else grace)
         for task in self._tasks:
             task.cancel()
@@ -109,8 +112,17 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(store), server)
         nodes_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(store, hot, gateway), server)
         nodes_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(store), server)
-        agent_pb2_grpc.add_AgentServiceServicer_to_server(
-            AgentServicer(store, hot, gateway, settings.heartbeat_interval_seconds), server
+        liveness_timeout = settings.heartbeat_interval_seconds * settings.liveness_timeout_intervals
+        agent_servicer = AgentServicer(
+            store, hot, gateway, settings.heartbeat_interval_seconds, liveness_timeout
+        )
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(agent_servicer, server)
+        liveness = LivenessMonitor(
+            store,
+            hot,
+            gateway,
+            tick_seconds=settings.liveness_tick_seconds,
+            startup_grace_seconds=settings.liveness_startup_grace_seconds,
         )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -125,11 +137,13 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         if embedded is not None:
             await asyncio.to_thread(embedded.stop)
         raise
-    scheduler = Scheduler(settings, server, engine, hot, bus, port, embedded)
+    scheduler = Scheduler(settings, server, engine, hot, bus, port, agent_servicer, embedded)
     await _report_health(health_servicer, engine, hot)
     scheduler._tasks.append(
         asyncio.create_task(_health_loop(health_servicer, engine, hot), name="health")
     )
+    # Leader loops. One process is the leader by default; election comes with several.
+    scheduler._tasks.append(asyncio.create_task(liveness.run(), name="liveness"))
     return scheduler
 
 

@@ -1,7 +1,8 @@
 """AgentService.Connect: one bidirectional stream per node.
 
-The first message must be Register; sequence numbers must increase by one. Heartbeats
-land in Redis (liveness deadline, live health), never in a PostgreSQL write per beat.
+The first message must be Register with seq 1; sequence numbers then increase by one.
+Heartbeats land in Redis (liveness deadline, live health); PostgreSQL is written only
+when something changes: a new verdict, an Xid, an exit, a lost stream.
 """
 
 from __future__ import annotations
@@ -11,32 +12,55 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf import json_format
 
 from pitstop.scheduler.convert import NODE_ROLE_TO_PB, NODE_STATE_TO_PB, node_roles_from_pb
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument
-from pitstop.scheduler.gateway import AgentGateway
+from pitstop.scheduler.gateway import AgentGateway, CloseStream
 from pitstop.scheduler.hotstate import HotState
-from pitstop.scheduler.jobspec import check_text
+from pitstop.scheduler.services import health as health_service
 from pitstop.scheduler.services import nodes as node_service
+from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.store import Store
-from pitstop.v1 import agent_pb2
+from pitstop.v1 import agent_pb2, common_pb2
 
 log = logging.getLogger(__name__)
+
+NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+
+
+@dataclass
+class StreamState:
+    """What one open stream remembers, so unchanged heartbeats cost no database write."""
+
+    node_id: str
+    seq: int
+    verdict: int = common_pb2.HEALTH_VERDICT_UNSPECIFIED
+    reasons: tuple[str, ...] = ()
+    commands: set[int] = field(default_factory=set)
 
 
 class AgentServicer:
     def __init__(
-        self, store: Store, hot: HotState, gateway: AgentGateway, heartbeat_interval: float
+        self,
+        store: Store,
+        hot: HotState,
+        gateway: AgentGateway,
+        heartbeat_interval: float,
+        liveness_timeout: float,
     ) -> None:
         self.store = store
         self.hot = hot
         self.gateway = gateway
         self.heartbeat_interval = heartbeat_interval
+        self.liveness_timeout = liveness_timeout
+        # Set while the scheduler shuts down: streams it closes itself are not failures.
+        self.stopping = False
 
     async def Connect(  # noqa: N802 (gRPC method name)
         self,
@@ -46,32 +70,49 @@ class AgentServicer:
         first = await anext(aiter(requests), None)
         if first is None:
             return
-        node_id = await self._register(first)
-        queue = self.gateway.attach(node_id)
-        reader = asyncio.create_task(self._read(node_id, first.seq, requests), name=node_id)
+        state = await self._register(first)
+        queue = self.gateway.attach(state.node_id)
+        reader = asyncio.create_task(self._read(state, requests), name=state.node_id)
+        reason = "agent stream closed"
+        getter: asyncio.Task[object] | None = None
         try:
-            yield agent_pb2.SchedulerMessage(registered=await self._registered(node_id))
+            yield agent_pb2.SchedulerMessage(registered=await self._registered(state.node_id))
             while True:
                 getter = asyncio.create_task(queue.get())
                 done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
                 if getter not in done:
-                    getter.cancel()
-                    reader.result()  # re-raise a protocol error; else the agent hung up
+                    try:
+                        reader.result()  # re-raise a protocol error; else the agent hung up
+                    except Exception as exc:
+                        reason = f"agent stream broken: {exc}"
+                        raise
                     return
                 item = getter.result()
-                if self.gateway.is_close(item):
+                if isinstance(item, CloseStream):
+                    reason = item.reason
                     return
+                assert isinstance(item, agent_pb2.SchedulerMessage)
+                state.commands.add(item.command_id)
                 yield item
         finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reader
-            if self.gateway.detach(node_id, queue):
-                with contextlib.suppress(Exception):
-                    async with self.store.write() as session:
-                        await node_service.mark_disconnected(session, node_id)
+            for task in (getter, reader):
+                if task is not None and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+            if self.gateway.detach(state.node_id, queue) and not self.stopping:
+                await self._lost(state.node_id, reason)
 
-    async def _register(self, message: agent_pb2.AgentMessage) -> str:
+    async def _lost(self, node_id: str, reason: str) -> None:
+        try:
+            async with self.store.write() as session:
+                await health_service.mark_lost(session, node_id, reason=reason)
+            await self.hot.forget_node(node_id)
+        except Exception:
+            # The liveness deadline still catches it; never let cleanup kill the server.
+            log.exception("node %s: could not record the lost stream", node_id)
+
+    async def _register(self, message: agent_pb2.AgentMessage) -> StreamState:
         if message.WhichOneof("body") != "register":
             raise FailedPrecondition(
                 "the first message on an agent stream must be Register; reconnect and send it"
@@ -79,16 +120,30 @@ class AgentServicer:
         if message.seq != 1:
             raise InvalidArgument("seq", message.seq, "a stream's first message has seq 1")
         reg = message.register
-        if not reg.node_id:
-            raise InvalidArgument("register.node_id", "", "set the agent's node_id")
-        check_text("register.node_id", reg.node_id, max_len=253)
+        if not NODE_ID_RE.match(reg.node_id):
+            raise InvalidArgument(
+                "register.node_id",
+                reg.node_id,
+                "use 1-253 letters, digits, '.', '_' or '-', starting with a letter or digit",
+            )
         if reg.requested_role:
             node_roles_from_pb([reg.requested_role], field="register.requested_role")
+        indexes = [g.index for g in reg.inventory.gpus]
+        if len(set(indexes)) != len(indexes) or len({g.uuid for g in reg.inventory.gpus}) != len(
+            indexes
+        ):
+            raise InvalidArgument(
+                "register.inventory.gpus", indexes, "each GPU needs its own index and uuid"
+            )
         async with self.store.write() as session:
             node, _created = await node_service.register_node(
-                session, reg, now=dt.datetime.now(dt.UTC)
+                session,
+                reg,
+                now=dt.datetime.now(dt.UTC),
+                connected_elsewhere=self.gateway.connected(reg.node_id),
             )
-        return node.id
+        await self.hot.record_heartbeat(node.id, self.liveness_timeout, "{}")
+        return StreamState(node_id=node.id, seq=message.seq)
 
     async def _registered(self, node_id: str) -> agent_pb2.Registered:
         async with self.store.read() as session:
@@ -101,29 +156,85 @@ class AgentServicer:
         )
 
     async def _read(
-        self, node_id: str, seq: int, requests: AsyncIterator[agent_pb2.AgentMessage]
+        self, state: StreamState, requests: AsyncIterator[agent_pb2.AgentMessage]
     ) -> None:
         async for message in requests:
-            if message.seq != seq + 1:
-                log.warning("node %s: seq %d after %d; closing stream", node_id, message.seq, seq)
-                raise InvalidArgument(
-                    "seq", message.seq, f"expected {seq + 1}: sequence numbers increase by one"
+            if message.seq != state.seq + 1:
+                log.warning(
+                    "node %s: seq %d after %d; closing the stream",
+                    state.node_id,
+                    message.seq,
+                    state.seq,
                 )
-            seq = message.seq
-            await self._handle(node_id, message)
+                raise InvalidArgument(
+                    "seq",
+                    message.seq,
+                    f"expected {state.seq + 1}: sequence numbers increase by one",
+                )
+            state.seq = message.seq
+            await self._handle(state, message)
 
-    async def _handle(self, node_id: str, message: agent_pb2.AgentMessage) -> None:
+    async def _handle(self, state: StreamState, message: agent_pb2.AgentMessage) -> None:
         kind = message.WhichOneof("body")
+        node_id = state.node_id
         if kind == "heartbeat":
-            health: dict[str, Any] = json_format.MessageToDict(
-                message.heartbeat.health, preserving_proto_field_name=True
-            )
-            await self.hot.record_heartbeat(
-                node_id, 3 * self.heartbeat_interval, json.dumps(health)
-            )
+            await self._heartbeat(state, message.heartbeat)
+        elif kind == "xid":
+            async with self.store.write() as session:
+                await health_service.record_xid(
+                    session, node_id, message.xid, now=dt.datetime.now(dt.UTC)
+                )
+        elif kind == "step_times":
+            await self.hot.record_step_times(message.step_times)
+        elif kind == "rank_exited":
+            exited = message.rank_exited
+            how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
+            async with self.store.write() as session:
+                record_event(
+                    session,
+                    "rank.exited",
+                    actor=f"agent:{node_id}",
+                    job_id=exited.job_id or None,
+                    node_id=node_id,
+                    reason=f"rank {exited.rank} ended with {how}",
+                    attributes={
+                        "rank": str(exited.rank),
+                        "generation": str(exited.generation),
+                        "exit_code": str(exited.exit_code),
+                        "signal": str(exited.signal),
+                    },
+                )
+        elif kind == "ack":
+            await self._ack(state, message.ack)
         elif kind == "register":
             raise FailedPrecondition("Register is only valid as a stream's first message")
         else:
-            # Xids, step times, exits and acks are acted on by the health and recovery
-            # loops; until those run, they are logged so nothing vanishes silently.
-            log.info("node %s: %s received", node_id, kind)
+            raise InvalidArgument("body", kind or "empty", "send one of the AgentMessage kinds")
+
+    async def _heartbeat(self, state: StreamState, beat: agent_pb2.Heartbeat) -> None:
+        health = json_format.MessageToDict(beat.health, preserving_proto_field_name=True)
+        await self.hot.record_heartbeat(state.node_id, self.liveness_timeout, json.dumps(health))
+        reasons = tuple(beat.health.reasons)
+        if (beat.health.verdict, reasons) == (state.verdict, state.reasons):
+            return
+        state.verdict, state.reasons = beat.health.verdict, reasons
+        async with self.store.write() as session:
+            await health_service.apply_health(session, state.node_id, beat.health)
+
+    async def _ack(self, state: StreamState, ack: agent_pb2.CommandAck) -> None:
+        if ack.command_id not in state.commands:
+            log.warning(
+                "node %s: ack for unknown command %d ignored", state.node_id, ack.command_id
+            )
+            return
+        state.commands.discard(ack.command_id)
+        if not ack.ok:
+            async with self.store.write() as session:
+                record_event(
+                    session,
+                    "node.command_failed",
+                    actor=f"agent:{state.node_id}",
+                    node_id=state.node_id,
+                    reason=ack.error[:1000],
+                    attributes={"command_id": str(ack.command_id)},
+                )

@@ -21,6 +21,7 @@ from pitstop.scheduler.gateway import AgentGateway
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.services import events as event_service
 from pitstop.scheduler.services import nodes as node_service
+from pitstop.scheduler.services.health import health_verdict
 from pitstop.scheduler.store import Store
 from pitstop.v1 import common_pb2, nodes_pb2
 
@@ -67,9 +68,14 @@ class NodeServicer:
     async def Uncordon(  # noqa: N802
         self, request: nodes_pb2.NodeControlRequest, context: grpc.aio.ServicerContext
     ) -> nodes_pb2.Node:
+        live = await self._live_health(request.node_id) if request.node_id else None
         async with self.store.write() as session:
             node = await node_service.uncordon_node(
-                session, request.node_id, reason=request.reason, actor=current_caller.get().actor
+                session,
+                request.node_id,
+                reason=request.reason,
+                actor=current_caller.get().actor,
+                live_verdict=health_verdict(live) if live else None,
             )
         return node_to_pb(node)
 

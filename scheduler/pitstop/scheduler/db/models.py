@@ -84,6 +84,9 @@ class Node(Base):
     registered_at: Mapped[dt.datetime] = mapped_column(server_default=func.now())
     updated_at: Mapped[dt.datetime] = mapped_column(server_default=func.now(), onupdate=func.now())
     last_seen_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    # Start time of the agent process that last registered: a new value means the agent
+    # restarted (after a repair or reboot), which is what clears UNHEALTHY.
+    agent_started_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
 
     gpus: Mapped[list[Gpu]] = relationship(
         back_populates="node", order_by="Gpu.index", cascade="all, delete-orphan"

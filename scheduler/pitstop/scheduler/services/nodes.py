@@ -14,7 +14,7 @@ from pitstop.scheduler.domain import TERMINAL_JOB_STATES, NodeRole, NodeState
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
 from pitstop.scheduler.jobspec import check_text
 from pitstop.scheduler.services.events import record_event
-from pitstop.v1 import agent_pb2
+from pitstop.v1 import agent_pb2, common_pb2
 
 XID_HISTORY = 50
 
@@ -121,17 +121,34 @@ async def cordon_node(
 
 
 async def uncordon_node(
-    session: AsyncSession, node_id: str, *, reason: str, actor: str
+    session: AsyncSession,
+    node_id: str,
+    *,
+    reason: str,
+    actor: str,
+    live_verdict: int | None = None,
 ) -> models.Node:
-    """CORDONED or DRAINING -> READY; already ready is a no-op. A broken node stays broken."""
+    """CORDONED or DRAINING -> READY; already ready is a no-op. An UNHEALTHY node may be
+    returned to service only while its agent is connected and reports it healthy (the
+    operator vouches for the repair); a LOST node comes back when its agent reconnects."""
     check_text("reason", reason, max_len=1024)
     node = await get_node(session, node_id, for_update=True)
     if node.state is NodeState.READY:
         return node
-    if node.state not in (NodeState.CORDONED, NodeState.DRAINING):
+    repaired = (
+        node.state is NodeState.UNHEALTHY
+        and node.connected
+        and live_verdict == common_pb2.HEALTH_VERDICT_HEALTHY
+    )
+    if node.state not in (NodeState.CORDONED, NodeState.DRAINING) and not repaired:
         raise FailedPrecondition(
-            f"node {node.id} is {node.state.value} ({node.reason}); it returns to ready when "
-            "its agent reconnects and reports healthy, not by uncordon"
+            f"node {node.id} is {node.state.value} ({node.reason}); "
+            + (
+                "it returns when its agent reconnects"
+                if node.state is NodeState.LOST
+                else "it can be uncordoned once its agent is connected and reports it healthy "
+                "(fix or clear the fault first), or restart its agent after the repair"
+            )
         )
     _transition(
         session,
@@ -195,11 +212,18 @@ async def set_node_role(
 
 
 async def register_node(
-    session: AsyncSession, reg: agent_pb2.Register, *, now: dt.datetime
+    session: AsyncSession,
+    reg: agent_pb2.Register,
+    *,
+    now: dt.datetime,
+    connected_elsewhere: bool = False,
 ) -> tuple[models.Node, bool]:
     """Create or refresh a node from its agent's Register. Returns (node, created).
 
     The scheduler's record wins for role and state; inventory and labels are the agent's.
+    A LOST node that registers again is READY; an UNHEALTHY one only when its agent
+    process restarted (the repair). A node id already streaming from another agent with
+    different GPUs is refused: two hosts share one id.
     """
     inv = reg.inventory
     node = await session.scalar(
@@ -208,13 +232,27 @@ async def register_node(
         .options(selectinload(models.Node.gpus))
         .with_for_update()
     )
+    if node is not None and connected_elsewhere:
+        known = sorted(g.uuid for g in node.gpus)
+        offered = sorted(g.uuid for g in inv.gpus)
+        if known != offered:
+            raise FailedPrecondition(
+                f"node {reg.node_id} is connected from another agent with different GPUs "
+                f"({', '.join(known[:2])}...); give each host its own node_id"
+            )
+    started_at = (
+        reg.agent_started_at.ToDatetime(dt.UTC) if reg.HasField("agent_started_at") else None
+    )
     created = node is None
     if node is None:
-        role = NodeRole.SPARE if reg.requested_role == 2 else NodeRole.WORKER
+        role = (
+            NodeRole.SPARE if reg.requested_role == common_pb2.NODE_ROLE_SPARE else NodeRole.WORKER
+        )
         node = models.Node(
             id=reg.node_id, role=role, state=NodeState.READY, reason="registered", health={}
         )
         session.add(node)
+    restarted = started_at is not None and node.agent_started_at != started_at
     node.hostname = inv.hostname
     node.driver_version = inv.driver_version
     node.gpu_backend = inv.gpu_backend
@@ -224,6 +262,7 @@ async def register_node(
     node.rack, node.nvlink_domain = reg.labels.rack, reg.labels.nvlink_domain
     node.connected = True
     node.last_seen_at = now
+    node.agent_started_at = started_at
     by_index = {g.index: g for g in node.gpus}
     seen = set()
     for g in inv.gpus:
@@ -236,14 +275,18 @@ async def register_node(
         gpu.pci_bus_id = g.pci_bus_id
         gpu.fabric_cluster_uuid, gpu.fabric_clique_id = g.fabric_cluster_uuid, g.fabric_clique_id
     node.gpus = [g for g in node.gpus if g.index in seen]
+    actor = f"agent:{node.id}"
     record_event(
         session,
         "node.registered" if created else "node.reconnected",
-        actor=f"agent:{node.id}",
+        actor=actor,
         node_id=node.id,
         to_state=node.state.value,
         reason=f"{len(inv.gpus)} GPUs, backend {inv.gpu_backend or 'unknown'}",
     )
+    if node.state is NodeState.LOST or (node.state is NodeState.UNHEALTHY and restarted):
+        why = "agent reconnected" if node.state is NodeState.LOST else "agent restarted"
+        _transition(session, node, NodeState.READY, kind="node.recovered", reason=why, actor=actor)
     return node, created
 
 

@@ -1,0 +1,63 @@
+"""The liveness scan: a node whose heartbeats stop (a hung agent with its socket still
+open, say) is LOST once its deadline passes.
+
+Deadlines live in a Redis sorted set; each tick claims only what expired, so the cost
+follows failures, not the fleet. It runs in the process that decides (the leader).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from pitstop.scheduler.gateway import AgentGateway
+from pitstop.scheduler.hotstate import HotState
+from pitstop.scheduler.services import health as health_service
+from pitstop.scheduler.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class LivenessMonitor:
+    def __init__(
+        self,
+        store: Store,
+        hot: HotState,
+        gateway: AgentGateway,
+        *,
+        tick_seconds: float,
+        startup_grace_seconds: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.hot = hot
+        self.gateway = gateway
+        self.tick = tick_seconds
+        self.grace = startup_grace_seconds
+        self.clock = clock
+
+    async def scan_once(self) -> list[str]:
+        """Mark every node whose deadline passed LOST; returns them."""
+        lost = await self.hot.expired_nodes(self.clock())
+        for node_id in lost:
+            reason = "no heartbeat before the liveness deadline (agent hung or cut off)"
+            async with self.store.write() as session:
+                await health_service.mark_lost(session, node_id, reason=reason)
+            # Its stream, if still open, is stale: end it so the agent must register again.
+            self.gateway.close(node_id, reason)
+            log.warning("node %s lost: %s", node_id, reason)
+        return lost
+
+    async def run(self) -> None:
+        await self.hot.extend_deadlines(self.clock() + self.grace)
+        while True:
+            try:
+                await self.scan_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A store outage must not end the loop; the next tick retries.
+                log.warning("liveness scan failed; retrying", exc_info=True)
+            await asyncio.sleep(self.tick)

@@ -1,0 +1,165 @@
+"""What the scheduler makes of a node's health: Xids, verdicts, lost agents.
+
+Classification lives in ``pitstop.health`` (pure); this module turns a verdict into a
+node state change, with its event, in the caller's transaction:
+
+* fatal (an Xid such as 79, a lost GPU, uncorrected ECC) -> UNHEALTHY: replace the node;
+* warning (pending row remap, Xid 63/92/94, NVLink errors growing, a recovery action)
+  -> DRAINING: move its ranks at the next committed checkpoint;
+* application Xid -> an event only: the rank restarts in place, the GPU is fine;
+* a broken stream or a missed liveness deadline -> LOST.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from google.protobuf import json_format
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from pitstop.health.xid import XidClass, classify_xid
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import NodeState
+from pitstop.scheduler.services.events import record_event
+from pitstop.v1 import common_pb2
+
+# Stored as short lowercase words ("nvml_event", "fatal"), the enum names less prefix.
+_SOURCE_NAMES = {v: k.removeprefix("XID_SOURCE_").lower() for k, v in common_pb2.XidSource.items()}
+_VERDICT_NAMES = {v: k for k, v in common_pb2.HealthVerdict.items()}
+# States a verdict may move a node out of. UNHEALTHY and LOST are left alone: the first
+# is already the worst, the second means the agent is not talking at all.
+_LIVE = (NodeState.READY, NodeState.CORDONED, NodeState.DRAINING)
+
+
+async def _locked_node(session: AsyncSession, node_id: str) -> models.Node | None:
+    return await session.scalar(
+        select(models.Node).where(models.Node.id == node_id).with_for_update()
+    )
+
+
+def _move(
+    session: AsyncSession,
+    node: models.Node,
+    target: NodeState,
+    *,
+    kind: str,
+    reason: str,
+    actor: str,
+    attributes: dict[str, str] | None = None,
+) -> None:
+    previous = node.state
+    node.state = target
+    node.reason = reason
+    record_event(
+        session,
+        kind,
+        actor=actor,
+        node_id=node.id,
+        from_state=previous.value,
+        to_state=target.value,
+        reason=reason,
+        attributes=attributes,
+    )
+
+
+async def record_xid(
+    session: AsyncSession, node_id: str, xid: common_pb2.XidEvent, *, now: dt.datetime
+) -> NodeState | None:
+    """Store the Xid in the node's history and act on its class. Returns the new state if
+    the node changed state."""
+    info = classify_xid(xid.xid)
+    verdict = {
+        XidClass.FATAL: "fatal",
+        XidClass.WARNING: "warning",
+        XidClass.APPLICATION: "application",
+        XidClass.INFO: "healthy",
+    }[info.xid_class]
+    session.add(
+        models.XidRecord(
+            node_id=node_id,
+            gpu_index=xid.gpu_index,
+            gpu_uuid=xid.gpu_uuid,
+            xid=xid.xid,
+            message=xid.message[:2000],
+            source=_SOURCE_NAMES.get(xid.source, "unspecified"),
+            verdict=verdict,
+            time=xid.time.ToDatetime(dt.UTC) if xid.HasField("time") else now,
+        )
+    )
+    reason = f"Xid {xid.xid} on GPU {xid.gpu_index}: {info.name}"
+    attributes = {"xid": str(xid.xid), "gpu": str(xid.gpu_index), "class": info.xid_class.value}
+    actor = f"agent:{node_id}"
+    node = await _locked_node(session, node_id)
+    if node is None:
+        return None
+    if info.xid_class is XidClass.FATAL and node.state in _LIVE:
+        _move(
+            session,
+            node,
+            NodeState.UNHEALTHY,
+            kind="node.unhealthy",
+            reason=reason,
+            actor=actor,
+            attributes=attributes,
+        )
+        return node.state
+    if info.xid_class is XidClass.WARNING and node.state in (NodeState.READY, NodeState.CORDONED):
+        _move(
+            session,
+            node,
+            NodeState.DRAINING,
+            kind="node.draining",
+            reason=reason,
+            actor=actor,
+            attributes=attributes,
+        )
+        return node.state
+    record_event(
+        session, "node.xid", actor=actor, node_id=node_id, reason=reason, attributes=attributes
+    )
+    return None
+
+
+async def apply_health(
+    session: AsyncSession, node_id: str, health: common_pb2.NodeHealth
+) -> NodeState | None:
+    """Store the node's health (called only when the verdict or reasons changed) and act
+    on a fatal or warning verdict. Returns the new state if the node changed state."""
+    node = await _locked_node(session, node_id)
+    if node is None:
+        return None
+    node.health = json_format.MessageToDict(health, preserving_proto_field_name=True)
+    reason = "; ".join(health.reasons) or _VERDICT_NAMES.get(health.verdict, "unknown")
+    actor = f"agent:{node_id}"
+    if health.verdict == common_pb2.HEALTH_VERDICT_FATAL and node.state in _LIVE:
+        _move(session, node, NodeState.UNHEALTHY, kind="node.unhealthy", reason=reason, actor=actor)
+        return node.state
+    if health.verdict == common_pb2.HEALTH_VERDICT_WARNING and node.state in (
+        NodeState.READY,
+        NodeState.CORDONED,
+    ):
+        _move(session, node, NodeState.DRAINING, kind="node.draining", reason=reason, actor=actor)
+        return node.state
+    return None
+
+
+async def mark_lost(session: AsyncSession, node_id: str, *, reason: str) -> bool:
+    """LOST with its event, unless already lost. An unhealthy node stays unhealthy (the
+    worse news) but is recorded as disconnected. True if the state changed."""
+    node = await _locked_node(session, node_id)
+    if node is None:
+        return False
+    node.connected = False
+    if node.state in _LIVE:
+        _move(session, node, NodeState.LOST, kind="node.lost", reason=reason, actor="scheduler")
+        return True
+    record_event(session, "node.disconnected", actor="scheduler", node_id=node_id, reason=reason)
+    return False
+
+
+def health_verdict(health_json: dict[str, Any]) -> int:
+    """The verdict stored in a node's health JSON (0 when unknown)."""
+    name = str(health_json.get("verdict", "HEALTH_VERDICT_UNSPECIFIED"))
+    return common_pb2.HealthVerdict.Value(name) if name in common_pb2.HealthVerdict.keys() else 0  # noqa: SIM118
