@@ -14,6 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from pitstop.scheduler.api.agent import AgentServicer
+from pitstop.scheduler.api.catalog import CatalogServicer
 from pitstop.scheduler.api.jobs import JobServicer
 from pitstop.scheduler.api.nodes import EventServicer, NodeServicer
 from pitstop.scheduler.auth import AuthorizationInterceptor, TokenBook
@@ -28,6 +29,8 @@ from pitstop.scheduler.store import Store
 from pitstop.v1 import (
     agent_pb2,
     agent_pb2_grpc,
+    checkpoint_pb2,
+    checkpoint_pb2_grpc,
     jobs_pb2,
     jobs_pb2_grpc,
     nodes_pb2,
@@ -41,6 +44,7 @@ SERVICE_NAMES = (
     nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
     nodes_pb2.DESCRIPTOR.services_by_name["EventService"].full_name,
     agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
+    checkpoint_pb2.DESCRIPTOR.services_by_name["CheckpointCatalogService"].full_name,
 )
 HEALTH_CHECK_SECONDS = 2.0
 
@@ -112,6 +116,9 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(store), server)
         nodes_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(store, hot, gateway), server)
         nodes_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(store), server)
+        checkpoint_pb2_grpc.add_CheckpointCatalogServiceServicer_to_server(
+            CatalogServicer(store), server
+        )
         liveness_timeout = settings.heartbeat_interval_seconds * settings.liveness_timeout_intervals
         agent_servicer = AgentServicer(
             store, hot, gateway, settings.heartbeat_interval_seconds, liveness_timeout

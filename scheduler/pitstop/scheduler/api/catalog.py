@@ -1,0 +1,47 @@
+"""CheckpointCatalogService: checkpoint daemons report shards; the restore path asks."""
+
+from __future__ import annotations
+
+import grpc
+from sqlalchemy import select
+
+from pitstop.scheduler.db import models
+from pitstop.scheduler.jobspec import check_text
+from pitstop.scheduler.services import catalog as catalog_service
+from pitstop.scheduler.services import jobs as job_service
+from pitstop.scheduler.services import nodes as node_service
+from pitstop.scheduler.store import Store
+from pitstop.v1 import checkpoint_pb2
+
+
+class CatalogServicer:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def ReportShards(  # noqa: N802 (gRPC method names)
+        self, request: checkpoint_pb2.ReportShardsRequest, context: grpc.aio.ServicerContext
+    ) -> checkpoint_pb2.ReportShardsResponse:
+        check_text("node_id", request.node_id, max_len=253)
+        async with self.store.write() as session:
+            committed = await catalog_service.report_shards(session, request)
+        return checkpoint_pb2.ReportShardsResponse(committed_steps=committed)
+
+    async def GetBuddy(  # noqa: N802
+        self, request: checkpoint_pb2.GetBuddyRequest, context: grpc.aio.ServicerContext
+    ) -> checkpoint_pb2.GetBuddyResponse:
+        async with self.store.read() as session:
+            node = await node_service.get_node(session, request.node_id)
+            candidates = (await session.scalars(select(models.Node))).all()
+        buddy = catalog_service.choose_buddy(node, candidates)
+        if buddy is None:
+            return checkpoint_pb2.GetBuddyResponse()
+        return checkpoint_pb2.GetBuddyResponse(
+            buddy_node_id=buddy.id, buddy_address=buddy.checkpointd_address
+        )
+
+    async def GetRestorePoint(  # noqa: N802
+        self, request: checkpoint_pb2.GetRestorePointRequest, context: grpc.aio.ServicerContext
+    ) -> checkpoint_pb2.GetRestorePointResponse:
+        async with self.store.read() as session:
+            job = await job_service.get_job(session, request.job_id)
+            return await catalog_service.restore_point(session, job)

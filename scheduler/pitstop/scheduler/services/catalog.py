@@ -1,0 +1,185 @@
+"""The checkpoint catalog: which steps of which ranks sit where, and what is committed.
+
+A step is committed when every rank of its generation has it in memory on at least two
+nodes; it is durable when every rank has a durable copy. Checkpoint daemons report what
+they gain and drop; the restore path asks for the newest committed step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import NodeState
+from pitstop.scheduler.services.events import record_event
+from pitstop.scheduler.services.jobs import spec_from_json
+from pitstop.v1 import checkpoint_pb2
+
+log = logging.getLogger(__name__)
+
+_TIERS = {
+    checkpoint_pb2.SHARD_TIER_LOCAL: "local",
+    checkpoint_pb2.SHARD_TIER_REPLICA: "replica",
+    checkpoint_pb2.SHARD_TIER_DURABLE: "durable",
+}
+# Durable copies belong to no node; they are stored under this node id.
+DURABLE_NODE = ""
+
+
+async def world_size(session: AsyncSession, job: models.Job, generation: int) -> int:
+    """Ranks of the generation: its rank map, or the spec's shape before placement."""
+    placed = await session.scalar(
+        select(func.count())
+        .select_from(models.RankAssignment)
+        .where(models.RankAssignment.job_id == job.id)
+        .where(models.RankAssignment.generation == generation)
+    )
+    if placed:
+        return int(placed)
+    spec = spec_from_json(job.spec)
+    return max(spec.tp, 1) * max(spec.pp, 1) * max(spec.dp, 1)
+
+
+async def report_shards(
+    session: AsyncSession, request: checkpoint_pb2.ReportShardsRequest
+) -> dict[str, int]:
+    """Apply one daemon's report; returns the newest committed step of each job touched."""
+    node_id = request.node_id
+    touched: dict[str, set[int]] = {}
+    jobs: dict[str, models.Job | None] = {}
+    for info in request.added:
+        key = info.header.key
+        if key.job_id not in jobs:
+            jobs[key.job_id] = await session.get(models.Job, key.job_id)
+        if jobs[key.job_id] is None:
+            log.warning("node %s reported a shard of unknown job %s", node_id, key.job_id)
+            continue
+        tier = _TIERS.get(info.tier, "local")
+        await session.execute(
+            insert(models.Checkpoint)
+            .values(job_id=key.job_id, step=key.step, generation=key.generation)
+            .on_conflict_do_nothing()
+        )
+        holder = DURABLE_NODE if tier == "durable" else node_id
+        values = {
+            "job_id": key.job_id,
+            "step": key.step,
+            "rank": key.rank,
+            "node_id": holder,
+            "tier": tier,
+            "checksum": info.header.checksum,
+            "size_bytes": info.header.size_bytes,
+        }
+        await session.execute(
+            insert(models.CheckpointShard)
+            .values(**values)
+            .on_conflict_do_update(
+                index_elements=["job_id", "step", "rank", "node_id"],
+                set_={
+                    "tier": tier,
+                    "checksum": values["checksum"],
+                    "size_bytes": values["size_bytes"],
+                },
+            )
+        )
+        touched.setdefault(key.job_id, set()).add(key.step)
+    for key in request.removed:
+        await session.execute(
+            delete(models.CheckpointShard)
+            .where(models.CheckpointShard.job_id == key.job_id)
+            .where(models.CheckpointShard.step == key.step)
+            .where(models.CheckpointShard.rank == key.rank)
+            .where(models.CheckpointShard.node_id == node_id)
+        )
+    for error in request.flush_errors:
+        record_event(
+            session,
+            "checkpoint.flush_failed",
+            actor=f"checkpointd:{node_id}",
+            node_id=node_id,
+            reason=error[:1000],
+        )
+    committed: dict[str, int] = {}
+    for job_id, steps in touched.items():
+        job = jobs[job_id]
+        assert job is not None
+        for step in sorted(steps):
+            await _settle_step(session, job, step)
+        committed[job_id] = job.committed_step
+    return committed
+
+
+async def _settle_step(session: AsyncSession, job: models.Job, step: int) -> None:
+    """Mark the step committed/durable if it now is, and move the job's pointers."""
+    checkpoint = await session.get(models.Checkpoint, (job.id, step), with_for_update=True)
+    if checkpoint is None:
+        return
+    ranks = await world_size(session, job, checkpoint.generation)
+    in_memory = (
+        select(models.CheckpointShard.rank)
+        .where(models.CheckpointShard.job_id == job.id)
+        .where(models.CheckpointShard.step == step)
+        .where(models.CheckpointShard.node_id != DURABLE_NODE)
+        .group_by(models.CheckpointShard.rank)
+        .having(func.count(func.distinct(models.CheckpointShard.node_id)) >= 2)
+    )
+    twice = len((await session.scalars(in_memory)).all())
+    durable = await session.scalar(
+        select(func.count(func.distinct(models.CheckpointShard.rank)))
+        .where(models.CheckpointShard.job_id == job.id)
+        .where(models.CheckpointShard.step == step)
+        .where(models.CheckpointShard.node_id == DURABLE_NODE)
+    )
+    if twice >= ranks and not checkpoint.committed:
+        checkpoint.committed = True
+        if step > job.committed_step:
+            job.committed_step = step
+    if (durable or 0) >= ranks and not checkpoint.durable:
+        checkpoint.durable = True
+        if step > job.durable_step:
+            job.durable_step = step
+
+
+async def restore_point(
+    session: AsyncSession, job: models.Job
+) -> checkpoint_pb2.GetRestorePointResponse:
+    response = checkpoint_pb2.GetRestorePointResponse(
+        committed_step=job.committed_step, durable_step=job.durable_step
+    )
+    if job.committed_step:
+        rows = await session.execute(
+            select(models.CheckpointShard.rank, models.CheckpointShard.node_id)
+            .where(models.CheckpointShard.job_id == job.id)
+            .where(models.CheckpointShard.step == job.committed_step)
+            .where(models.CheckpointShard.node_id != DURABLE_NODE)
+            .order_by(models.CheckpointShard.rank, models.CheckpointShard.node_id)
+        )
+        for rank, node_id in rows:
+            response.locations[rank].node_ids.append(node_id)
+    return response
+
+
+def choose_buddy(node: models.Node, candidates: Sequence[models.Node]) -> models.Node | None:
+    """The next node after ``node`` in a ring ordered by failure domain (zone, block,
+    rack), preferring one in another rack, else any other node: a buddy should not fail
+    with the node it protects. Lost nodes and nodes without a checkpointd are skipped."""
+    usable = sorted(
+        (n for n in candidates if n.state is not NodeState.LOST and n.checkpointd_address),
+        key=lambda n: (n.zone, n.block, n.rack, n.id),
+    )
+    others = [n for n in usable if n.id != node.id]
+    if not others:
+        return None
+    ring_key = (node.zone, node.block, node.rack, node.id)
+    # Walk the ring from just after the node, wrapping around (a stable sort keeps order).
+    ordered = sorted(others, key=lambda n: (n.zone, n.block, n.rack, n.id) <= ring_key)
+    here = (node.zone, node.block, node.rack)
+    for candidate in ordered:
+        if (candidate.zone, candidate.block, candidate.rack) != here:
+            return candidate
+    return ordered[0]

@@ -1,0 +1,94 @@
+"""The checkpoint catalog: a step is committed once every rank is in memory on two nodes;
+durable once every rank has a durable copy; buddies sit in another rack."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest import SchedulerThread, unique
+
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import NodeState
+from pitstop.scheduler.services.catalog import choose_buddy
+from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc, jobs_pb2, jobs_pb2_grpc
+
+L, R, D = (
+    checkpoint_pb2.SHARD_TIER_LOCAL,
+    checkpoint_pb2.SHARD_TIER_REPLICA,
+    checkpoint_pb2.SHARD_TIER_DURABLE,
+)
+
+
+def shard(job_id: str, rank: int, step: int, tier: int) -> checkpoint_pb2.ShardInfo:
+    key = checkpoint_pb2.ShardKey(job_id=job_id, rank=rank, step=step, generation=1)
+    header = checkpoint_pb2.ShardHeader(key=key, size_bytes=10, checksum=f"c{rank}{step}")
+    return checkpoint_pb2.ShardInfo(header=header, tier=tier)
+
+
+@pytest.fixture
+def catalog(scheduler: SchedulerThread) -> Any:
+    return checkpoint_pb2_grpc.CheckpointCatalogServiceStub(scheduler.channel())
+
+
+@pytest.fixture
+def job_id(scheduler: SchedulerThread) -> str:
+    jobs = jobs_pb2_grpc.JobServiceStub(scheduler.channel())
+    spec = jobs_pb2.JobSpec(name=unique("ckpt"), command=["x"], dp=2)  # 2 ranks
+    return str(jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job.id)
+
+
+def report(catalog: Any, node: str, *shards: checkpoint_pb2.ShardInfo) -> dict[str, int]:
+    reply = catalog.ReportShards(checkpoint_pb2.ReportShardsRequest(node_id=node, added=shards))
+    return dict(reply.committed_steps)
+
+
+def test_a_step_commits_when_every_rank_is_on_two_nodes(
+    scheduler: SchedulerThread, catalog: Any, job_id: str
+) -> None:
+    assert report(catalog, "a", shard(job_id, 0, 5, L), shard(job_id, 1, 5, L)) == {job_id: 0}
+    assert report(catalog, "b", shard(job_id, 0, 5, R)) == {job_id: 0}  # rank 1 once only
+    assert report(catalog, "b", shard(job_id, 1, 5, R)) == {job_id: 5}
+    point = catalog.GetRestorePoint(checkpoint_pb2.GetRestorePointRequest(job_id=job_id))
+    assert point.committed_step == 5
+    assert point.durable_step == 0
+    assert {r: list(v.node_ids) for r, v in point.locations.items()} == {
+        0: ["a", "b"],
+        1: ["a", "b"],
+    }
+    jobs = jobs_pb2_grpc.JobServiceStub(scheduler.channel())
+    assert jobs.Get(jobs_pb2.GetJobRequest(job_id=job_id)).committed_step == 5
+
+
+def test_durable_needs_every_rank_and_removed_shards_uncommit_nothing_retroactively(
+    catalog: Any, job_id: str
+) -> None:
+    report(catalog, "a", shard(job_id, 0, 9, D))
+    point = catalog.GetRestorePoint(checkpoint_pb2.GetRestorePointRequest(job_id=job_id))
+    assert point.durable_step == 0
+    report(catalog, "a", shard(job_id, 1, 9, D))
+    point = catalog.GetRestorePoint(checkpoint_pb2.GetRestorePointRequest(job_id=job_id))
+    assert point.durable_step == 9
+
+
+def test_shards_of_unknown_jobs_are_ignored(catalog: Any) -> None:
+    assert report(catalog, "a", shard("j-doesnotexist", 0, 1, L)) == {}
+
+
+def node(node_id: str, rack: str, state: NodeState = NodeState.READY) -> models.Node:
+    return models.Node(
+        id=node_id, zone="z", block="b", rack=rack, state=state, checkpointd_address=f"{node_id}:1"
+    )
+
+
+def test_buddy_is_the_next_node_in_another_rack() -> None:
+    fleet = [node("n1", "r1"), node("n2", "r1"), node("n3", "r2"), node("n4", "r2")]
+    assert choose_buddy(fleet[0], fleet).id == "n3"  # n2 shares n1's rack
+    assert choose_buddy(fleet[2], fleet).id == "n1"  # wraps around
+    assert choose_buddy(fleet[3], fleet).id == "n1"
+
+
+def test_buddy_falls_back_to_the_same_rack_and_skips_lost_nodes() -> None:
+    fleet = [node("n1", "r1"), node("n2", "r1"), node("n3", "r2", NodeState.LOST)]
+    assert choose_buddy(fleet[0], fleet).id == "n2"
+    assert choose_buddy(fleet[0], fleet[:1]) is None
