@@ -38,3 +38,18 @@ def test_api_benchmark_prints_one_json_line() -> None:
     for phase in ("submit", "get"):
         assert report[phase]["throughput_rps"] > 0
         assert 0 < report[phase]["p50_ms"] <= report[phase]["p99_ms"]
+
+
+def test_placement_benchmark_prints_one_json_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "bench/placement.py", "--runs", "1", "--skip-redis"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["bench"] == "placement"
+    assert report["gang"]["ranks"] == 8 * 16 * 781
+    assert report["place"]["ranks"] == report["gang"]["ranks"]

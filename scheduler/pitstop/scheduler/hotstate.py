@@ -80,13 +80,22 @@ class HotState:
     async def expired_nodes(self, now: float, limit: int = 1000) -> list[str]:
         """Nodes whose liveness deadline passed, claimed: each is returned to one caller only
         (ZREM decides), so the cost follows what expired, not the fleet's size."""
-        due = await self.redis.zrangebyscore(self.deadlines_key, "-inf", now, start=0, num=limit)
-        claimed = []
-        for raw in due:
-            node_id = raw.decode() if isinstance(raw, bytes) else str(raw)
-            if await self.redis.zrem(self.deadlines_key, node_id):
-                claimed.append(node_id)
-        return claimed
+        due = cast(
+            list[bytes],
+            await self.redis.zrangebyscore(self.deadlines_key, "-inf", now, start=0, num=limit),
+        )
+        if not due:
+            return []
+        # One round trip for all the claims; each ZREM's reply still decides its owner.
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for raw in due:
+                pipe.zrem(self.deadlines_key, raw)
+            removed = await pipe.execute()
+        return [
+            raw.decode() if isinstance(raw, bytes) else str(raw)
+            for raw, won in zip(due, removed, strict=True)
+            if won
+        ]
 
     async def extend_deadlines(self, at_least: float) -> None:
         """Give every known node until ``at_least``: used when a leader starts, so agents
