@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError
+
+from pitstop.scheduler.hotstate import HotState
 from pitstop.v1 import agent_pb2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,18 +59,68 @@ class AgentGateway:
     def connected(self, node_id: str) -> bool:
         return node_id in self._queues
 
-    async def send(self, node_id: str, **body: Any) -> int | None:
-        """Queue one command (``fault=...``, ``start_ranks=...``); its id, or None if the
-        node has no stream here."""
+    async def forward(self, node_id: str, message: agent_pb2.SchedulerMessage) -> int | None:
+        """Queue a ready-made command under a fresh id; None if no stream here."""
         queue = self._queues.get(node_id)
         if queue is None:
             return None
-        command_id = next(self._command_ids)
-        ((key, value),) = body.items()
-        field = "inject_fault" if key == "fault" else key
-        await queue.put(agent_pb2.SchedulerMessage(command_id=command_id, **{field: value}))
-        return command_id
+        command = agent_pb2.SchedulerMessage()
+        command.CopyFrom(message)
+        command.command_id = next(self._command_ids)
+        await queue.put(command)
+        return command.command_id
 
-    @staticmethod
-    def is_close(item: object) -> bool:
-        return isinstance(item, CloseStream)
+
+class CommandRouter:
+    """Delivers a command to a node's agent wherever its stream is held: straight down
+    the stream when this process holds it, else over Redis pub/sub to every scheduler
+    process, where the one holding the stream forwards it."""
+
+    def __init__(self, gateway: AgentGateway, hot: HotState) -> None:
+        self.gateway = gateway
+        self.hot = hot
+        self.channel = f"{hot.prefix}node-commands"
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._listen(), name="command-router")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def send(self, node_id: str, message: agent_pb2.SchedulerMessage) -> int | None:
+        """The command id when delivered here; 0 when handed to the other processes; None
+        when Redis is unreachable too (the caller decides whether that matters)."""
+        if self.gateway.connected(node_id):
+            return await self.gateway.forward(node_id, message)
+        payload = json.dumps({"node": node_id, "message": message.SerializeToString().hex()})
+        try:
+            await self.hot.redis.publish(self.channel, payload)
+        except RedisError:
+            log.warning("cannot route a command to node %s: Redis unreachable", node_id)
+            return None
+        return 0
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                pubsub = self.hot.redis.pubsub(ignore_subscribe_messages=True)
+                await pubsub.subscribe(self.channel)
+                try:
+                    async for item in pubsub.listen():
+                        data = json.loads(item["data"])
+                        message = agent_pb2.SchedulerMessage.FromString(
+                            bytes.fromhex(data["message"])
+                        )
+                        if self.gateway.connected(data["node"]):
+                            await self.gateway.forward(data["node"], message)
+                finally:
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError, ValueError, KeyError):
+                log.debug("command router: retrying after an error", exc_info=True)
+                await asyncio.sleep(1.0)

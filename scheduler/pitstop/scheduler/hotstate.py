@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import cast
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -63,6 +63,9 @@ class HotState:
             pipe.set(self.node_health_key(node_id), health_json, ex=max(int(deadline_s * 10), 60))
             await pipe.execute()
 
+    def rank_stats_key(self, job_id: str) -> str:
+        return f"{self.prefix}job:{job_id}:rank-stats"
+
     def steps_key(self, job_id: str) -> str:
         return f"{self.prefix}steps:{job_id}"
 
@@ -76,6 +79,23 @@ class HotState:
             maxlen=keep // 8,
             approximate=True,
         )
+
+    async def read_step_batches(
+        self, cursors: dict[str, str], count: int = 10_000
+    ) -> list[tuple[str, str, agent_pb2.StepTimes]]:
+        """(job id, entry id, batch) for the batches after each job's cursor entry id."""
+        if not cursors:
+            return []
+        streams: dict[Any, Any] = {self.steps_key(job): last for job, last in cursors.items()}
+        replies = cast(list[Any], await self.redis.xread(streams, count=count))
+        batches = []
+        for key, entries in replies or []:
+            job_id = _text(key).rsplit(":", 1)[1]
+            for entry_id, fields in entries:
+                batches.append(
+                    (job_id, _text(entry_id), agent_pb2.StepTimes.FromString(fields[b"batch"]))
+                )
+        return batches
 
     async def expired_nodes(self, now: float, limit: int = 1000) -> list[str]:
         """Nodes whose liveness deadline passed, claimed: each is returned to one caller only
@@ -110,6 +130,10 @@ class HotState:
             pipe.zrem(self.deadlines_key, node_id)
             pipe.delete(self.node_health_key(node_id))
             await pipe.execute()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 class EventBus:

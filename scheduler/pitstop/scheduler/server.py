@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -21,10 +22,12 @@ from pitstop.scheduler.auth import AuthorizationInterceptor, TokenBook
 from pitstop.scheduler.config import SchedulerSettings
 from pitstop.scheduler.db.engine import create_engine_for, migrate, session_factory
 from pitstop.scheduler.embedded import EmbeddedStores, start_embedded
-from pitstop.scheduler.gateway import AgentGateway
+from pitstop.scheduler.gateway import AgentGateway, CommandRouter
 from pitstop.scheduler.hotstate import EventBus, HotState
 from pitstop.scheduler.interceptors import ErrorMappingInterceptor
+from pitstop.scheduler.leader import LeaderElection
 from pitstop.scheduler.liveness import LivenessMonitor
+from pitstop.scheduler.reconcile import Reconciler
 from pitstop.scheduler.store import Store
 from pitstop.v1 import (
     agent_pb2,
@@ -61,7 +64,9 @@ class Scheduler:
     port: int
     agents: AgentServicer
     embedded: EmbeddedStores | None = None
+    election: LeaderElection | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stoppers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -75,6 +80,10 @@ class Scheduler:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.election is not None:
+            await self.election.release()
+        for stop in self._stoppers:
+            await stop()
         await self.bus.stop()
         await self.hot.close()
         await self.engine.dispose()
@@ -113,8 +122,10 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
             interceptors=[ErrorMappingInterceptor(), AuthorizationInterceptor(tokens)],
             options=[("grpc.so_reuseport", 0)],
         )
-        jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(store), server)
-        nodes_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(store, hot, gateway), server)
+        router = CommandRouter(gateway, hot)
+        router.start()
+        jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(store, hot, router), server)
+        nodes_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(store, hot, router), server)
         nodes_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(store), server)
         checkpoint_pb2_grpc.add_CheckpointCatalogServiceServicer_to_server(
             CatalogServicer(store), server
@@ -149,8 +160,19 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
     scheduler._tasks.append(
         asyncio.create_task(_health_loop(health_servicer, engine, hot), name="health")
     )
-    # Leader loops. One process is the leader by default; election comes with several.
-    scheduler._tasks.append(asyncio.create_task(liveness.run(), name="liveness"))
+    # Every process campaigns; the lease holder runs the loops that decide.
+    election = LeaderElection(store, period_seconds=settings.leader_lease_seconds)
+    reconciler = Reconciler(store, hot, router, election)
+    scheduler.election = election
+
+    async def lead(token: int) -> None:
+        del token  # every deciding transaction re-checks it through the election
+        async with asyncio.TaskGroup() as loops:
+            loops.create_task(liveness.run())
+            loops.create_task(reconciler.run(settings.reconcile_tick_seconds))
+
+    scheduler._tasks.append(asyncio.create_task(election.run(lead), name="election"))
+    scheduler._stoppers.append(router.stop)
     return scheduler
 
 

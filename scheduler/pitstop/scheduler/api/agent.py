@@ -202,6 +202,7 @@ class AgentServicer:
                         "generation": str(exited.generation),
                         "exit_code": str(exited.exit_code),
                         "signal": str(exited.signal),
+                        **{f"result.{k}": v[:1000] for k, v in list(exited.result.items())[:32]},
                     },
                 )
         elif kind == "ack":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import grpc
@@ -12,17 +13,21 @@ from pitstop.scheduler.auth import current_caller
 from pitstop.scheduler.convert import event_to_pb, job_states_from_pb, job_to_pb
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import TERMINAL_JOB_STATES
+from pitstop.scheduler.gateway import CommandRouter
+from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.services import events as event_service
 from pitstop.scheduler.services import jobs as job_service
 from pitstop.scheduler.store import Store
-from pitstop.v1 import common_pb2, jobs_pb2
+from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2
 
 _TERMINAL_NAMES = {s.value for s in TERMINAL_JOB_STATES}
 
 
 class JobServicer:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, hot: HotState, router: CommandRouter) -> None:
         self.store = store
+        self.hot = hot
+        self.router = router
 
     async def Submit(  # noqa: N802 (gRPC method names)
         self, request: jobs_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext
@@ -49,7 +54,11 @@ class JobServicer:
                     .order_by(models.RankAssignment.rank)
                 )
             ).all()
-        return job_to_pb(job, ranks)
+        message = job_to_pb(job, ranks)
+        raw = await self.hot.redis.get(self.hot.rank_stats_key(job.id))
+        if raw is not None:
+            message.rank_stats.extend(jobs_pb2.RankStepStats(**s) for s in json.loads(raw))
+        return message
 
     async def List(  # noqa: N802
         self, request: jobs_pb2.ListJobsRequest, context: grpc.aio.ServicerContext
@@ -70,6 +79,21 @@ class JobServicer:
                 reason=request.reason,
                 actor=current_caller.get().actor,
             )
+            nodes = await job_service.job_nodes(session, job)
+        # After the commit: tell the job's agents (the decision stands even if one is away).
+        command = {
+            "cancel": agent_pb2.SchedulerMessage(
+                stop_ranks=agent_pb2.StopRanks(job_id=job.id, reason=job.reason, grace_seconds=10)
+            ),
+            "pause": agent_pb2.SchedulerMessage(
+                pause=agent_pb2.PauseJob(job_id=job.id, generation=job.generation)
+            ),
+            "resume": agent_pb2.SchedulerMessage(
+                resume=agent_pb2.ResumeJob(job_id=job.id, generation=job.generation)
+            ),
+        }[action]
+        for node_id in nodes:
+            await self.router.send(node_id, command)
         return job_to_pb(job)
 
     async def Cancel(  # noqa: N802

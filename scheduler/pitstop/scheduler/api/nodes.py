@@ -17,20 +17,20 @@ from pitstop.scheduler.convert import (
     node_to_pb,
 )
 from pitstop.scheduler.errors import InvalidArgument, Unavailable
-from pitstop.scheduler.gateway import AgentGateway
+from pitstop.scheduler.gateway import CommandRouter
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.services import events as event_service
 from pitstop.scheduler.services import nodes as node_service
 from pitstop.scheduler.services.health import health_verdict
 from pitstop.scheduler.store import Store
-from pitstop.v1 import common_pb2, nodes_pb2
+from pitstop.v1 import agent_pb2, common_pb2, nodes_pb2
 
 
 class NodeServicer:
-    def __init__(self, store: Store, hot: HotState, gateway: AgentGateway) -> None:
+    def __init__(self, store: Store, hot: HotState, router: CommandRouter) -> None:
         self.store = store
         self.hot = hot
-        self.gateway = gateway
+        self.router = router
 
     async def _live_health(self, node_id: str) -> dict[str, Any] | None:
         raw = await self.hot.redis.get(self.hot.node_health_key(node_id))
@@ -119,9 +119,13 @@ class NodeServicer:
                 request.fault.gpu_index,
                 f"node {node.id} has GPUs 0..{len(node.gpus) - 1}",
             )
-        command_id = await self.gateway.send(node.id, fault=request.fault)
-        if command_id is None:
+        if not node.connected:
             raise Unavailable(f"node {node.id} has no open agent stream; start its agent")
+        command_id = await self.router.send(
+            node.id, agent_pb2.SchedulerMessage(inject_fault=request.fault)
+        )
+        if command_id is None:
+            raise Unavailable(f"cannot reach the scheduler process holding node {node.id}")
         return nodes_pb2.InjectFaultResponse(command_id=command_id)
 
 

@@ -154,6 +154,20 @@ class RankAssignment(Base):
     tp: Mapped[int] = mapped_column(Integer)
 
 
+class GpuBooking(Base):
+    """A GPU held by a live job. The primary key makes a double booking impossible, even
+    for two schedulers that both believe they lead."""
+
+    __tablename__ = "gpu_bookings"
+
+    node_id: Mapped[str] = mapped_column(
+        ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
+    )
+    gpu_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+
+
 class Checkpoint(Base):
     """One step of a job in the catalog: committed once every rank has it on two nodes."""
 

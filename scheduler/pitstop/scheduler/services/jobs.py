@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Sequence
 
 from google.protobuf import json_format
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler import jobstate
@@ -122,6 +122,8 @@ async def change_job_state(
     previous = job.state
     job.state = target
     job.reason = reason or f"{action} requested by {actor}"
+    if target.terminal:
+        await session.execute(delete(models.GpuBooking).where(models.GpuBooking.job_id == job.id))
     record_event(
         session,
         f"job.{action}",
@@ -132,3 +134,15 @@ async def change_job_state(
         reason=job.reason,
     )
     return job
+
+
+async def job_nodes(session: AsyncSession, job: models.Job) -> list[str]:
+    """Nodes of the job's current generation."""
+    rows = await session.scalars(
+        select(models.RankAssignment.node_id)
+        .where(models.RankAssignment.job_id == job.id)
+        .where(models.RankAssignment.generation == job.generation)
+        .distinct()
+        .order_by(models.RankAssignment.node_id)
+    )
+    return list(rows.all())

@@ -1,0 +1,489 @@
+"""The leader's loop: place pending gangs, start them, follow their steps, and repair
+them when a node fails or a rank exits. Level-triggered: every tick looks at the state
+in PostgreSQL (and the step streams in Redis), so a new leader simply carries on.
+
+Decisions commit first (checked against the leader lease), commands go out after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+
+from pitstop.health.straggler import StragglerDetector, StragglerPolicy
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import JobState, NodeState
+from pitstop.scheduler.gateway import CommandRouter
+from pitstop.scheduler.hotstate import HotState
+from pitstop.scheduler.leader import LeaderElection
+from pitstop.scheduler.placement import (
+    GangRequest,
+    choose_replacement,
+    place_pending,
+    replace_node,
+    shrink_by_one_replica,
+)
+from pitstop.scheduler.services import lifecycle
+from pitstop.scheduler.services.events import record_event
+from pitstop.scheduler.services.jobs import spec_from_json
+from pitstop.scheduler.store import Store
+from pitstop.scheduler.topology import Placement, Topology
+from pitstop.v1 import agent_pb2, common_pb2
+
+log = logging.getLogger(__name__)
+
+FAILED_NODE_STATES = (NodeState.UNHEALTHY, NodeState.LOST)
+RUNNABLE = (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING)
+
+
+@dataclass
+class JobWatch:
+    """What the leader remembers about one live job between ticks (rebuilt if lost)."""
+
+    stream_id: str = "0-0"
+    detector: StragglerDetector | None = None
+    detector_generation: int = 0
+    finished: set[int] = field(default_factory=set)
+    restart_at: float | None = None
+    swap_nodes: set[str] = field(default_factory=set)
+
+
+class Reconciler:
+    def __init__(
+        self,
+        store: Store,
+        hot: HotState,
+        router: CommandRouter,
+        election: LeaderElection,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.hot = hot
+        self.router = router
+        self.election = election
+        self.clock = clock
+        self.watches: dict[str, JobWatch] = {}
+        self.exit_cursor = 0
+
+    async def run(self, tick_seconds: float) -> None:
+        """The deciding loop, for as long as this process leads."""
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reconcile tick failed; retrying")
+            await asyncio.sleep(tick_seconds)
+
+    async def tick(self) -> None:
+        await self.place_pending()
+        await self.repair_failed_nodes()
+        await self.follow_steps()
+        await self.handle_exits()
+        await self.restart_due()
+
+    # Placement and start -------------------------------------------------------------
+
+    async def place_pending(self) -> None:
+        async with self.store.read() as session:
+            pending = await lifecycle.live_jobs(session, (JobState.PENDING,))
+            if not pending:
+                return
+            nodes, booked = await lifecycle.topology_inputs(session)
+        topology = Topology.build(nodes, booked)
+        requests = []
+        for seq, job in enumerate(sorted(pending, key=lambda j: j.created_at)):
+            spec = spec_from_json(job.spec)
+            requests.append(
+                GangRequest(
+                    job.id,
+                    spec.tp,
+                    spec.pp,
+                    spec.dp,
+                    spec.gpus_per_node,
+                    priority=job.priority,
+                    sequence=seq,
+                )
+            )
+        for job_id, placement in place_pending(topology, requests).items():
+            async with self.store.write() as session:
+                await self.election.assert_leader(session)
+                row = await session.get(models.Job, job_id, with_for_update=True)
+                if row is None or row.state is not JobState.PENDING:
+                    continue
+                await lifecycle.place(session, row, placement)
+            await self.start(job_id, reason="placed")
+
+    async def start(self, job_id: str, *, reason: str) -> None:
+        """Send StartRanks for the job's current generation to every node in it."""
+        async with self.store.write() as session:
+            await self.election.assert_leader(session)
+            job = await session.get(models.Job, job_id, with_for_update=True)
+            if job is None:
+                return
+            placement = await lifecycle.rank_map(session, job)
+            hosts = dict(
+                (
+                    await session.execute(
+                        select(models.Node.id, models.Node.hostname).where(
+                            models.Node.id.in_(placement.nodes())
+                        )
+                    )
+                ).all()
+            )
+            if job.state is JobState.PLACED:
+                lifecycle.transition(
+                    session,
+                    job,
+                    JobState.STARTING,
+                    kind="job.starting",
+                    reason=f"starting ranks ({reason})",
+                )
+            command = start_command(job, placement, hosts)
+        self.watches.setdefault(job_id, JobWatch()).finished.clear()
+        for node_id in placement.nodes():
+            await self.router.send(node_id, agent_pb2.SchedulerMessage(start_ranks=command))
+
+    # Failures --------------------------------------------------------------------------
+
+    async def repair_failed_nodes(self) -> None:
+        async with self.store.read() as session:
+            jobs = await lifecycle.live_jobs(session, (*RUNNABLE, JobState.PAUSED))
+            if not jobs:
+                return
+            states = dict((await session.execute(select(models.Node.id, models.Node.state))).all())
+            maps = {job.id: await lifecycle.rank_map(session, job) for job in jobs}
+        for job in jobs:
+            watch = self.watches.setdefault(job.id, JobWatch())
+            failed = [
+                n
+                for n in maps[job.id].nodes()
+                if states.get(n) in FAILED_NODE_STATES
+                or n in watch.swap_nodes
+                or (states.get(n) is NodeState.DRAINING and job.committed_step > 0)
+            ]
+            if failed:
+                await self.replace(job.id, failed, {n: states.get(n) for n in failed})
+
+    async def replace(
+        self, job_id: str, failed: list[str], states: dict[str, NodeState | None]
+    ) -> None:
+        async with self.store.write() as session:
+            await self.election.assert_leader(session)
+            job = await session.get(models.Job, job_id, with_for_update=True)
+            if job is None or job.state.terminal:
+                return
+            placement = await lifecycle.rank_map(session, job)
+            nodes, booked = await lifecycle.topology_inputs(session)
+            topology = Topology.build(nodes, booked)
+            spec = spec_from_json(job.spec)
+            moves = []
+            for node_id in failed:
+                new = self._repair_one(
+                    topology,
+                    placement,
+                    node_id,
+                    spec.tp,
+                    spec.pp,
+                    spec.min_dp,
+                    must=states.get(node_id) in FAILED_NODE_STATES,
+                )
+                if new is None:
+                    continue
+                placement, how = new
+                moves.append(f"{node_id} ({(states.get(node_id) or NodeState.READY).value}): {how}")
+            if not moves:
+                if (
+                    states
+                    and any(s in FAILED_NODE_STATES for s in states.values())
+                    and (job.state is not JobState.RECOVERING)
+                ):
+                    lifecycle.transition(
+                        session,
+                        job,
+                        JobState.RECOVERING,
+                        kind="job.recovering",
+                        reason="waiting for capacity: no spare and no shrink left",
+                    )
+                return
+            await lifecycle.write_generation(session, job, placement)
+            target = JobState.RECOVERING
+            if job.state is not target:
+                lifecycle.transition(
+                    session, job, target, kind="job.recovering", reason="; ".join(moves)
+                )
+            else:
+                record_event(
+                    session,
+                    "job.reconfigured",
+                    actor="scheduler",
+                    job_id=job.id,
+                    reason="; ".join(moves),
+                    attributes={"generation": str(job.generation)},
+                )
+        self.watches.setdefault(job_id, JobWatch()).swap_nodes.difference_update(failed)
+        await self.start(job_id, reason="recovery")
+
+    @staticmethod
+    def _repair_one(
+        topology: Topology,
+        placement: Placement,
+        node_id: str,
+        tp: int,
+        pp: int,
+        min_dp: int,
+        *,
+        must: bool,
+    ) -> tuple[Placement, str] | None:
+        if not placement.ranks_on(node_id):
+            return None
+        spare = choose_replacement(
+            topology, topology.node(node_id), len(placement.ranks_on(node_id))
+        )
+        if spare is not None:
+            moved = replace_node(placement, node_id, spare, topology)
+            topology.book(Placement(moved.ranks_on(spare)))
+            return moved, f"ranks moved to spare {spare}"
+        if not must:
+            return None  # a draining or slow node waits for a spare
+        dp = placement.world_size // (tp * pp)
+        if dp > min_dp:
+            shrunk = shrink_by_one_replica(placement, node_id, tp, pp)
+            if shrunk is not None:
+                return shrunk, f"no spare: shrunk to dp={dp - 1}"
+        return None
+
+    # Steps, exits, restarts ------------------------------------------------------------
+
+    async def follow_steps(self) -> None:
+        async with self.store.read() as session:
+            jobs = {
+                j.id: j for j in await lifecycle.live_jobs(session, (*RUNNABLE, JobState.PAUSED))
+            }
+        if not jobs:
+            return
+        cursors = {j: self.watches.setdefault(j, JobWatch()).stream_id for j in jobs}
+        samples: dict[str, list[agent_pb2.StepSample]] = {}
+        for job_id, entry_id, batch in await self.hot.read_step_batches(cursors):
+            self.watches[job_id].stream_id = entry_id
+            if batch.generation == jobs[job_id].generation:
+                samples.setdefault(job_id, []).extend(batch.samples)
+        for job_id, fresh in samples.items():
+            newest = max(s.step for s in fresh)
+            await self._observe(jobs[job_id], self.watches[job_id], fresh, newest)
+
+    async def _observe(
+        self, job: models.Job, watch: JobWatch, samples: list[agent_pb2.StepSample], newest: int
+    ) -> None:
+        spec = spec_from_json(job.spec)
+        if watch.detector is None or watch.detector_generation != job.generation:
+            watch.detector = StragglerDetector(StragglerPolicy.from_proto(spec.straggler))
+            watch.detector_generation = job.generation
+        findings = watch.detector.observe(samples)
+        async with self.store.write() as session:
+            await self.election.assert_leader(session)
+            row = await session.get(models.Job, job.id, with_for_update=True)
+            if row is None or row.generation != job.generation or row.state.terminal:
+                return
+            row.current_step = max(row.current_step, newest)
+            if row.state in (JobState.STARTING, JobState.RECOVERING) and watch.restart_at is None:
+                kind = "job.running" if row.state is JobState.STARTING else "job.recovered"
+                lifecycle.transition(
+                    session,
+                    row,
+                    JobState.RUNNING,
+                    kind=kind,
+                    reason=f"ranks are stepping (step {newest})",
+                )
+            for finding in findings:
+                record_event(
+                    session,
+                    "job.straggler" if finding.straggler else "job.straggler_cleared",
+                    actor="scheduler",
+                    job_id=job.id,
+                    reason=finding.reason,
+                    attributes={"rank": str(finding.rank), "slowdown": f"{finding.slowdown:.3f}"},
+                )
+            placement = await lifecycle.rank_map(session, row)
+        stats = [
+            s.to_proto(placement.ranks[s.rank].node_id if s.rank < placement.world_size else "")
+            for s in watch.detector.stats()
+        ]
+        await self.hot.redis.set(
+            self.hot.rank_stats_key(job.id),
+            json.dumps(
+                [
+                    {
+                        "rank": s.rank,
+                        "node_id": s.node_id,
+                        "p50_seconds": s.p50_seconds,
+                        "p99_seconds": s.p99_seconds,
+                        "straggler": s.straggler,
+                    }
+                    for s in stats
+                ]
+            ),
+        )
+        if spec.straggler.action == 2:  # STRAGGLER_ACTION_SWAP
+            for finding in findings:
+                if finding.straggler and finding.rank < placement.world_size:
+                    watch.swap_nodes.add(placement.ranks[finding.rank].node_id)
+
+    async def handle_exits(self) -> None:
+        async with self.store.read() as session:
+            jobs = {j.id: j for j in await lifecycle.live_jobs(session)}
+            if not jobs:
+                return
+            exits = (
+                await session.scalars(
+                    select(models.Event)
+                    .where(models.Event.kind == "rank.exited")
+                    .where(models.Event.id > self.exit_cursor)
+                    .where(models.Event.job_id.in_(list(jobs)))
+                    .order_by(models.Event.id)
+                )
+            ).all()
+            sizes = {
+                j: (await lifecycle.rank_map(session, job)).world_size for j, job in jobs.items()
+            }
+        for event in exits:
+            self.exit_cursor = max(self.exit_cursor, event.id)
+            job = jobs.get(event.job_id or "")
+            if job is None or int(event.attributes.get("generation", -1)) != job.generation:
+                continue  # a rank of an older generation, stopped on purpose
+            watch = self.watches.setdefault(job.id, JobWatch())
+            rank = int(event.attributes.get("rank", -1))
+            clean = (
+                event.attributes.get("exit_code") == "0" and event.attributes.get("signal") == "0"
+            )
+            if clean:
+                watch.finished.add(rank)
+                if len(watch.finished) >= sizes[job.id] and job.state is JobState.RUNNING:
+                    await self.finish(job.id, event)
+            elif watch.restart_at is None:
+                await self.fail_rank(job.id, event)
+
+    async def finish(self, job_id: str, event: models.Event) -> None:
+        async with self.store.write() as session:
+            await self.election.assert_leader(session)
+            job = await session.get(models.Job, job_id, with_for_update=True)
+            if job is None or job.state is not JobState.RUNNING:
+                return
+            job.result = {
+                **job.result,
+                **{
+                    k.removeprefix("result."): v
+                    for k, v in event.attributes.items()
+                    if k.startswith("result.")
+                },
+            }
+            lifecycle.transition(
+                session, job, JobState.SUCCEEDED, kind="job.succeeded", reason="every rank exited 0"
+            )
+            await lifecycle.release_gpus(session, job.id)
+        self.watches.pop(job_id, None)
+
+    async def fail_rank(self, job_id: str, event: models.Event) -> None:
+        """A rank of the current generation failed: restart in place (after a backoff) while
+        restarts remain, else the job fails."""
+        async with self.store.write() as session:
+            await self.election.assert_leader(session)
+            job = await session.get(models.Job, job_id, with_for_update=True)
+            if job is None or job.state.terminal:
+                return
+            spec = spec_from_json(job.spec)
+            if job.restarts >= spec.max_restarts:
+                lifecycle.transition(
+                    session,
+                    job,
+                    JobState.FAILED,
+                    kind="job.failed",
+                    reason=f"{event.reason}; restarts exhausted ({job.restarts})",
+                )
+                await lifecycle.release_gpus(session, job.id)
+                placement = await lifecycle.rank_map(session, job)
+                failed = True
+            else:
+                job.restarts += 1
+                backoff = min(2.0 ** (job.restarts - 1), 30.0)
+                reason = (
+                    f"{event.reason}; restart {job.restarts} of {spec.max_restarts} "
+                    f"in {backoff:.0f}s"
+                )
+                if job.state is JobState.RECOVERING:
+                    record_event(
+                        session, "job.restarting", actor="scheduler", job_id=job.id, reason=reason
+                    )
+                else:
+                    lifecycle.transition(
+                        session, job, JobState.RECOVERING, kind="job.restarting", reason=reason
+                    )
+                self.watches.setdefault(job_id, JobWatch()).restart_at = self.clock() + backoff
+                failed = False
+        if failed:
+            stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=10, reason="job failed")
+            for node_id in placement.nodes():
+                await self.router.send(node_id, agent_pb2.SchedulerMessage(stop_ranks=stop))
+            self.watches.pop(job_id, None)
+
+    async def restart_due(self) -> None:
+        now = self.clock()
+        for job_id, watch in list(self.watches.items()):
+            if watch.restart_at is None or watch.restart_at > now:
+                continue
+            async with self.store.write() as session:
+                await self.election.assert_leader(session)
+                job = await session.get(models.Job, job_id, with_for_update=True)
+                if job is None or job.state is not JobState.RECOVERING:
+                    watch.restart_at = None
+                    continue
+                # Same places, a new generation: every rank restarts from the restore step.
+                await lifecycle.write_generation(
+                    session, job, await lifecycle.rank_map(session, job)
+                )
+            watch.restart_at = None
+            await self.start(job_id, reason="restart")
+
+
+def start_command(
+    job: models.Job, placement: Placement, hosts: dict[str, str]
+) -> agent_pb2.StartRanks:
+    """StartRanks for the job's current generation. The rendezvous is rank 0's host on a
+    port derived from the job and generation, so a new generation never meets the old."""
+    spec = spec_from_json(job.spec)
+    rank0 = placement.ranks[0].node_id
+    port = 20000 + (zlib.crc32(job.id.encode()) + job.generation) % 20000
+    return agent_pb2.StartRanks(
+        job_id=job.id,
+        generation=job.generation,
+        command=list(spec.command),
+        env=dict(spec.env),
+        working_dir=spec.working_dir,
+        rank_map=common_pb2.RankMap(
+            generation=job.generation,
+            world_size=placement.world_size,
+            ranks=[
+                common_pb2.RankAssignment(
+                    rank=s.rank,
+                    node_id=s.node_id,
+                    gpu_index=s.gpu_index,
+                    local_rank=s.local_rank,
+                    dp=s.dp,
+                    pp=s.pp,
+                    tp=s.tp,
+                )
+                for s in placement.ranks
+            ],
+        ),
+        rendezvous_address=f"{hosts.get(rank0) or rank0}:{port}",
+        restore_step=job.committed_step,
+    )
