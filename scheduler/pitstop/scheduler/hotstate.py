@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from typing import Any, cast
@@ -54,13 +55,19 @@ class HotState:
             log.warning("redis unreachable: event %d not announced; watchers poll", event_id)
 
     async def record_heartbeat(
-        self, node_id: str, deadline_s: float, health_json: str, now: float | None = None
+        self,
+        node_id: str,
+        deadline_s: float,
+        health: dict[str, Any] | None = None,
+        now: float | None = None,
     ) -> None:
-        """Push the node's liveness deadline and keep its live health."""
+        """Push the node's liveness deadline and keep its live health (NodeHealth as JSON,
+        with ``received_at``: a decision may only trust a report newer than its cause)."""
         at = time.time() if now is None else now
+        live = json.dumps({**(health or {}), "received_at": at})
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zadd(self.deadlines_key, {node_id: at + deadline_s})
-            pipe.set(self.node_health_key(node_id), health_json, ex=max(int(deadline_s * 10), 60))
+            pipe.set(self.node_health_key(node_id), live, ex=max(int(deadline_s * 10), 60))
             await pipe.execute()
 
     def rank_stats_key(self, job_id: str) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import json
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -142,7 +141,7 @@ class AgentServicer:
                 now=dt.datetime.now(dt.UTC),
                 connected_elsewhere=self.gateway.connected(reg.node_id),
             )
-        await self.hot.record_heartbeat(node.id, self.liveness_timeout, "{}")
+        await self.hot.record_heartbeat(node.id, self.liveness_timeout)
         return StreamState(node_id=node.id, seq=message.seq)
 
     async def _registered(self, node_id: str) -> agent_pb2.Registered:
@@ -214,7 +213,7 @@ class AgentServicer:
 
     async def _heartbeat(self, state: StreamState, beat: agent_pb2.Heartbeat) -> None:
         health = json_format.MessageToDict(beat.health, preserving_proto_field_name=True)
-        await self.hot.record_heartbeat(state.node_id, self.liveness_timeout, json.dumps(health))
+        await self.hot.record_heartbeat(state.node_id, self.liveness_timeout, health)
         reasons = tuple(beat.health.reasons)
         if (beat.health.verdict, reasons) == (state.verdict, state.reasons):
             return

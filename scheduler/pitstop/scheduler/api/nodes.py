@@ -76,6 +76,7 @@ class NodeServicer:
                 reason=request.reason,
                 actor=current_caller.get().actor,
                 live_verdict=health_verdict(live) if live else None,
+                live_received_at=float(live.get("received_at", 0.0)) if live else 0.0,
             )
         return node_to_pb(node)
 

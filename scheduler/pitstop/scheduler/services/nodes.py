@@ -127,10 +127,12 @@ async def uncordon_node(
     reason: str,
     actor: str,
     live_verdict: int | None = None,
+    live_received_at: float = 0.0,
 ) -> models.Node:
     """CORDONED or DRAINING -> READY; already ready is a no-op. An UNHEALTHY node may be
     returned to service only while its agent is connected and reports it healthy (the
-    operator vouches for the repair); a LOST node comes back when its agent reconnects."""
+    operator vouches for the repair) in a report received after it became unhealthy; a
+    LOST node comes back when its agent reconnects."""
     check_text("reason", reason, max_len=1024)
     node = await get_node(session, node_id, for_update=True)
     if node.state is NodeState.READY:
@@ -139,6 +141,7 @@ async def uncordon_node(
         node.state is NodeState.UNHEALTHY
         and node.connected
         and live_verdict == common_pb2.HEALTH_VERDICT_HEALTHY
+        and live_received_at > node.updated_at.timestamp()
     )
     if node.state not in (NodeState.CORDONED, NodeState.DRAINING) and not repaired:
         raise FailedPrecondition(
