@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Sequence
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
@@ -137,12 +137,18 @@ async def uncordon_node(
     node = await get_node(session, node_id, for_update=True)
     if node.state is NodeState.READY:
         return node
-    repaired = (
+    repaired = False
+    if (
         node.state is NodeState.UNHEALTHY
         and node.connected
         and live_verdict == common_pb2.HEALTH_VERDICT_HEALTHY
-        and live_received_at > node.updated_at.timestamp()
-    )
+    ):
+        since = await session.scalar(
+            select(func.max(models.Event.time))
+            .where(models.Event.node_id == node.id)
+            .where(models.Event.to_state == NodeState.UNHEALTHY.value)
+        )
+        repaired = since is None or live_received_at > since.timestamp()
     if node.state not in (NodeState.CORDONED, NodeState.DRAINING) and not repaired:
         raise FailedPrecondition(
             f"node {node.id} is {node.state.value} ({node.reason}); "
