@@ -13,7 +13,7 @@ import os
 import queue
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,9 @@ class StoreUrls:
     database_url: str
     redis_url: str
     redis_prefix: str
+    # Creates another empty database on the same server (dropped at the end of the run),
+    # for a scheduler that decides: its placements must not reach other tests' jobs.
+    fresh_database: Callable[[], str]
 
 
 def _admin_url(url: str, dbname: str) -> str:
@@ -57,15 +60,22 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreUrls]:
         embedded.append(started)
         base_db = base_db or started.database_url
         redis_url = redis_url or started.redis_url
-    dbname = f"pitstop_test_{RUN_ID}"
-    with psycopg.connect(_admin_url(base_db, "postgres"), autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{dbname}"')
+    created: list[str] = []
+
+    def fresh_database() -> str:
+        name = f"pitstop_test_{RUN_ID}_{len(created)}"
+        with psycopg.connect(_admin_url(base_db, "postgres"), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        created.append(name)
+        return _admin_url(base_db, name)
+
     prefix = f"pitstop-test-{RUN_ID}:"
     try:
-        yield StoreUrls(_admin_url(base_db, dbname), redis_url, prefix)
+        yield StoreUrls(fresh_database(), redis_url, prefix, fresh_database)
     finally:
         with psycopg.connect(_admin_url(base_db, "postgres"), autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{dbname}" WITH (FORCE)')
+            for name in created:
+                conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         client = redis.Redis.from_url(redis_url)
         for key in client.scan_iter(f"{prefix}*"):
             client.delete(key)
@@ -218,6 +228,8 @@ def scheduler_settings(stores: StoreUrls, state_dir: Path, **overrides: Any) -> 
         "redis_url": stores.redis_url,
         "redis_prefix": stores.redis_prefix,
         "shutdown_grace_seconds": 1.0,
+        # Deciding loops only where a test asks for them, on a database of its own.
+        "leader_loops": False,
         **overrides,
     }
     return SchedulerSettings(**values)
@@ -228,11 +240,14 @@ def scheduler(
     stores: StoreUrls, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SchedulerThread]:
     """One scheduler for the whole run, on the run's own database; tests use unique ids.
-    Its heartbeat interval is long: API tests hold agent streams open without beating.
-    Liveness tests start their own scheduler with a short interval."""
+    It serves the API only (no placement, no liveness): API tests hold agent streams
+    open without beating and their jobs stay where the test put them. Tests of the
+    deciding loops start their own scheduler on a fresh database."""
     thread = SchedulerThread(
         scheduler_settings(
-            stores, tmp_path_factory.mktemp("scheduler"), heartbeat_interval_seconds=60.0
+            stores,
+            tmp_path_factory.mktemp("scheduler"),
+            heartbeat_interval_seconds=60.0,
         )
     )
     try:

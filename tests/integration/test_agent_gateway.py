@@ -24,6 +24,8 @@ def fast(stores: StoreUrls, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     settings = scheduler_settings(
         stores,
         tmp_path_factory.mktemp("fast"),
+        database_url=stores.fresh_database(),
+        leader_loops=True,  # the liveness scan runs in the leader
         heartbeat_interval_seconds=BEAT,
         redis_prefix=stores.redis_prefix + "fast:",
         liveness_startup_grace_seconds=0.0,

@@ -1,0 +1,151 @@
+"""Agent configuration: defaults < config file (YAML) < PITSTOP_AGENT_* environment < flags."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from pitstop.agent.gpu import MAX_SIMULATED_GPUS
+
+ENV_PREFIX = "PITSTOP_AGENT_"
+DEFAULT_STATE_DIR = Path("/var/lib/pitstop/agent")
+SOCKET_NAME = "agent.sock"
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def check_gpus_spec(spec: str) -> str:
+    """Return `spec`, normalised, if it names a GPU backend ("nvml" or "sim:N"); raise
+    ValueError otherwise."""
+    kind, sep, count = spec.strip().partition(":")
+    if kind == "nvml" and not sep:
+        return "nvml"
+    if kind == "sim" and count.isdecimal() and 1 <= int(count) <= MAX_SIMULATED_GPUS:
+        return f"sim:{int(count)}"
+    raise ValueError(
+        f"{spec!r} is no GPU backend: use nvml or sim:N with N from 1 to {MAX_SIMULATED_GPUS}"
+    )
+
+
+class AgentSettings(BaseSettings):
+    """Everything the agent reads at start. Every field is also PITSTOP_AGENT_<NAME>."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    node_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=253)
+    """Node id the scheduler knows this node by (default: the host name)."""
+    scheduler: str = Field(default="127.0.0.1:50051", min_length=1)
+    """host:port of the scheduler's gRPC API."""
+    token: str = Field(default="", repr=False)
+    """Bearer token with the agent role; empty when the scheduler runs open."""
+    gpus: str = "nvml"
+    """GPU backend: "nvml" for the real GPUs, "sim:N" for N simulated ones."""
+    zone: str = ""
+    block: str = ""
+    rack: str = ""
+    nvlink_domain: str = ""
+    role: Literal["worker", "spare"] = "worker"
+    """Role asked for at the node's first registration; the scheduler's record wins later."""
+    heartbeat_interval_seconds: float = Field(default=1.0, gt=0)
+    """Used until the scheduler says otherwise in Registered."""
+    state_dir: Path = DEFAULT_STATE_DIR
+    socket_path: Path = DEFAULT_STATE_DIR / SOCKET_NAME
+    """Unix socket for the ranks; default <state_dir>/agent.sock."""
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=9400, ge=0, le=65535)
+    """Port of /metrics and /healthz; 0 picks a free one (printed at start)."""
+    checkpointd_address: str = ""
+    """host:port of this node's checkpoint daemon, reported in the inventory."""
+    log_level: str = "INFO"
+    allow_fault_injection: bool = False
+    """Accept injected faults on the local socket; default true only for simulated GPUs."""
+    reconnect_max_seconds: float = Field(default=2.0, gt=0)
+    """Longest wait between attempts to reach the scheduler."""
+    config_file: Path | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_defaults(cls, data: Any) -> Any:
+        # Defaults that depend on other fields, filled only where no source set them.
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("socket_path") in (None, ""):
+            data["socket_path"] = Path(data.get("state_dir") or DEFAULT_STATE_DIR) / SOCKET_NAME
+        if data.get("allow_fault_injection") in (None, ""):
+            data["allow_fault_injection"] = str(data.get("gpus", "nvml")).startswith("sim")
+        return data
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, value: str) -> str:
+        return check_gpus_spec(value)
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        level = value.upper()
+        if level not in _LOG_LEVELS:
+            raise ValueError(f"log_level {value!r}: use one of {', '.join(_LOG_LEVELS)}")
+        return level
+
+    @field_validator("scheduler")
+    @classmethod
+    def _scheduler(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdecimal() or not 0 < int(port) < 65536:
+            raise ValueError(f"scheduler {value!r}: use host:port, e.g. 10.0.0.5:50051")
+        return value
+
+    @property
+    def log_level_number(self) -> int:
+        """The log level as a `logging` number."""
+        return logging.getLevelNamesMapping()[self.log_level]
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings)
+
+
+def load_settings(config_file: Path | None = None, **flags: Any) -> AgentSettings:
+    """Merge defaults, the YAML config file, PITSTOP_AGENT_* variables and the flags given
+    (flags win; a flag given as None is not given)."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    if config_file is None:
+        return AgentSettings(**given)
+    if not config_file.is_file():
+        raise FileNotFoundError(f"config file {config_file} does not exist; fix the --config path")
+
+    class FileSettings(AgentSettings):
+        model_config = SettingsConfigDict(
+            env_prefix=ENV_PREFIX, extra="forbid", yaml_file=config_file
+        )
+
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
+
+    return FileSettings(**given, config_file=config_file)

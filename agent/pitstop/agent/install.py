@@ -1,0 +1,142 @@
+"""`pitstop-agent install`: the systemd unit and the example configuration.
+
+The files checked in under deploy/ are exactly what this writes for prefix "/" with the
+agent at DEFAULT_EXECUTABLE; a test keeps them identical.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+UNIT_PATH = Path("etc/systemd/system/pitstop-agent.service")
+CONFIG_PATH = Path("etc/pitstop/agent.yaml")
+CONFIG_FILE = "/" + CONFIG_PATH.as_posix()
+DEFAULT_EXECUTABLE = "/usr/local/bin/pitstop-agent"
+
+_UNIT = """\
+[Unit]
+Description=pitstop agent: GPU health, heartbeats and rank supervision
+Wants=network-online.target
+After=network-online.target
+
+[Service]
+Type=simple
+ExecStart={executable} run --config {config}
+# Stop: SIGTERM to the agent only; it stops its ranks itself (SIGTERM, then SIGKILL
+# after their grace) and exits. Whatever is left after TimeoutStopSec gets SIGKILL.
+KillMode=mixed
+TimeoutStopSec=30
+Restart=always
+RestartSec=1
+# Exit code 2 is a bad configuration: restarting cannot fix it.
+RestartPreventExitStatus=2
+StateDirectory=pitstop/agent
+Environment=PYTHONUNBUFFERED=1
+LimitNOFILE=1048576
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+EXAMPLE_CONFIG = """\
+# pitstop agent configuration.
+#
+# Every setting is optional; the value shown is the default. Each one can also be set
+# as an environment variable PITSTOP_AGENT_<NAME> (e.g. PITSTOP_AGENT_SCHEDULER) or as
+# a flag of `pitstop-agent run`. Flags win over the environment, the environment wins
+# over this file.
+
+# Node id the scheduler knows this node by. Default: the host name.
+# node_id: gpu-node-017
+
+# host:port of the scheduler's gRPC API.
+# scheduler: 127.0.0.1:50051
+
+# Bearer token with the agent role; empty when the scheduler runs without tokens.
+# Better kept out of this file: set PITSTOP_AGENT_TOKEN in a systemd drop-in.
+# token: ""
+
+# GPU backend: nvml for this node's NVIDIA GPUs, sim:N for N simulated GPUs.
+# gpus: nvml
+
+# Failure-domain labels. Placement spreads data-parallel replicas over them and picks
+# the nearest spare (same rack, then block, then zone).
+# zone: ""
+# block: ""
+# rack: ""
+# nvlink_domain: ""
+
+# Role asked for at the node's first registration: worker or spare. Afterwards the
+# scheduler's record wins (change it with `pitstop node set-role`).
+# role: worker
+
+# Seconds between heartbeats until the scheduler sets the interval at registration.
+# heartbeat_interval_seconds: 1.0
+
+# Where the agent keeps its socket and the ranks' logs.
+# state_dir: /var/lib/pitstop/agent
+
+# Unix socket the ranks talk to. Default: <state_dir>/agent.sock.
+# socket_path: /var/lib/pitstop/agent/agent.sock
+
+# Address of /metrics (Prometheus) and /healthz. Port 0 picks a free port.
+# metrics_host: 127.0.0.1
+# metrics_port: 9400
+
+# host:port of this node's checkpoint daemon, reported to the scheduler.
+# checkpointd_address: ""
+
+# DEBUG, INFO, WARNING, ERROR or CRITICAL.
+# log_level: INFO
+
+# Accept injected faults (drills, tests). Default: true for sim:N GPUs, false for nvml.
+# allow_fault_injection: false
+
+# Longest wait, in seconds, between attempts to reach the scheduler.
+# reconnect_max_seconds: 2.0
+"""
+
+
+def render_unit(executable: str = DEFAULT_EXECUTABLE) -> str:
+    """The systemd unit that runs `executable` with the installed configuration."""
+    return _UNIT.format(executable=executable, config=CONFIG_FILE)
+
+
+def current_executable() -> str:
+    """Path of the running `pitstop-agent`, else the one on PATH, else the bare name."""
+    argv0 = Path(sys.argv[0])
+    if argv0.name == "pitstop-agent" and os.access(argv0, os.X_OK):
+        return str(argv0.absolute())
+    return shutil.which("pitstop-agent") or "pitstop-agent"
+
+
+@dataclass
+class InstallResult:
+    """What `install` wrote, and what it left alone because it already existed."""
+
+    written: list[Path] = field(default_factory=list)
+    kept: list[Path] = field(default_factory=list)
+
+
+def install(prefix: Path, executable: str = DEFAULT_EXECUTABLE) -> InstallResult:
+    """Write the unit (always: it belongs to the package) and the example configuration
+    (only when none exists: it belongs to the operator) under `prefix`."""
+    result = InstallResult()
+    unit = prefix / UNIT_PATH
+    unit.parent.mkdir(parents=True, exist_ok=True)
+    unit.write_text(render_unit(executable))
+    result.written.append(unit)
+    config = prefix / CONFIG_PATH
+    config.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with config.open("x") as out:  # "x": never replace an operator's file
+            out.write(EXAMPLE_CONFIG)
+    except FileExistsError:
+        result.kept.append(config)
+    else:
+        result.written.append(config)
+    return result

@@ -1,0 +1,398 @@
+"""The agent's local endpoint: the RankControl service on a Unix socket.
+
+Ranks attach, report steps and results, receive commands and acknowledge them;
+standby processes on a spare wait here to be handed a rank; drills inject faults.
+The socket file is the boundary: it is made mode 0600, so only the agent's user
+(the user the ranks run as) can reach it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import stat
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from pitstop.agent.gpu.base import FaultNotSupported, GpuBackend
+from pitstop.agent.steps import StepBatcher
+from pitstop.agent.supervisor import RankSupervisor
+from pitstop.v1 import rank_pb2, rank_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_SOCKET_PATH_BYTES = 107
+# Ack futures kept for late waiters; the oldest go first beyond this.
+MAX_TRACKED_ACKS = 4096
+
+_Key = tuple[str, int]
+_Stream = asyncio.Queue[rank_pb2.RankCommand | None]
+# A waiting standby call: its future, its gRPC context and the process id it gave.
+_Waiter = tuple[asyncio.Future[rank_pb2.StandbyAssignment], Any, int]
+
+
+class LocalEndpoint:
+    """Serves RankControl to the ranks of this node over `socket_path`.
+
+    Its state lives on the event loop: call every method from the loop.
+    """
+
+    def __init__(
+        self,
+        socket_path: Path,
+        backend: GpuBackend,
+        supervisor: RankSupervisor,
+        steps: StepBatcher,
+        checkpointd_address: str = "",
+        allow_fault_injection: bool = True,
+    ) -> None:
+        self.socket_path = Path(socket_path)
+        self.backend = backend
+        self.supervisor = supervisor
+        self.steps = steps
+        self.checkpointd_address = checkpointd_address
+        self.allow_fault_injection = allow_fault_injection
+        self._server: Any = None
+        self._generations: dict[str, tuple[int, int]] = {}
+        self._streams: dict[_Key, _Stream] = {}
+        # Commands each rank has not acknowledged, with the pid of the process they went
+        # to: a restarted rank must not get its predecessor's commands.
+        self._unacked: dict[_Key, tuple[int, dict[int, rank_pb2.RankCommand]]] = {}
+        self._acks: OrderedDict[int, asyncio.Future[rank_pb2.RankAck]] = OrderedDict()
+        self._standby: dict[str, list[_Waiter]] = {}
+        # GPU and pid of ranks handed to standby processes, which the supervisor did not
+        # spawn as those ranks.
+        self._adopted: dict[_Key, tuple[int, int]] = {}
+        # Replaced on every change, so waiters wake without polling.
+        self._changed = asyncio.Event()
+
+    async def start(self) -> None:
+        """Serve on `unix:<socket_path>`, replacing a stale socket file. Raises
+        RuntimeError when another process serves that path."""
+        path = self.socket_path
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+            raise ValueError(
+                f"agent socket path {str(path)!r} is longer than {MAX_SOCKET_PATH_BYTES} "
+                "bytes, the Unix socket limit; choose a shorter path"
+            )
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _remove_stale_socket(path)
+        server = grpc.aio.server()
+        rank_pb2_grpc.add_RankControlServicer_to_server(_RankControlServicer(self), server)
+        server.add_insecure_port(f"unix:{path}")
+        await server.start()
+        os.chmod(path, 0o600)
+        self._server = server
+        logger.info("rank endpoint serving on unix:%s", path)
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Stop serving (open streams and standby calls end) and remove the socket."""
+        # End the calls that would otherwise hold the server for the whole grace.
+        for queue in self._streams.values():
+            queue.put_nowait(None)
+        for waiting in self._standby.values():
+            for future, _, _ in waiting:
+                if not future.done():
+                    future.set_exception(_Stopping())
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+
+    async def send_command(self, job_id: str, rank: int, command: rank_pb2.RankCommand) -> bool:
+        """Queue `command` on the rank's Commands stream; False when it has none open.
+
+        A new stream of the rank gets it again until the rank acknowledges it. Acks are
+        matched by id alone, so every command sent needs its own nonzero command_id.
+        """
+        if command.command_id == 0:
+            raise ValueError(f"command for rank {rank} of job {job_id!r} has command_id 0")
+        pending = self._acks.get(command.command_id)
+        if pending is not None and not pending.done():
+            raise ValueError(
+                f"command_id {command.command_id} still waits for an ack; give each "
+                "rank's command its own id"
+            )
+        queue = self._streams.get((job_id, rank))
+        if queue is None:
+            return False
+        self._track_ack(command.command_id)
+        unacked = self._unacked_by_current((job_id, rank))
+        if not unacked:
+            self._unacked[(job_id, rank)] = (self._pid_of((job_id, rank)) or 0, unacked)
+        unacked[command.command_id] = command
+        queue.put_nowait(command)
+        return True
+
+    async def wait_ack(self, command_id: int, timeout: float) -> rank_pb2.RankAck | None:
+        """The rank's ack of `command_id`, or None when none comes within `timeout` s."""
+        future = self._acks.get(command_id)
+        if future is None:
+            future = self._track_ack(command_id)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            return None
+
+    def set_generation(self, job_id: str, generation: int, restore_step: int) -> None:
+        """The generation and restore step Attach answers for `job_id`."""
+        self._generations[job_id] = (generation, restore_step)
+
+    async def assign_standby(self, job_id: str, assignment: rank_pb2.StandbyAssignment) -> bool:
+        """Hand `assignment` to the longest-waiting standby call of `job_id`; False when
+        none waits."""
+        waiting = self._standby.get(job_id, [])
+        while waiting:
+            future, context, pid = waiting.pop(0)
+            if future.done() or context.cancelled():
+                continue
+            future.set_result(assignment)
+            self._adopted[(job_id, assignment.rank)] = (assignment.gpu_index, pid)
+            self._notify()
+            return True
+        return False
+
+    @property
+    def standby_count(self) -> int:
+        """Standby processes waiting for a rank, all jobs together."""
+        return sum(self._standby_waiting(job_id) for job_id in self._standby)
+
+    async def wait_command_stream(self, job_id: str, rank: int, timeout: float) -> bool:
+        """Whether the rank has a Commands stream open, waiting up to `timeout` s."""
+        return await self._wait_until(lambda: (job_id, rank) in self._streams, timeout)
+
+    async def wait_standby(self, job_id: str, timeout: float) -> bool:
+        """Whether a standby process waits for `job_id`, waiting up to `timeout` s."""
+        return await self._wait_until(lambda: self._standby_waiting(job_id) > 0, timeout)
+
+    def _gpu_of(self, job_id: str, rank: int) -> int | None:
+        gpu = self.supervisor.gpu_index(job_id, rank)
+        adopted = self._adopted.get((job_id, rank))
+        return adopted[0] if gpu is None and adopted is not None else gpu
+
+    def _pid_of(self, key: _Key) -> int | None:
+        pid = self.supervisor.pid(*key)
+        adopted = self._adopted.get(key)
+        return adopted[1] if pid is None and adopted is not None else pid
+
+    def _unacked_by_current(self, key: _Key) -> dict[int, rank_pb2.RankCommand]:
+        """Commands the rank's current process has not acknowledged; those an earlier
+        process of the rank left unacknowledged are dropped."""
+        pid, commands = self._unacked.get(key, (0, {}))
+        if commands and pid != self._pid_of(key):
+            del self._unacked[key]
+            return {}
+        return commands
+
+    def _open_stream(self, key: _Key) -> _Stream:
+        older = self._streams.get(key)
+        if older is not None:
+            older.put_nowait(None)  # ends the older stream
+        queue: _Stream = asyncio.Queue()
+        for command in self._unacked_by_current(key).values():
+            queue.put_nowait(command)
+        self._streams[key] = queue
+        self._notify()
+        return queue
+
+    def _close_stream(self, key: _Key, queue: _Stream) -> None:
+        if self._streams.get(key) is queue:
+            del self._streams[key]
+            self._notify()
+
+    def _acknowledge(self, ack: rank_pb2.RankAck) -> None:
+        self._unacked_by_current((ack.job_id, ack.rank)).pop(ack.command_id, None)
+        future = self._acks.get(ack.command_id)
+        if future is not None and not future.done():
+            future.set_result(ack)
+
+    async def _wait_for_assignment(
+        self, request: rank_pb2.StandbyRequest, context: Any
+    ) -> rank_pb2.StandbyAssignment:
+        job_id = request.job_id
+        future: asyncio.Future[rank_pb2.StandbyAssignment] = (
+            asyncio.get_running_loop().create_future()
+        )
+        waiter = (future, context, request.pid)
+        self._standby.setdefault(job_id, []).append(waiter)
+        self._notify()
+        try:
+            return await future
+        finally:
+            waiting = self._standby.get(job_id, [])
+            with contextlib.suppress(ValueError):
+                waiting.remove(waiter)
+            if not waiting:
+                self._standby.pop(job_id, None)
+
+    def _standby_waiting(self, job_id: str) -> int:
+        return sum(1 for future, _, _ in self._standby.get(job_id, []) if not future.done())
+
+    def _track_ack(self, command_id: int) -> asyncio.Future[rank_pb2.RankAck]:
+        future: asyncio.Future[rank_pb2.RankAck] = asyncio.get_running_loop().create_future()
+        self._acks[command_id] = future
+        while len(self._acks) > MAX_TRACKED_ACKS:
+            self._acks.popitem(last=False)
+        return future
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), remaining)
+        return True
+
+
+class _RankControlServicer:
+    """Decodes RankControl calls, checks them, and hands them to the endpoint."""
+
+    def __init__(self, endpoint: LocalEndpoint) -> None:
+        self._endpoint = endpoint
+
+    async def _gpu(self, job_id: str, rank: int, context: Any) -> int:
+        if not job_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is empty")
+        gpu = self._endpoint._gpu_of(job_id, rank)
+        if gpu is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"rank {rank} of job {job_id!r} does not run on this node; "
+                "only ranks the agent started (or handed to a standby) may call",
+            )
+        assert gpu is not None  # abort raised otherwise
+        return gpu
+
+    async def Attach(  # noqa: N802 (gRPC method names)
+        self, request: rank_pb2.AttachRequest, context: Any
+    ) -> rank_pb2.AttachResponse:
+        gpu = await self._gpu(request.job_id, request.rank, context)
+        endpoint = self._endpoint
+        generation, restore_step = endpoint._generations.get(request.job_id, (0, 0))
+        try:
+            multiplier = endpoint.backend.slow_multiplier(gpu)
+        except ValueError:  # a GPU the backend does not know cannot be simulated slow
+            multiplier = 1.0
+        return rank_pb2.AttachResponse(
+            generation=generation,
+            restore_step=restore_step,
+            checkpointd_address=endpoint.checkpointd_address,
+            slow_multiplier=multiplier,
+        )
+
+    async def ReportStep(  # noqa: N802
+        self, request: rank_pb2.StepReport, context: Any
+    ) -> rank_pb2.StepReportResponse:
+        await self._gpu(request.job_id, request.rank, context)
+        sample = request.sample
+        sample.rank = request.rank
+        if not sample.HasField("time"):
+            sample.time.CopyFrom(_now())
+        self._endpoint.steps.add(request.job_id, request.generation, sample)
+        supervisor = self._endpoint.supervisor
+        supervisor.record_step(request.job_id, request.rank, sample.step)
+        supervisor.record_generation(request.job_id, request.rank, request.generation)
+        pending = self._endpoint._unacked_by_current((request.job_id, request.rank))
+        return rank_pb2.StepReportResponse(command_pending=bool(pending))
+
+    async def Commands(  # noqa: N802
+        self, request: rank_pb2.CommandStreamRequest, context: Any
+    ) -> AsyncIterator[rank_pb2.RankCommand]:
+        await self._gpu(request.job_id, request.rank, context)
+        key = (request.job_id, request.rank)
+        queue = self._endpoint._open_stream(key)
+        try:
+            while (command := await queue.get()) is not None:
+                yield command
+        finally:
+            self._endpoint._close_stream(key, queue)
+
+    async def Acknowledge(  # noqa: N802
+        self, request: rank_pb2.RankAck, context: Any
+    ) -> rank_pb2.RankAckResponse:
+        await self._gpu(request.job_id, request.rank, context)
+        self._endpoint._acknowledge(request)
+        return rank_pb2.RankAckResponse()
+
+    async def Standby(  # noqa: N802
+        self, request: rank_pb2.StandbyRequest, context: Any
+    ) -> rank_pb2.StandbyAssignment:
+        if not request.job_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is empty")
+        try:
+            return await self._endpoint._wait_for_assignment(request, context)
+        except _Stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the agent is stopping; retry")
+            raise
+
+    async def ReportResult(  # noqa: N802
+        self, request: rank_pb2.RankResult, context: Any
+    ) -> rank_pb2.RankResultResponse:
+        await self._gpu(request.job_id, request.rank, context)
+        self._endpoint.supervisor.record_result(request.job_id, request.rank, request.result)
+        return rank_pb2.RankResultResponse()
+
+    async def InjectFault(  # noqa: N802
+        self, request: rank_pb2.LocalFaultRequest, context: Any
+    ) -> rank_pb2.LocalFaultResponse:
+        backend = self._endpoint.backend
+        if not self._endpoint.allow_fault_injection:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "fault injection is disabled on this agent; enable it for drills and tests only",
+            )
+        try:
+            backend.inject_fault(request.fault)
+        except FaultNotSupported as exc:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the {backend.name} GPU backend cannot inject this fault: {exc}",
+            )
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return rank_pb2.LocalFaultResponse()
+
+
+class _Stopping(Exception):
+    """The endpoint stops: a waiting standby call ends."""
+
+
+def _now() -> Timestamp:
+    now = Timestamp()
+    now.FromNanoseconds(time.time_ns())
+    return now
+
+
+def _remove_stale_socket(path: Path) -> None:
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ValueError(f"{path} exists and is not a socket; remove it or choose another path")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(os.fspath(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)
+            return
+    raise RuntimeError(
+        f"another process serves {path} (a running agent?); stop it or choose another path"
+    )

@@ -1,0 +1,226 @@
+"""`pitstop-agent`: the node daemon, and its installer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from pydantic import ValidationError
+
+# gRPC core logs at INFO when a rank process forks; only its errors belong in the
+# agent's output. Set before grpc is first imported.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from pitstop.agent import install as installer
+from pitstop.agent.config import AgentSettings, load_settings
+from pitstop.agent.gpu import GpuBackend, GpuBackendError, open_backend
+from pitstop.agent.link import SchedulerLink
+from pitstop.agent.local import LocalEndpoint
+from pitstop.agent.metrics import AgentMetrics, MetricsServer
+from pitstop.agent.steps import StepBatcher
+from pitstop.agent.supervisor import RankSupervisor
+from pitstop.v1 import agent_pb2
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="The pitstop node agent.")
+log = logging.getLogger("pitstop.agent")
+
+EXIT_BAD_CONFIG = 2
+EXIT_CANNOT_START = 1
+
+
+class NodeAgent:
+    """Every part of one agent, wired together: GPU backend, rank supervisor, local
+    endpoint, step batcher, metrics and the scheduler link. It owns `backend`."""
+
+    def __init__(self, settings: AgentSettings, backend: GpuBackend) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.metrics = AgentMetrics(settings.node_id)
+        self.steps = StepBatcher()
+        self.supervisor = RankSupervisor(
+            settings.node_id,
+            settings.socket_path,
+            settings.state_dir / "ranks",
+            on_exit=self._report_rank_exit,
+            checkpointd_address=settings.checkpointd_address,
+        )
+        self.local = LocalEndpoint(
+            settings.socket_path,
+            backend,
+            self.supervisor,
+            self.steps,
+            checkpointd_address=settings.checkpointd_address,
+            allow_fault_injection=settings.allow_fault_injection,
+        )
+        self.link = SchedulerLink(
+            settings, backend, self.supervisor, self.local, self.steps, self.metrics
+        )
+        self.metrics_server: MetricsServer | None = None
+
+    async def _report_rank_exit(self, exited: agent_pb2.RankExited) -> None:
+        await self.link.report_rank_exit(exited)
+
+    async def start(self) -> None:
+        """Create the state directory, serve the ranks' socket and the metrics."""
+        state_dir = self.settings.state_dir
+        try:
+            await asyncio.to_thread(state_dir.mkdir, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(
+                f"cannot create the state directory {state_dir}: {exc.strerror}; "
+                "give a writable --state-dir"
+            ) from exc
+        await self.local.start()
+        self.metrics_server = MetricsServer(
+            self.metrics, self.settings.metrics_host, self.settings.metrics_port
+        )
+        self.metrics_server.start()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Talk to the scheduler until `stop` is set."""
+        await self.link.run(stop)
+
+    async def close(self, grace_seconds: float = 10.0) -> None:
+        """Stop every rank (none survives the agent), then the endpoint, the metrics
+        server and the backend."""
+        try:
+            await self.supervisor.shutdown(grace_seconds)
+        finally:
+            await self.local.stop()
+            if self.metrics_server is not None:
+                await asyncio.to_thread(self.metrics_server.shutdown)
+            self.backend.close()
+
+
+class _StartFailed(Exception):
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _one_line(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "config"
+        parts.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
+
+
+@app.command()
+def run(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file")] = None,
+    node_id: Annotated[str | None, typer.Option(help="Node id [host name]")] = None,
+    scheduler: Annotated[str | None, typer.Option(help="Scheduler host:port")] = None,
+    gpus: Annotated[str | None, typer.Option(help="nvml, or sim:N simulated GPUs")] = None,
+    zone: Annotated[str | None, typer.Option(help="Zone label")] = None,
+    block: Annotated[str | None, typer.Option(help="Block label")] = None,
+    rack: Annotated[str | None, typer.Option(help="Rack label")] = None,
+    nvlink_domain: Annotated[str | None, typer.Option(help="NVLink domain label")] = None,
+    role: Annotated[str | None, typer.Option(help="worker or spare, at first registration")] = None,
+    state_dir: Annotated[Path | None, typer.Option(help="State directory")] = None,
+    socket_path: Annotated[Path | None, typer.Option(help="Socket for the ranks")] = None,
+    metrics_host: Annotated[str | None, typer.Option(help="Metrics address")] = None,
+    metrics_port: Annotated[int | None, typer.Option(help="Metrics port; 0 picks one")] = None,
+    checkpointd_address: Annotated[
+        str | None, typer.Option(help="host:port of this node's checkpointd")
+    ] = None,
+    log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING [INFO]")] = None,
+) -> None:
+    """Run the agent until SIGTERM or SIGINT; then stop its ranks and exit."""
+    try:
+        settings = load_settings(
+            config,
+            node_id=node_id,
+            scheduler=scheduler,
+            gpus=gpus,
+            zone=zone,
+            block=block,
+            rack=rack,
+            nvlink_domain=nvlink_domain,
+            role=role,
+            state_dir=state_dir,
+            socket_path=socket_path,
+            metrics_host=metrics_host,
+            metrics_port=metrics_port,
+            checkpointd_address=checkpointd_address,
+            log_level=log_level,
+        )
+    except ValidationError as exc:
+        _fail(f"invalid configuration: {_one_line(exc)}", EXIT_BAD_CONFIG)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(f"invalid configuration: {exc}", EXIT_BAD_CONFIG)
+    logging.basicConfig(
+        level=settings.log_level_number,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        backend = open_backend(settings.gpus, settings.node_id)
+    except ValueError as exc:
+        _fail(f"invalid configuration: {exc}", EXIT_BAD_CONFIG)
+    except GpuBackendError as exc:
+        _fail(f"cannot start the GPU backend: {exc}", EXIT_CANNOT_START)
+    try:
+        asyncio.run(_serve(settings, backend))
+    except _StartFailed as exc:
+        _fail(str(exc), exc.code)
+
+
+async def _serve(settings: AgentSettings, backend: GpuBackend) -> None:
+    agent = NodeAgent(settings, backend)
+    try:
+        try:
+            await agent.start()
+        except ValueError as exc:
+            raise _StartFailed(f"invalid configuration: {exc}", EXIT_BAD_CONFIG) from None
+        except (OSError, RuntimeError) as exc:
+            raise _StartFailed(f"cannot start: {exc}", EXIT_CANNOT_START) from None
+        assert agent.metrics_server is not None
+        print(
+            f"pitstop-agent {settings.node_id} started: metrics on {agent.metrics_server.url}, "
+            f"socket {settings.socket_path}",
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await agent.run(stop)
+        log.info("stopping: ranks first, then the endpoint")
+    finally:
+        await agent.close()
+    log.info("stopped")
+
+
+@app.command("install")
+def install_command(
+    prefix: Annotated[Path, typer.Option(help="Root to install under")] = Path("/"),
+) -> None:
+    """Write the systemd unit and an example /etc/pitstop/agent.yaml (kept if present)."""
+    try:
+        result = installer.install(prefix, installer.current_executable())
+    except OSError as exc:
+        _fail(f"cannot install under {prefix}: {exc}", EXIT_CANNOT_START)
+    for path in result.written:
+        typer.echo(f"wrote {path}")
+    for path in result.kept:
+        typer.echo(f"kept {path}: it exists and is never overwritten")
+    typer.echo("next: systemctl daemon-reload && systemctl enable --now pitstop-agent")
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    typer.echo(f"pitstop-agent: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    """Console entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""Rank supervision: start the ranks placed on this node, watch every exit, stop them.
+
+Each rank runs in its own session, so its process group holds the rank and whatever
+it forks (data-loader workers, compilers): stopping a rank signals the whole group,
+and when a rank ends, what it left behind in its group is killed with it. One asyncio
+task per process waits for its exit and reports it at once; nothing polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from pitstop.v1 import agent_pb2, common_pb2
+
+logger = logging.getLogger(__name__)
+
+ExitCallback = Callable[[agent_pb2.RankExited], Awaitable[None]]
+"""Receives every rank exit; must not await start_ranks, stop_ranks or shutdown."""
+
+DEFAULT_GRACE_SECONDS = 10.0
+STDERR_TAIL_BYTES = 4096
+# After SIGKILL only a process stuck in the kernel can still be alive; do not hang on it.
+KILL_WAIT_SECONDS = 30.0
+
+
+@dataclass
+class _Rank:
+    job_id: str
+    generation: int
+    rank: int
+    gpu_index: int
+    process: asyncio.subprocess.Process
+    log_path: Path
+    step: int = 0
+    result: dict[str, str] = field(default_factory=dict)
+    watcher: asyncio.Task[None] | None = None
+
+
+class RankSupervisor:
+    """Starts, watches and stops the rank processes of every job on node `node_id`.
+
+    Every exit, whatever its cause, is reported once through `on_exit`.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        socket_path: Path,
+        log_dir: Path,
+        on_exit: ExitCallback,
+        checkpointd_address: str = "",
+    ) -> None:
+        self.node_id = node_id
+        self.socket_path = Path(socket_path)
+        self.log_dir = Path(log_dir)
+        self.checkpointd_address = checkpointd_address
+        self._on_exit = on_exit
+        self._ranks: dict[tuple[str, int], _Rank] = {}
+        # Starts and stops run one at a time, so a start never races the stop it follows.
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    async def start_ranks(self, command: agent_pb2.StartRanks) -> list[int]:
+        """Start the ranks of `command.rank_map` placed on this node; return their
+        global ranks.
+
+        A rank already running in the same generation is left alone, so a repeated
+        command is harmless; one running an older generation is stopped first. Raises
+        ValueError for a command that cannot run here, RuntimeError after shutdown.
+        """
+        job_id = command.job_id
+        generation = command.generation or command.rank_map.generation
+        _check_job_id(job_id)
+        if not command.command:
+            raise ValueError(f"StartRanks for job {job_id!r}: command is empty; give the argv")
+        mine = [a for a in command.rank_map.ranks if a.node_id == self.node_id]
+        if not mine:
+            raise ValueError(
+                f"StartRanks for job {job_id!r} generation {generation}: no rank of the "
+                f"rank map is placed on node {self.node_id!r}; send it to the nodes it names"
+            )
+        if len({a.rank for a in mine}) != len(mine):
+            raise ValueError(f"StartRanks for job {job_id!r}: a rank appears twice on this node")
+        master = _parse_rendezvous(command.rendezvous_address)
+        cwd = _check_working_dir(job_id, command.working_dir)
+        async with self._lock:
+            if self._closed:
+                raise RuntimeError("the rank supervisor is shut down; it starts no ranks")
+            older: list[_Rank] = []
+            for assignment in mine:
+                running = self._ranks.get((job_id, assignment.rank))
+                if running is not None and running.generation > generation:
+                    raise ValueError(
+                        f"StartRanks for job {job_id!r} generation {generation} is stale: "
+                        f"rank {assignment.rank} runs generation {running.generation}"
+                    )
+                if running is not None and running.generation < generation:
+                    older.append(running)
+            await self._stop(older, DEFAULT_GRACE_SECONDS)
+            for assignment in mine:
+                if (job_id, assignment.rank) not in self._ranks:
+                    env = self._rank_env(command, generation, assignment, len(mine), master)
+                    await self._spawn(command, generation, assignment, env, cwd)
+        return [a.rank for a in mine]
+
+    async def stop_ranks(self, command: agent_pb2.StopRanks) -> list[int]:
+        """SIGTERM each named rank's process group (every rank of the job when none is
+        named), SIGKILL what is left after `grace_seconds` (10 when 0); waits until each
+        exit is reported and returns the ranks stopped."""
+        grace = command.grace_seconds or DEFAULT_GRACE_SECONDS
+        named = set(command.ranks)
+        async with self._lock:
+            targets = [
+                entry
+                for (job_id, rank), entry in sorted(self._ranks.items())
+                if job_id == command.job_id and (not named or rank in named)
+            ]
+            if targets:
+                logger.info(
+                    "stopping ranks %s of job %s: %s",
+                    [t.rank for t in targets],
+                    command.job_id,
+                    command.reason or "no reason given",
+                )
+            await self._stop(targets, grace)
+        return [entry.rank for entry in targets]
+
+    def running(self) -> list[agent_pb2.RunningRank]:
+        """Every rank alive now, by job and rank, with the last step it reported."""
+        return [
+            agent_pb2.RunningRank(
+                job_id=entry.job_id,
+                generation=entry.generation,
+                rank=entry.rank,
+                pid=entry.process.pid,
+                step=entry.step,
+            )
+            for _, entry in sorted(self._ranks.items())
+        ]
+
+    def gpu_index(self, job_id: str, rank: int) -> int | None:
+        """The GPU a running rank uses; None when the rank does not run here."""
+        entry = self._ranks.get((job_id, rank))
+        return None if entry is None else entry.gpu_index
+
+    def pid(self, job_id: str, rank: int) -> int | None:
+        """The process id of a running rank; None when the rank does not run here."""
+        entry = self._ranks.get((job_id, rank))
+        return None if entry is None else entry.process.pid
+
+    def record_step(self, job_id: str, rank: int, step: int) -> None:
+        """Remember the last step a rank reported; ignored for a rank not running here."""
+        entry = self._ranks.get((job_id, rank))
+        if entry is not None:
+            entry.step = step
+
+    def record_generation(self, job_id: str, rank: int, generation: int) -> None:
+        """A surviving rank moved to a newer generation (it re-formed after a
+        Reconfigure); `running` reports it there from now on."""
+        entry = self._ranks.get((job_id, rank))
+        if entry is not None and generation > entry.generation:
+            entry.generation = generation
+
+    def record_result(self, job_id: str, rank: int, result: Mapping[str, str]) -> None:
+        """Remember a rank's final result, reported with its exit."""
+        entry = self._ranks.get((job_id, rank))
+        if entry is None:
+            logger.warning("result of rank %d of job %s, which does not run here", rank, job_id)
+            return
+        entry.result.update(result)
+
+    async def shutdown(self, grace_seconds: float = DEFAULT_GRACE_SECONDS) -> None:
+        """Stop every rank (SIGTERM, SIGKILL after `grace_seconds`) and wait until each
+        exit is reported. No rank starts afterwards."""
+        async with self._lock:
+            self._closed = True
+            await self._stop(list(self._ranks.values()), grace_seconds)
+
+    def _rank_env(
+        self,
+        command: agent_pb2.StartRanks,
+        generation: int,
+        assignment: common_pb2.RankAssignment,
+        local_world_size: int,
+        master: tuple[str, str] | None,
+    ) -> dict[str, str]:
+        env = {**os.environ, **command.env}
+        env.update(
+            RANK=str(assignment.rank),
+            WORLD_SIZE=str(command.rank_map.world_size or len(command.rank_map.ranks)),
+            LOCAL_RANK=str(assignment.local_rank),
+            LOCAL_WORLD_SIZE=str(local_world_size),
+            CUDA_VISIBLE_DEVICES=str(assignment.gpu_index),
+            PITSTOP_JOB_ID=command.job_id,
+            PITSTOP_GENERATION=str(generation),
+            PITSTOP_NODE_ID=self.node_id,
+            PITSTOP_AGENT_SOCKET=str(self.socket_path),
+            PITSTOP_RESTORE_STEP=str(command.restore_step),
+            PITSTOP_CHECKPOINTD=self.checkpointd_address,
+        )
+        if master is not None:
+            env["MASTER_ADDR"], env["MASTER_PORT"] = master
+        return env
+
+    async def _spawn(
+        self,
+        command: agent_pb2.StartRanks,
+        generation: int,
+        assignment: common_pb2.RankAssignment,
+        env: dict[str, str],
+        cwd: str | None,
+    ) -> None:
+        log_path = self.log_dir / command.job_id / f"rank-{assignment.rank}.log"
+        log = _open_log(log_path, f"generation {generation} rank {assignment.rank}")
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *command.command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise ValueError(
+                f"job {command.job_id!r} rank {assignment.rank}: cannot run "
+                f"{command.command[0]!r}: {exc.strerror or exc}; check the job's command"
+            ) from exc
+        finally:
+            log.close()  # the child holds its own descriptor
+        entry = _Rank(
+            command.job_id, generation, assignment.rank, assignment.gpu_index, process, log_path
+        )
+        self._ranks[(entry.job_id, entry.rank)] = entry
+        entry.watcher = asyncio.create_task(
+            self._watch(entry), name=f"rank {entry.rank} of {entry.job_id}"
+        )
+        logger.info(
+            "started rank %d of job %s generation %d as pid %d on GPU %d",
+            entry.rank,
+            entry.job_id,
+            generation,
+            process.pid,
+            entry.gpu_index,
+        )
+
+    async def _watch(self, entry: _Rank) -> None:
+        returncode = await entry.process.wait()
+        # The rank is gone; whatever it forked into its group goes with it.
+        _signal_group(entry.process.pid, signal.SIGKILL)
+        if self._ranks.get((entry.job_id, entry.rank)) is entry:
+            del self._ranks[(entry.job_id, entry.rank)]
+        now = Timestamp()
+        now.FromNanoseconds(time.time_ns())
+        exited = agent_pb2.RankExited(
+            job_id=entry.job_id,
+            generation=entry.generation,
+            rank=entry.rank,
+            exit_code=max(returncode, 0),
+            signal=max(-returncode, 0),
+            time=now,
+            stderr_tail=_tail(entry.log_path),
+            result=entry.result,
+        )
+        logger.info(
+            "rank %d of job %s exited: code %d signal %d",
+            entry.rank,
+            entry.job_id,
+            exited.exit_code,
+            exited.signal,
+        )
+        try:
+            await self._on_exit(exited)
+        except Exception:
+            logger.exception("reporting the exit of rank %d of job %s", entry.rank, entry.job_id)
+
+    async def _stop(self, entries: list[_Rank], grace: float) -> None:
+        watchers = {entry.watcher: entry for entry in entries if entry.watcher is not None}
+        if not watchers:
+            return
+        for entry in entries:
+            _signal_group(entry.process.pid, signal.SIGTERM)
+        _, lingering = await asyncio.wait(watchers, timeout=max(grace, 0.0))
+        for watcher in lingering:
+            entry = watchers[watcher]
+            logger.warning(
+                "rank %d of job %s outlived SIGTERM by %.1f s: SIGKILL",
+                entry.rank,
+                entry.job_id,
+                grace,
+            )
+            _signal_group(entry.process.pid, signal.SIGKILL)
+        if lingering:
+            _, stuck = await asyncio.wait(lingering, timeout=KILL_WAIT_SECONDS)
+            for watcher in stuck:
+                entry = watchers[watcher]
+                logger.error(
+                    "rank %d of job %s (pid %d) survives SIGKILL: stuck in the kernel?",
+                    entry.rank,
+                    entry.job_id,
+                    entry.process.pid,
+                )
+
+
+def _check_job_id(job_id: str) -> None:
+    # The job id names the rank log folder: it must stay one path component.
+    if not job_id or job_id in {".", ".."} or "/" in job_id or "\0" in job_id:
+        raise ValueError(f"StartRanks job_id {job_id!r}: give a job id without '/'")
+
+
+def _check_working_dir(job_id: str, working_dir: str) -> str | None:
+    if working_dir and not Path(working_dir).is_dir():
+        raise ValueError(f"StartRanks for job {job_id!r}: working_dir {working_dir!r} is no folder")
+    return working_dir or None
+
+
+def _parse_rendezvous(address: str) -> tuple[str, str] | None:
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not port.isdecimal() or not 0 < int(port) < 65536:
+        raise ValueError(f"rendezvous_address {address!r}: use host:port, e.g. 10.0.0.1:29500")
+    return host, port
+
+
+def _signal_group(pgid: int, signum: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+def _open_log(path: Path, what: str) -> BinaryIO:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = path.open("ab")
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    log.write(f"--- pitstop: {what} starting at {stamp} ---\n".encode())
+    log.flush()
+    return log
+
+
+def _tail(path: Path) -> str:
+    try:
+        with path.open("rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(log.tell() - STDERR_TAIL_BYTES, 0))
+            return log.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"(log {path} unreadable: {exc.strerror})"

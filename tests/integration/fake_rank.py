@@ -1,0 +1,213 @@
+"""A rank for the agent's tests: a real process that behaves as told, without torch.
+
+Run by the rank supervisor as `python fake_rank.py [options]`. With --notify it
+connects to a test's Unix socket and sends one JSON line when ready (its pid, its
+child's pid, its environment, what Attach answered) and one per command it obeys;
+with --wait-go it then waits for the test to answer "go" before going on.
+
+The tests' side lives here too (`RankNotices`, `ExitLog`, `start_command`); the
+rank itself imports only the standard library, and the rank client when it attaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pitstop.v1 import agent_pb2
+
+FAKE_RANK = Path(__file__).resolve()
+NODE = "n1"
+TIMEOUT = 10.0
+
+ENV_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+    "PITSTOP_JOB_ID",
+    "PITSTOP_GENERATION",
+    "PITSTOP_NODE_ID",
+    "PITSTOP_AGENT_SOCKET",
+    "PITSTOP_RESTORE_STEP",
+    "PITSTOP_CHECKPOINTD",
+    "FAKE_RANK_EXTRA",
+)
+
+
+class RankNotices:
+    """Test side of --notify: a Unix socket server collecting each fake rank's lines."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._queues: defaultdict[int, asyncio.Queue[dict[str, Any]]] = defaultdict(asyncio.Queue)
+        self._writers: dict[int, asyncio.StreamWriter] = {}
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while line := await reader.readline():
+            notice = json.loads(line)
+            self._writers[notice["rank"]] = writer
+            self._queues[notice["rank"]].put_nowait(notice)
+        writer.close()
+
+    async def next(self, rank: int, timeout: float = 10.0) -> dict[str, Any]:
+        """The next line from rank `rank`."""
+        return await asyncio.wait_for(self._queues[rank].get(), timeout)
+
+    async def go(self, rank: int) -> None:
+        """Let rank `rank`, waiting after --wait-go, go on."""
+        writer = self._writers[rank]
+        writer.write(b"go\n")
+        await writer.drain()
+
+    async def close(self) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+class ExitLog:
+    """An `on_exit` callback collecting every RankExited the supervisor reports."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[agent_pb2.RankExited] = asyncio.Queue()
+
+    async def __call__(self, exited: agent_pb2.RankExited) -> None:
+        self.queue.put_nowait(exited)
+
+    async def next(self) -> agent_pb2.RankExited:
+        return await asyncio.wait_for(self.queue.get(), TIMEOUT)
+
+
+def start_command(
+    job_id: str,
+    notices: RankNotices,
+    *options: str,
+    ranks: tuple[tuple[int, str, int], ...] = ((0, NODE, 0),),
+    generation: int = 1,
+    **fields: Any,
+) -> agent_pb2.StartRanks:
+    """StartRanks running this script with `options`; ranks are (rank, node, gpu_index)."""
+    from pitstop.v1 import agent_pb2, common_pb2
+
+    local_ranks: dict[str, int] = defaultdict(int)
+    assignments = []
+    for rank, node, gpu in ranks:
+        assignments.append(
+            common_pb2.RankAssignment(
+                rank=rank, node_id=node, gpu_index=gpu, local_rank=local_ranks[node]
+            )
+        )
+        local_ranks[node] += 1
+    return agent_pb2.StartRanks(
+        job_id=job_id,
+        generation=generation,
+        command=[sys.executable, str(FAKE_RANK), "--notify", str(notices.path), *options],
+        rank_map=common_pb2.RankMap(
+            generation=generation, world_size=len(ranks), ranks=assignments
+        ),
+        **fields,
+    )
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--notify", help="Unix socket of the test's RankNotices")
+    parser.add_argument("--attach", action="store_true", help="attach to the agent socket")
+    parser.add_argument("--steps", type=int, default=0, help="steps to report (with --attach)")
+    parser.add_argument("--step-seconds", type=float, default=0.1)
+    parser.add_argument("--result", action="append", default=[], help="KEY=VALUE to report")
+    parser.add_argument("--wait-commands", action="store_true", help="obey commands until stop")
+    parser.add_argument("--wait-go", action="store_true", help="wait for 'go' once ready")
+    parser.add_argument("--hold", action="store_true", help="stay alive until signalled")
+    parser.add_argument("--ignore-sigterm", action="store_true")
+    parser.add_argument("--spawn-child", action="store_true", help="fork a child into the group")
+    parser.add_argument("--exit-code", type=int, default=0)
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = _parse()
+    rank = int(os.environ.get("RANK", "0"))
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The child inherits the ignored SIGTERM: only the group's SIGKILL ends it.
+    child = (
+        subprocess.Popen([sys.executable, "-c", "import signal\nwhile True: signal.pause()"])
+        if args.spawn_child
+        else None
+    )
+    notify = socket.socket(socket.AF_UNIX) if args.notify else None
+    if notify is not None:
+        notify.connect(args.notify)
+
+    def send(**notice: Any) -> None:
+        if notify is not None:
+            notify.sendall(json.dumps({"rank": rank, **notice}).encode() + b"\n")
+
+    ready: dict[str, Any] = {
+        "pid": os.getpid(),
+        "child_pid": child.pid if child is not None else 0,
+        "cwd": os.getcwd(),
+        "env": {key: os.environ.get(key) for key in ENV_KEYS},
+    }
+    client = None
+    if args.attach:
+        from pitstop.agent.rankclient import RankControlClient
+
+        client = RankControlClient.from_env()
+        assert client is not None, "PITSTOP_AGENT_SOCKET is unset"
+        attached = client.attach(int(os.environ["PITSTOP_GENERATION"]))
+        multiplier = attached.slow_multiplier
+        for step in range(1, args.steps + 1):
+            client.report_step(step, args.step_seconds * multiplier, loss=1.0 / step, tokens=64)
+        if args.result:
+            client.report_result(dict(item.split("=", 1) for item in args.result))
+        ready.update(
+            generation=attached.generation,
+            restore_step=attached.restore_step,
+            checkpointd=attached.checkpointd_address,
+            slow_multiplier=multiplier,
+        )
+    send(**ready)
+    if args.wait_commands and client is not None:
+        for command in client.commands():
+            kind = command.WhichOneof("body")
+            client.acknowledge(command.command_id, ok=True, step=args.steps)
+            send(command_id=command.command_id, kind=kind)
+            if kind == "stop":
+                break
+    if args.wait_go and notify is not None:
+        with notify.makefile("rb") as answers:
+            answers.readline()
+    while args.hold:
+        signal.pause()
+    if client is not None:
+        client.close()
+    if notify is not None:
+        notify.close()
+    print(f"fake rank {rank} exiting with {args.exit_code}", file=sys.stderr, flush=True)
+    return int(args.exit_code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

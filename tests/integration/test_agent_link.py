@@ -1,0 +1,583 @@
+"""The agent against a real scheduler: registration, heartbeats, Xids, commands, rank
+exits, a scheduler restart, /metrics, and the real `pitstop-agent` binary."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
+from fake_rank import RankNotices, start_command
+from prometheus_client.parser import text_string_to_metric_families
+
+from pitstop.agent.config import AgentSettings
+from pitstop.agent.gpu import SimulatedBackend, open_backend
+from pitstop.agent.main import NodeAgent
+from pitstop.v1 import agent_pb2, common_pb2, nodes_pb2, nodes_pb2_grpc
+
+TIMEOUT = 15.0
+AGENT_BINARY = Path(sys.executable).with_name("pitstop-agent")
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A folder with a short path: Unix socket paths are limited to 107 bytes."""
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pa-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def notices(short_dir: Path) -> AsyncIterator[RankNotices]:
+    server = RankNotices(short_dir / "notify.sock")
+    await server.start()
+    yield server
+    await server.close()
+
+
+def agent_settings(address: str, state_dir: Path, **overrides: Any) -> AgentSettings:
+    values: dict[str, Any] = {
+        "node_id": unique("agent"),
+        "scheduler": address,
+        "gpus": "sim:8",
+        "state_dir": state_dir,
+        "metrics_port": 0,
+        "zone": "z1",
+        "block": "b1",
+        "rack": "r7",
+        "nvlink_domain": "nvl-1",
+        **overrides,
+    }
+    return AgentSettings(**values)
+
+
+@contextlib.asynccontextmanager
+async def running_agent(settings: AgentSettings) -> AsyncIterator[NodeAgent]:
+    """A whole agent in this event loop, stopped (ranks and all) on exit."""
+    agent = NodeAgent(settings, open_backend(settings.gpus, settings.node_id))
+    await agent.start()
+    stop = asyncio.Event()
+    run = asyncio.create_task(agent.run(stop))
+    try:
+        yield agent
+    finally:
+        stop.set()
+        await asyncio.wait_for(run, TIMEOUT)
+        await agent.close(grace_seconds=2.0)
+
+
+class NodeEvents:
+    """EventService.Watch on one node: its history, then live events."""
+
+    def __init__(self, address: str, node_id: str) -> None:
+        self._channel = grpc.aio.insecure_channel(address)
+        stub = nodes_pb2_grpc.EventServiceStub(self._channel)
+        self._call = stub.Watch(nodes_pb2.WatchEventsRequest(node_id=node_id))
+
+    async def next(
+        self, kind: str, where: Callable[[common_pb2.Event], bool] = lambda e: True
+    ) -> common_pb2.Event:
+        async with asyncio.timeout(TIMEOUT):
+            while (event := await self._call.read()) is not grpc.aio.EOF:
+                if event.kind == kind and where(event):
+                    return event
+        raise AssertionError(f"the event watch ended before a {kind} event")
+
+    async def close(self) -> None:
+        self._call.cancel()
+        await self._channel.close()
+
+
+@contextlib.asynccontextmanager
+async def node_events(address: str, node_id: str) -> AsyncIterator[NodeEvents]:
+    events = NodeEvents(address, node_id)
+    try:
+        yield events
+    finally:
+        await events.close()
+
+
+@contextlib.asynccontextmanager
+async def node_service(address: str) -> AsyncIterator[Any]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        yield nodes_pb2_grpc.NodeServiceStub(channel)
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=TIMEOUT) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def metrics_url(agent: NodeAgent, path: str = "/metrics") -> str:
+    assert agent.metrics_server is not None
+    host, port = agent.metrics_server.address
+    return f"http://{host}:{port}{path}"
+
+
+async def test_an_agent_registers_its_inventory_and_labels(
+    scheduler: SchedulerThread, short_dir: Path
+) -> None:
+    settings = agent_settings(scheduler.address, short_dir, role="spare")
+    async with running_agent(settings) as agent, node_service(scheduler.address) as nodes:
+        registered = await agent.link.wait_registered(timeout=TIMEOUT)
+        assert registered.node_id == settings.node_id
+        assert registered.role == common_pb2.NODE_ROLE_SPARE
+        node = await nodes.Get(nodes_pb2.GetNodeRequest(node_id=settings.node_id))
+        assert node.connected
+        assert [g.uuid for g in node.inventory.gpus] == [
+            f"GPU-sim-{settings.node_id}-{i}" for i in range(8)
+        ]
+        assert node.inventory.gpu_backend == "sim"
+        assert node.inventory.driver_version == "sim"
+        assert node.inventory.agent_version
+        labels = node.labels
+        assert (labels.zone, labels.block, labels.rack, labels.nvlink_domain) == (
+            "z1",
+            "b1",
+            "r7",
+            "nvl-1",
+        )
+        assert await asyncio.to_thread(http_get, metrics_url(agent, "/healthz")) == (200, "ok\n")
+
+
+async def test_a_lost_gpu_is_seen_at_once_by_an_extra_heartbeat(
+    scheduler: SchedulerThread, short_dir: Path
+) -> None:
+    # The session scheduler beats every 60 s: only the injection's heartbeat can be it.
+    settings = agent_settings(scheduler.address, short_dir)
+    async with (
+        running_agent(settings) as agent,
+        node_service(scheduler.address) as nodes,
+        node_events(scheduler.address, settings.node_id) as events,
+    ):
+        await agent.link.wait_registered(timeout=TIMEOUT)
+        fault = common_pb2.Fault(gpu_index=2, gpu_lost=True)
+        await nodes.InjectFault(nodes_pb2.InjectFaultRequest(node_id=settings.node_id, fault=fault))
+        unhealthy = await events.next("node.unhealthy")
+        assert "GPU 2: lost" in unhealthy.reason
+        node = await nodes.Get(nodes_pb2.GetNodeRequest(node_id=settings.node_id))
+        assert node.health.verdict == common_pb2.HEALTH_VERDICT_FATAL
+        assert len(node.health.gpus) == 8
+        assert node.health.gpus[2].lost
+        assert node.health.gpus[0].verdict == common_pb2.HEALTH_VERDICT_HEALTHY
+
+
+async def test_an_injected_xid_reaches_the_backend_and_flows_back(
+    scheduler: SchedulerThread, short_dir: Path
+) -> None:
+    settings = agent_settings(scheduler.address, short_dir)
+    async with (
+        running_agent(settings) as agent,
+        node_service(scheduler.address) as nodes,
+        node_events(scheduler.address, settings.node_id) as events,
+    ):
+        await agent.link.wait_registered(timeout=TIMEOUT)
+        fault = common_pb2.Fault(gpu_index=1, xid=79)
+        await nodes.InjectFault(nodes_pb2.InjectFaultRequest(node_id=settings.node_id, fault=fault))
+        unhealthy = await events.next("node.unhealthy")
+        assert unhealthy.attributes["xid"] == "79"
+        assert unhealthy.attributes["gpu"] == "1"
+        assert isinstance(agent.backend, SimulatedBackend)
+        assert agent.backend.read_health()[1].lost  # Xid 79: fallen off the bus
+
+        node = await nodes.Get(nodes_pb2.GetNodeRequest(node_id=settings.node_id))
+        [xid] = node.xid_history
+        assert (xid.gpu_index, xid.xid, xid.source) == (1, 79, common_pb2.XID_SOURCE_SIMULATED)
+        assert xid.verdict == common_pb2.HEALTH_VERDICT_FATAL
+
+        status, text = await asyncio.to_thread(http_get, metrics_url(agent))
+        assert status == 200
+        samples = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+        uuid = f"GPU-sim-{settings.node_id}-1"
+        labels = (("gpu", "1"), ("node", settings.node_id), ("uuid", uuid), ("xid", "79"))
+        assert samples[("pitstop_agent_xid_total", labels)] == 1
+        assert samples[("pitstop_agent_scheduler_connected", (("node", settings.node_id),))] == 1
+        check_with_promtool(text)
+
+
+def check_with_promtool(text: str) -> None:
+    """`promtool check metrics` when promtool is installed (Debian: apt install prometheus)."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        return
+    checked = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+async def test_a_failed_command_is_acknowledged_with_its_error_and_the_link_goes_on(
+    scheduler: SchedulerThread, short_dir: Path
+) -> None:
+    settings = agent_settings(scheduler.address, short_dir, gpus="sim:2")
+    async with (
+        running_agent(settings) as agent,
+        node_service(scheduler.address) as nodes,
+        node_events(scheduler.address, settings.node_id) as events,
+    ):
+        await agent.link.wait_registered(timeout=TIMEOUT)
+        bad = common_pb2.Fault(gpu_index=0, nvlink_errors=common_pb2.NvLinkFault(link=99))
+        await nodes.InjectFault(nodes_pb2.InjectFaultRequest(node_id=settings.node_id, fault=bad))
+        failed = await events.next("node.command_failed")
+        assert "NVLink link 99" in failed.reason
+        good = common_pb2.Fault(gpu_index=1, gpu_lost=True)
+        await nodes.InjectFault(nodes_pb2.InjectFaultRequest(node_id=settings.node_id, fault=good))
+        await events.next("node.unhealthy")
+        assert agent.link.registrations == 1
+
+
+async def test_fault_injection_can_be_switched_off(
+    scheduler: SchedulerThread, short_dir: Path
+) -> None:
+    settings = agent_settings(scheduler.address, short_dir, allow_fault_injection=False)
+    async with (
+        running_agent(settings) as agent,
+        node_service(scheduler.address) as nodes,
+        node_events(scheduler.address, settings.node_id) as events,
+    ):
+        await agent.link.wait_registered(timeout=TIMEOUT)
+        fault = common_pb2.Fault(gpu_index=0, gpu_lost=True)
+        await nodes.InjectFault(nodes_pb2.InjectFaultRequest(node_id=settings.node_id, fault=fault))
+        failed = await events.next("node.command_failed")
+        assert "fault injection is disabled" in failed.reason
+        assert isinstance(agent.backend, SimulatedBackend)
+        assert not agent.backend.read_health()[0].lost
+
+
+def send_command(scheduler: SchedulerThread, node_id: str, **body: Any) -> int:
+    """Queue a command down the node's stream, as the scheduler's own loops will."""
+    message = agent_pb2.SchedulerMessage(**body)
+    command_id = scheduler._call(scheduler.scheduler.agents.gateway.forward(node_id, message))
+    assert command_id is not None, f"node {node_id} has no stream"
+    return int(command_id)
+
+
+async def test_start_ranks_runs_the_rank_and_its_exit_is_reported(
+    scheduler: SchedulerThread, short_dir: Path, notices: RankNotices
+) -> None:
+    settings = agent_settings(scheduler.address, short_dir, gpus="sim:2")
+    job_id = unique("job")
+    start = start_command(job_id, notices, "--exit-code", "3", ranks=((0, settings.node_id, 1),))
+    async with (
+        running_agent(settings) as agent,
+        node_events(scheduler.address, settings.node_id) as events,
+    ):
+        await agent.link.wait_registered(timeout=TIMEOUT)
+        await asyncio.to_thread(send_command, scheduler, settings.node_id, start_ranks=start)
+        ready = await notices.next(0)
+        assert ready["env"]["CUDA_VISIBLE_DEVICES"] == "1"
+        exited = await events.next("rank.exited")
+        assert exited.job_id == job_id
+        assert exited.attributes["exit_code"] == "3"
+
+
+async def test_pause_is_relayed_to_the_jobs_ranks(
+    scheduler: SchedulerThread, short_dir: Path, notices: RankNotices
+) -> None:
+    settings = agent_settings(scheduler.address, short_dir, gpus="sim:2")
+    job_id = unique("job")
+    start = start_command(
+        job_id,
+        notices,
+        "--attach",
+        "--steps",
+        "3",
+        "--wait-commands",
+        ranks=((0, settings.node_id, 0), (1, settings.node_id, 1)),
+    )
+    async with running_agent(settings) as agent:
+        await agent.link.wait_registered(timeout=TIMEOUT)
+        await asyncio.to_thread(send_command, scheduler, settings.node_id, start_ranks=start)
+        for rank in (0, 1):
+            assert (await notices.next(rank))["generation"] == 1
+            assert await agent.local.wait_command_stream(job_id, rank, TIMEOUT)
+        pause = agent_pb2.PauseJob(job_id=job_id, generation=1)
+        await asyncio.to_thread(send_command, scheduler, settings.node_id, pause=pause)
+        for rank in (0, 1):
+            assert (await notices.next(rank))["kind"] == "pause"
+
+
+async def test_the_agent_outlives_a_scheduler_restart_without_touching_its_ranks(
+    stores: StoreUrls, tmp_path: Path, short_dir: Path, notices: RankNotices
+) -> None:
+    first = await asyncio.to_thread(SchedulerThread, scheduler_settings(stores, tmp_path / "first"))
+    second: SchedulerThread | None = None
+    try:
+        settings = agent_settings(first.address, short_dir, gpus="sim:2")
+        start = start_command(unique("job"), notices, "--hold", ranks=((0, settings.node_id, 0),))
+        async with running_agent(settings) as agent:
+            await agent.link.wait_registered(timeout=TIMEOUT)
+            await agent.supervisor.start_ranks(start)
+            pid = (await notices.next(0))["pid"]
+
+            await asyncio.to_thread(first.stop)
+            port = first.scheduler.port
+            second = await asyncio.to_thread(
+                SchedulerThread, scheduler_settings(stores, tmp_path / "second", port=port)
+            )
+            restarted = time.monotonic()
+            registered = await agent.link.wait_registered(count=2, timeout=TIMEOUT)
+            assert time.monotonic() - restarted < 5.0
+            assert registered.node_id == settings.node_id
+            async with node_service(second.address) as nodes:
+                node = await nodes.Get(nodes_pb2.GetNodeRequest(node_id=settings.node_id))
+            assert node.connected
+            assert [r.pid for r in agent.supervisor.running()] == [pid]
+            os.kill(pid, 0)  # still the same process
+            reconnects = agent.metrics.registry.get_sample_value(
+                "pitstop_agent_reconnects_total", {"node": settings.node_id}
+            )
+            assert reconnects == 1
+    finally:
+        if second is not None:
+            await asyncio.to_thread(second.stop)
+
+
+async def test_healthz_is_503_while_the_scheduler_is_unreachable(short_dir: Path) -> None:
+    with socket_bound_and_closed() as address:
+        settings = agent_settings(address, short_dir, gpus="sim:1", reconnect_max_seconds=0.2)
+        async with running_agent(settings) as agent:
+            status, body = await asyncio.to_thread(http_get, metrics_url(agent, "/healthz"))
+            assert (status, body) == (503, "not connected to the scheduler\n")
+            assert not agent.link.connected
+
+
+@contextlib.contextmanager
+def socket_bound_and_closed() -> Iterator[str]:
+    """host:port where nothing listens."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        host, port = probe.getsockname()
+    yield f"{host}:{port}"
+
+
+async def test_the_binary_registers_and_stops_its_ranks_on_sigterm(
+    scheduler: SchedulerThread, short_dir: Path, notices: RankNotices
+) -> None:
+    node_id = unique("bin")
+    command = [
+        str(AGENT_BINARY),
+        "run",
+        "--node-id",
+        node_id,
+        "--scheduler",
+        scheduler.address,
+        "--gpus",
+        "sim:2",
+        "--state-dir",
+        str(short_dir / "state"),
+        "--metrics-port",
+        "0",
+    ]
+    agent = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        assert agent.stdout is not None
+        line = (await asyncio.wait_for(agent.stdout.readline(), TIMEOUT)).decode()
+        assert line.startswith(f"pitstop-agent {node_id} started: metrics on http://127.0.0.1:")
+        assert f"socket {short_dir / 'state' / 'agent.sock'}" in line
+        assert agent.stderr is not None
+        await read_until(agent.stderr, f"as node {node_id}")  # Registered: the stream is up
+        async with node_events(scheduler.address, node_id) as events:
+            start = start_command(unique("job"), notices, "--hold", ranks=((0, node_id, 0),))
+            await asyncio.to_thread(send_command, scheduler, node_id, start_ranks=start)
+            pid = (await notices.next(0))["pid"]
+            agent.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(agent.wait(), TIMEOUT) == 0
+            await events.next("node.lost")
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # no orphaned rank
+    finally:
+        if agent.returncode is None:
+            agent.kill()
+            await agent.wait()
+
+
+async def read_until(stream: asyncio.StreamReader, text: str) -> str:
+    """The first line from `stream` containing `text`."""
+    async with asyncio.timeout(TIMEOUT):
+        while line := (await stream.readline()).decode():
+            if text in line:
+                return line
+    raise AssertionError(f"the output ended without {text!r}")
+
+
+def test_the_binary_exits_2_naming_a_bad_gpus_spec() -> None:
+    result = subprocess.run(
+        [str(AGENT_BINARY), "run", "--gpus", "sim:0"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "gpus: 'sim:0' is no GPU backend: use nvml or sim:N" in result.stderr
+
+
+class FakeStream:
+    """One agent stream as the fake scheduler sees it."""
+
+    def __init__(self, metadata: dict[str, str]) -> None:
+        self.metadata = metadata
+        self.received: asyncio.Queue[agent_pb2.AgentMessage] = asyncio.Queue()
+        self.commands: asyncio.Queue[agent_pb2.SchedulerMessage | None] = asyncio.Queue()
+
+    async def next(self, kind: str | None = None) -> agent_pb2.AgentMessage:
+        """The next message (of `kind`, skipping others)."""
+        async with asyncio.timeout(TIMEOUT):
+            while True:
+                message = await self.received.get()
+                if kind is None or message.WhichOneof("body") == kind:
+                    return message
+
+    def end(self) -> None:
+        self.commands.put_nowait(None)
+
+
+class FakeScheduler:
+    """An AgentService that records what the agent sends, to check the wire protocol
+    itself: sequence numbers, registration, batching. `refuse` streams are refused."""
+
+    def __init__(self, heartbeat_interval: float, refuse: int = 0) -> None:
+        self.heartbeat_interval = heartbeat_interval
+        self.refuse = refuse
+        self.streams: asyncio.Queue[FakeStream] = asyncio.Queue()
+
+    async def Connect(  # noqa: N802 (gRPC method name)
+        self, requests: AsyncIterator[agent_pb2.AgentMessage], context: Any
+    ) -> AsyncIterator[agent_pb2.SchedulerMessage]:
+        if self.refuse:
+            self.refuse -= 1
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "refused by the test")
+        stream = FakeStream(dict(context.invocation_metadata()))
+
+        async def read() -> None:
+            async for message in requests:
+                stream.received.put_nowait(message)
+
+        reader = asyncio.create_task(read())
+        self.streams.put_nowait(stream)
+        try:
+            registered = agent_pb2.Registered(
+                node_id="fake", heartbeat_interval_seconds=self.heartbeat_interval
+            )
+            yield agent_pb2.SchedulerMessage(registered=registered)
+            while (command := await stream.commands.get()) is not None:
+                yield command
+        finally:
+            reader.cancel()
+
+    async def next_stream(self) -> FakeStream:
+        return await asyncio.wait_for(self.streams.get(), TIMEOUT)
+
+
+@contextlib.asynccontextmanager
+async def fake_scheduler(heartbeat_interval: float, refuse: int = 0) -> AsyncIterator[Any]:
+    from pitstop.v1 import agent_pb2_grpc
+
+    fake = FakeScheduler(heartbeat_interval, refuse)
+    server = grpc.aio.server()
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield fake, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+class KernelLogBackend(SimulatedBackend):
+    """Simulated GPUs whose kernel log holds one old Xid."""
+
+    def kernel_log_xids(self) -> list[common_pb2.XidEvent]:
+        return [common_pb2.XidEvent(gpu_index=0, xid=48, source=common_pb2.XID_SOURCE_KERNEL_LOG)]
+
+
+async def test_every_stream_registers_first_and_numbers_its_messages_from_1(
+    short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="pitstop.agent.link")
+    async with fake_scheduler(heartbeat_interval=0.05, refuse=1) as (fake, address):
+        settings = agent_settings(
+            address, short_dir, gpus="sim:2", role="spare", token="agent-token-0123456789"
+        )
+        agent = NodeAgent(settings, KernelLogBackend(settings.node_id, 2))
+        await agent.start()
+        stop = asyncio.Event()
+        run = asyncio.create_task(agent.run(stop))
+        try:
+            first = await fake.next_stream()
+            assert first.metadata["authorization"] == "Bearer agent-token-0123456789"
+            messages = [await first.next()]
+            while {"xid", "heartbeat"} - {m.WhichOneof("body") for m in messages}:
+                messages.append(await first.next())
+            assert [m.seq for m in messages] == list(range(1, len(messages) + 1))
+            register = messages[0].register
+            assert register.node_id == settings.node_id
+            assert [g.uuid for g in register.inventory.gpus] == [
+                f"GPU-sim-{settings.node_id}-0",
+                f"GPU-sim-{settings.node_id}-1",
+            ]
+            assert register.requested_role == common_pb2.NODE_ROLE_SPARE
+            assert register.HasField("agent_started_at")
+            [old] = [m.xid for m in messages if m.WhichOneof("body") == "xid"]
+            assert (old.xid, old.verdict) == (48, common_pb2.HEALTH_VERDICT_FATAL)
+            beat = (await first.next("heartbeat")).heartbeat  # sent after the old Xid
+            assert beat.health.verdict == common_pb2.HEALTH_VERDICT_HEALTHY  # history only
+            assert len(beat.health.gpus) == 2
+
+            first.end()
+            second = await fake.next_stream()
+            again = [await second.next() for _ in range(4)]
+            assert [m.seq for m in again] == [1, 2, 3, 4]
+            assert again[0].register.agent_started_at == register.agent_started_at
+            assert "xid" not in [m.WhichOneof("body") for m in again]
+            assert agent.link.registrations == 2
+        finally:
+            stop.set()
+            await asyncio.wait_for(run, TIMEOUT)
+            await agent.close()
+    refused = [r for r in caplog.records if "refused by the test" in r.getMessage()]
+    assert refused
+    assert refused[0].levelname == "ERROR"
+
+
+async def test_step_times_go_out_before_the_next_heartbeat_once_1024_wait(
+    short_dir: Path,
+) -> None:
+    async with fake_scheduler(heartbeat_interval=3600.0) as (fake, address):
+        settings = agent_settings(address, short_dir, gpus="sim:1")
+        async with running_agent(settings) as agent:
+            stream = await fake.next_stream()
+            await stream.next("heartbeat")  # the first beat, at registration
+            for step in range(1024):
+                sample = agent_pb2.StepSample(rank=step % 2, step=step // 2, step_seconds=0.1)
+                agent.steps.add("job-a", 3, sample)
+            batch = (await stream.next("step_times")).step_times
+            assert (batch.job_id, batch.generation, len(batch.samples)) == ("job-a", 3, 1024)
+            reported = agent.metrics.registry.get_sample_value(
+                "pitstop_agent_steps_reported_total", {"node": settings.node_id, "job": "job-a"}
+            )
+            assert reported == 1024

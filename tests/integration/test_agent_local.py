@@ -1,0 +1,322 @@
+"""LocalEndpoint: RankControl over a real Unix socket, with real rank processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import stat
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from fake_rank import NODE, TIMEOUT, ExitLog, RankNotices, start_command
+
+from pitstop.agent.gpu import FaultNotSupported, SimulatedBackend, open_backend
+from pitstop.agent.local import LocalEndpoint
+from pitstop.agent.rankclient import RankControlClient
+from pitstop.agent.steps import StepBatcher
+from pitstop.agent.supervisor import RankSupervisor
+from pitstop.v1 import agent_pb2, common_pb2, rank_pb2, rank_pb2_grpc
+
+
+@dataclass
+class Agent:
+    endpoint: LocalEndpoint
+    supervisor: RankSupervisor
+    steps: StepBatcher
+    exits: ExitLog
+    stub: Any
+    socket_path: Path
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A folder with a short path: Unix socket paths are limited to 107 bytes."""
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="ps-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def notices(short_dir: Path) -> AsyncIterator[RankNotices]:
+    server = RankNotices(short_dir / "notify.sock")
+    await server.start()
+    yield server
+    await server.close()
+
+
+@pytest.fixture
+async def agent(short_dir: Path, tmp_path: Path) -> AsyncIterator[Agent]:
+    socket_path = short_dir / "agent.sock"
+    backend = open_backend("sim:2", NODE)
+    exits = ExitLog()
+    supervisor = RankSupervisor(NODE, socket_path, tmp_path / "logs", exits, "127.0.0.1:7070")
+    steps = StepBatcher()
+    endpoint = LocalEndpoint(socket_path, backend, supervisor, steps, "127.0.0.1:7070")
+    await endpoint.start()
+    channel = grpc.aio.insecure_channel(f"unix:{socket_path}")
+    yield Agent(
+        endpoint, supervisor, steps, exits, rank_pb2_grpc.RankControlStub(channel), socket_path
+    )
+    await supervisor.shutdown(grace_seconds=1.0)
+    await channel.close()
+    await endpoint.stop()
+    backend.close()
+
+
+def slow(gpu_index: int, multiplier: float) -> rank_pb2.LocalFaultRequest:
+    return rank_pb2.LocalFaultRequest(
+        fault=common_pb2.Fault(gpu_index=gpu_index, slow_multiplier=multiplier)
+    )
+
+
+async def rpc_error(call: Any) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    return info.value
+
+
+async def test_a_rank_attaches_reports_steps_and_obeys_commands(
+    agent: Agent, notices: RankNotices
+) -> None:
+    await agent.stub.InjectFault(slow(1, 1.3))
+    agent.endpoint.set_generation("job-run", 4, 17)
+    command = start_command(
+        "job-run",
+        notices,
+        "--attach",
+        "--steps=3",
+        "--step-seconds=0.5",
+        "--wait-commands",
+        "--result=final_weights_sha256=abc",
+        ranks=((0, NODE, 1),),
+        generation=4,
+    )
+    await agent.supervisor.start_ranks(command)
+
+    ready = await notices.next(0)
+    assert ready["slow_multiplier"] == pytest.approx(1.3)
+    assert (ready["generation"], ready["restore_step"]) == (4, 17)
+    assert ready["checkpointd"] == "127.0.0.1:7070"
+    (batch,) = agent.steps.drain()
+    assert (batch.job_id, batch.generation) == ("job-run", 4)
+    assert [(s.rank, s.step) for s in batch.samples] == [(0, 1), (0, 2), (0, 3)]
+    assert all(s.step_seconds == pytest.approx(0.65) for s in batch.samples)
+    assert all(s.time.seconds > 0 for s in batch.samples)
+    assert [(r.rank, r.step) for r in agent.supervisor.running()] == [(0, 3)]
+
+    assert await agent.endpoint.wait_command_stream("job-run", 0, TIMEOUT)
+    pause = rank_pb2.RankCommand(command_id=7, pause=agent_pb2.PauseJob(job_id="job-run"))
+    assert await agent.endpoint.send_command("job-run", 0, pause)
+    ack = await agent.endpoint.wait_ack(7, TIMEOUT)
+    assert ack is not None
+    assert (ack.job_id, ack.rank, ack.ok, ack.step) == ("job-run", 0, True, 3)
+    assert (await notices.next(0))["kind"] == "pause"
+
+    stop = rank_pb2.RankCommand(command_id=8, stop=agent_pb2.StopRanks(job_id="job-run"))
+    assert await agent.endpoint.send_command("job-run", 0, stop)
+    assert await agent.endpoint.wait_ack(8, TIMEOUT) is not None
+    exited = await agent.exits.next()
+    assert (exited.exit_code, exited.signal) == (0, 0)
+    assert dict(exited.result) == {"final_weights_sha256": "abc"}
+
+
+async def test_a_new_command_stream_replaces_the_old_and_gets_what_is_unacked(
+    agent: Agent, notices: RankNotices
+) -> None:
+    await agent.supervisor.start_ranks(start_command("job-cmd", notices, "--hold"))
+    ready = await notices.next(0)
+    request = rank_pb2.CommandStreamRequest(job_id="job-cmd", rank=0)
+    step = rank_pb2.StepReport(
+        job_id="job-cmd", rank=0, generation=1, sample=agent_pb2.StepSample(step=5)
+    )
+    assert not await agent.endpoint.send_command("job-cmd", 0, rank_pb2.RankCommand(command_id=1))
+
+    first = agent.stub.Commands(request)
+    assert await agent.endpoint.wait_command_stream("job-cmd", 0, TIMEOUT)
+    resume = rank_pb2.RankCommand(command_id=21, resume=agent_pb2.ResumeJob(job_id="job-cmd"))
+    assert await agent.endpoint.send_command("job-cmd", 0, resume)
+    assert (await first.read()) == resume
+    assert (await agent.stub.ReportStep(step)).command_pending
+
+    second = agent.stub.Commands(request)
+    assert await asyncio.wait_for(first.read(), TIMEOUT) is grpc.aio.EOF
+    assert (await second.read()) == resume  # not acknowledged yet: sent again
+
+    await agent.stub.Acknowledge(
+        rank_pb2.RankAck(job_id="job-cmd", rank=0, command_id=21, ok=True, step=5)
+    )
+    ack = await agent.endpoint.wait_ack(21, TIMEOUT)
+    assert ack is not None
+    assert ack.step == 5
+    assert not (await agent.stub.ReportStep(step)).command_pending
+    assert await agent.endpoint.wait_ack(99, 0.01) is None
+    with pytest.raises(ValueError, match="command_id 0"):
+        await agent.endpoint.send_command("job-cmd", 0, rank_pb2.RankCommand())
+
+    # A rank that re-formed in a newer generation is reported there.
+    step.generation = 2
+    await agent.stub.ReportStep(step)
+    assert [(r.generation, r.step) for r in agent.supervisor.running()] == [(2, 5)]
+
+    # What a rank's process left unacknowledged does not reach its restarted successor.
+    orphaned = rank_pb2.RankCommand(command_id=31, pause=agent_pb2.PauseJob(job_id="job-cmd"))
+    assert await agent.endpoint.send_command("job-cmd", 0, orphaned)
+    assert (await second.read()) == orphaned
+    os.kill(ready["pid"], signal.SIGKILL)
+    await agent.exits.next()
+    await agent.supervisor.start_ranks(start_command("job-cmd", notices, "--hold", generation=2))
+    await notices.next(0)
+    assert not (await agent.stub.ReportStep(step)).command_pending
+    third = agent.stub.Commands(request)
+    assert await asyncio.wait_for(second.read(), TIMEOUT) is grpc.aio.EOF
+    fresh = rank_pb2.RankCommand(command_id=32, resume=agent_pb2.ResumeJob(job_id="job-cmd"))
+    assert await agent.endpoint.send_command("job-cmd", 0, fresh)
+    assert (await third.read()) == fresh
+    third.cancel()
+
+
+async def test_standby_blocks_until_a_rank_is_assigned(agent: Agent) -> None:
+    call = asyncio.ensure_future(
+        agent.stub.Standby(rank_pb2.StandbyRequest(job_id="job-spare", pid=os.getpid()))
+    )
+    assert await agent.endpoint.wait_standby("job-spare", TIMEOUT)
+    assert agent.endpoint.standby_count == 1
+    assert not call.done()
+    assignment = rank_pb2.StandbyAssignment(
+        reconfigure=agent_pb2.Reconfigure(job_id="job-spare", generation=2),
+        rank=5,
+        local_rank=0,
+        gpu_index=1,
+    )
+
+    assert await agent.endpoint.assign_standby("job-spare", assignment)
+
+    assert await asyncio.wait_for(call, TIMEOUT) == assignment
+    assert agent.endpoint.standby_count == 0
+    assert not await agent.endpoint.assign_standby("job-spare", assignment)
+    # The adopted rank attaches on the GPU it was given.
+    await agent.stub.InjectFault(slow(1, 1.5))
+    attached = await agent.stub.Attach(rank_pb2.AttachRequest(job_id="job-spare", rank=5))
+    assert attached.slow_multiplier == pytest.approx(1.5)
+    assert attached.generation == 0  # set_generation never called for this job
+
+    # Stopping the endpoint ends a waiting standby call at once, not after the grace.
+    waiting = asyncio.ensure_future(
+        agent.stub.Standby(rank_pb2.StandbyRequest(job_id="job-spare", pid=os.getpid()))
+    )
+    assert await agent.endpoint.wait_standby("job-spare", TIMEOUT)
+    await agent.endpoint.stop(grace=TIMEOUT)
+    error = await rpc_error(waiting)
+    assert (error.code(), error.details()) == (
+        grpc.StatusCode.UNAVAILABLE,
+        "the agent is stopping; retry",
+    )
+
+
+async def test_errors_map_to_status_codes(agent: Agent) -> None:
+    unknown: list[Any] = [
+        agent.stub.Attach(rank_pb2.AttachRequest(job_id="job-x", rank=3)),
+        agent.stub.ReportStep(rank_pb2.StepReport(job_id="job-x", rank=3)),
+        agent.stub.Acknowledge(rank_pb2.RankAck(job_id="job-x", rank=3, command_id=1)),
+        agent.stub.ReportResult(rank_pb2.RankResult(job_id="job-x", rank=3)),
+        agent.stub.Commands(rank_pb2.CommandStreamRequest(job_id="job-x", rank=3)).read(),
+    ]
+    for call in unknown:
+        error = await rpc_error(call)
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+        assert "rank 3 of job 'job-x'" in error.details()
+
+    invalid: list[tuple[Any, str]] = [
+        (agent.stub.Attach(rank_pb2.AttachRequest(rank=0)), "job_id is empty"),
+        (agent.stub.Standby(rank_pb2.StandbyRequest()), "job_id is empty"),
+        (agent.stub.InjectFault(slow(9, 1.3)), "GPU index 9"),
+        (agent.stub.InjectFault(slow(0, -1.0)), "slow multiplier -1.0"),
+        (agent.stub.InjectFault(rank_pb2.LocalFaultRequest()), "names no kind"),
+    ]
+    for call, message in invalid:
+        error = await rpc_error(call)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in error.details()
+
+
+class NoFaultBackend(SimulatedBackend):
+    def inject_fault(self, fault: common_pb2.Fault) -> None:
+        raise FaultNotSupported("this backend injects nothing")
+
+
+async def test_fault_injection_can_be_refused(agent: Agent, short_dir: Path) -> None:
+    unsupported = LocalEndpoint(
+        short_dir / "nf.sock", NoFaultBackend(NODE, 1), agent.supervisor, StepBatcher()
+    )
+    disabled = LocalEndpoint(
+        short_dir / "off.sock",
+        agent.endpoint.backend,
+        agent.supervisor,
+        StepBatcher(),
+        allow_fault_injection=False,
+    )
+    expected = [
+        (unsupported, grpc.StatusCode.FAILED_PRECONDITION, "sim GPU backend cannot"),
+        (disabled, grpc.StatusCode.PERMISSION_DENIED, "fault injection is disabled"),
+    ]
+    for endpoint, code, message in expected:
+        await endpoint.start()
+        try:
+            async with grpc.aio.insecure_channel(f"unix:{endpoint.socket_path}") as channel:
+                stub = rank_pb2_grpc.RankControlStub(channel)
+                error = await rpc_error(stub.InjectFault(slow(0, 1.3)))
+        finally:
+            await endpoint.stop()
+        assert error.code() == code
+        assert message in error.details()
+
+
+async def test_the_socket_is_private_and_only_stale_files_are_replaced(
+    agent: Agent, short_dir: Path
+) -> None:
+    assert stat.S_IMODE(agent.socket_path.stat().st_mode) == 0o600
+
+    def endpoint(path: Path) -> LocalEndpoint:
+        return LocalEndpoint(path, agent.endpoint.backend, agent.supervisor, StepBatcher())
+
+    with pytest.raises(RuntimeError, match="another process serves"):
+        await endpoint(agent.socket_path).start()
+
+    stale = short_dir / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(str(stale))  # closing leaves the file behind, as a crashed agent does
+    replacement = endpoint(stale)
+    await replacement.start()
+    await replacement.stop()
+    assert not stale.exists()
+
+    regular = short_dir / "file.sock"
+    regular.write_text("not a socket")
+    with pytest.raises(ValueError, match="not a socket"):
+        await endpoint(regular).start()
+    with pytest.raises(ValueError, match="107 bytes"):
+        await endpoint(short_dir / ("x" * 120)).start()
+
+
+def test_rank_client_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PITSTOP_AGENT_SOCKET", raising=False)
+    assert RankControlClient.from_env() is None
+
+    monkeypatch.setenv("PITSTOP_AGENT_SOCKET", "/tmp/agent.sock")
+    monkeypatch.setenv("PITSTOP_JOB_ID", "job-env")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="RANK=''"):
+        RankControlClient.from_env()
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("PITSTOP_GENERATION", "7")
+    with RankControlClient.from_env() as client:  # type: ignore[union-attr]
+        assert (client.job_id, client.rank, client.generation) == ("job-env", 3, 7)

@@ -1,0 +1,249 @@
+"""RankSupervisor with real rank processes (tests/integration/fake_rank.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from fake_rank import NODE, TIMEOUT, ExitLog, RankNotices, start_command
+
+from pitstop.agent.supervisor import RankSupervisor
+from pitstop.v1 import agent_pb2
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A folder with a short path: Unix socket paths are limited to 107 bytes."""
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="ps-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def notices(short_dir: Path) -> AsyncIterator[RankNotices]:
+    server = RankNotices(short_dir / "notify.sock")
+    await server.start()
+    yield server
+    await server.close()
+
+
+@pytest.fixture
+def exits() -> ExitLog:
+    return ExitLog()
+
+
+@pytest.fixture
+async def supervisor(
+    short_dir: Path, tmp_path: Path, exits: ExitLog
+) -> AsyncIterator[RankSupervisor]:
+    supervisor = RankSupervisor(
+        NODE, short_dir / "agent.sock", tmp_path / "logs", exits, checkpointd_address="ckpt:7070"
+    )
+    yield supervisor
+    await supervisor.shutdown(grace_seconds=1.0)
+
+
+async def wait_gone(pids: list[int]) -> None:
+    """Wait until none of `pids` runs: a pidfd turns readable when its process ends."""
+    loop = asyncio.get_running_loop()
+    for pid in pids:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        ended = loop.create_future()
+        loop.add_reader(pidfd, ended.set_result, None)
+        try:
+            await asyncio.wait_for(ended, TIMEOUT)
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        with contextlib.suppress(psutil.NoSuchProcess):  # reaped already
+            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+async def test_starts_this_nodes_ranks_with_the_torch_environment(
+    supervisor: RankSupervisor, notices: RankNotices, exits: ExitLog, tmp_path: Path
+) -> None:
+    command = start_command(
+        "job-env",
+        notices,
+        "--hold",
+        ranks=((0, NODE, 3), (1, "n2", 0), (2, NODE, 5)),
+        env={"FAKE_RANK_EXTRA": "yes", "RANK": "overridden by the agent"},
+        working_dir=str(tmp_path),
+        rendezvous_address="10.1.2.3:29511",
+        restore_step=40,
+    )
+
+    assert await supervisor.start_ranks(command) == [0, 2]
+    first, third = await notices.next(0), await notices.next(2)
+
+    assert first["env"] == {
+        "RANK": "0",
+        "WORLD_SIZE": "3",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.1.2.3",
+        "MASTER_PORT": "29511",
+        "CUDA_VISIBLE_DEVICES": "3",
+        "PITSTOP_JOB_ID": "job-env",
+        "PITSTOP_GENERATION": "1",
+        "PITSTOP_NODE_ID": NODE,
+        "PITSTOP_AGENT_SOCKET": str(supervisor.socket_path),
+        "PITSTOP_RESTORE_STEP": "40",
+        "PITSTOP_CHECKPOINTD": "ckpt:7070",
+        "FAKE_RANK_EXTRA": "yes",
+    }
+    assert (third["env"]["RANK"], third["env"]["CUDA_VISIBLE_DEVICES"]) == ("2", "5")
+    assert first["cwd"] == str(tmp_path)
+    running = supervisor.running()
+    assert [(r.job_id, r.generation, r.rank, r.pid) for r in running] == [
+        ("job-env", 1, 0, first["pid"]),
+        ("job-env", 1, 2, third["pid"]),
+    ]
+
+    # The same command again starts nothing new.
+    assert await supervisor.start_ranks(command) == [0, 2]
+    assert [r.pid for r in supervisor.running()] == [first["pid"], third["pid"]]
+
+    os.kill(first["pid"], signal.SIGKILL)
+    killed = await exits.next()
+    assert (killed.job_id, killed.generation, killed.rank) == ("job-env", 1, 0)
+    assert (killed.signal, killed.exit_code) == (9, 0)
+    assert [r.rank for r in supervisor.running()] == [2]
+
+    stopped = await supervisor.stop_ranks(agent_pb2.StopRanks(job_id="job-env", grace_seconds=5))
+    assert stopped == [2]
+    # Reported before stop_ranks returned.
+    terminated = exits.queue.get_nowait()
+    assert (terminated.rank, terminated.signal) == (2, signal.SIGTERM)
+    assert supervisor.running() == []
+    assert (tmp_path / "logs" / "job-env" / "rank-0.log").exists()
+
+
+async def test_reports_exit_code_result_and_log_tail(
+    supervisor: RankSupervisor, notices: RankNotices, exits: ExitLog
+) -> None:
+    await supervisor.start_ranks(
+        start_command("job-exit", notices, "--wait-go", "--exit-code", "3")
+    )
+    await notices.next(0)
+    supervisor.record_step("job-exit", 0, 42)
+    supervisor.record_result("job-exit", 0, {"final_weights_sha256": "abc123"})
+    assert supervisor.running()[0].step == 42
+
+    await notices.go(0)
+    exited = await exits.next()
+
+    assert (exited.rank, exited.exit_code, exited.signal) == (0, 3, 0)
+    assert dict(exited.result) == {"final_weights_sha256": "abc123"}
+    assert "fake rank 0 exiting with 3\n" in exited.stderr_tail
+    assert exited.time.seconds > 0
+
+
+async def test_stop_kills_a_rank_that_ignores_sigterm_after_the_grace(
+    supervisor: RankSupervisor, notices: RankNotices, exits: ExitLog
+) -> None:
+    command = start_command("job-stubborn", notices, "--ignore-sigterm", "--spawn-child", "--hold")
+    await supervisor.start_ranks(command)
+    ready = await notices.next(0)
+
+    started = time.monotonic()
+    stopped = await supervisor.stop_ranks(
+        agent_pb2.StopRanks(job_id="job-stubborn", ranks=[0], grace_seconds=0.3, reason="test")
+    )
+
+    assert stopped == [0]
+    assert time.monotonic() - started >= 0.3
+    assert exits.queue.get_nowait().signal == signal.SIGKILL
+    await wait_gone([ready["pid"], ready["child_pid"]])
+
+
+async def test_shutdown_leaves_no_process(
+    supervisor: RankSupervisor, notices: RankNotices, exits: ExitLog
+) -> None:
+    command = start_command(
+        "job-shutdown",
+        notices,
+        "--ignore-sigterm",
+        "--spawn-child",
+        "--hold",
+        ranks=((0, NODE, 0), (1, NODE, 1)),
+    )
+    await supervisor.start_ranks(command)
+    ready = [await notices.next(0), await notices.next(1)]
+
+    await supervisor.shutdown(grace_seconds=0.2)
+
+    assert sorted([exits.queue.get_nowait().rank, exits.queue.get_nowait().rank]) == [0, 1]
+    await wait_gone([pid for notice in ready for pid in (notice["pid"], notice["child_pid"])])
+    with pytest.raises(RuntimeError, match="shut down"):
+        await supervisor.start_ranks(command)
+
+
+async def test_a_newer_generation_replaces_the_older_one(
+    supervisor: RankSupervisor, notices: RankNotices, exits: ExitLog
+) -> None:
+    await supervisor.start_ranks(start_command("job-gen", notices, "--hold", generation=1))
+    await notices.next(0)
+
+    await supervisor.start_ranks(start_command("job-gen", notices, "--hold", generation=2))
+
+    old = await exits.next()
+    assert (old.generation, old.signal) == (1, signal.SIGTERM)
+    assert (await notices.next(0))["env"]["PITSTOP_GENERATION"] == "2"
+    assert [(r.rank, r.generation) for r in supervisor.running()] == [(0, 2)]
+    with pytest.raises(ValueError, match="stale"):
+        await supervisor.start_ranks(start_command("job-gen", notices, generation=1))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"command": []}, "command is empty"),
+        ({"job_id": ""}, "job_id"),
+        ({"job_id": "../up"}, "job_id"),
+        ({"rendezvous_address": "no-port"}, "host:port"),
+        ({"working_dir": "/nonexistent/pitstop"}, "working_dir"),
+    ],
+)
+async def test_rejects_a_command_it_cannot_run(
+    supervisor: RankSupervisor, notices: RankNotices, change: dict[str, object], message: str
+) -> None:
+    command = start_command("job-bad", notices)
+    for name, value in change.items():
+        if isinstance(value, list):
+            del getattr(command, name)[:]
+        else:
+            setattr(command, name, value)
+    with pytest.raises(ValueError, match=message):
+        await supervisor.start_ranks(command)
+    assert supervisor.running() == []
+
+
+async def test_rejects_a_rank_map_with_nothing_for_this_node(
+    supervisor: RankSupervisor, notices: RankNotices
+) -> None:
+    command = start_command("job-elsewhere", notices, ranks=((0, "n2", 0), (1, "n3", 0)))
+    with pytest.raises(ValueError, match="node 'n1'"):
+        await supervisor.start_ranks(command)
+
+
+async def test_a_missing_program_is_a_clear_error(
+    supervisor: RankSupervisor, notices: RankNotices
+) -> None:
+    command = start_command("job-missing", notices)
+    command.command[0] = "/nonexistent/python"
+    with pytest.raises(ValueError, match="cannot run '/nonexistent/python'"):
+        await supervisor.start_ranks(command)
+    assert supervisor.running() == []
