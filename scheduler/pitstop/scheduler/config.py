@@ -57,6 +57,9 @@ class SchedulerSettings(BaseSettings):
     liveness_tick_seconds: float = Field(default=0.1, gt=0)
     # After a (re)start, agents get this long to reconnect before deadlines count.
     liveness_startup_grace_seconds: float = Field(default=5.0, ge=0)
+    # Campaign for the leader lease and run the deciding loops (placement, recovery,
+    # liveness) when holding it. Off only for a process meant to serve the API alone.
+    leader_loops: bool = True
     # The leader lease: a standby takes over within about one period of the leader dying.
     leader_lease_seconds: float = Field(default=3.0, gt=0)
     reconcile_tick_seconds: float = Field(default=0.2, gt=0)

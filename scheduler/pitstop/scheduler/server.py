@@ -171,7 +171,8 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
             loops.create_task(liveness.run())
             loops.create_task(reconciler.run(settings.reconcile_tick_seconds))
 
-    scheduler._tasks.append(asyncio.create_task(election.run(lead), name="election"))
+    if settings.leader_loops:
+        scheduler._tasks.append(asyncio.create_task(election.run(lead), name="election"))
     scheduler._stoppers.append(router.stop)
     return scheduler
 
