@@ -1,0 +1,402 @@
+"""Benchmark of the rank-visible checkpoint stall, side by side with the alternatives.
+
+For each state size (default 100 MB and 1 GB, in one run) it builds a realistic
+model-plus-optimizer state (float32 parameters in 8 tensors plus Adam's two moments,
+so parameters are a third of the bytes) and measures, median of --reps repetitions after
+unmeasured warm-ups:
+
+* memcpy: one single-threaded memmove of the same bytes into a pre-faulted buffer;
+* pitstop: SnapshotWriter.snapshot into a real checkpointd (AcquireSlot, the copy into
+  shared memory, SealSlot) -- the rank's whole stall. Between repetitions the bench
+  waits until the buddy holds the replica, so each snapshot starts with the daemons
+  idle, as at a step boundary seconds after the previous one;
+* torch_save: torch.save of the state to a file on local disk (until it returns; the
+  bytes may still be in the page cache);
+* async_save: torch.distributed.checkpoint.async_save, until it returns (its staging
+  copy and planning; the write continues in the background and is awaited, untimed).
+
+Also replication MB/s (one shard pushed over PushShard to the buddy daemon on loopback,
+checksum verified by the receiver) and flush MB/s (DurableStore.write_checkpoint to a
+file:// store on local disk, fsync included).
+
+Two daemons run as subprocesses (`python -m pitstop.checkpointd.main run`), the first
+replicating to the second. --cuda adds the same for a state on the GPU (default 10 GB),
+where pitstop's stall is the enqueue of device-to-pinned-host copies tracked by a CUDA
+event. Run from the repository root:
+
+    .venv/bin/python bench/checkpoint.py [--sizes-mb 100,1000] [--reps 5] [--cuda]
+
+Progress goes to stderr; the last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import functools
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from pitstop.checkpointd.durable import DurableShard, DurableStore
+from pitstop.checkpointd.replication import CHANNEL_OPTIONS, push_shard
+from pitstop.checkpointd.slots import SHM_DIR, remove_stale_segments, segment_prefix
+from pitstop.checkpointd.store import shard_checksum
+from pitstop.checkpointd.writer import SnapshotWriter
+from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+
+MB = 1_000_000
+WARMUP = 3  # the daemon rotates K=2 kept slots + 1 being written: map them all first
+TENSORS_PER_GROUP = 8
+TARGET_VS_MEMCPY = 1.5
+TARGET_VS_ASYNC_SAVE = 0.1
+LARGE_MB = 500
+LARGE_REPS = 3
+
+
+def progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def make_state(total_bytes: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Parameters, exp_avg and exp_avg_sq: three equal groups of float32 tensors."""
+    per_tensor = max(1, total_bytes // (3 * TENSORS_PER_GROUP * 4))
+    generator = torch.Generator(device=device).manual_seed(0)
+    state = {}
+    for i in range(TENSORS_PER_GROUP):
+        for group in ("model", "optim.exp_avg", "optim.exp_avg_sq"):
+            state[f"{group}.layer{i}"] = torch.rand(per_tensor, generator=generator, device=device)
+    return state
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def median_of(reps: int, measure: Callable[[], float], warmup: int = 1) -> float:
+    for _ in range(warmup):
+        measure()
+    return statistics.median(measure() for _ in range(reps))
+
+
+@contextmanager
+def daemons(workdir: Path, budget: int) -> Iterator[tuple[str, str]]:
+    """Two checkpointd subprocesses on loopback: A replicates to B."""
+    started: list[tuple[subprocess.Popen[str], str]] = []
+
+    def start(name: str, *extra: str) -> str:
+        node_id = f"bench-{name}-{os.getpid()}"
+        command = [sys.executable, "-m", "pitstop.checkpointd.main", "run", "--node-id", node_id]
+        command += ["--host", "127.0.0.1", "--port", "0", "--scheduler", ""]
+        command += ["--state-dir", str(workdir / name), "--memory-budget-bytes", str(budget)]
+        command += ["--flush-every-steps", "1000000", "--log-level", "WARNING", *extra]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+        started.append((process, node_id))
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        if "listening on" not in line:
+            raise RuntimeError(f"checkpointd {name} did not start: {line!r}")
+        return line.split("listening on ")[1].split()[0]
+
+    try:
+        b = start("b")
+        a = start("a", "--buddy", b)
+        yield a, b
+    finally:
+        for process, node_id in started:
+            process.terminate()
+            process.wait(30)
+            remove_stale_segments(segment_prefix(node_id))
+
+
+def wait_for_replica(buddy: Any, job: str, step: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    request = checkpoint_pb2.ListShardsRequest(job_id=job)
+    while time.monotonic() < deadline:
+        shards = buddy.ListShards(request).shards
+        if any(s.header.key.step == step for s in shards):
+            return
+        time.sleep(0.02)  # a benchmark polling an idle daemon, not a test
+    raise RuntimeError(f"replica of {job} step {step} never reached the buddy")
+
+
+def spin(seconds: float = 0.05) -> None:
+    """Busy CPU before a timed operation, as a rank's is right after a training step:
+    on a VM, a copy right after idle time runs up to 3x slower."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def memcpy_once(state: dict[str, torch.Tensor], target: torch.Tensor) -> float:
+    """One single-threaded memmove of every tensor into `target`."""
+    offset, base = 0, target.data_ptr()
+    spin()
+    started = time.perf_counter()
+    for tensor in state.values():
+        size = tensor.numel() * tensor.element_size()
+        ctypes.memmove(base + offset, tensor.data_ptr(), size)
+        offset += size
+    return time.perf_counter() - started
+
+
+def bench_memcpy_and_pitstop(
+    state: dict[str, torch.Tensor], reps: int, job: str, a: str, buddy: Any
+) -> tuple[list[float], list[float], list[float], SnapshotWriter]:
+    """memcpy and pitstop stalls, interleaved (alternating which goes first) so that
+    both see the same machine state; the daemons are idle before every snapshot."""
+    target = torch.zeros(state_bytes(state), dtype=torch.uint8)  # pre-faulted
+    writer = SnapshotWriter(a, job, 0, timeout_s=120)
+    step = 0
+    sealed: list[float] = []
+
+    def snapshot() -> float:
+        nonlocal step
+        step += 1
+        spin()
+        result = writer.snapshot(step, state)
+        if result.skipped:
+            raise RuntimeError(f"snapshot skipped: {result.skipped}")
+        wait_for_replica(buddy, job, step)
+        writer.wait()
+        sealed.append(writer.sealed_seconds)
+        return result.stall_seconds
+
+    for _ in range(WARMUP):
+        snapshot()
+    memcpy_once(state, target)
+    sealed.clear()
+    copies, stalls = [], []
+    for rep in range(reps):
+        if rep % 2:
+            stalls.append(snapshot())
+            copies.append(memcpy_once(state, target))
+        else:
+            copies.append(memcpy_once(state, target))
+            stalls.append(snapshot())
+    del target
+    return copies, stalls, sealed, writer
+
+
+def bench_torch_save(state: dict[str, torch.Tensor], reps: int, workdir: Path) -> float:
+    path = workdir / "torch_save.pt"
+
+    def once() -> float:
+        spin()
+        started = time.perf_counter()
+        torch.save(state, path)
+        elapsed = time.perf_counter() - started
+        path.unlink()
+        return elapsed
+
+    return median_of(reps, once)
+
+
+def bench_async_save(state: dict[str, torch.Tensor], reps: int, workdir: Path) -> float:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
+
+    counter = iter(range(1_000_000))
+
+    def once() -> float:
+        target = workdir / f"dcp-{next(counter)}"
+        spin()
+        started = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pending = async_save(state, checkpoint_id=str(target))
+        elapsed = time.perf_counter() - started
+        if isinstance(pending, AsyncSaveResponse):
+            pending.upload_completion.result()
+        else:
+            pending.result()
+        shutil.rmtree(target, ignore_errors=True)
+        return elapsed
+
+    return median_of(reps, once)
+
+
+def bench_transfers(
+    writer: SnapshotWriter, a: str, b: str, workdir: Path, reps: int
+) -> tuple[float, float]:
+    """Replication and flush MB/s of the newest shard `writer` sealed."""
+    stub = checkpoint_pb2_grpc.CheckpointServiceStub(grpc.insecure_channel(a))
+    restored = stub.Restore(
+        checkpoint_pb2.RestoreRequest(
+            key=checkpoint_pb2.ShardKey(job_id=writer.job_id, rank=writer.rank)
+        )
+    )
+    size = restored.header.size_bytes
+    with (SHM_DIR / restored.shm_name).open("rb") as file:
+        data = memoryview(file.read(size))
+    header = checkpoint_pb2.ShardHeader()
+    header.CopyFrom(restored.header)
+    header.key.job_id = f"{writer.job_id}-push"
+
+    async def push() -> float:
+        async with grpc.aio.insecure_channel(b, options=CHANNEL_OPTIONS) as channel:
+            buddy = checkpoint_pb2_grpc.CheckpointServiceStub(channel)
+            started = time.perf_counter()
+            response = await push_shard(buddy, header, data)
+            elapsed = time.perf_counter() - started
+        if not response.stored:
+            raise RuntimeError(f"buddy refused the push: {response.error}")
+        return elapsed
+
+    push_s = statistics.median(asyncio.run(push()) for _ in range(reps))
+    durable = DurableStore(f"file://{workdir / 'durable'}", "bench")
+    checksum = shard_checksum(data)
+
+    def flush() -> float:
+        started = time.perf_counter()
+        durable.write_checkpoint(writer.job_id, 1, 0, [DurableShard(0, data, checksum)])
+        elapsed = time.perf_counter() - started
+        shutil.rmtree(workdir / "durable")
+        return elapsed
+
+    flush_s = statistics.median(flush() for _ in range(reps))
+    return size / push_s / MB, size / flush_s / MB
+
+
+def run_case(size_mb: int, reps: int, a: str, b: str, workdir: Path) -> dict[str, Any]:
+    label = f"{size_mb}MB" if size_mb < 1000 else f"{size_mb / 1000:g}GB"
+    if size_mb >= LARGE_MB:
+        reps = min(reps, LARGE_REPS)  # keeps the whole run within a few minutes
+    state = make_state(size_mb * MB)
+    total = state_bytes(state)
+    buddy = checkpoint_pb2_grpc.CheckpointServiceStub(grpc.insecure_channel(b))
+    progress(f"{label}: state of {total} bytes in {len(state)} float32 tensors")
+    copies, stalls, sealed, writer = bench_memcpy_and_pitstop(
+        state, reps, f"bench-{label}", a, buddy
+    )
+    memcpy_s, pitstop_s = statistics.median(copies), statistics.median(stalls)
+    progress(f"{label}: memcpy {memcpy_s * 1e3:.1f} ms, pitstop stall {pitstop_s * 1e3:.1f} ms")
+    save_s = bench_torch_save(state, reps, workdir)
+    progress(f"{label}: torch.save {save_s * 1e3:.1f} ms")
+    async_s = bench_async_save(state, reps, workdir)
+    progress(f"{label}: dcp.async_save returned in {async_s * 1e3:.1f} ms")
+    replication, flush = bench_transfers(writer, a, b, workdir, 2)
+    progress(f"{label}: replication {replication:.0f} MB/s, flush {flush:.0f} MB/s")
+    writer.close()
+    return {
+        "bytes": total,
+        "reps": reps,
+        "memcpy_ms": round(memcpy_s * 1e3, 2),
+        "pitstop_stall_ms": round(pitstop_s * 1e3, 2),
+        "pitstop_sealed_ms": round(statistics.median(sealed) * 1e3, 2),
+        "torch_save_ms": round(save_s * 1e3, 2),
+        "async_save_ms": round(async_s * 1e3, 2),
+        "pitstop_vs_memcpy": round(pitstop_s / memcpy_s, 3),
+        "pitstop_vs_memcpy_paired": round(
+            statistics.median(p / c for p, c in zip(stalls, copies, strict=True)), 3
+        ),
+        "pitstop_vs_async_save": round(pitstop_s / async_s, 3),
+        "target_vs_memcpy_met": pitstop_s <= TARGET_VS_MEMCPY * memcpy_s,
+        "target_vs_async_save_met": pitstop_s <= TARGET_VS_ASYNC_SAVE * async_s,
+        "replication_MBps": round(replication, 1),
+        "flush_MBps": round(flush, 1),
+    }
+
+
+def pinned_buffer(size: int) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+
+def device_to_host(state: dict[str, torch.Tensor], pinned: torch.Tensor) -> float:
+    """One copy of every tensor into pinned host memory: the GPU's "memcpy"."""
+    offset = 0
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for tensor in state.values():
+        size = tensor.numel() * tensor.element_size()
+        pinned[offset : offset + size].view(torch.float32).copy_(tensor, non_blocking=True)
+        offset += size
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def run_cuda_case(size_gb: float, reps: int, a: str, b: str, workdir: Path) -> dict[str, Any]:
+    """The GPU variant: a state in device memory. Needs an NVIDIA GPU."""
+    state = make_state(int(size_gb * 1e9), device="cuda")
+    total = state_bytes(state)
+    memcpy_s = median_of(reps, functools.partial(device_to_host, state, pinned_buffer(total)))
+    buddy = checkpoint_pb2_grpc.CheckpointServiceStub(grpc.insecure_channel(b))
+    writer = SnapshotWriter(a, "bench-cuda", 0, timeout_s=600)
+    stalls, sealed = [], []
+    for step in range(1, WARMUP + reps + 1):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        writer.snapshot(step, state)
+        stall = time.perf_counter() - started
+        writer.wait()
+        if step > WARMUP:
+            stalls.append(stall)
+            sealed.append(time.perf_counter() - started)
+        wait_for_replica(buddy, "bench-cuda", step, timeout=600)
+    writer.close()
+    pitstop_s = statistics.median(stalls)
+    save_s = bench_torch_save(state, reps, workdir)
+    async_s = bench_async_save(state, reps, workdir)
+    return {
+        "bytes": total,
+        "d2h_memcpy_ms": round(memcpy_s * 1e3, 2),
+        "pitstop_stall_ms": round(pitstop_s * 1e3, 2),
+        "pitstop_sealed_ms": round(statistics.median(sealed) * 1e3, 2),
+        "torch_save_ms": round(save_s * 1e3, 2),
+        "async_save_ms": round(async_s * 1e3, 2),
+        "pitstop_vs_memcpy": round(pitstop_s / memcpy_s, 3),
+        "pitstop_vs_async_save": round(pitstop_s / async_s, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
+    parser.add_argument("--sizes-mb", default="100,1000", help="state sizes, comma-separated")
+    parser.add_argument("--reps", type=int, default=5, help="measured repetitions per method")
+    parser.add_argument("--cuda", action="store_true", help="also a state on the GPU")
+    parser.add_argument("--cuda-size-gb", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes_mb.split(",") if s]
+    torch.set_num_threads(os.cpu_count() or 1)
+    report: dict[str, Any] = {
+        "bench": "checkpoint",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "reps": args.reps,
+        "cases": {},
+    }
+    budget = 6 * max(sizes) * MB + (512 << 20)
+    with tempfile.TemporaryDirectory(prefix="pitstop-bench-", dir="/var/tmp") as tmp:
+        workdir = Path(tmp)
+        if args.cuda and torch.cuda.is_available():
+            budget = max(budget, int(4 * args.cuda_size_gb * 1e9))
+        with daemons(workdir, budget) as (a, b):
+            for size in sizes:
+                label = f"{size}MB" if size < 1000 else f"{size / 1000:g}GB"
+                report["cases"][label] = run_case(size, args.reps, a, b, workdir)
+            if args.cuda and torch.cuda.is_available():
+                report["cuda"] = run_cuda_case(args.cuda_size_gb, args.reps, a, b, workdir)
+            elif args.cuda:
+                report["cuda"] = "skipped: torch.cuda.is_available() is False"
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""The daemon's side of the scheduler's CheckpointCatalogService.
+
+Reports are batched: shards gained and dropped and failed flushes accumulate while a
+report is in flight and go in the next one. A scheduler that is down, or that does not
+serve the catalog yet, is an outage to wait out with backoff, never an error that stops
+the daemon: what was not reported stays queued. The buddy comes from the configuration
+when one is given, else from GetBuddy, cached and refreshed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+
+from pitstop.checkpointd.store import ShardId, Tier
+from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_SECONDS = 10.0
+MAX_FLUSH_ERRORS = 100
+"""Failed-flush messages kept for the next report; older ones are dropped."""
+_FIRST_RETRY_SECONDS = 0.1
+
+
+@dataclass(frozen=True)
+class Buddy:
+    """Where this node replicates to."""
+
+    node_id: str
+    address: str
+
+
+class CatalogClient:
+    """Reports to the scheduler's checkpoint catalog; asks it for the buddy."""
+
+    def __init__(
+        self,
+        scheduler: str,
+        node_id: str,
+        *,
+        token: str = "",
+        static_buddy: str = "",
+        retry_max_seconds: float = 30.0,
+        buddy_refresh_seconds: float = 30.0,
+    ) -> None:
+        self.node_id = node_id
+        self._static_buddy = Buddy("", static_buddy) if static_buddy else None
+        self._retry_max = retry_max_seconds
+        self._buddy_refresh = buddy_refresh_seconds
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._channel = grpc.aio.insecure_channel(scheduler) if scheduler else None
+        self._stub = (
+            checkpoint_pb2_grpc.CheckpointCatalogServiceStub(self._channel)
+            if self._channel
+            else None
+        )
+        self._added: dict[tuple[ShardId, Tier], checkpoint_pb2.ShardInfo] = {}
+        self._removed: dict[tuple[ShardId, Tier], checkpoint_pb2.ShardKey] = {}
+        self._errors: deque[str] = deque(maxlen=MAX_FLUSH_ERRORS)
+        self._wake = asyncio.Event()
+        self._buddy: Buddy | None = None
+        self._buddy_at = -float("inf")
+        self.committed_steps: dict[str, int] = {}
+        """Newest committed step per job, as of the last report's answer."""
+        self.reports_sent = 0
+
+    @property
+    def pending(self) -> int:
+        """Items waiting for the next report."""
+        return len(self._added) + len(self._removed) + len(self._errors)
+
+    def shard_added(self, info: checkpoint_pb2.ShardInfo, tier: Tier) -> None:
+        """Queue a shard this node now holds in `tier`."""
+        key = info.header.key
+        shard = (ShardId(key.job_id, key.rank, key.step), tier)
+        if self._removed.pop(shard, None) is None:
+            self._added[shard] = info
+        self._wake.set()
+
+    def shard_removed(self, shard: ShardId, generation: int, tier: Tier) -> None:
+        """Queue a shard this node no longer holds in `tier`."""
+        if self._added.pop((shard, tier), None) is None:
+            self._removed[(shard, tier)] = checkpoint_pb2.ShardKey(
+                job_id=shard.job_id, rank=shard.rank, step=shard.step, generation=generation
+            )
+        self._wake.set()
+
+    def flush_failed(self, message: str) -> None:
+        """Queue a failed durable flush, in words."""
+        self._errors.append(message)
+        self._wake.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Send reports until `stop` is set; back off while the scheduler fails them."""
+        if self._stub is None:
+            await stop.wait()
+            return
+        delay = 0.0
+        failures = 0
+        while not stop.is_set():
+            if delay:
+                await _wait(stop, delay * random.uniform(0.5, 1.0))
+            elif not self.pending:
+                self._wake.clear()
+                await _wait_any(stop, self._wake)
+            if stop.is_set() or not self.pending:
+                continue
+            added, self._added = self._added, {}
+            removed, self._removed = self._removed, {}
+            errors = list(self._errors)
+            self._errors.clear()
+            request = checkpoint_pb2.ReportShardsRequest(
+                node_id=self.node_id,
+                added=list(added.values()),
+                removed=list(removed.values()),
+                flush_errors=errors,
+            )
+            try:
+                response = await self._stub.ReportShards(
+                    request, timeout=CALL_TIMEOUT_SECONDS, metadata=self._metadata
+                )
+            except grpc.aio.AioRpcError as exc:
+                failures += 1
+                level = logging.WARNING if failures in (1, 10, 100) else logging.DEBUG
+                log.log(
+                    level,
+                    "report to the scheduler failed (%d in a row), kept for retry: %s %s",
+                    failures,
+                    exc.code().name,
+                    exc.details(),
+                )
+                for shard, info in added.items():
+                    self._added.setdefault(shard, info)
+                for shard, key in removed.items():
+                    self._removed.setdefault(shard, key)
+                self._errors.extendleft(reversed(errors))
+                delay = min(self._retry_max, max(_FIRST_RETRY_SECONDS, delay * 2))
+                continue
+            failures, delay = 0, 0.0
+            self.reports_sent += 1
+            self.committed_steps.update(response.committed_steps)
+
+    async def buddy(self) -> Buddy | None:
+        """The buddy to replicate to: the configured one, else the scheduler's answer
+        (cached for a while; the last known one while the scheduler is unreachable)."""
+        if self._static_buddy is not None:
+            return self._static_buddy
+        if self._stub is None or time.monotonic() - self._buddy_at < self._buddy_refresh:
+            return self._buddy
+        try:
+            response = await self._stub.GetBuddy(
+                checkpoint_pb2.GetBuddyRequest(node_id=self.node_id),
+                timeout=CALL_TIMEOUT_SECONDS,
+                metadata=self._metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.debug("GetBuddy failed: %s %s", exc.code().name, exc.details())
+            return self._buddy
+        self._buddy_at = time.monotonic()
+        address = response.buddy_address
+        self._buddy = Buddy(response.buddy_node_id, address) if address else None
+        return self._buddy
+
+    def forget_buddy(self) -> None:
+        """Ask the scheduler again next time (the buddy stopped answering)."""
+        self._buddy_at = -float("inf")
+
+    async def committed_step(self, job_id: str) -> int:
+        """The job's committed step per the scheduler; 0 when unknown or unreachable."""
+        if self._stub is None:
+            return 0
+        try:
+            response = await self._stub.GetRestorePoint(
+                checkpoint_pb2.GetRestorePointRequest(job_id=job_id),
+                timeout=CALL_TIMEOUT_SECONDS,
+                metadata=self._metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.debug("GetRestorePoint(%s) failed: %s", job_id, exc.code().name)
+            return 0
+        return int(response.committed_step)
+
+    async def close(self) -> None:
+        """Close the channel; what was not reported is lost with the daemon's memory."""
+        if self._channel is not None:
+            await self._channel.close()
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+async def _wait_any(*events: asyncio.Event) -> None:
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()

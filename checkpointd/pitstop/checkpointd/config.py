@@ -1,0 +1,151 @@
+"""checkpointd configuration: defaults < config file (YAML) < PITSTOP_CHECKPOINTD_*
+environment < flags."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+ENV_PREFIX = "PITSTOP_CHECKPOINTD_"
+DEFAULT_STATE_DIR = Path("/var/lib/pitstop/checkpointd")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _check_address(what: str, value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdecimal() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} {value!r}: use host:port, e.g. 10.0.0.5:50061")
+    return value
+
+
+class CheckpointdSettings(BaseSettings):
+    """Everything checkpointd reads at start. Every field is also
+    PITSTOP_CHECKPOINTD_<NAME>."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    node_id: str = Field(default_factory=socket.gethostname, min_length=1, max_length=253)
+    """Node id the scheduler knows this node by (default: the host name)."""
+    scheduler: str = "127.0.0.1:50051"
+    """host:port of the scheduler's gRPC API; empty: no catalog (static buddy only)."""
+    token: str = Field(default="", repr=False)
+    """Bearer token with the agent role, sent to the scheduler and the buddy and asked of
+    every caller; empty when they run open."""
+    host: str = "0.0.0.0"
+    """Address to serve on: the buddy's daemon must reach it."""
+    port: int = Field(default=50061, ge=0, le=65535)
+    """Port to serve on; 0 picks a free one (printed at start)."""
+    memory_budget_bytes: int = Field(default=0, ge=0)
+    """Shared memory for snapshots and replicas; 0: half of /dev/shm."""
+    state_dir: Path = DEFAULT_STATE_DIR
+    durable_url: str = ""
+    """fsspec URL of the durable store; default file://<state_dir>/durable."""
+    buddy: str = ""
+    """host:port of the buddy's checkpointd; empty: ask the scheduler."""
+    flush_every_steps: int = Field(default=0, ge=0)
+    """Flush durably when step % M == 0; 0: at the Young/Daly interval."""
+    failures_per_hour: float = Field(default=0.1, ge=0)
+    """The job's failure rate for the Young/Daly interval."""
+    max_flush_every_steps: int = Field(default=10_000, ge=1)
+    keep_in_memory: int = Field(default=2, ge=1)
+    """Newest snapshots kept in memory per rank and tier."""
+    keep_durable: int = Field(default=3, ge=1)
+    """Newest durable checkpoints kept per job (of those this node wrote)."""
+    retry_max_seconds: float = Field(default=30.0, gt=0)
+    """Longest wait between retries of a report, a push or a flush."""
+    log_level: str = "INFO"
+    fault_hold_flush_at_step: int = Field(default=0, ge=0)
+    """Fault injection for tests: hold the durable flush of this step after its shards
+    and before its manifest, until the daemon stops. 0: never."""
+    config_file: Path | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_defaults(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("durable_url") in (None, ""):
+            state_dir = Path(data.get("state_dir") or DEFAULT_STATE_DIR).absolute()
+            data["durable_url"] = f"file://{state_dir}/durable"
+        return data
+
+    @field_validator("scheduler")
+    @classmethod
+    def _scheduler(cls, value: str) -> str:
+        return _check_address("scheduler", value) if value else value
+
+    @field_validator("buddy")
+    @classmethod
+    def _buddy(cls, value: str) -> str:
+        return _check_address("buddy", value) if value else value
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        level = value.upper()
+        if level not in _LOG_LEVELS:
+            raise ValueError(f"log_level {value!r}: use one of {', '.join(_LOG_LEVELS)}")
+        return level
+
+    @property
+    def log_level_number(self) -> int:
+        """The log level as a `logging` number."""
+        return logging.getLevelNamesMapping()[self.log_level]
+
+    def budget_bytes(self, shm_dir: Path) -> int:
+        """The memory budget: as configured, or half of `shm_dir`'s size."""
+        if self.memory_budget_bytes:
+            return self.memory_budget_bytes
+        stat = os.statvfs(shm_dir)
+        return stat.f_blocks * stat.f_frsize // 2
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings)
+
+
+def load_settings(config_file: Path | None = None, **flags: Any) -> CheckpointdSettings:
+    """Merge defaults, the YAML config file, PITSTOP_CHECKPOINTD_* variables and the
+    flags given (flags win; a flag given as None is not given)."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    if config_file is None:
+        return CheckpointdSettings(**given)
+    if not config_file.is_file():
+        raise FileNotFoundError(f"config file {config_file} does not exist; fix the --config path")
+
+    class FileSettings(CheckpointdSettings):
+        model_config = SettingsConfigDict(
+            env_prefix=ENV_PREFIX, extra="forbid", yaml_file=config_file
+        )
+
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
+
+    return FileSettings(**given, config_file=config_file)

@@ -1,0 +1,260 @@
+"""One checkpoint daemon, wired together: slots, the shard store, the pipeline behind
+every sealed snapshot (checksum, replicate, report, flush), restores and the server.
+
+The rank path (AcquireSlot, SealSlot) only keeps books and, for a new slot, allocates
+shared memory; everything else happens after SealSlot has answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+from pitstop.checkpointd.catalog import CatalogClient
+from pitstop.checkpointd.config import CheckpointdSettings
+from pitstop.checkpointd.durable import DurableStore
+from pitstop.checkpointd.flusher import DurableFlusher, durable_info
+from pitstop.checkpointd.format import ShardFormatError, read_layout
+from pitstop.checkpointd.replication import (
+    CHANNEL_OPTIONS,
+    Replicator,
+    receive_chunks,
+    shard_chunks,
+)
+from pitstop.checkpointd.restore import RestoreSources, ShardNotFound
+from pitstop.checkpointd.service import CheckpointServicer, TokenInterceptor
+from pitstop.checkpointd.slots import (
+    SHM_DIR,
+    MemoryBudgetFull,
+    Segment,
+    SlotPool,
+    remove_stale_segments,
+    segment_prefix,
+)
+from pitstop.checkpointd.store import ShardId, ShardRecord, ShardStore, Tier, shard_checksum
+from pitstop.v1 import checkpoint_pb2
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointDaemon:
+    """Every part of one checkpointd. `start` serves; `stop` unlinks every segment."""
+
+    def __init__(self, settings: CheckpointdSettings, shm_dir: Path = SHM_DIR) -> None:
+        self.settings = settings
+        self.node_id = settings.node_id
+        self.prefix = segment_prefix(settings.node_id)
+        self.shm_dir = shm_dir
+        self.pool = SlotPool(self.prefix, settings.budget_bytes(shm_dir), shm_dir)
+        self.store = ShardStore(settings.keep_in_memory)
+        self.catalog = CatalogClient(
+            settings.scheduler,
+            settings.node_id,
+            token=settings.token,
+            static_buddy=settings.buddy,
+            retry_max_seconds=settings.retry_max_seconds,
+        )
+        self.replicator = Replicator(
+            self.catalog,
+            self.pool,
+            token=settings.token,
+            retry_max_seconds=settings.retry_max_seconds,
+        )
+        self.durable = DurableStore(settings.durable_url, settings.node_id)
+        self.flusher = DurableFlusher(
+            self.durable,
+            self.pool,
+            self.catalog,
+            every_steps=settings.flush_every_steps,
+            keep_durable=settings.keep_durable,
+            failures_per_hour=settings.failures_per_hour,
+            max_every_steps=settings.max_flush_every_steps,
+            retry_max_seconds=settings.retry_max_seconds,
+            hold_at_step=settings.fault_hold_flush_at_step,
+        )
+        self.sources = RestoreSources(
+            self.node_id,
+            self.store,
+            self.pool,
+            self.catalog,
+            self.replicator,
+            self.durable,
+            self._keep_replica,
+        )
+        self.skipped_snapshots = 0
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._sealed: asyncio.Queue[ShardRecord] = asyncio.Queue()
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def address(self) -> str:
+        """host:port this daemon serves on (the port it got, when asked for 0)."""
+        host = "127.0.0.1" if self.settings.host in ("0.0.0.0", "") else self.settings.host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Remove segments a killed predecessor left, then serve."""
+        stale = remove_stale_segments(self.prefix, self.shm_dir)
+        if stale:
+            log.warning("removed %d shared-memory segments left by a previous run", len(stale))
+        interceptors = [TokenInterceptor(self.settings.token)] if self.settings.token else []
+        server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
+        CheckpointServicer(self).attach(server)
+        self.port = server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        await server.start()
+        self._server = server
+        for work in (
+            self.catalog.run(self._stop),
+            self.replicator.run(),
+            self.flusher.run(),
+            self._checksum_sealed(),
+        ):
+            self._tasks.append(asyncio.create_task(work))
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """Stop serving and background work; unlink every segment."""
+        self._stop.set()
+        if self._server is not None:
+            await self._server.stop(grace)
+        self.flusher.close()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.replicator.close()
+        await self.catalog.close()
+        self.pool.close()
+
+    # The rank path.
+
+    async def acquire_slot(self, shard: ShardId, size_bytes: int) -> Segment | str:
+        """A slot for the rank's snapshot, or why it is refused (the snapshot is skipped)."""
+        owner = (shard.job_id, shard.rank)
+        try:
+            # A free segment is the steady state: taken without leaving the event loop.
+            segment = self.pool.begin_write(owner, size_bytes, may_create=False)
+            if segment is None:
+                segment = await asyncio.to_thread(self.pool.begin_write, owner, size_bytes)
+            assert segment is not None
+            return segment
+        except MemoryBudgetFull as exc:
+            self.skipped_snapshots += 1
+            log.warning(
+                "slot for job %s rank %d refused, its snapshot is skipped: %s",
+                shard.job_id,
+                shard.rank,
+                exc,
+            )
+            return str(exc)
+
+    def seal_slot(self, shard: ShardId, generation: int, shm_name: str, size_bytes: int) -> None:
+        """The rank wrote its slot: hold it as the newest local snapshot; checksum,
+        replicate, report and flush it in the background."""
+        owner = (shard.job_id, shard.rank)
+        segment = self.pool.finish_write(owner, shm_name, size_bytes)
+        try:
+            read_layout(segment.view, size_bytes)
+        except ShardFormatError as exc:
+            self.pool.unref(segment)
+            raise ShardFormatError(f"sealed slot {shm_name} holds no valid shard: {exc}") from None
+        record = ShardRecord(shard, generation, Tier.LOCAL, segment, size_bytes, self.node_id)
+        self._hold(record)
+        self.flusher.observe_seal(shard.job_id, shard.step)
+        self._sealed.put_nowait(record)
+
+    async def _checksum_sealed(self) -> None:
+        while True:
+            record = await self._sealed.get()
+            if not self.store.holds(record):
+                continue
+            with self.pool.pinned(record.segment):
+                checksum = await asyncio.to_thread(shard_checksum, record.data())
+            if not self.store.holds(record):
+                continue
+            record.checksum = record.checksum or checksum
+            self.catalog.shard_added(record.info(), Tier.LOCAL)
+            self.replicator.submit(record)
+            self.flusher.submit(record)
+
+    # The buddy path.
+
+    async def receive_replica(
+        self, chunks: AsyncIterator[checkpoint_pb2.ShardChunk]
+    ) -> checkpoint_pb2.PushShardResponse:
+        """Hold a shard a buddy pushes, once its checksum verifies."""
+
+        async def allocate(header: checkpoint_pb2.ShardHeader) -> Segment:
+            owner = (header.key.job_id, header.key.rank)
+            return await asyncio.to_thread(self.pool.allocate, header.size_bytes, owner)
+
+        try:
+            header, segment = await receive_chunks(chunks, allocate, self.pool.unref)
+        except MemoryBudgetFull as exc:
+            return checkpoint_pb2.PushShardResponse(stored=False, error=str(exc))
+        key = header.key
+        record = ShardRecord(
+            ShardId(key.job_id, key.rank, key.step),
+            key.generation,
+            Tier.REPLICA,
+            segment,
+            header.size_bytes,
+            header.origin_node_id,
+            checksum=header.checksum,
+        )
+        actual = await asyncio.to_thread(shard_checksum, record.data())
+        if actual != header.checksum:
+            self.pool.unref(segment)
+            error = f"checksum {actual} of {record.shard} does not match {header.checksum}"
+            log.warning("pushed shard refused: %s", error)
+            return checkpoint_pb2.PushShardResponse(stored=False, error=error)
+        self._keep_replica(record)
+        return checkpoint_pb2.PushShardResponse(stored=True)
+
+    async def pull_chunks(self, shard: ShardId) -> AsyncIterator[checkpoint_pb2.ShardChunk]:
+        """The chunks of a shard held in memory (step 0: the newest); the puller
+        verifies the checksum."""
+        records = self.store.find(shard.job_id, shard.rank, shard.step)
+        if not records:
+            raise ShardNotFound(f"{shard} is not in the memory of node {self.node_id}")
+        record = records[0]
+        with self.pool.pinned(record.segment):
+            if record.checksum is None:
+                record.checksum = await asyncio.to_thread(shard_checksum, record.data())
+            for chunk in shard_chunks(record.header(), record.data()):
+                yield chunk
+
+    # Restore and listing.
+
+    async def restore(self, shard: ShardId) -> tuple[ShardRecord, Tier]:
+        """A verified copy of the shard in this node's memory, and its source."""
+        return await self.sources.restore(shard.job_id, shard.rank, shard.step)
+
+    async def list_shards(self, job_id: str) -> list[checkpoint_pb2.ShardInfo]:
+        """What this daemon holds in memory, and what the durable store offers."""
+        infos = [r.info() for r in self.store.records(job_id)]
+        try:
+            jobs = [job_id] if job_id else await asyncio.to_thread(self.durable.job_ids)
+            for job in jobs:
+                entries = await asyncio.to_thread(self.durable.entries, job)
+                infos += [durable_info(e) for e in entries]
+        except (OSError, ValueError) as exc:
+            log.warning("durable store %s not listed: %s", self.durable.url, exc)
+        return infos
+
+    def _keep_replica(self, record: ShardRecord) -> None:
+        self._hold(record)
+        self.catalog.shard_added(record.info(), Tier.REPLICA)
+
+    def _hold(self, record: ShardRecord) -> None:
+        for old in self.store.put(record):
+            if old.checksum is not None:
+                self.catalog.shard_removed(old.shard, old.generation, old.tier)
+            self.pool.unref(old.segment)

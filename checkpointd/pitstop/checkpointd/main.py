@@ -1,0 +1,128 @@
+"""`pitstop-checkpointd`: the per-node checkpoint daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+import typer
+from pydantic import ValidationError
+
+from pitstop.checkpointd.config import CheckpointdSettings, load_settings
+from pitstop.checkpointd.daemon import CheckpointDaemon
+from pitstop.checkpointd.slots import SHM_DIR, remove_stale_segments, segment_prefix
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="The pitstop checkpoint daemon.")
+log = logging.getLogger("pitstop.checkpointd")
+
+EXIT_BAD_CONFIG = 2
+EXIT_CANNOT_START = 1
+
+
+def _one_line(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "config"
+        parts.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
+
+
+@app.command()
+def run(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file")] = None,
+    node_id: Annotated[str | None, typer.Option(help="Node id [host name]")] = None,
+    scheduler: Annotated[str | None, typer.Option(help="Scheduler host:port; '' for none")] = None,
+    host: Annotated[str | None, typer.Option(help="Address to serve on [0.0.0.0]")] = None,
+    port: Annotated[int | None, typer.Option(help="Port; 0 picks a free one")] = None,
+    memory_budget_bytes: Annotated[
+        int | None, typer.Option(help="Shared-memory budget; 0: half of /dev/shm")
+    ] = None,
+    state_dir: Annotated[Path | None, typer.Option(help="State directory")] = None,
+    durable_url: Annotated[str | None, typer.Option(help="fsspec URL of the durable store")] = None,
+    buddy: Annotated[str | None, typer.Option(help="Buddy's checkpointd host:port")] = None,
+    flush_every_steps: Annotated[
+        int | None, typer.Option(help="Durable flush every M steps; 0: Young/Daly")
+    ] = None,
+    keep_in_memory: Annotated[int | None, typer.Option(help="Snapshots kept per rank")] = None,
+    keep_durable: Annotated[int | None, typer.Option(help="Durable checkpoints kept")] = None,
+    log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING [INFO]")] = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT; then unlink every shared-memory segment and exit."""
+    try:
+        settings = load_settings(
+            config,
+            node_id=node_id,
+            scheduler=scheduler,
+            host=host,
+            port=port,
+            memory_budget_bytes=memory_budget_bytes,
+            state_dir=state_dir,
+            durable_url=durable_url,
+            buddy=buddy,
+            flush_every_steps=flush_every_steps,
+            keep_in_memory=keep_in_memory,
+            keep_durable=keep_durable,
+            log_level=log_level,
+        )
+    except ValidationError as exc:
+        _fail(f"invalid configuration: {_one_line(exc)}", EXIT_BAD_CONFIG)
+    except (FileNotFoundError, ValueError) as exc:
+        _fail(f"invalid configuration: {exc}", EXIT_BAD_CONFIG)
+    logging.basicConfig(
+        level=settings.log_level_number,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        asyncio.run(_serve(settings))
+    except (OSError, RuntimeError, ValueError) as exc:
+        _fail(f"cannot start: {exc}", EXIT_CANNOT_START)
+
+
+async def _serve(settings: CheckpointdSettings) -> None:
+    daemon = CheckpointDaemon(settings)
+    try:
+        await daemon.start()
+        print(
+            f"pitstop-checkpointd {settings.node_id} listening on {daemon.address} "
+            f"(buddy {settings.buddy or 'from the scheduler'}, durable {settings.durable_url}, "
+            f"budget {daemon.pool.budget_bytes} bytes)",
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("stopping: in-memory snapshots are dropped")
+    finally:
+        await daemon.stop()
+    log.info("stopped")
+
+
+@app.command()
+def cleanup(
+    node_id: Annotated[str, typer.Option(help="Node id of the daemon that left them")],
+) -> None:
+    """Remove the shared-memory segments a killed daemon of NODE_ID left in /dev/shm."""
+    removed = remove_stale_segments(segment_prefix(node_id), SHM_DIR)
+    typer.echo(f"removed {len(removed)} segments")
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    typer.echo(f"pitstop-checkpointd: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    """Console entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

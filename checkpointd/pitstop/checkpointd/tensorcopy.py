@@ -1,0 +1,207 @@
+"""Copies between a rank's tensors and shared memory, for the writer.
+
+CPU torch tensors go by memmove in chunks over a few threads (ctypes releases the GIL
+during the call, and one core alone rarely reaches a socket's memory bandwidth); other
+objects with the buffer protocol (numpy arrays, bytes, array.array) by one memoryview
+copy. CUDA tensors are copied into a pinned host staging buffer on a side stream, a
+CUDA event marking their completion; that path needs a GPU to run. torch is imported
+only when a torch tensor is at hand.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pitstop.checkpointd.format import ShardLayout, TensorSpec
+
+if TYPE_CHECKING:
+    import torch
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_COPY_CHUNK = 16 << 20
+_BUFFER_DTYPES = {
+    ("?", 1): "BOOL", ("B", 1): "U8", ("b", 1): "I8", ("c", 1): "U8",
+    ("h", 2): "I16", ("H", 2): "U16", ("e", 2): "F16",
+    ("i", 4): "I32", ("I", 4): "U32", ("f", 4): "F32", ("l", 4): "I32", ("L", 4): "U32",
+    ("q", 8): "I64", ("Q", 8): "U64", ("d", 8): "F64", ("l", 8): "I64", ("L", 8): "U64",
+    ("Zf", 8): "C64",
+}  # fmt: skip
+TORCH_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+    "bool": "BOOL", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "uint16": "U16", "uint32": "U32", "uint64": "U64", "complex64": "C64",
+}  # fmt: skip
+"""torch dtype name -> safetensors dtype."""
+
+
+class MappedSlot:
+    """A slot's segment mapped into this process; `address` is where its bytes start
+    (writable mappings only)."""
+
+    def __init__(self, mapping: mmap.mmap, writable: bool) -> None:
+        self.mapping = mapping
+        self.view = memoryview(mapping)
+        self._anchor = ctypes.c_char.from_buffer(mapping) if writable else None
+        self.address = ctypes.addressof(self._anchor) if self._anchor is not None else 0
+
+    @classmethod
+    def open(cls, path: Path, size: int, writable: bool) -> MappedSlot:
+        """Map `size` bytes of the segment at `path`, its pages populated up front."""
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE, prot=prot)
+        finally:
+            os.close(fd)
+        return cls(mapping, writable)
+
+    def close(self) -> None:
+        """Unmap; a tensor that still views the mapping leaves it to the GC."""
+        self._anchor = None
+        try:
+            self.view.release()
+            self.mapping.close()
+        except BufferError:
+            pass
+
+
+class Copier:
+    """memmove in chunks over `threads` threads."""
+
+    def __init__(self, threads: int) -> None:
+        self._pool = ThreadPoolExecutor(threads, "pitstop-copy") if threads > 1 else None
+
+    def move(self, moves: list[tuple[int, int, int]]) -> None:
+        """Copy each (target address, source address, bytes)."""
+        pieces = [
+            (target + offset, source + offset, min(_COPY_CHUNK, size - offset))
+            for target, source, size in moves
+            for offset in range(0, size, _COPY_CHUNK)
+        ]
+        if self._pool is None or len(pieces) < 2:
+            for piece in pieces:
+                ctypes.memmove(*piece)
+            return
+        for _ in self._pool.map(lambda piece: ctypes.memmove(*piece), pieces):
+            pass
+
+    def close(self) -> None:
+        """Stop the threads."""
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+def is_torch(value: Any) -> bool:
+    """Whether `value` is a torch tensor (without importing torch)."""
+    return type(value).__module__.startswith("torch")
+
+
+def is_plain_cpu_tensor(value: Any) -> bool:
+    """A contiguous CPU torch tensor: its bytes can be memmoved as they are."""
+    return is_torch(value) and value.device.type == "cpu" and bool(value.is_contiguous())
+
+
+def is_cuda(value: Any) -> bool:
+    """A torch tensor on a GPU."""
+    return is_torch(value) and bool(value.is_cuda)
+
+
+def describe(name: str, value: Any) -> TensorSpec:
+    """The layout entry of a torch tensor or a buffer-protocol object."""
+    if is_torch(value):
+        dtype = TORCH_DTYPES.get(str(value.dtype).removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(f"tensor {name!r}: dtype {value.dtype} has no safetensors name")
+        return TensorSpec(name, dtype, tuple(value.shape))
+    view = memoryview(value)
+    dtype = _BUFFER_DTYPES.get((view.format.lstrip("@=<"), view.itemsize))
+    if dtype is None:
+        raise ValueError(f"tensor {name!r}: buffer format {view.format!r} is not supported")
+    return TensorSpec(name, dtype, tuple(view.shape or ()))
+
+
+def copy_into(value: Any, view: memoryview, begin: int, end: int) -> None:
+    """Copy a non-contiguous CPU tensor or a buffer object into view[begin:end]."""
+    if is_torch(value):
+        import torch
+
+        target = torch.frombuffer(view, dtype=value.dtype, count=value.numel(), offset=begin)
+        target.view(value.shape).copy_(value)
+        return
+    source = memoryview(value)
+    if not source.c_contiguous:
+        source = memoryview(source.tobytes())
+    view[begin:end] = source.cast("B")
+
+
+def read_tensor(
+    view: memoryview, layout: ShardLayout, name: str, into: Mapping[str, Any] | None
+) -> Any:
+    """Tensor `name` of the shard in `view`, copied out: into `into[name]` in place when
+    given, else a new torch tensor (bytes without torch)."""
+    entry = layout.entry(name)
+    begin, end = layout.span(entry)
+    try:
+        import torch
+    except ImportError:
+        return bytes(view[begin:end])
+    dtype = getattr(torch, {v: k for k, v in TORCH_DTYPES.items()}[entry.dtype])
+    count = (end - begin) // max(1, dtype.itemsize)
+    if not count:
+        source = torch.empty(entry.shape, dtype=dtype)
+    else:
+        with warnings.catch_warnings():  # read-only on purpose: it is copied out at once
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.frombuffer(view, dtype=dtype, count=count, offset=begin)
+        source = source.view(entry.shape)
+    if into is not None and name in into:
+        return into[name].copy_(source)
+    return source.clone()
+
+
+class CudaStager:
+    """Copies CUDA tensors into a pinned host staging buffer on a side stream. `stage`
+    only enqueues the copies and returns the function that, in the background, waits
+    for their CUDA event and moves the bytes into the slot. Needs a GPU."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+        self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        self._staging: torch.Tensor | None = None
+
+    def stage(
+        self, tensors: Mapping[str, Any], layout: ShardLayout, view: memoryview
+    ) -> Callable[[], None]:
+        """Enqueue the device-to-host copies; the returned function completes them."""
+        torch = self._torch
+        if self._staging is None or self._staging.numel() < layout.size:
+            self._staging = torch.empty(layout.size, dtype=torch.uint8, pin_memory=True)
+        staging = self._staging
+        self._stream.wait_stream(torch.cuda.current_stream())
+        spans = [layout.span(layout.entry(name)) for name in tensors]
+        with torch.cuda.stream(self._stream):
+            for (begin, end), tensor in zip(spans, tensors.values(), strict=True):
+                staging[begin:end].view(tensor.dtype).view(tensor.shape).copy_(
+                    tensor, non_blocking=True
+                )
+            done = torch.cuda.Event()
+            done.record(self._stream)
+
+        def complete() -> None:
+            done.synchronize()
+            for begin, end in spans:
+                target = torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=begin)
+                target.copy_(staging[begin:end])
+                del target
+
+        return complete
