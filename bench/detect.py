@@ -134,6 +134,8 @@ class Cluster:
                 str(root / "scheduler"),
                 "--port",
                 "0",
+                "--metrics-port",
+                "0",
                 "--log-level",
                 "WARNING",
             ],

@@ -33,6 +33,8 @@ def start_scheduler() -> tuple[subprocess.Popen[str], str]:
             str(STATE_DIR),
             "--port",
             "0",
+            "--metrics-port",
+            "0",
             "--log-level",
             "WARNING",
         ],

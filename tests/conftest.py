@@ -230,6 +230,7 @@ def scheduler_settings(stores: StoreUrls, state_dir: Path, **overrides: Any) -> 
         "shutdown_grace_seconds": 1.0,
         # Deciding loops only where a test asks for them, on a database of its own.
         "leader_loops": False,
+        "metrics_port": None,
         **overrides,
     }
     return SchedulerSettings(**values)

@@ -22,22 +22,34 @@ ENV = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
 
 @contextmanager
 def scheduler_process(state_dir: Path) -> Iterator[str]:
-    proc = subprocess.Popen(
-        [str(BIN / "pitstop-scheduler"), "--state-dir", str(state_dir), "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-    )
+    log_path = state_dir.parent / f"{state_dir.name}-scheduler.log"
+    state_dir.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("a") as log:
+        proc = subprocess.Popen(
+            [
+                str(BIN / "pitstop-scheduler"),
+                "--state-dir",
+                str(state_dir),
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=ENV,
+        )
     assert proc.stdout is not None
     try:
         line = proc.stdout.readline()
-        assert "listening on" in line, (line, proc.stderr.read() if proc.poll() else "")
+        assert "listening on" in line, log_path.read_text()[-3000:]
         yield line.rsplit(" ", 1)[1].strip()
     finally:
+        assert proc.poll() is None, f"the scheduler died: {log_path.read_text()[-3000:]}"
         children = psutil.Process(proc.pid).children(recursive=True)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == 0, log_path.read_text()[-3000:]
         _gone, alive = psutil.wait_procs(children, timeout=30)
         assert not alive, f"left running after SIGTERM: {alive}"
 

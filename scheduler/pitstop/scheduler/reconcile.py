@@ -23,6 +23,7 @@ from pitstop.scheduler.domain import JobState, NodeState
 from pitstop.scheduler.gateway import CommandRouter
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.leader import LeaderElection
+from pitstop.scheduler.metrics import SchedulerMetrics
 from pitstop.scheduler.placement import (
     GangRequest,
     choose_replacement,
@@ -62,6 +63,7 @@ class Reconciler:
         hot: HotState,
         router: CommandRouter,
         election: LeaderElection,
+        metrics: SchedulerMetrics,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -69,6 +71,7 @@ class Reconciler:
         self.hot = hot
         self.router = router
         self.election = election
+        self.metrics = metrics
         self.clock = clock
         self.watches: dict[str, JobWatch] = {}
         self.exit_cursor = 0
@@ -115,12 +118,14 @@ class Reconciler:
                 )
             )
         for job_id, placement in place_pending(topology, requests).items():
+            started = time.perf_counter()
             async with self.store.write() as session:
                 await self.election.assert_leader(session)
                 row = await session.get(models.Job, job_id, with_for_update=True)
                 if row is None or row.state is not JobState.PENDING:
                     continue
                 await lifecycle.place(session, row, placement)
+            self.metrics.decision_seconds.labels("placement").observe(time.perf_counter() - started)
             await self.start(job_id, reason="placed")
 
     async def start(self, job_id: str, *, reason: str) -> None:
@@ -177,6 +182,7 @@ class Reconciler:
     async def replace(
         self, job_id: str, failed: list[str], states: dict[str, NodeState | None]
     ) -> None:
+        started = time.perf_counter()
         async with self.store.write() as session:
             await self.election.assert_leader(session)
             job = await session.get(models.Job, job_id, with_for_update=True)
@@ -230,6 +236,8 @@ class Reconciler:
                     reason="; ".join(moves),
                     attributes={"generation": str(job.generation)},
                 )
+        self.metrics.decision_seconds.labels("recovery").observe(time.perf_counter() - started)
+        self.metrics.recoveries.labels("node").inc()
         self.watches.setdefault(job_id, JobWatch()).swap_nodes.difference_update(failed)
         await self.start(job_id, reason="recovery")
 
@@ -428,6 +436,7 @@ class Reconciler:
                         session, job, JobState.RECOVERING, kind="job.restarting", reason=reason
                     )
                 self.watches.setdefault(job_id, JobWatch()).restart_at = self.clock() + backoff
+                self.metrics.recoveries.labels("rank_exit").inc()
                 failed = False
         if failed:
             stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=10, reason="job failed")

@@ -18,6 +18,7 @@ from pitstop.scheduler.api.agent import AgentServicer
 from pitstop.scheduler.api.catalog import CatalogServicer
 from pitstop.scheduler.api.jobs import JobServicer
 from pitstop.scheduler.api.nodes import EventServicer, NodeServicer
+from pitstop.scheduler.api.rendezvous import RendezvousServicer
 from pitstop.scheduler.auth import AuthorizationInterceptor, TokenBook
 from pitstop.scheduler.config import SchedulerSettings
 from pitstop.scheduler.db.engine import create_engine_for, migrate, session_factory
@@ -27,6 +28,7 @@ from pitstop.scheduler.hotstate import EventBus, HotState
 from pitstop.scheduler.interceptors import ErrorMappingInterceptor
 from pitstop.scheduler.leader import LeaderElection
 from pitstop.scheduler.liveness import LivenessMonitor
+from pitstop.scheduler.metrics import SchedulerMetrics
 from pitstop.scheduler.reconcile import Reconciler
 from pitstop.scheduler.store import Store
 from pitstop.v1 import (
@@ -38,6 +40,8 @@ from pitstop.v1 import (
     jobs_pb2_grpc,
     nodes_pb2,
     nodes_pb2_grpc,
+    rendezvous_pb2,
+    rendezvous_pb2_grpc,
 )
 
 log = logging.getLogger(__name__)
@@ -48,6 +52,7 @@ SERVICE_NAMES = (
     nodes_pb2.DESCRIPTOR.services_by_name["EventService"].full_name,
     agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
     checkpoint_pb2.DESCRIPTOR.services_by_name["CheckpointCatalogService"].full_name,
+    rendezvous_pb2.DESCRIPTOR.services_by_name["RendezvousService"].full_name,
 )
 HEALTH_CHECK_SECONDS = 2.0
 
@@ -65,6 +70,8 @@ class Scheduler:
     agents: AgentServicer
     embedded: EmbeddedStores | None = None
     election: LeaderElection | None = None
+    metrics: SchedulerMetrics | None = None
+    metrics_port: int | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stoppers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
@@ -84,6 +91,8 @@ class Scheduler:
             await self.election.release()
         for stop in self._stoppers:
             await stop()
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.stop)
         await self.bus.stop()
         await self.hot.close()
         await self.engine.dispose()
@@ -130,9 +139,13 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         checkpoint_pb2_grpc.add_CheckpointCatalogServiceServicer_to_server(
             CatalogServicer(store), server
         )
+        rendezvous_pb2_grpc.add_RendezvousServiceServicer_to_server(
+            RendezvousServicer(store), server
+        )
         liveness_timeout = settings.heartbeat_interval_seconds * settings.liveness_timeout_intervals
+        metrics = SchedulerMetrics()
         agent_servicer = AgentServicer(
-            store, hot, gateway, settings.heartbeat_interval_seconds, liveness_timeout
+            store, hot, gateway, settings.heartbeat_interval_seconds, liveness_timeout, metrics
         )
         agent_pb2_grpc.add_AgentServiceServicer_to_server(agent_servicer, server)
         liveness = LivenessMonitor(
@@ -156,13 +169,18 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
             await asyncio.to_thread(embedded.stop)
         raise
     scheduler = Scheduler(settings, server, engine, hot, bus, port, agent_servicer, embedded)
-    await _report_health(health_servicer, engine, hot)
+    scheduler.metrics = metrics
+    if settings.metrics_port is not None:
+        scheduler.metrics_port = metrics.serve(settings.metrics_host, settings.metrics_port)
+    election = LeaderElection(store, period_seconds=settings.leader_lease_seconds)
+    await _report_health(health_servicer, engine, hot, store, metrics, election)
     scheduler._tasks.append(
-        asyncio.create_task(_health_loop(health_servicer, engine, hot), name="health")
+        asyncio.create_task(
+            _health_loop(health_servicer, engine, hot, store, metrics, election), name="health"
+        )
     )
     # Every process campaigns; the lease holder runs the loops that decide.
-    election = LeaderElection(store, period_seconds=settings.leader_lease_seconds)
-    reconciler = Reconciler(store, hot, router, election)
+    reconciler = Reconciler(store, hot, router, election, metrics)
     scheduler.election = election
 
     async def lead(token: int) -> None:
@@ -188,9 +206,19 @@ async def _stores_reachable(engine: AsyncEngine, hot: HotState) -> bool:
 
 
 async def _report_health(
-    servicer: health.aio.HealthServicer, engine: AsyncEngine, hot: HotState
+    servicer: health.aio.HealthServicer,
+    engine: AsyncEngine,
+    hot: HotState,
+    store: Store,
+    metrics: SchedulerMetrics,
+    election: LeaderElection,
 ) -> None:
     ok = await _stores_reachable(engine, hot)
+    metrics.leader.set(1 if election.leading else 0)
+    if ok:
+        with contextlib.suppress(Exception):  # metrics never fail a health check
+            async with store.read() as session:
+                await metrics.refresh(session)
     status = (
         health_pb2.HealthCheckResponse.SERVING
         if ok
@@ -201,9 +229,14 @@ async def _report_health(
 
 
 async def _health_loop(
-    servicer: health.aio.HealthServicer, engine: AsyncEngine, hot: HotState
+    servicer: health.aio.HealthServicer,
+    engine: AsyncEngine,
+    hot: HotState,
+    store: Store,
+    metrics: SchedulerMetrics,
+    election: LeaderElection,
 ) -> None:
     # Load balancers and `grpc_health_probe` see NOT_SERVING while a store is down.
     while True:
         await asyncio.sleep(HEALTH_CHECK_SECONDS)
-        await _report_health(servicer, engine, hot)
+        await _report_health(servicer, engine, hot, store, metrics, election)

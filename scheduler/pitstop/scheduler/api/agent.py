@@ -22,6 +22,7 @@ from pitstop.scheduler.convert import NODE_ROLE_TO_PB, NODE_STATE_TO_PB, node_ro
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument
 from pitstop.scheduler.gateway import AgentGateway, CloseStream
 from pitstop.scheduler.hotstate import HotState
+from pitstop.scheduler.metrics import SchedulerMetrics
 from pitstop.scheduler.services import health as health_service
 from pitstop.scheduler.services import nodes as node_service
 from pitstop.scheduler.services.events import record_event
@@ -52,12 +53,14 @@ class AgentServicer:
         gateway: AgentGateway,
         heartbeat_interval: float,
         liveness_timeout: float,
+        metrics: SchedulerMetrics,
     ) -> None:
         self.store = store
         self.hot = hot
         self.gateway = gateway
         self.heartbeat_interval = heartbeat_interval
         self.liveness_timeout = liveness_timeout
+        self.metrics = metrics
         # Set while the scheduler shuts down: streams it closes itself are not failures.
         self.stopping = False
 
@@ -212,6 +215,9 @@ class AgentServicer:
             raise InvalidArgument("body", kind or "empty", "send one of the AgentMessage kinds")
 
     async def _heartbeat(self, state: StreamState, beat: agent_pb2.Heartbeat) -> None:
+        if beat.HasField("time"):
+            lag = dt.datetime.now(dt.UTC) - beat.time.ToDatetime(dt.UTC)
+            self.metrics.heartbeat_lag_seconds.observe(max(lag.total_seconds(), 0.0))
         health = json_format.MessageToDict(beat.health, preserving_proto_field_name=True)
         await self.hot.record_heartbeat(state.node_id, self.liveness_timeout, health)
         reasons = tuple(beat.health.reasons)
