@@ -11,6 +11,9 @@ import asyncio
 import contextlib
 import os
 import queue
+import signal
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -26,7 +29,7 @@ import redis
 
 from pitstop.scheduler.config import SchedulerSettings
 from pitstop.scheduler.server import Scheduler, start_scheduler
-from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, nodes_pb2, nodes_pb2_grpc
 
 RUN_ID = uuid.uuid4().hex[:10]
 
@@ -266,3 +269,83 @@ def db(stores: StoreUrls) -> Iterator[psycopg.Connection[Any]]:
 
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+AGENT_BINARY = Path(sys.executable).with_name("pitstop-agent")
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """One `pitstop-agent` to run: node id, GPUs (simulated), labels, requested role."""
+
+    node_id: str
+    gpus: int = 8
+    rack: str = "r1"
+    role: str = "worker"
+
+
+@contextlib.contextmanager
+def run_agents(
+    address: str, root: Path, specs: list[AgentSpec]
+) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """Real agent processes on simulated GPUs; SIGTERM and a clean exit at the end."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    procs = {
+        spec.node_id: subprocess.Popen(
+            [
+                str(AGENT_BINARY),
+                "run",
+                "--node-id",
+                spec.node_id,
+                "--scheduler",
+                address,
+                "--gpus",
+                f"sim:{spec.gpus}",
+                "--zone",
+                "z1",
+                "--block",
+                "b1",
+                "--rack",
+                spec.rack,
+                "--role",
+                spec.role,
+                "--state-dir",
+                str(root / spec.node_id),
+                "--metrics-port",
+                "0",
+                "--log-level",
+                "WARNING",
+            ],
+            stdout=subprocess.DEVNULL,
+            env=env,
+        )
+        for spec in specs
+    }
+    try:
+        yield procs
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            proc.wait(30)
+
+
+def follow_events(address: str, after: int = 0, timeout: float = 60.0) -> Iterator[Any]:
+    """Every event after ``after``, as recorded (a Watch stream; cancel by closing)."""
+    channel = grpc.insecure_channel(address)
+    try:
+        yield from nodes_pb2_grpc.EventServiceStub(channel).Watch(
+            nodes_pb2.WatchEventsRequest(after_event_id=after), timeout=timeout
+        )
+    finally:
+        channel.close()
+
+
+def wait_for(events: Iterator[Any], match: Callable[[Any], bool]) -> Any:
+    """The first event ``match`` accepts (the stream's deadline bounds the wait)."""
+    for event in events:
+        if match(event):
+            return event
+    raise AssertionError("the event stream ended before the awaited event")

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -135,6 +136,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--attach", action="store_true", help="attach to the agent socket")
     parser.add_argument("--steps", type=int, default=0, help="steps to report (with --attach)")
     parser.add_argument("--step-seconds", type=float, default=0.1)
+    parser.add_argument("--noise", type=float, default=0.0, help="uniform +- share, seeded")
     parser.add_argument("--result", action="append", default=[], help="KEY=VALUE to report")
     parser.add_argument("--wait-commands", action="store_true", help="obey commands until stop")
     parser.add_argument("--wait-go", action="store_true", help="wait for 'go' once ready")
@@ -178,8 +180,10 @@ def main() -> int:
         assert client is not None, "PITSTOP_AGENT_SOCKET is unset"
         attached = client.attach(int(os.environ["PITSTOP_GENERATION"]))
         multiplier = attached.slow_multiplier
+        noise = random.Random(rank)  # seeded: a run is repeatable
         for step in range(1, args.steps + 1):
-            client.report_step(step, args.step_seconds * multiplier, loss=1.0 / step, tokens=64)
+            seconds = args.step_seconds * multiplier * (1 + noise.uniform(-args.noise, args.noise))
+            client.report_step(step, seconds, loss=1.0 / step, tokens=64)
         if args.result:
             client.report_result(dict(item.split("=", 1) for item in args.result))
         ready.update(

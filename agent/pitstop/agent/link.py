@@ -156,8 +156,10 @@ class SchedulerLink:
         return self.registered
 
     async def report_rank_exit(self, exited: agent_pb2.RankExited) -> None:
-        """Send a rank's exit at once (the supervisor's on_exit)."""
+        """Send a rank's exit at once (the supervisor's on_exit), after the step times
+        still waiting: the scheduler must see a rank's last steps before its exit."""
         self._metrics.rank_exits.labels(self._settings.node_id, exited.job_id).inc()
+        self._flush_steps()
         self._send(rank_exited=exited)
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -21,6 +21,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.errors import FailedPrecondition
+from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.store import Store
 
 log = logging.getLogger(__name__)
@@ -64,12 +65,21 @@ class LeaderElection:
         return self.token is not None
 
     async def try_acquire(self) -> int | None:
-        """Take or renew the lease; the fencing token if this process holds it now."""
+        """Take or renew the lease; the fencing token if this process holds it now. Taking
+        it over (a new token) is recorded in the event log."""
         async with self.store.write() as session:
             row = await session.execute(
                 _ACQUIRE, {"name": LEASE_NAME, "holder": self.holder, "period": self.period}
             )
             token = row.scalar_one_or_none()
+            if token is not None and token != self.token:
+                record_event(
+                    session,
+                    "scheduler.leader",
+                    actor=self.holder,
+                    reason=f"{self.holder} leads with fencing token {token}",
+                    attributes={"token": str(token), "holder": self.holder},
+                )
         return None if token is None else int(token)
 
     async def assert_leader(self, session: AsyncSession) -> None:

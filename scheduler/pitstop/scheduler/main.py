@@ -81,9 +81,7 @@ async def _serve(settings: SchedulerSettings) -> None:
     # One line a script can parse for the bound port (useful with --port 0).
     print(f"pitstop-scheduler listening on {scheduler.address}", flush=True)
     if scheduler.metrics_port is not None:
-        log.info(
-            "metrics on http://%s:%d/metrics", settings.metrics_host, scheduler.metrics_port
-        )
+        log.info("metrics on http://%s:%d/metrics", settings.metrics_host, scheduler.metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

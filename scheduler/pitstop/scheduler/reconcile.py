@@ -54,6 +54,25 @@ class JobWatch:
     finished: set[int] = field(default_factory=set)
     restart_at: float | None = None
     swap_nodes: set[str] = field(default_factory=set)
+    # Samples held back until every rank has reached their step (see release_in_step_order).
+    held: list[agent_pb2.StepSample] = field(default_factory=list)
+    rank_max: dict[int, int] = field(default_factory=dict)
+
+    def release_in_step_order(
+        self, fresh: list[agent_pb2.StepSample], slack: int
+    ) -> list[agent_pb2.StepSample]:
+        """Node batches arrive at different times, so one node's ranks can be reported far
+        ahead of another's. The detector judges a window once it sees later steps, so it
+        gets the samples in step order: those at or below the step every rank has reached,
+        and anything more than ``slack`` steps behind the newest (a dead rank must not hold
+        the rest back)."""
+        for sample in fresh:
+            self.rank_max[sample.rank] = max(self.rank_max.get(sample.rank, 0), sample.step)
+        self.held.extend(fresh)
+        frontier = max(min(self.rank_max.values()), max(self.rank_max.values()) - slack)
+        ready = sorted((x for x in self.held if x.step <= frontier), key=lambda x: x.step)
+        self.held = [x for x in self.held if x.step > frontier]
+        return ready
 
 
 class Reconciler:
@@ -296,7 +315,9 @@ class Reconciler:
         if watch.detector is None or watch.detector_generation != job.generation:
             watch.detector = StragglerDetector(StragglerPolicy.from_proto(spec.straggler))
             watch.detector_generation = job.generation
-        findings = watch.detector.observe(samples)
+            watch.held, watch.rank_max = [], {}
+        slack = 2 * max(spec.straggler.window_steps, 1)
+        findings = watch.detector.observe(watch.release_in_step_order(samples, slack))
         async with self.store.write() as session:
             await self.election.assert_leader(session)
             row = await session.get(models.Job, job.id, with_for_update=True)

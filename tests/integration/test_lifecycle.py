@@ -1,0 +1,227 @@
+"""The scheduler's decisions end to end, with real agents on simulated GPUs and real
+rank processes: a gang is placed, started, runs and succeeds; a fatal Xid moves its
+ranks to a spare; a failing rank is restarted with backoff until max_restarts; a slow
+GPU is flagged as a straggler while a noisy healthy run raises no flag."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from conftest import (
+    AgentSpec,
+    SchedulerThread,
+    StoreUrls,
+    follow_events,
+    run_agents,
+    scheduler_settings,
+    unique,
+    wait_for,
+)
+from fake_rank import FAKE_RANK
+
+from pitstop.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pl-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def deciding(stores: StoreUrls, tmp_path: Path) -> Iterator[SchedulerThread]:
+    """A leading scheduler on a database of its own, with a short heartbeat."""
+    thread = SchedulerThread(
+        scheduler_settings(
+            stores,
+            tmp_path / "scheduler",
+            database_url=stores.fresh_database(),
+            redis_prefix=f"{stores.redis_prefix}{unique('life')}:",
+            leader_loops=True,
+            heartbeat_interval_seconds=0.5,
+            liveness_startup_grace_seconds=0.0,
+        )
+    )
+    yield thread
+    thread.stop()
+
+
+def rank(*options: str) -> list[str]:
+    return [sys.executable, str(FAKE_RANK), *options]
+
+
+def submit(thread: SchedulerThread, **fields: Any) -> jobs_pb2.Job:
+    jobs = jobs_pb2_grpc.JobServiceStub(thread.channel())
+    fields.setdefault("gpus_per_node", 1)
+    spec = jobs_pb2.JobSpec(name=unique("life"), **fields)
+    return jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job
+
+
+def get(thread: SchedulerThread, job_id: str) -> jobs_pb2.Job:
+    return jobs_pb2_grpc.JobServiceStub(thread.channel()).Get(jobs_pb2.GetJobRequest(job_id=job_id))
+
+
+def job_event(events: Iterator[Any], job_id: str, kind: str) -> Any:
+    return wait_for(events, lambda e: e.job_id == job_id and e.kind == kind)
+
+
+def registered(events: Iterator[Any], nodes: list[str]) -> None:
+    missing = set(nodes)
+    while missing:
+        event = wait_for(events, lambda e: e.kind == "node.registered")
+        missing.discard(event.node_id)
+
+
+def test_a_gang_is_placed_started_and_succeeds_with_its_result(
+    deciding: SchedulerThread, short_dir: Path
+) -> None:
+    events = follow_events(deciding.address)
+    nodes = ["a0", "a1"]
+    with run_agents(deciding.address, short_dir, [AgentSpec(n, gpus=1) for n in nodes]):
+        registered(events, nodes)
+        job = submit(
+            deciding,
+            dp=2,
+            command=rank(
+                "--attach",
+                "--steps",
+                "5",
+                "--step-seconds",
+                "0.01",
+                "--result",
+                "final_weights_sha256=abc123",
+            ),
+        )
+        placed = job_event(events, job.id, "job.placed")
+        assert placed.reason == "2 ranks on 2 nodes"
+        job_event(events, job.id, "job.starting")
+        job_event(events, job.id, "job.running")
+        done = job_event(events, job.id, "job.succeeded")
+        assert done.to_state == "succeeded"
+        finished = get(deciding, job.id)
+        assert finished.result["final_weights_sha256"] == "abc123"
+        assert {r.node_id for r in finished.rank_map.ranks} == set(nodes)
+        assert finished.current_step == 5
+
+
+def test_a_fatal_xid_moves_the_ranks_to_the_nearest_spare(
+    deciding: SchedulerThread, short_dir: Path
+) -> None:
+    events = follow_events(deciding.address)
+    specs = [
+        AgentSpec("w0", gpus=1, rack="r1"),
+        AgentSpec("w1", gpus=1, rack="r2"),
+        AgentSpec("far", gpus=1, rack="r3", role="spare"),
+        AgentSpec("near", gpus=1, rack="r1", role="spare"),
+    ]
+    with run_agents(deciding.address, short_dir, specs):
+        registered(events, [s.node_id for s in specs])
+        job = submit(deciding, dp=2, command=rank("--attach", "--steps", "3", "--hold"))
+        job_event(events, job.id, "job.running")
+        before = get(deciding, job.id)
+        assert {r.node_id for r in before.rank_map.ranks} == {"w0", "w1"}
+        nodes = nodes_pb2_grpc.NodeServiceStub(deciding.channel())
+        nodes.InjectFault(
+            nodes_pb2.InjectFaultRequest(node_id="w0", fault=common_pb2.Fault(xid=79))
+        )
+        recovering = job_event(events, job.id, "job.recovering")
+        assert "w0" in recovering.reason
+        assert "spare near" in recovering.reason  # same rack as w0 beats rack r3
+        job_event(events, job.id, "job.recovered")
+        after = get(deciding, job.id)
+        assert after.generation == before.generation + 1
+        assert {r.node_id for r in after.rank_map.ranks} == {"near", "w1"}
+        assert after.state == common_pb2.JOB_STATE_RUNNING
+        jobs_pb2_grpc.JobServiceStub(deciding.channel()).Cancel(
+            jobs_pb2.JobControlRequest(job_id=job.id, reason="test over")
+        )
+
+
+def test_a_failing_rank_is_restarted_until_max_restarts_then_the_job_fails(
+    deciding: SchedulerThread, short_dir: Path
+) -> None:
+    events = follow_events(deciding.address)
+    with run_agents(deciding.address, short_dir, [AgentSpec("c0", gpus=1)]):
+        registered(events, ["c0"])
+        job = submit(deciding, dp=1, max_restarts=1, command=rank("--exit-code", "3"))
+        restarting = job_event(events, job.id, "job.restarting")
+        assert "exit code 3" in restarting.reason
+        assert "restart 1 of 1" in restarting.reason
+        failed = job_event(events, job.id, "job.failed")
+        assert "restarts exhausted" in failed.reason
+        final = get(deciding, job.id)
+        assert (final.state, final.restarts, final.generation) == (
+            common_pb2.JOB_STATE_FAILED,
+            1,
+            2,
+        )
+
+
+def test_a_slow_gpu_is_flagged_and_a_noisy_healthy_run_is_not(
+    deciding: SchedulerThread, short_dir: Path
+) -> None:
+    events = follow_events(deciding.address)
+    with run_agents(
+        deciding.address, short_dir, [AgentSpec("s0", gpus=4), AgentSpec("s1", gpus=4)]
+    ):
+        registered(events, ["s0", "s1"])
+        nodes = nodes_pb2_grpc.NodeServiceStub(deciding.channel())
+        nodes.InjectFault(
+            nodes_pb2.InjectFaultRequest(
+                node_id="s0", fault=common_pb2.Fault(gpu_index=1, slow_multiplier=1.3)
+            )
+        )
+        steps = ["--attach", "--step-seconds", "0.1", "--noise", "0.1"]
+        slow = submit(deciding, dp=8, gpus_per_node=4, command=rank(*steps, "--steps", "200"))
+        job_event(events, slow.id, "job.running")
+        placed = get(deciding, slow.id)
+        (slow_rank,) = [
+            r.rank for r in placed.rank_map.ranks if (r.node_id, r.gpu_index) == ("s0", 1)
+        ]
+        flagged = job_event(events, slow.id, "job.straggler")
+        assert flagged.attributes["rank"] == str(slow_rank)
+        assert 1.2 < float(flagged.attributes["slowdown"]) < 1.4
+        # Windows of 20 steps after 10 of warm-up: flagged after 3 slow windows.
+        job_event(events, slow.id, "job.succeeded")
+        shown = get(deciding, slow.id)
+        stats = {s.rank: s for s in shown.rank_stats}
+        assert stats[slow_rank].straggler
+        assert not any(s.straggler for r, s in stats.items() if r != slow_rank)
+
+        nodes.InjectFault(
+            nodes_pb2.InjectFaultRequest(
+                node_id="s0", fault=common_pb2.Fault(gpu_index=1, clear=True)
+            )
+        )
+        healthy = submit(deciding, dp=8, gpus_per_node=4, command=rank(*steps, "--steps", "1000"))
+        job_event(events, healthy.id, "job.succeeded")
+        log = nodes_pb2_grpc.EventServiceStub(deciding.channel()).List(
+            nodes_pb2.ListEventsRequest(job_id=healthy.id, limit=1000)
+        )
+        assert "job.straggler" not in [e.kind for e in log.events]
+        assert get(deciding, healthy.id).current_step == 1000
+
+
+def test_pause_and_resume_reach_the_ranks(deciding: SchedulerThread, short_dir: Path) -> None:
+    events = follow_events(deciding.address)
+    with run_agents(deciding.address, short_dir, [AgentSpec("p0", gpus=1)]):
+        registered(events, ["p0"])
+        job = submit(deciding, dp=1, command=rank("--attach", "--steps", "2", "--wait-commands"))
+        job_event(events, job.id, "job.running")
+        jobs = jobs_pb2_grpc.JobServiceStub(deciding.channel())
+        paused = jobs.Pause(jobs_pb2.JobControlRequest(job_id=job.id))
+        assert paused.state == common_pb2.JOB_STATE_PAUSED
+        resumed = jobs.Resume(jobs_pb2.JobControlRequest(job_id=job.id))
+        assert resumed.state == common_pb2.JOB_STATE_RUNNING
+        with pytest.raises(grpc.RpcError) as err:
+            jobs.Resume(jobs_pb2.JobControlRequest(job_id=job.id))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        jobs.Cancel(jobs_pb2.JobControlRequest(job_id=job.id))
