@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import SchedulerThread, unique
+from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousError,
@@ -23,6 +23,8 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from pitstop.scheduler.config import ApiToken
+from pitstop.scheduler.domain import Role
 from pitstop.trainer.rendezvous import (
     STORE_KEY_SUFFIX,
     PitstopRendezvousBackend,
@@ -30,6 +32,8 @@ from pitstop.trainer.rendezvous import (
     encode_envelope,
 )
 from pitstop.v1 import rendezvous_pb2, rendezvous_pb2_grpc
+
+AGENT_TOKEN = "agent-token-0123456789"
 
 
 def closed_port() -> int:
@@ -229,3 +233,26 @@ def test_a_store_left_by_an_earlier_run_is_taken_over(scheduler: SchedulerThread
     finally:
         backend.close()
         earlier.close()
+
+
+@pytest.fixture(scope="module")
+def guarded(stores: StoreUrls, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    settings = scheduler_settings(
+        stores,
+        tmp_path_factory.mktemp("guarded"),
+        tokens=[ApiToken(token=AGENT_TOKEN, role=Role.AGENT, name="agents")],
+    )
+    thread = SchedulerThread(settings)
+    yield thread
+    thread.stop()
+
+
+def test_the_token_in_rdzv_conf_authorizes_the_agent(guarded: SchedulerThread) -> None:
+    run_id = unique("rdzv")
+    with pytest.raises(RendezvousError, match="UNAUTHENTICATED"):
+        create_backend(params(guarded.address, run_id))
+    backend, _ = create_backend(params(guarded.address, run_id, token=AGENT_TOKEN))
+    try:
+        assert cas(backend, b"round-0")[2]
+    finally:
+        backend.close()

@@ -31,10 +31,10 @@ class RendezvousServicer:
             outcome = await rendezvous_service.set_state(
                 session, request.run_id, request.state, request.token
             )
-        # Nothing stored and nothing set reads as an empty token (the proto's "none seen").
         current = outcome.current
+        if current is None:
+            # Nothing stored and nothing set: an empty token, the proto's "none seen".
+            return rendezvous_pb2.SetRendezvousStateResponse(stored=False)
         return rendezvous_pb2.SetRendezvousStateResponse(
-            state=current.state if current else b"",
-            token=current.token if current else "",
-            stored=outcome.stored,
+            state=current.state, token=current.token, stored=outcome.stored
         )

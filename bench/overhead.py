@@ -1,0 +1,179 @@
+"""What a pitstop Session costs a training step.
+
+The example job (pitstop.trainer.example, one process, CPU) runs two ways in the same
+process, alternating in blocks so drift in the machine's speed hits both alike:
+
+* bare: the training step in a plain loop, no Session;
+* session: the same step under `Session.from_env()` with a snapshot into a real
+  pitstop-checkpointd (a subprocess) after every step.
+
+A step's time is the wall time from one iteration's start to the next's, so the
+session's boundary work and commit are inside it. The snapshot stall is what
+SnapshotWriter reports for each snapshot (the copy into shared memory, the rank's only
+stall by design). The target: the session's median step is at most 1.01 x (the bare
+median + the median stall), i.e. everything else the session does costs under 1%.
+"commit_bookkeeping" is the rest of each commit (capturing the state's tensors). The
+*_cpu_* medians are the training thread's CPU time per step: unlike wall time they do
+not grow when other processes (the daemon included) compete for the cores, so on a
+busy machine they show the session's own cost apart from contention.
+
+    .venv/bin/python bench/overhead.py [--steps 300] [--block 25]
+
+Progress goes to stderr; the last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
+from pitstop.trainer import Session, TrainState
+from pitstop.trainer.example import Job, parse_args
+
+
+@contextmanager
+def checkpointd() -> Iterator[str]:
+    """A pitstop-checkpointd subprocess without a scheduler; yields its address."""
+    node_id = f"bench-overhead-{uuid.uuid4().hex[:6]}"
+    state_dir = tempfile.mkdtemp(prefix="pitstop-bench-")
+    command = [sys.executable, "-m", "pitstop.checkpointd.main", "run", "--node-id", node_id]
+    command += ["--host", "127.0.0.1", "--port", "0", "--scheduler", "", "--state-dir"]
+    command += [state_dir, "--memory-budget-bytes", str(256 << 20), "--flush-every-steps", "100000"]
+    command += ["--log-level", "WARNING"]
+    daemon = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert daemon.stdout is not None
+        for line in daemon.stdout:
+            if "listening on" in line:
+                yield line.split("listening on ")[1].split()[0]
+                break
+        else:
+            raise RuntimeError(f"checkpointd exited {daemon.wait()} before listening")
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+        remove_stale_segments(segment_prefix(node_id))
+
+
+def bare_block(
+    job: Job, state: TrainState, steps: int, times: list[float], cpu: list[float]
+) -> None:
+    """`steps` training steps in a plain loop."""
+    last, last_cpu = time.perf_counter(), time.thread_time()
+    for _ in range(steps):
+        job.train_step(state, state.step + 1, 0, 1)
+        state.step += 1
+        now, now_cpu = time.perf_counter(), time.thread_time()
+        times.append(now - last)
+        cpu.append(now_cpu - last_cpu)
+        last, last_cpu = now, now_cpu
+
+
+def session_block(
+    job: Job,
+    session: Session,
+    state: TrainState,
+    steps: int,
+    times: list[float],
+    cpu: list[float],
+    stalls: list[float],
+    bookkeeping: list[float],
+) -> None:
+    """`steps` training steps under the session, with each snapshot's stall and the
+    rest of each commit (capturing the state, reporting)."""
+    last, last_cpu = time.perf_counter(), time.thread_time()
+    for step in session.steps(state, until=state.step + steps):
+        loss = job.train_step(state, step, session.rank, session.world_size)
+        before = time.perf_counter()
+        session.commit(state, loss=loss)
+        after = time.perf_counter()
+        assert session.last_snapshot is not None
+        stalls.append(session.last_snapshot.stall_seconds)
+        bookkeeping.append(after - before - session.last_snapshot.stall_seconds)
+        now_cpu = time.thread_time()
+        times.append(after - last)
+        cpu.append(now_cpu - last_cpu)
+        last, last_cpu = after, now_cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300, help="measured steps per variant")
+    parser.add_argument("--block", type=int, default=10, help="steps per alternating block")
+    parser.add_argument("--warmup", type=int, default=20, help="unmeasured steps per variant")
+    options = parser.parse_args()
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    args = parse_args(["--steps", str(options.steps + options.warmup)])
+    with checkpointd() as address:
+        os.environ.update(PITSTOP_CHECKPOINTD=address, PITSTOP_JOB_ID="bench-overhead")
+        os.environ["PITSTOP_SNAPSHOT_EVERY"] = "1"
+        with Session.from_env() as session:
+            job = Job(args, session.device)
+            bare_state = job.make_state()
+            session_state = session.restore(default=job.make_state)
+            bare: list[float] = []
+            timed: list[float] = []
+            bare_cpu: list[float] = []
+            timed_cpu: list[float] = []
+            stalls: list[float] = []
+            bookkeeping: list[float] = []
+            bare_block(job, bare_state, options.warmup, [], [])
+            session_block(job, session, session_state, options.warmup, [], [], [], [])
+            while len(bare) < options.steps:
+                bare_block(job, bare_state, options.block, bare, bare_cpu)
+                session_block(
+                    job,
+                    session,
+                    session_state,
+                    options.block,
+                    timed,
+                    timed_cpu,
+                    stalls,
+                    bookkeeping,
+                )
+                print(f"{len(bare)} steps per variant", file=sys.stderr)
+            snapshot_bytes = session.last_snapshot.size_bytes if session.last_snapshot else 0
+    bare_ms = statistics.median(bare) * 1e3
+    session_ms = statistics.median(timed) * 1e3
+    stall_ms = statistics.median(stalls) * 1e3
+    print(
+        json.dumps(
+            {
+                "bench": "trainer_overhead",
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+                "torch": torch.__version__,
+                "steps_per_variant": len(bare),
+                "snapshot_bytes": snapshot_bytes,
+                "bare_step_ms_median": round(bare_ms, 3),
+                "session_step_ms_median": round(session_ms, 3),
+                "snapshot_stall_ms_median": round(stall_ms, 3),
+                "commit_bookkeeping_ms_median": round(statistics.median(bookkeeping) * 1e3, 3),
+                "bare_step_cpu_ms_median": round(statistics.median(bare_cpu) * 1e3, 3),
+                "session_step_cpu_ms_median": round(statistics.median(timed_cpu) * 1e3, 3),
+                "load_average_1m": round(os.getloadavg()[0], 2),
+                "ratio_session_to_bare": round(session_ms / bare_ms, 4),
+                "ratio_session_to_bare_plus_stall": round(session_ms / (bare_ms + stall_ms), 4),
+                "target": "session <= 1.01 x (bare + snapshot stall)",
+                "target_met": session_ms <= 1.01 * (bare_ms + stall_ms),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,409 @@
+"""The trainer end to end: the example job in real processes, real torch.distributed
+(gloo on CPU), a real pitstop-checkpointd, and a test-driven agent endpoint.
+
+The strongest assertion this project has (torchft's): the final weights are bitwise the
+same with and without failures. Every test compares the final weights' sha256 with
+that of one uninterrupted single-process run. Tests wait on what the processes print
+or report, never on a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
+from pitstop.v1 import (
+    agent_pb2,
+    checkpoint_pb2,
+    checkpoint_pb2_grpc,
+    common_pb2,
+    rank_pb2,
+    rank_pb2_grpc,
+)
+
+pytest.importorskip("torch")
+
+STEPS = 40
+TIMEOUT = 30.0
+EXAMPLE = [sys.executable, "-m", "pitstop.trainer.example", "--steps", str(STEPS)]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Proc:
+    """A child process whose output lines the test reads as they come."""
+
+    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.put(line.rstrip())
+        self.lines.put(None)
+
+    def wait_for(self, holds: Callable[[str], bool], timeout: float = TIMEOUT) -> str:
+        """The first line (from now on) for which `holds`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no such line in {timeout}s: {self.seen[-20:]}") from None
+            if line is None:
+                raise AssertionError(f"exited {self.process.wait()}: {self.seen[-30:]}")
+            self.seen.append(line)
+            if holds(line):
+                return line
+
+    def result(self, key: str = "final_weights_sha256") -> dict[str, Any]:
+        """The example's last JSON line carrying `key`, after a clean exit."""
+        found = json.loads(self.wait_for(lambda line: f'"{key}"' in line))
+        assert self.process.wait(TIMEOUT) == 0, self.seen[-30:]
+        return dict(found)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(TIMEOUT)
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PITSTOP_", "MASTER_"))}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"):
+        env.pop(key, None)
+    env.update(PYTHONUNBUFFERED="1", PITSTOP_COLLECTIVE_TIMEOUT="10", **extra)
+    return env
+
+
+def start_ranks(world: int, args: list[str] | None = None, **extra: str) -> list[Proc]:
+    port = str(free_port())
+    return [
+        Proc(
+            EXAMPLE + (args or []),
+            base_env(
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank),
+                CUDA_VISIBLE_DEVICES=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                **extra,
+            ),
+        )
+        for rank in range(world)
+    ]
+
+
+def step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", -1))
+    except (ValueError, AttributeError):
+        return -1
+
+
+@pytest.fixture
+def processes() -> Iterator[list[Proc]]:
+    started: list[Proc] = []
+    yield started
+    for proc in started:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def reference() -> str:
+    """The final weights of one uninterrupted single-process run."""
+    proc = Proc(EXAMPLE, base_env())
+    try:
+        return str(proc.result()["final_weights_sha256"])
+    finally:
+        proc.kill()
+
+
+@pytest.fixture
+def checkpointd() -> Iterator[str]:
+    """A real pitstop-checkpointd, without a scheduler; its address."""
+    node_id = f"trainer-{uuid.uuid4().hex[:6]}"
+    state_dir = Path(tempfile.mkdtemp(prefix="pitstop-trainer-"))
+    command = [sys.executable, "-m", "pitstop.checkpointd.main", "run", "--node-id", node_id]
+    command += ["--host", "127.0.0.1", "--port", "0", "--scheduler", "", "--state-dir"]
+    command += [str(state_dir), "--memory-budget-bytes", str(256 << 20), "--keep-in-memory", "4"]
+    command += ["--flush-every-steps", "1000"]
+    daemon = Proc(command, base_env())
+    try:
+        line = daemon.wait_for(lambda line: "listening on" in line)
+        yield line.split("listening on ")[1].split()[0]
+    finally:
+        daemon.process.terminate()
+        daemon.process.wait(TIMEOUT)
+        remove_stale_segments(segment_prefix(node_id))
+
+
+def common_step(address: str, job_id: str, ranks: range) -> int:
+    """The newest step every rank holds in checkpointd's memory: what the scheduler
+    would commit."""
+    with grpc.insecure_channel(address) as channel:
+        listed = checkpoint_pb2_grpc.CheckpointServiceStub(channel).ListShards(
+            checkpoint_pb2.ListShardsRequest(job_id=job_id), timeout=TIMEOUT
+        )
+    held = [
+        {s.header.key.step for s in listed.shards if s.header.key.rank == rank} for rank in ranks
+    ]
+    return max(set.intersection(*held))
+
+
+def test_the_example_job_spec_is_valid() -> None:
+    from pitstop.client.jobspec import load_job_spec
+    from pitstop.scheduler.jobspec import validate_job_spec
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "jobs" / "gpt-tiny.yaml"
+    spec = validate_job_spec(load_job_spec(path))
+    assert list(spec.command[:3]) == ["python", "-m", "pitstop.trainer.example"]
+    assert (spec.dp, spec.gpus_per_node, spec.checkpoint.snapshot_every_steps) == (4, 1, 1)
+
+
+def test_a_standalone_run_is_reproducible(reference: str, processes: list[Proc]) -> None:
+    processes.append(Proc(EXAMPLE, base_env()))
+    assert processes[0].result()["final_weights_sha256"] == reference
+
+
+def test_two_ranks_give_the_single_process_weights(reference: str, processes: list[Proc]) -> None:
+    processes += start_ranks(2)
+    assert [p.result()["final_weights_sha256"] for p in processes] == [reference] * 2
+
+
+def test_a_restart_from_a_snapshot_is_bitwise_the_same(
+    reference: str, processes: list[Proc], checkpointd: str
+) -> None:
+    job = f"job-{uuid.uuid4().hex[:6]}"
+    snapshots = {"PITSTOP_CHECKPOINTD": checkpointd, "PITSTOP_JOB_ID": job}
+    first = start_ranks(2, ["--log-every", "1"], PITSTOP_GENERATION="1", **snapshots)
+    processes += first
+    for proc in first:
+        proc.wait_for(lambda line: step_of(line) >= STEPS // 2)
+    for proc in first:
+        proc.kill()
+    restore = common_step(checkpointd, job, range(2))
+    assert STEPS // 2 - 1 <= restore < STEPS
+    second = start_ranks(2, PITSTOP_GENERATION="2", PITSTOP_RESTORE_STEP=str(restore), **snapshots)
+    processes += second
+    assert [p.result()["final_weights_sha256"] for p in second] == [reference] * 2
+
+
+class FakeAgent(rank_pb2_grpc.RankControlServicer):
+    """The agent's RankControl endpoint, driven by the test: it records steps, acks and
+    results, and sends the commands and standby assignments the test gives it."""
+
+    def __init__(self, checkpointd: str) -> None:
+        self.checkpointd = checkpointd
+        self.steps: dict[int, int] = {}
+        self.acks: dict[int, rank_pb2.RankAck] = {}
+        self.results: dict[int, dict[str, str]] = {}
+        self.streams: dict[int, queue.Queue[rank_pb2.RankCommand | None]] = {}
+        self.standby: queue.Queue[rank_pb2.StandbyAssignment] = queue.Queue()
+        self.standby_waiting = 0
+        self._changed = threading.Condition()
+        self.path = Path(tempfile.mkdtemp(prefix="ps-")) / "agent.sock"
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        rank_pb2_grpc.add_RankControlServicer_to_server(self, self.server)
+        self.server.add_insecure_port(f"unix:{self.path}")
+        self.server.start()
+
+    def Attach(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return rank_pb2.AttachResponse(
+            generation=request.generation, checkpointd_address=self.checkpointd
+        )
+
+    def ReportStep(self, request: Any, context: Any) -> Any:  # noqa: N802
+        with self._changed:
+            self.steps[request.rank] = max(self.steps.get(request.rank, 0), request.sample.step)
+            self._changed.notify_all()
+        return rank_pb2.StepReportResponse()
+
+    def Commands(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
+        commands: queue.Queue[rank_pb2.RankCommand | None] = queue.Queue()
+        with self._changed:
+            self.streams[request.rank] = commands
+            self._changed.notify_all()
+        context.add_callback(lambda: commands.put(None))
+        yield from iter(commands.get, None)
+
+    def Acknowledge(self, request: Any, context: Any) -> Any:  # noqa: N802
+        with self._changed:
+            self.acks[request.command_id] = request
+            self._changed.notify_all()
+        return rank_pb2.RankAckResponse()
+
+    def ReportResult(self, request: Any, context: Any) -> Any:  # noqa: N802
+        with self._changed:
+            self.results[request.rank] = dict(request.result)
+            self._changed.notify_all()
+        return rank_pb2.RankResultResponse()
+
+    def Standby(self, request: Any, context: Any) -> Any:  # noqa: N802
+        with self._changed:
+            self.standby_waiting += 1
+            self._changed.notify_all()
+        return self.standby.get(timeout=2 * TIMEOUT)
+
+    def wait(self, holds: Callable[[], bool], timeout: float = TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not holds():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"not in {timeout}s: steps {self.steps} acks {self.acks}")
+                self._changed.wait(left)
+
+    def send(self, rank: int, command_id: int, **body: Any) -> None:
+        self.wait(lambda: rank in self.streams)
+        self.streams[rank].put(rank_pb2.RankCommand(command_id=command_id, **body))
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {"PITSTOP_AGENT_SOCKET": str(self.path), "PITSTOP_NODE_ID": "n1", **extra}
+
+
+@pytest.fixture
+def agent(checkpointd: str) -> Iterator[FakeAgent]:
+    fake = FakeAgent(checkpointd)
+    yield fake
+    fake.server.stop(None)
+
+
+def test_pause_resume_and_stop_act_at_one_boundary(agent: FakeAgent, processes: list[Proc]) -> None:
+    job = f"job-{uuid.uuid4().hex[:6]}"
+    env = agent.env(PITSTOP_JOB_ID=job, PITSTOP_GENERATION="1", PITSTOP_COMMAND_WAIT="0.5")
+    processes += start_ranks(2, ["--steps", "100000"], **env)
+    agent.wait(lambda: min(agent.steps.get(r, 0) for r in range(2)) >= 3)
+    # Only the chief hears the pause at first: after PITSTOP_COMMAND_WAIT it makes
+    # both ranks pause anyway, and rank 1 acknowledges its copy when it comes.
+    agent.send(0, 1, pause=agent_pb2.PauseJob(job_id=job))
+    agent.wait(lambda: 1 in agent.acks)
+    agent.send(1, 2, pause=agent_pb2.PauseJob(job_id=job))
+    agent.wait(lambda: 2 in agent.acks)
+    paused_at = agent.acks[1].step
+    assert agent.acks[1].ok
+    assert agent.acks[2].ok
+    assert agent.acks[2].step == paused_at  # rank 1 paused at the chief's boundary
+    for rank in range(2):
+        agent.send(rank, 10 + rank, resume=agent_pb2.ResumeJob(job_id=job))
+    agent.wait(lambda: {10, 11} <= set(agent.acks))
+    assert agent.acks[10].step == agent.acks[11].step == paused_at
+    agent.wait(lambda: min(agent.steps.values()) >= paused_at + 3)
+    for rank in range(2):
+        agent.send(rank, 20 + rank, stop=agent_pb2.StopRanks(job_id=job))
+    stopped = [p.result("stopped_at")["stopped_at"] for p in processes]
+    assert stopped[0] == stopped[1] == agent.acks[20].step == agent.acks[21].step
+
+
+def same_map_reconfigure(job: str, generation: int, restore: int) -> agent_pb2.Reconfigure:
+    """Generation `generation` on the same two ranks, node n1 GPUs 0 and 1."""
+    rank_map = common_pb2.RankMap(
+        generation=generation,
+        world_size=2,
+        ranks=[
+            common_pb2.RankAssignment(rank=r, node_id="n1", gpu_index=r, local_rank=r)
+            for r in range(2)
+        ],
+    )
+    return agent_pb2.Reconfigure(
+        job_id=job,
+        generation=generation,
+        rank_map=rank_map,
+        rendezvous_address=f"127.0.0.1:{free_port()}",
+        restore_step=restore,
+        adopted_ranks=[1] if generation == 2 else [],
+    )
+
+
+def test_a_reconfigure_at_a_boundary_rolls_back_bitwise(
+    reference: str, agent: FakeAgent, processes: list[Proc]
+) -> None:
+    job = f"job-{uuid.uuid4().hex[:6]}"
+    processes += start_ranks(2, PITSTOP_GENERATION="1", **agent.env(PITSTOP_JOB_ID=job))
+    agent.wait(lambda: min(agent.steps.get(r, 0) for r in range(2)) >= 10)
+    # Every rank is alive: they agree on the Reconfigure at one boundary, drop the
+    # group, roll back from their own snapshots (they ran on) and re-form it.
+    restore = common_step(agent.checkpointd, job, range(2))
+    reconfigure = same_map_reconfigure(job, 3, restore)
+    for rank in range(2):
+        agent.send(rank, 30 + rank, reconfigure=reconfigure)
+    agent.wait(lambda: {30, 31} <= set(agent.acks))
+    assert [agent.acks[30 + r].step for r in range(2)] == [restore] * 2
+    assert all(agent.acks[30 + r].ok for r in range(2))
+    assert [p.result()["final_weights_sha256"] for p in processes] == [reference] * 2
+
+
+def test_a_lost_rank_is_replaced_in_process_bitwise(
+    reference: str, agent: FakeAgent, processes: list[Proc]
+) -> None:
+    job = f"job-{uuid.uuid4().hex[:6]}"
+    env = agent.env(PITSTOP_JOB_ID=job, PITSTOP_RECONFIGURE_TIMEOUT="20")
+    ranks = start_ranks(2, PITSTOP_GENERATION="1", **env)
+    standby = Proc(EXAMPLE, base_env(PITSTOP_STANDBY="1", **env))
+    processes += [*ranks, standby]
+    agent.wait(lambda: agent.standby_waiting == 1)
+    agent.wait(lambda: min(agent.steps.get(r, 0) for r in range(2)) >= STEPS // 2)
+    ranks[1].kill()
+    restore = common_step(agent.checkpointd, job, range(2))
+    reconfigure = same_map_reconfigure(job, 2, restore)
+    agent.send(0, 7, reconfigure=reconfigure)
+    agent.standby.put(
+        rank_pb2.StandbyAssignment(reconfigure=reconfigure, rank=1, local_rank=1, gpu_index=1)
+    )
+    agent.wait(lambda: 7 in agent.acks)
+    assert agent.acks[7].ok, agent.acks[7].error
+    assert agent.acks[7].step == restore
+    assert ranks[0].result()["final_weights_sha256"] == reference
+    assert standby.result()["final_weights_sha256"] == reference
+    # The survivor kept its process and rolled back from its own snapshot in memory;
+    # the standby took rank 1 and loaded rank 1's shard.
+    for proc in (ranks[0], standby):
+        assert any(f"restored step {restore} from local" in line for line in proc.seen)
+        assert any("joined generation 2" in line for line in proc.seen)
+    assert agent.results[0]["final_weights_sha256"] == agent.results[1]["final_weights_sha256"]
+
+
+def test_the_overhead_benchmark_prints_one_json_line() -> None:
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "bench/overhead.py", "--steps", "10", "--block", "5"]
+    result = subprocess.run(
+        [*command, "--warmup", "2"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=base_env(),
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["bench"] == "trainer_overhead"
+    assert report["steps_per_variant"] == 10
+    assert report["snapshot_stall_ms_median"] > 0
+    assert isinstance(report["target_met"], bool)

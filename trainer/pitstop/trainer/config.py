@@ -1,0 +1,116 @@
+"""What a rank learns from its environment: who it is, where its agent and checkpoint
+daemon are, what to restore, and the timeouts that bound every wait.
+
+The agent's supervisor sets the first block for every rank it starts; torchrun sets
+RANK/WORLD_SIZE/MASTER_*; nothing at all is set off-cluster. Read once, at
+`Session.from_env`, never at import time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+
+class ConfigError(ValueError):
+    """An environment variable that cannot be used; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    """One rank's view of its job, from the environment."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    job_id: str = ""
+    generation: int = 0
+    node_id: str = ""
+    gpu_index: int | None = None
+    """The GPU the agent gave this rank (CUDA_VISIBLE_DEVICES when it names one)."""
+    agent_socket: str = ""
+    """PITSTOP_AGENT_SOCKET; empty off-cluster: no commands, no reports."""
+    checkpointd: str = ""
+    """host:port of the node's checkpoint daemon; empty: no snapshots."""
+    restore_step: int = 0
+    """Step to restore at start; 0 starts fresh."""
+    distributed: bool = False
+    """Whether to form a torch.distributed process group (RANK/WORLD_SIZE were given)."""
+    standby: bool = False
+    """PITSTOP_STANDBY=1: this process waits on the agent to be handed a rank."""
+    snapshot_every: int = 1
+    """PITSTOP_SNAPSHOT_EVERY: snapshot when step % N == 0."""
+    copy_threads: int = 0
+    """PITSTOP_SNAPSHOT_COPY_THREADS: threads copying a snapshot into shared memory;
+    0: the writer's default. 1 suits small states of many tensors."""
+    collective_timeout: float = 30.0
+    """PITSTOP_COLLECTIVE_TIMEOUT seconds: a collective with a dead peer errors after it."""
+    reconfigure_timeout: float = 60.0
+    """PITSTOP_RECONFIGURE_TIMEOUT seconds: how long a rank that lost a peer waits for a
+    Reconfigure before it exits non-zero (and is restarted from the committed step)."""
+    command_wait: float = 10.0
+    """PITSTOP_COMMAND_WAIT seconds: how long the chief waits for every rank to hold its
+    copy of a Pause or Stop before it makes all ranks act on it anyway."""
+
+    @property
+    def timeout(self) -> timedelta:
+        """The process group's timeout."""
+        return timedelta(seconds=self.collective_timeout)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RankConfig:
+        """The config from `environ` (default: os.environ). Raises ConfigError naming
+        the variable when one is set but unusable."""
+        env = os.environ if environ is None else environ
+        standby = env.get("PITSTOP_STANDBY", "") in ("1", "true", "yes")
+        rank = _integer(env, "RANK", 0)
+        world_size = _integer(env, "WORLD_SIZE", 1, low=1)
+        if rank >= world_size:
+            raise ConfigError(
+                f"RANK={rank} is not below WORLD_SIZE={world_size}; "
+                "give every rank a number from 0 to WORLD_SIZE-1"
+            )
+        visible = env.get("CUDA_VISIBLE_DEVICES", "")
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            local_rank=_integer(env, "LOCAL_RANK", 0),
+            job_id=env.get("PITSTOP_JOB_ID", ""),
+            generation=_integer(env, "PITSTOP_GENERATION", 0),
+            node_id=env.get("PITSTOP_NODE_ID", ""),
+            gpu_index=int(visible) if visible.isdecimal() else None,
+            agent_socket=env.get("PITSTOP_AGENT_SOCKET", ""),
+            checkpointd=env.get("PITSTOP_CHECKPOINTD", ""),
+            restore_step=_integer(env, "PITSTOP_RESTORE_STEP", 0),
+            distributed="WORLD_SIZE" in env and not standby,
+            standby=standby,
+            snapshot_every=_integer(env, "PITSTOP_SNAPSHOT_EVERY", 1, low=0),
+            copy_threads=_integer(env, "PITSTOP_SNAPSHOT_COPY_THREADS", 0),
+            collective_timeout=_seconds(env, "PITSTOP_COLLECTIVE_TIMEOUT", 30.0),
+            reconfigure_timeout=_seconds(env, "PITSTOP_RECONFIGURE_TIMEOUT", 60.0),
+            command_wait=_seconds(env, "PITSTOP_COMMAND_WAIT", 10.0),
+        )
+
+
+def _integer(env: Mapping[str, str], name: str, default: int, low: int = 0) -> int:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdecimal() or int(text) < low:
+        raise ConfigError(f"{name}={text!r} is not a whole number >= {low}; fix or unset it")
+    return int(text)
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{name}={text!r} is not a positive number of seconds; fix or unset it")
+    return value

@@ -1,0 +1,271 @@
+"""The example job: a tiny GPT trained data-parallel, bitwise reproducible.
+
+    python -m pitstop.trainer.example --steps 200          # standalone, one process
+    torchrun --nproc-per-node 2 -m pitstop.trainer.example # data-parallel, env://
+    (under the pitstop agent: the same command, see examples/jobs/gpt-tiny.yaml)
+
+At the end every rank prints the sha256 of its final weights (the bytes of every
+parameter, in `named_parameters` order) and reports it as `final_weights_sha256`.
+
+Why the result does not depend on failures, nor on the world size: the global batch of
+every step is split into a fixed number of shards. Each shard's gradient is computed on
+its own, with its own dropout generator seeded from (seed, step, shard), by whichever
+rank owns the shard (shard s goes to rank s % world_size). The ranks all_gather the
+per-shard gradients and every rank sums them in shard order, so the floating-point
+additions happen in one order whatever the world size, and no reduction inside a
+collective decides it. CPU kernels run single-threaded with deterministic algorithms.
+The data order comes from a seeded permutation per epoch, its position (the cursor)
+lives in the TrainState, so a restore continues with the very next batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import sys
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812 (torch's own convention)
+from torch import nn
+
+from pitstop.trainer import Session, TrainState
+
+_TEXT = (
+    "the a pit crew swaps every tire in seconds while engineers watch gauges and data "
+    "cars return to the track faster than before when one node fails another spare "
+    "takes its place so training never stops for long goodput counts each step saved "
+    "memory holds the last snapshot and the buddy keeps a copy"
+)
+
+
+def make_corpus(chars: int = 16_000, seed: int = 7) -> str:
+    """A deterministic text of about `chars` characters: sentences drawn from a small
+    vocabulary by a linear congruential generator (independent of any library RNG)."""
+    vocabulary = _TEXT.split()
+    state = seed
+    words: list[str] = []
+    length = 0
+    while length < chars:
+        state = (state * 6364136223846793005 + 1442695040888963407) % 2**64
+        sentence_length = 4 + (state >> 33) % 7
+        sentence = []
+        for _ in range(sentence_length):
+            state = (state * 6364136223846793005 + 1442695040888963407) % 2**64
+            sentence.append(vocabulary[(state >> 33) % len(vocabulary)])
+        text = " ".join(sentence).capitalize() + ". "
+        words.append(text)
+        length += len(text)
+    return "".join(words)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and an MLP."""
+
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(dim, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+        attention = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        mixed = (attention @ v).transpose(1, 2).reshape(batch, length, dim)
+        x = x + _dropout(self.proj(mixed), self.dropout, generator)
+        return x + _dropout(self.out(F.gelu(self.fc(self.norm2(x)))), self.dropout, generator)
+
+
+class TinyGPT(nn.Module):
+    """A character-level GPT."""
+
+    def __init__(self, vocab: int, context: int, dim: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.token, self.position = nn.Embedding(vocab, dim), nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout=0.1) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.token(ids) + self.position(positions)
+        for block in self.blocks:
+            x = block(x, generator)
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits
+
+
+def _dropout(x: torch.Tensor, p: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Dropout drawn from an explicit generator, so which rank runs a shard (and what
+    else drew from the global RNG) cannot change the mask."""
+    if generator is None or p == 0.0:
+        return x
+    keep = torch.rand(x.shape, generator=generator, device=x.device) >= p
+    return x.masked_fill(~keep, 0.0) / (1.0 - p)
+
+
+class Job:
+    """The example's model shape, data and training step."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        self.args, self.device = args, device
+        corpus = make_corpus()
+        self.vocab = sorted(set(corpus))
+        lookup = {c: i for i, c in enumerate(self.vocab)}
+        self.ids = torch.tensor([lookup[c] for c in corpus], dtype=torch.int64)
+        self.windows = len(self.ids) - args.context - 1
+        self._perm: tuple[int, torch.Tensor] | None = None
+
+    def make_state(self) -> TrainState:
+        """The state at step 0: seeded, so every rank (and every restart) builds the same."""
+        args = self.args
+        random.seed(args.seed)
+        torch.manual_seed(args.seed)
+        model = TinyGPT(len(self.vocab), args.context, args.dim, args.layers, args.heads)
+        model.to(self.device)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1
+        )
+        return TrainState(model, optimizer, cursor={"epoch": 0, "index": 0})
+
+    def next_batch(self, cursor: dict[str, int], size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next `size` windows in the seeded order; advances `cursor`."""
+        starts: list[int] = []
+        while len(starts) < size:
+            epoch, index = cursor["epoch"], cursor["index"]
+            if self._perm is None or self._perm[0] != epoch:
+                order = torch.Generator().manual_seed(self.args.seed * 1_000_003 + epoch)
+                self._perm = (epoch, torch.randperm(self.windows, generator=order))
+            take = self._perm[1][index : index + size - len(starts)].tolist()
+            starts += take
+            cursor["index"] = index + len(take)
+            if cursor["index"] >= self.windows:
+                cursor["epoch"], cursor["index"] = epoch + 1, 0
+        context = self.args.context
+        x = torch.stack([self.ids[s : s + context] for s in starts])
+        y = torch.stack([self.ids[s + 1 : s + context + 1] for s in starts])
+        return x.to(self.device), y.to(self.device)
+
+    def train_step(self, state: TrainState, step: int, rank: int, world: int) -> torch.Tensor:
+        """One optimizer step over the global batch, as `rank` of `world`; the mean loss
+        of its shards."""
+        args, model, optimizer = self.args, state.model, state.optimizer
+        assert optimizer is not None
+        x, y = self.next_batch(state.cursor, args.shards * args.shard_batch)
+        params = list(model.parameters())
+        sizes = [p.numel() for p in params]
+        mine = range(rank, args.shards, world)
+        slots = math.ceil(args.shards / world)
+        local = torch.zeros(slots, sum(sizes) + 1, device=self.device)
+        for slot, shard in enumerate(mine):
+            rows = slice(shard * args.shard_batch, (shard + 1) * args.shard_batch)
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed((args.seed * 1_000_003 + step) * 1_000_033 + shard)
+            model.zero_grad(set_to_none=True)
+            logits = model(x[rows], generator)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[rows].reshape(-1))
+            loss.backward()  # type: ignore[no-untyped-call]
+            local[slot, :-1] = torch.cat([_grad(p).reshape(-1) for p in params])
+            local[slot, -1] = loss.detach()
+        gathered = [local]
+        if world > 1:
+            gathered = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(gathered, local)
+        total = gathered[0][0].clone()
+        for shard in range(1, args.shards):
+            total += gathered[shard % world][shard // world]
+        total /= args.shards
+        for param, grad in zip(params, torch.split(total[:-1], sizes), strict=True):
+            param.grad = grad.view_as(param)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        for group in optimizer.param_groups:
+            group["lr"] = self.learning_rate(step)
+        optimizer.step()
+        return total[-1]
+
+    def learning_rate(self, step: int) -> float:
+        """Linear warmup, then cosine decay to a tenth."""
+        args = self.args
+        if step <= args.warmup:
+            return float(args.lr * step / args.warmup)
+        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        return float(args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress))))
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    return param.grad if param.grad is not None else torch.zeros_like(param)
+
+
+def weights_sha256(model: nn.Module) -> str:
+    """sha256 of the bytes of every parameter, in `named_parameters` order."""
+    digest = hashlib.sha256()
+    for _, param in model.named_parameters():
+        tensor = param.detach().to("cpu").contiguous()
+        digest.update(ctypes.string_at(tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+    return digest.hexdigest()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The example's flags; --steps defaults to PITSTOP_EXAMPLE_STEPS, else 200."""
+    parser = argparse.ArgumentParser(prog="python -m pitstop.trainer.example")
+    parser.add_argument(
+        "--steps", type=int, default=int(os.environ.get("PITSTOP_EXAMPLE_STEPS", 200))
+    )
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--context", type=int, default=32)
+    parser.add_argument("--shards", type=int, default=4, help="shards of the global batch")
+    parser.add_argument("--shard-batch", type=int, default=4, help="sequences per shard")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
+    parser.add_argument("--log-every", type=int, default=10, help="print every N steps; 0: never")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Train; print and report the final weights' hash. 0 also when stopped early."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(args.threads)
+    with Session.from_env() as session:
+        job = Job(args, session.device)
+        state = session.restore(default=job.make_state)
+        if args.shards < session.world_size:
+            raise SystemExit(f"--shards {args.shards} is below the world size {session.world_size}")
+        for step in session.steps(state, until=args.steps):
+            with session.guard():
+                loss = job.train_step(state, step, session.rank, session.world_size)
+                tokens = len(range(session.rank, args.shards, session.world_size))
+                session.commit(state, loss=loss, tokens=tokens * args.shard_batch * args.context)
+                if args.log_every and step % args.log_every == 0:
+                    _say(rank=session.rank, step=step, loss=round(float(loss), 4))
+        if not session.finished:
+            _say(rank=session.rank, stopped_at=state.step)
+            return 0
+        digest = weights_sha256(state.model)
+        session.report_result({"final_weights_sha256": digest, "steps": str(state.step)})
+        _say(rank=session.rank, steps=state.step, final_weights_sha256=digest)
+    return 0
+
+
+def _say(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The rank's side of a Reconfigure: drop the group, roll back, re-form, acknowledge.
+
+A survivor keeps its process and its state in memory. It rolls back only when it must:
+when it stands past the restore step (it committed steps a lost peer never did) or when
+its last step was cut short (a collective failed mid-step, so the live state may be
+half updated). The rollback reads the survivor's own snapshot, which checkpointd serves
+from this node's memory. A standby process takes a lost rank: it loads that rank's
+shard (from the buddy's memory, or durable storage, as checkpointd finds it).
+
+A rank finds itself in the new rank map by its node and GPU (the agent made one GPU
+visible to it), else by its node and local rank; without a node id (started by hand)
+it keeps its rank number. Absent from the map, it acknowledges and stops cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+from pitstop.checkpointd.writer import SnapshotWriter
+from pitstop.trainer import group
+from pitstop.trainer.commands import RECONFIGURE, STOP
+from pitstop.trainer.state import TrainState
+from pitstop.v1 import agent_pb2, common_pb2, rank_pb2
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from pitstop.trainer.session import Session
+
+log = logging.getLogger(__name__)
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed (a peer is gone) and no Reconfigure came to recover in place;
+    the process exits non-zero and the scheduler restarts it from the committed step."""
+
+
+class Recovery:
+    """Carries out Reconfigure and standby adoption for one session."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+        self.recoveries: list[dict[str, float]] = []
+        """Per recovery: generation, restore step, and seconds spent restoring and
+        re-forming, for the goodput account and the logs."""
+
+    def after_peer_loss(self, state: TrainState, error: BaseException) -> None:
+        """A collective failed: drop the group and wait for the Reconfigure that
+        recovers, or raise PeerLostError when none comes in time."""
+        session = self._session
+        group.drop()
+        inbox = session.inbox
+        if inbox is None:
+            raise PeerLostError(f"rank {session.rank} lost a peer off-cluster") from error
+        timeout = session.config.reconfigure_timeout
+        deadline = time.monotonic() + timeout
+        log.warning(
+            "rank %d lost a peer; waiting up to %.0fs for a Reconfigure", session.rank, timeout
+        )
+        while True:
+            pending = inbox.wait_for((RECONFIGURE, STOP), max(0.0, deadline - time.monotonic()))
+            if pending is None:
+                raise PeerLostError(
+                    f"rank {session.rank} lost a peer at step {state.step} and no Reconfigure "
+                    f"came within {timeout:.0f}s ({inbox.broken or 'none sent'}); exiting so "
+                    "the scheduler restarts it from the committed step"
+                ) from error
+            if pending.kind == STOP:
+                session.stop(state, pending.command)
+                return
+            if self.reconfigure(state, pending.command, cut_short=True):
+                return
+
+    def reconfigure(
+        self, state: TrainState, command: rank_pb2.RankCommand, cut_short: bool
+    ) -> bool:
+        """Carry out `command`'s Reconfigure; False when it is stale (not newer than this
+        rank's generation) and was only acknowledged."""
+        session, new = self._session, command.reconfigure
+        inbox = session.inbox
+        assert inbox is not None
+        if new.generation <= session.generation:
+            inbox.acknowledge(command, ok=True, step=state.step)
+            log.info(
+                "rank %d: stale Reconfigure to generation %d ignored", session.rank, new.generation
+            )
+            return False
+        started = time.perf_counter()
+        group.drop()
+        rank = self._rank_in(new.rank_map)
+        if rank is None:
+            log.info(
+                "rank %d is not in generation %d: leaving the job", session.rank, new.generation
+            )
+            session.stop(state, command)
+            return True
+        try:
+            self._join(state, new, rank, must_restore=cut_short)
+        except Exception as exc:
+            inbox.acknowledge(
+                command, ok=False, step=state.step, error=f"{type(exc).__name__}: {exc}"
+            )
+            raise
+        inbox.acknowledge(command, ok=True, step=state.step)
+        self._record(new, started)
+        return True
+
+    def adopt(self, default: Callable[[], TrainState]) -> TrainState:
+        """Standby: wait for a rank, become it, load its state and join its group."""
+        session = self._session
+        control = session.control
+        if control is None:
+            raise RuntimeError(
+                "PITSTOP_STANDBY=1 needs PITSTOP_AGENT_SOCKET: the agent hands out ranks"
+            )
+        log.info("standby for job %s: waiting for a rank", session.config.job_id)
+        assignment = control.standby()
+        started = time.perf_counter()
+        new = assignment.reconfigure
+        control.rank = session.rank = assignment.rank
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(assignment.gpu_index)  # CUDA not yet touched
+        session.device = group.device_for(0)
+        address = session.config.checkpointd
+        try:
+            attached = control.attach(new.generation)
+            address = address or attached.checkpointd_address
+        except Exception as exc:  # grpc.RpcError: the rank still runs, without attach
+            log.warning("rank %d: attach after adoption failed: %s", assignment.rank, exc)
+        if address and session.config.job_id:
+            session.writer = SnapshotWriter(
+                address,
+                session.config.job_id,
+                assignment.rank,
+                copy_threads=session.config.copy_threads or None,
+            )
+        session.start_commands()
+        state = default()
+        self._join(state, new, assignment.rank, must_restore=new.restore_step > 0)
+        self._record(new, started)
+        return state
+
+    def _join(
+        self, state: TrainState, new: agent_pb2.Reconfigure, rank: int, must_restore: bool
+    ) -> None:
+        """Move to generation `new` as `rank`: restore if needed, re-form the group."""
+        session = self._session
+        session.generation = int(new.generation)
+        if session.control is not None:
+            session.control.generation = session.generation
+        if session.writer is not None:
+            session.writer.generation = session.generation
+            session.writer.rank = rank
+        if must_restore or state.step != new.restore_step:
+            session.load(state, int(new.restore_step))
+        if rank != session.rank and session.control is not None:
+            session.control.rank = rank
+            if session.inbox is not None:
+                session.inbox.watch(rank)
+        session.rank = rank
+        session.world_size = new.rank_map.world_size or len(new.rank_map.ranks)
+        host, _, port = new.rendezvous_address.rpartition(":")
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(session.world_size), MASTER_ADDR=host, MASTER_PORT=port
+        )
+        group.form(
+            rank,
+            session.world_size,
+            session.config.timeout,
+            rendezvous_address=new.rendezvous_address,
+            device=session.device,
+        )
+
+    def _rank_in(self, rank_map: common_pb2.RankMap) -> int | None:
+        config, session = self._session.config, self._session
+        if not config.node_id:
+            return session.rank if any(a.rank == session.rank for a in rank_map.ranks) else None
+        for assignment in rank_map.ranks:
+            if assignment.node_id != config.node_id:
+                continue
+            if config.gpu_index is not None and assignment.gpu_index == config.gpu_index:
+                return int(assignment.rank)
+            if config.gpu_index is None and assignment.local_rank == config.local_rank:
+                return int(assignment.rank)
+        return None
+
+    def _record(self, new: agent_pb2.Reconfigure, started: float) -> None:
+        seconds = time.perf_counter() - started
+        self.recoveries.append(
+            {"generation": new.generation, "restore_step": new.restore_step, "seconds": seconds}
+        )
+        log.info(
+            "rank %d joined generation %d at step %d in %.3fs",
+            self._session.rank,
+            new.generation,
+            new.restore_step,
+            seconds,
+        )

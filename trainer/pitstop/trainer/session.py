@@ -1,0 +1,306 @@
+"""`Session`: what a training script holds to obey the pitstop agent.
+
+    with Session.from_env() as session:
+        state = session.restore(default=make_state)
+        for step in session.steps(state, until=total_steps):
+            with session.guard():              # a lost peer: roll back, not crash
+                loss = train_step(state)
+                session.commit(state, loss=loss)
+
+Off-cluster (no PITSTOP_AGENT_SOCKET) the session does nothing but run the loop and,
+when RANK/WORLD_SIZE are set (torchrun), form the process group; with PITSTOP_CHECKPOINTD
+and PITSTOP_JOB_ID it also snapshots and restores. On-cluster it attaches to the agent,
+reports every step from a background thread, snapshots every PITSTOP_SNAPSHOT_EVERY
+steps into the node's checkpointd (the copy is the only stall; a daemon that is down or
+refuses costs a log line, never the run) and obeys commands at step boundaries only
+(see commands.py for how all ranks pick the same boundary).
+
+Recovery, both paths bitwise identical because both continue from the same snapshot:
+- restart: the scheduler starts a new generation with PITSTOP_RESTORE_STEP; `restore`
+  loads that step from checkpointd.
+- in-process: a collective fails because a peer died (`guard` catches it; the gloo/NCCL
+  timeout bounds the wait), or a Reconfigure is agreed at a boundary. The rank drops its
+  process group, waits (bounded) for its Reconfigure, rolls back to the restore step
+  from its local snapshot when it is ahead or its step was cut short, re-forms the group
+  at the new rendezvous address, acknowledges and goes on. No Reconfigure in time: it
+  raises PeerLostError, exits non-zero and is restarted from the committed step.
+- standby (PITSTOP_STANDBY=1): a process that already imported torch and the script
+  blocks in `restore` until the agent hands it a lost rank, loads that rank's shard
+  and joins the new group.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
+from types import TracebackType
+
+import grpc
+import torch
+
+from pitstop.agent.rankclient import RankControlClient
+from pitstop.checkpointd.writer import SnapshotResult, SnapshotWriter
+from pitstop.trainer import group
+from pitstop.trainer.boundary import at_boundary
+from pitstop.trainer.commands import Inbox, StepReporter
+from pitstop.trainer.config import RankConfig
+from pitstop.trainer.recovery import Recovery
+from pitstop.trainer.state import Capturer, TrainState, apply, capture
+from pitstop.v1 import rank_pb2
+
+log = logging.getLogger(__name__)
+
+
+class Session:
+    """One rank's link to the agent, its checkpoint daemon and its process group."""
+
+    def __init__(
+        self,
+        config: RankConfig,
+        control: RankControlClient | None = None,
+        writer: SnapshotWriter | None = None,
+    ) -> None:
+        self.config = config
+        self.rank, self.world_size = config.rank, config.world_size
+        self.generation = config.generation
+        self.restore_step = config.restore_step
+        self.device = torch.device("cpu")
+        self.control = control
+        self.writer = writer
+        self.inbox: Inbox | None = None
+        self._reporter: StepReporter | None = None
+        self.recovery = Recovery(self)
+        """In-place recoveries; `recovery.recoveries` records each one's timings."""
+        self._default: Callable[[], TrainState] | None = None
+        self._pending_step: int | None = None
+        self._started = 0.0
+        self._aborted: BaseException | None = None
+        self.finished = False
+        """The loop ran to `until`."""
+        self.stopped = False
+        """A Stop (or a Reconfigure without this rank) ended the loop early."""
+        self.last_snapshot: SnapshotResult | None = None
+        self._capture = Capturer()
+
+    @classmethod
+    def from_env(cls) -> Session:
+        """The session for this process: attached to the agent when PITSTOP_AGENT_SOCKET
+        is set, a do-nothing session otherwise."""
+        config = RankConfig.from_env()
+        control: RankControlClient | None = None
+        checkpointd = config.checkpointd
+        if config.agent_socket and config.standby:
+            control = RankControlClient(config.agent_socket, config.job_id, 0)
+        elif config.agent_socket:
+            control = RankControlClient(config.agent_socket, config.job_id, config.rank)
+            try:
+                attached = control.attach(config.generation)
+            except grpc.RpcError as exc:
+                control.close()
+                raise RuntimeError(
+                    f"rank {config.rank} cannot attach to the agent at {config.agent_socket}: "
+                    f"{exc.code().name}; is the pitstop agent running on this node?"
+                ) from exc
+            checkpointd = checkpointd or attached.checkpointd_address
+            if attached.restore_step:
+                config = replace(config, restore_step=int(attached.restore_step))
+        session = cls(config, control)
+        try:
+            session._connect(checkpointd)
+        except BaseException:
+            session.close()
+            raise
+        return session
+
+    def _connect(self, checkpointd: str) -> None:
+        """Open the snapshot writer, start the command reader, form the group."""
+        config = self.config
+        if checkpointd and config.job_id and not config.standby:
+            self.writer = SnapshotWriter(
+                checkpointd,
+                config.job_id,
+                config.rank,
+                generation=config.generation,
+                copy_threads=config.copy_threads or None,
+            )
+        elif checkpointd and not config.job_id:
+            log.warning("PITSTOP_CHECKPOINTD is set but PITSTOP_JOB_ID is not: no snapshots")
+        if self.control is not None and not config.standby:
+            self.start_commands()
+        if config.distributed:
+            self.device = group.device_for(config.local_rank)
+            group.form(config.rank, config.world_size, config.timeout, device=self.device)
+        elif not config.standby:
+            self.device = group.device_for(0)
+
+    @property
+    def is_chief(self) -> bool:
+        """Rank 0: the rank whose view of commands decides when they are forced."""
+        return self.rank == 0
+
+    def start_commands(self) -> None:
+        """Start reading commands and reporting steps (on-cluster only)."""
+        assert self.control is not None
+        self.inbox = Inbox(self.control)
+        self._reporter = StepReporter(self.control.report_step)
+
+    def restore(self, default: Callable[[], TrainState]) -> TrainState:
+        """`default()`, restored to the restore step when there is one. A standby process
+        first waits here to be handed a rank. `default` must build the same state from
+        scratch every time (seed what it draws from)."""
+        self._default = default
+        if self.config.standby:
+            return self.recovery.adopt(default)
+        state = default()
+        if self.restore_step:
+            self.load(state, self.restore_step)
+        return state
+
+    def load(self, state: TrainState, step: int) -> None:
+        """Put the snapshot of `step` into `state` in place (step 0: a fresh `default()`)."""
+        if step == 0:
+            if self._default is None:
+                raise RuntimeError("call session.restore(default=...) before the loop")
+            apply(state, *capture(self._default()))
+            return
+        if self.writer is None:
+            raise RuntimeError(
+                f"rank {self.rank} must restore step {step} but knows no checkpoint daemon; "
+                "set PITSTOP_CHECKPOINTD and PITSTOP_JOB_ID"
+            )
+        into = {f"model.{k}": v for k, v in state.model.state_dict().items()}
+        try:
+            restored = self.writer.restore(step, into=into)
+        except grpc.RpcError as exc:
+            raise RuntimeError(
+                f"rank {self.rank}: restoring step {step} of job {self.config.job_id} failed: "
+                f"{exc.code().name} {exc.details()}"
+            ) from exc
+        apply(state, restored.tensors, restored.metadata)
+        log.info("rank %d restored step %d from %s", self.rank, step, restored.source)
+
+    def steps(self, state: TrainState, until: int | None = None) -> Iterator[int]:
+        """The steps to run, from `state.step + 1` up to `until` (None: no end). Commands
+        are obeyed between steps, and only there."""
+        while True:
+            if self._aborted is not None:
+                aborted, self._aborted = self._aborted, None
+                self._pending_step = None
+                self.recovery.after_peer_loss(state, aborted)
+            elif self._pending_step is not None:
+                raise RuntimeError(
+                    f"step {self._pending_step} ended without session.commit(state); "
+                    "commit once per step"
+                )
+            if self.stopped:
+                return
+            if until is not None and state.step >= until:
+                self.finished = True
+                return
+            if at_boundary(self, state):
+                continue  # the state or the group changed: decide again, all together
+            self._pending_step = state.step + 1
+            self._started = time.perf_counter()
+            yield self._pending_step
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Wrap the step's body: a collective that fails because a peer is lost ends
+        the step, and the next boundary recovers (Reconfigure) instead of the process
+        dying. Other errors pass through."""
+        try:
+            yield
+        except Exception as exc:
+            if self.inbox is None or not group.is_peer_loss(exc):
+                raise
+            log.warning("rank %d: step lost a peer: %s", self.rank, exc)
+            self._aborted = exc
+
+    def commit(self, state: TrainState, loss: float | torch.Tensor = 0.0, tokens: int = 0) -> None:
+        """The step is done: count it, snapshot when due, report it to the agent."""
+        step = self._pending_step
+        if step is None:
+            raise RuntimeError("commit() outside a step: call it once per step of steps()")
+        self._pending_step = None
+        state.step = step
+        seconds = time.perf_counter() - self._started
+        every = self.config.snapshot_every
+        snapshot = self.writer is not None and every > 0 and step % every == 0
+        if snapshot:
+            snapshot = self.snapshot(state)
+        if self._reporter is not None:
+            self._reporter.put(step, seconds, loss, tokens, snapshot)
+
+    def snapshot(self, state: TrainState) -> bool:
+        """Snapshot `state` now; False (logged) when checkpointd skipped or refused it."""
+        if self.writer is None:
+            return False
+        tensors, metadata = self._capture(state)
+        try:
+            result = self.writer.snapshot(state.step, tensors, metadata)
+            if self.device.type == "cuda":
+                # The copies run on a side stream; the next optimizer step must not
+                # overwrite the tensors before they land.
+                self.writer.wait()
+        except grpc.RpcError as exc:
+            log.warning("snapshot of step %d failed: %s %s", state.step, exc.code().name, exc)
+            return False
+        if result.skipped:
+            log.warning("snapshot of step %d skipped: %s", state.step, result.skipped)
+            return False
+        self.last_snapshot = result
+        return True
+
+    def report_result(self, result: Mapping[str, str]) -> None:
+        """Report this rank's final result to the agent (no-op off-cluster)."""
+        if self.control is None:
+            return
+        try:
+            self.control.report_result(result)
+        except grpc.RpcError as exc:
+            log.warning("result not reported to the agent: %s", exc.code().name)
+
+    def stop(self, state: TrainState, command: rank_pb2.RankCommand | None = None) -> None:
+        """End the loop at this boundary (acknowledging `command`), the last snapshot sealed."""
+        if self.writer is not None:
+            try:
+                self.writer.wait()  # the last snapshot sealed before we go
+            except grpc.RpcError as exc:
+                log.warning("the last snapshot was not sealed: %s", exc.code().name)
+        if command is not None and self.inbox is not None:
+            self.inbox.acknowledge(command, ok=True, step=state.step)
+        log.info("rank %d stopping after step %d", self.rank, state.step)
+        self.stopped = True
+
+    def close(self) -> None:
+        """Finish reports and the last seal, end the streams, drop the group."""
+        try:
+            if self._reporter is not None:
+                self._reporter.close()
+            if self.inbox is not None:
+                self.inbox.close()
+            if self.control is not None:
+                self.control.close()
+            if self.inbox is not None:
+                self.inbox.join()
+            if self.writer is not None:
+                try:
+                    self.writer.close()
+                except grpc.RpcError as exc:
+                    log.warning("the last snapshot was not sealed: %s", exc.code().name)
+        finally:
+            group.drop()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()

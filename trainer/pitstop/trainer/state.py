@@ -1,0 +1,255 @@
+"""A rank's whole training state as a flat mapping of tensors plus string metadata.
+
+`capture` turns a `TrainState` into what a checkpointd shard holds; `apply` puts such a
+mapping back into a live `TrainState`, in place, so the script's references to its
+model and optimizer stay valid. Nothing is pickled: tensors travel as raw bytes and
+the few non-tensor values (optimizer hyperparameters, python's RNG version) as JSON.
+
+Flat names:
+    model.<state_dict key>           parameters and buffers
+    optim.state.<param id>.<key>     optimizer state tensors (Adam moments, step, ...)
+    optim.group.<i>.<key>            tensor-valued hyperparameters (rare)
+    rng.python                       int64[625]: python `random`'s Mersenne Twister words
+    rng.torch                        uint8: torch's CPU generator
+    rng.cuda.<device>                uint8: each CUDA generator, when CUDA is in use
+    cursor.<name>                    int64 scalars: the data loader's position
+    extra.<name>                     the script's own tensors
+    step                             int64 scalar: steps completed
+Metadata: "pitstop.optim" (JSON of the optimizer's param groups and non-tensor state),
+"pitstop.rng.python" (JSON of the MT version and gauss_next), "user.<key>".
+
+`capture` returns the live tensors, not copies: the snapshot is the copy, and it is
+taken before anything changes them again.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Flat = dict[str, torch.Tensor]
+
+
+@dataclass
+class TrainState:
+    """Everything a rank needs to continue bitwise where it left off.
+
+    `cursor` is the data loader's position as named integers (e.g. epoch, index); the
+    loader reads it and the training step advances it. `step` counts completed steps.
+    `tensors` holds any further tensors the script wants kept (restored in place).
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    cursor: dict[str, int] = field(default_factory=dict)
+    step: int = 0
+    metadata: dict[str, str] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class StateFormatError(ValueError):
+    """A flat mapping that does not fit the live state (another model, a missing key)."""
+
+
+class Capturer:
+    """`capture` for a training loop: the flat names, which do not change from step to
+    step, are worked out once, so a snapshot's bookkeeping stays a small fraction of
+    the copy itself."""
+
+    def __init__(self) -> None:
+        self._names: dict[tuple[str, object, str], str] = {}
+        self._optim_names: dict[int, dict[str, str]] = {}
+
+    def __call__(
+        self, state: TrainState, *, with_cuda_rng: bool | None = None
+    ) -> tuple[Flat, dict[str, str]]:
+        """The state as (flat tensors, metadata). `with_cuda_rng`: capture the CUDA
+        generators (default: when CUDA is initialised in this process)."""
+        names = self._names
+        # keep_vars: the parameters themselves, without a detached view of each.
+        tensors: Flat = {
+            names.get(("model", None, k)) or self._name("model", None, k): v
+            for k, v in state.model.state_dict(keep_vars=True).items()
+        }
+        metadata = {f"user.{k}": v for k, v in state.metadata.items()}
+        if state.optimizer is not None:
+            metadata["pitstop.optim"] = self._optimizer(state.optimizer, tensors)
+        python_state = random.getstate()
+        words = array.array("q", python_state[1])
+        tensors["rng.python"] = torch.frombuffer(words, dtype=torch.int64)
+        metadata["pitstop.rng.python"] = json.dumps(
+            {"version": python_state[0], "gauss_next": python_state[2]}
+        )
+        tensors["rng.torch"] = torch.get_rng_state()
+        if with_cuda_rng is None:
+            initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+            with_cuda_rng = torch.cuda.is_available() and initialized
+        if with_cuda_rng:
+            for index, rng in enumerate(torch.cuda.get_rng_state_all()):
+                tensors[f"rng.cuda.{index}"] = rng
+        for name, position in state.cursor.items():
+            tensors[f"cursor.{name}"] = torch.tensor(position, dtype=torch.int64)
+        for name, tensor in state.tensors.items():
+            tensors[f"extra.{name}"] = tensor.detach()
+        tensors["step"] = torch.tensor(state.step, dtype=torch.int64)
+        return tensors, metadata
+
+    def _name(self, kind: str, owner: object, key: str) -> str:
+        name = f"model.{key}" if kind == "model" else f"optim.state.{owner}.{key}"
+        self._names[(kind, owner, key)] = name
+        return name
+
+    def _optimizer(self, optimizer: torch.optim.Optimizer, tensors: Flat) -> str:
+        """Put the optimizer's state tensors into `tensors`; the rest as JSON."""
+        state_dict = optimizer.state_dict()
+        names = self._optim_names
+        scalars: dict[str, dict[str, Any]] = {}
+        for param_id, entries in state_dict["state"].items():
+            known = names.get(param_id)
+            if known is None:
+                known = names[param_id] = {}
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    name = known.get(key)
+                    if name is None:
+                        name = known[key] = f"optim.state.{param_id}.{key}"
+                    tensors[name] = value
+                else:
+                    name = f"optim.state.{param_id}.{key}"
+                    scalars.setdefault(str(param_id), {})[key] = _json_value(name, value, tensors)
+
+        def tensor_reference(value: object) -> object:
+            # json calls this for what it cannot encode itself: tensor hyperparameters.
+            if not isinstance(value, torch.Tensor):
+                raise StateFormatError(
+                    f"optimizer hyperparameter {value!r} is a {type(value).__name__}, which "
+                    "pitstop cannot keep without pickle; use numbers, strings or tensors"
+                )
+            name = f"optim.group.tensor.{sum(k.startswith('optim.group.') for k in tensors)}"
+            tensors[name] = value
+            return {"__tensor__": name}
+
+        # Tuples (Adam's betas) become lists here; `apply` turns them back by the live
+        # optimizer's own groups.
+        groups = json.dumps(state_dict["param_groups"], default=tensor_reference)
+        return f'{{"param_groups": {groups}, "scalars": {json.dumps(scalars)}}}'
+
+
+def capture(state: TrainState, *, with_cuda_rng: bool | None = None) -> tuple[Flat, dict[str, str]]:
+    """The state as (flat tensors, metadata); see `Capturer` for a loop."""
+    return Capturer()(state, with_cuda_rng=with_cuda_rng)
+
+
+def apply(
+    state: TrainState, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+) -> None:
+    """Put a captured state back into `state`, in place. Model tensors restored straight
+    into the live ones (the same memory) are not copied again."""
+    if "step" not in tensors:
+        raise StateFormatError("the restored state has no 'step' tensor: it is not a TrainState")
+    live = state.model.state_dict()
+    given = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    if set(given) != set(live):
+        missing, unexpected = sorted(set(live) - set(given)), sorted(set(given) - set(live))
+        raise StateFormatError(
+            f"the restored model does not fit this one: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}; restore with the model the snapshot was taken of"
+        )
+    with torch.no_grad():
+        for name, value in given.items():
+            target = live[name]
+            if value.data_ptr() != target.data_ptr() or value.shape != target.shape:
+                target.copy_(value)
+    if state.optimizer is not None:
+        _apply_optimizer(state.optimizer, tensors, metadata.get("pitstop.optim", ""))
+    python_meta = json.loads(metadata.get("pitstop.rng.python", "{}"))
+    if "rng.python" in tensors and python_meta:
+        words = tuple(int(w) for w in tensors["rng.python"].tolist())
+        random.setstate((python_meta["version"], words, python_meta["gauss_next"]))
+    if "rng.torch" in tensors:
+        torch.set_rng_state(tensors["rng.torch"].cpu())
+    cuda = sorted((k for k in tensors if k.startswith("rng.cuda.")), key=lambda k: int(k[9:]))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([tensors[k].cpu() for k in cuda])
+    state.cursor.clear()
+    state.cursor.update(
+        {k.removeprefix("cursor."): int(v) for k, v in tensors.items() if k.startswith("cursor.")}
+    )
+    for name, value in tensors.items():
+        if not name.startswith("extra."):
+            continue
+        key = name.removeprefix("extra.")
+        current = state.tensors.get(key)
+        if current is not None and current.shape == value.shape and current.dtype == value.dtype:
+            with torch.no_grad():
+                current.copy_(value)
+        else:
+            state.tensors[key] = value
+    state.metadata.clear()
+    state.metadata.update(
+        {k.removeprefix("user."): v for k, v in metadata.items() if k.startswith("user.")}
+    )
+    state.step = int(tensors["step"])
+
+
+def _apply_optimizer(
+    optimizer: torch.optim.Optimizer, tensors: Mapping[str, torch.Tensor], described: str
+) -> None:
+    if not described:
+        raise StateFormatError(
+            "the restored state has no optimizer (no 'pitstop.optim' metadata) but this "
+            "TrainState has one; restore with the state the snapshot was taken of"
+        )
+    layout = json.loads(described)
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        if name.startswith("optim.state."):
+            param_id, _, key = name.removeprefix("optim.state.").partition(".")
+            state.setdefault(int(param_id), {})[key] = value
+    for param_id, entries in layout["scalars"].items():
+        for key, value in entries.items():
+            state.setdefault(int(param_id), {})[key] = _from_json(value, tensors)
+    groups = [
+        {key: _from_json(value, tensors) for key, value in group.items()}
+        for group in layout["param_groups"]
+    ]
+    for group, live in zip(groups, optimizer.param_groups, strict=False):
+        for key, value in group.items():
+            if isinstance(live.get(key), tuple) and isinstance(value, list):
+                group[key] = tuple(value)
+    # load_state_dict casts state to each parameter's device and dtype, and keeps the
+    # optimizer object the script holds.
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _json_value(name: str, value: Any, tensors: Flat) -> Any:
+    """`value` as JSON; tensors go into `tensors` under `name` and leave a reference."""
+    if isinstance(value, torch.Tensor):
+        tensors[name] = value
+        return {"__tensor__": name}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_json_value(f"{name}.{i}", v, tensors) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_json_value(f"{name}.{i}", v, tensors) for i, v in enumerate(value)]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise StateFormatError(
+        f"optimizer value {name} is a {type(value).__name__}, which pitstop cannot keep "
+        "without pickle; use numbers, strings, tuples or tensors"
+    )
+
+
+def _from_json(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(value, dict) and "__tensor__" in value:
+        return tensors[value["__tensor__"]]
+    if isinstance(value, dict) and "__tuple__" in value:
+        return tuple(_from_json(v, tensors) for v in value["__tuple__"])
+    if isinstance(value, list):
+        return [_from_json(v, tensors) for v in value]
+    return value
