@@ -173,6 +173,7 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
     if settings.metrics_port is not None:
         scheduler.metrics_port = metrics.serve(settings.metrics_host, settings.metrics_port)
     election = LeaderElection(store, period_seconds=settings.leader_lease_seconds)
+    metrics.leader.set_function(lambda: 1.0 if election.leading else 0.0)
     await _report_health(health_servicer, engine, hot, store, metrics, election)
     scheduler._tasks.append(
         asyncio.create_task(
@@ -214,7 +215,6 @@ async def _report_health(
     election: LeaderElection,
 ) -> None:
     ok = await _stores_reachable(engine, hot)
-    metrics.leader.set(1 if election.leading else 0)
     if ok:
         with contextlib.suppress(Exception):  # metrics never fail a health check
             async with store.read() as session:

@@ -1,0 +1,147 @@
+"""Two scheduler processes on one PostgreSQL: one decides at a time; kill -9 of the
+leader hands over within two lease periods; no GPU is ever booked twice."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import psycopg
+import pytest
+from conftest import AgentSpec, StoreUrls, follow_events, run_agents, unique, wait_for
+from fake_rank import FAKE_RANK
+
+from pitstop.v1 import jobs_pb2, jobs_pb2_grpc
+
+LEASE = 1.0
+SCHEDULER = Path(sys.executable).with_name("pitstop-scheduler")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class SchedulerProcess:
+    def __init__(self, root: Path, name: str, env: dict[str, str]) -> None:
+        self.metrics_port = free_port()
+        self.log = root / f"{name}.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [
+                    str(SCHEDULER),
+                    "--state-dir",
+                    str(root / name),
+                    "--port",
+                    "0",
+                    "--metrics-port",
+                    str(self.metrics_port),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=env,
+            )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert "listening on" in line, self.log.read_text()
+        self.address = line.rsplit(" ", 1)[1].strip()
+
+    def leading(self) -> bool:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+        return "pitstop_scheduler_leader 1.0" in text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pld-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def holding_job(address: str, name: str) -> jobs_pb2.Job:
+    jobs = jobs_pb2_grpc.JobServiceStub(grpc.insecure_channel(address))
+    spec = jobs_pb2.JobSpec(
+        name=name,
+        dp=2,
+        gpus_per_node=1,
+        command=[sys.executable, str(FAKE_RANK), "--attach", "--steps", "2", "--hold"],
+    )
+    return jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job
+
+
+def test_one_leader_decides_and_a_standby_takes_over_without_double_booking(
+    stores: StoreUrls, root: Path
+) -> None:
+    database = stores.fresh_database()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")} | {
+        "PITSTOP_DATABASE_URL": database,
+        "PITSTOP_REDIS_URL": stores.redis_url,
+        "PITSTOP_REDIS_PREFIX": f"{stores.redis_prefix}{unique('leader')}:",
+        "PITSTOP_LEADER_LEASE_SECONDS": str(LEASE),
+        "PITSTOP_HEARTBEAT_INTERVAL_SECONDS": "0.5",
+        "GRPC_VERBOSITY": "ERROR",
+    }
+    first = SchedulerProcess(root, "first", env)
+    second: SchedulerProcess | None = None
+    try:
+        events = follow_events(first.address)
+        took = wait_for(events, lambda e: e.kind == "scheduler.leader")
+        second = SchedulerProcess(root, "second", env)
+        assert first.leading()
+        assert not second.leading()
+
+        # The agents talk to the standby: the leader's commands reach them through Redis.
+        specs = [AgentSpec(f"ld{i}", gpus=2, rack=f"r{i}") for i in range(2)]
+        with run_agents(second.address, root, specs):
+            watch = follow_events(second.address, after=took.id)
+            waiting = {spec.node_id for spec in specs}
+            while waiting:
+                waiting.discard(wait_for(watch, lambda e: e.kind == "node.registered").node_id)
+            before = holding_job(second.address, unique("before"))
+            wait_for(watch, lambda e: (e.job_id, e.kind) == (before.id, "job.running"))
+
+            killed_at = time.monotonic()
+            first.proc.send_signal(signal.SIGKILL)
+            first.proc.wait(10)
+            handover = wait_for(watch, lambda e: e.kind == "scheduler.leader")
+            assert time.monotonic() - killed_at < 2 * LEASE
+            assert second.leading()
+            assert handover.attributes["token"] == str(int(took.attributes["token"]) + 1)
+
+            after = holding_job(second.address, unique("after"))
+            wait_for(watch, lambda e: (e.job_id, e.kind) == (after.id, "job.running"))
+
+        with psycopg.connect(database) as conn:
+            rows = conn.execute(
+                "SELECT r.job_id, r.generation, r.node_id, r.gpu_index FROM rank_assignments r"
+            ).fetchall()
+        placed = {(job, node, gpu) for job, _gen, node, gpu in rows}
+        assert {job for job, _n, _g in placed} == {before.id, after.id}
+        assert {gen for _j, gen, _n, _g in rows} == {1}  # each gang placed exactly once
+        gpus = [(node, gpu) for _job, node, gpu in placed]
+        assert len(gpus) == len(set(gpus)) == 4  # no GPU holds two ranks
+    finally:
+        with contextlib.suppress(Exception):
+            first.stop()
+        if second is not None:
+            second.stop()
