@@ -110,6 +110,8 @@ def _dbapi_error(orig: Exception) -> sqlalchemy.exc.DBAPIError:
         (sqlalchemy.exc.TimeoutError("pool"), grpc.StatusCode.UNAVAILABLE),
         (RedisConnectionError("down"), grpc.StatusCode.UNAVAILABLE),
         (ConnectionRefusedError(errno.ECONNREFUSED, "refused"), grpc.StatusCode.UNAVAILABLE),
+        (_dbapi_error(psycopg.errors.DeadlockDetected("deadlock")), grpc.StatusCode.ABORTED),
+        (_dbapi_error(psycopg.errors.UniqueViolation("dup")), grpc.StatusCode.INTERNAL),
         (ValueError("bug"), grpc.StatusCode.INTERNAL),
         (KeyError("bug"), grpc.StatusCode.INTERNAL),
     ],

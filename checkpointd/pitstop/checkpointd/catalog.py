@@ -188,6 +188,29 @@ class CatalogClient:
             return 0
         return int(response.committed_step)
 
+    async def holders(self, job_id: str, rank: int, step: int) -> list[str]:
+        """host:port of the other nodes' daemons that hold the rank's shard of `step` in
+        memory, per the scheduler; empty when unknown or unreachable."""
+        if self._stub is None:
+            return []
+        try:
+            response = await self._stub.GetRestorePoint(
+                checkpoint_pb2.GetRestorePointRequest(job_id=job_id, step=step),
+                timeout=CALL_TIMEOUT_SECONDS,
+                metadata=self._metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.debug("GetRestorePoint(%s) failed: %s", job_id, exc.code().name)
+            return []
+        if rank not in response.locations:
+            return []
+        where = response.locations[rank]
+        return [
+            address
+            for node_id, address in zip(where.node_ids, where.addresses, strict=False)
+            if address and node_id != self.node_id
+        ]
+
     async def close(self) -> None:
         """Close the channel; what was not reported is lost with the daemon's memory."""
         if self._channel is not None:

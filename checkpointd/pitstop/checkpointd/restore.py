@@ -1,6 +1,7 @@
 """Restore: serve (job, rank, step) from local memory, else the buddy's memory, else the
-durable store, every copy's checksum verified before it is offered. A copy that fails
-its checksum is reported, dropped, and the next source is tried."""
+memory of another node the scheduler says holds it, else the durable store, every copy's
+checksum verified before it is offered. A copy that fails its checksum is reported,
+dropped, and the next source is tried."""
 
 from __future__ import annotations
 
@@ -59,6 +60,14 @@ class RestoreSources:
         buddy = await self._catalog.buddy()
         if buddy is not None:
             pulled = await self._from_peer(buddy.address, job_id, rank, step)
+            if pulled is not None:
+                return pulled, Tier.REPLICA
+        # A replacement node's buddy need not be the lost node's: ask the scheduler
+        # which nodes hold this shard and pull from them.
+        for address in await self._catalog.holders(job_id, rank, step):
+            if buddy is not None and address == buddy.address:
+                continue
+            pulled = await self._from_peer(address, job_id, rank, step)
             if pulled is not None:
                 return pulled, Tier.REPLICA
         read = await self._from_durable(job_id, rank, step)

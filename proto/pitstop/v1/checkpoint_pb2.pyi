@@ -182,10 +182,12 @@ class GetBuddyResponse(_message.Message):
     def __init__(self, buddy_node_id: _Optional[str] = ..., buddy_address: _Optional[str] = ...) -> None: ...
 
 class GetRestorePointRequest(_message.Message):
-    __slots__ = ("job_id",)
+    __slots__ = ("job_id", "step")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     job_id: str
-    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+    step: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class GetRestorePointResponse(_message.Message):
     __slots__ = ("committed_step", "durable_step", "locations")
@@ -205,7 +207,9 @@ class GetRestorePointResponse(_message.Message):
     def __init__(self, committed_step: _Optional[int] = ..., durable_step: _Optional[int] = ..., locations: _Optional[_Mapping[int, ShardLocations]] = ...) -> None: ...
 
 class ShardLocations(_message.Message):
-    __slots__ = ("node_ids",)
+    __slots__ = ("node_ids", "addresses")
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     node_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_ids: _Optional[_Iterable[str]] = ..., addresses: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -32,10 +32,22 @@ _DOMAIN_CODES: list[tuple[type[errors.PitstopError], grpc.StatusCode]] = [
 ]
 
 
+def _server_error(exc: BaseException) -> str | None:
+    """The SQLSTATE of an error PostgreSQL itself reported (so it is reachable)."""
+    orig = exc.orig if isinstance(exc, sqlalchemy.exc.DBAPIError) else exc
+    state = getattr(orig, "sqlstate", None)
+    # Class 08 is a broken connection, 57P a server shutting down or starting: outages.
+    if state and not state.startswith(("08", "57P")):
+        return str(state)
+    return None
+
+
 def _store_outage(exc: BaseException) -> str | None:
     """Which store is unreachable, if that is what ``exc`` means."""
     if isinstance(exc, RedisConnectionError | RedisTimeoutError):
         return "Redis"
+    if _server_error(exc) is not None:
+        return None
     if isinstance(exc, sqlalchemy.exc.DBAPIError) and (
         exc.connection_invalidated
         or isinstance(exc.orig, psycopg.OperationalError | psycopg.InterfaceError)
@@ -52,6 +64,9 @@ def status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
     for kind, code in _DOMAIN_CODES:
         if isinstance(exc, kind):
             return code, str(exc)
+    if (_server_error(exc) or "").startswith("40"):
+        # Deadlock or serialization failure: the transaction rolled back, nothing changed.
+        return grpc.StatusCode.ABORTED, "a concurrent change conflicted with this one; retry"
     store = _store_outage(exc)
     if store is not None:
         return (

@@ -91,7 +91,8 @@ class LeaderElection:
             _CHECK, {"name": LEASE_NAME, "holder": self.holder, "token": self.token}
         )
         if found is None:
-            self.token = None
+            # The campaign loop owns the token: it learns of a lost lease at its next
+            # renewal. Until then every decision is refused here.
             raise FailedPrecondition(f"{self.holder} lost the leader lease; it decides nothing")
 
     async def run(self, lead: Callable[[int], Coroutine[Any, Any, None]]) -> None:

@@ -44,4 +44,4 @@ class CatalogServicer:
     ) -> checkpoint_pb2.GetRestorePointResponse:
         async with self.store.read() as session:
             job = await job_service.get_job(session, request.job_id)
-            return await catalog_service.restore_point(session, job)
+            return await catalog_service.restore_point(session, job, request.step)

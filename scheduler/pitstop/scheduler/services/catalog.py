@@ -55,7 +55,9 @@ async def report_shards(
     for info in request.added:
         key = info.header.key
         if key.job_id not in jobs:
-            jobs[key.job_id] = await session.get(models.Job, key.job_id)
+            # The job row first: concurrent reports of one job then queue here instead
+            # of deadlocking over its checkpoint rows in _settle_step.
+            jobs[key.job_id] = await session.get(models.Job, key.job_id, with_for_update=True)
         if jobs[key.job_id] is None:
             log.warning("node %s reported a shard of unknown job %s", node_id, key.job_id)
             continue
@@ -146,21 +148,30 @@ async def _settle_step(session: AsyncSession, job: models.Job, step: int) -> Non
 
 
 async def restore_point(
-    session: AsyncSession, job: models.Job
+    session: AsyncSession, job: models.Job, step: int = 0
 ) -> checkpoint_pb2.GetRestorePointResponse:
+    """The job's committed and durable steps, and where each rank's in-memory shard of
+    `step` (0: the committed step) lies: node ids and their checkpoint daemons."""
     response = checkpoint_pb2.GetRestorePointResponse(
         committed_step=job.committed_step, durable_step=job.durable_step
     )
-    if job.committed_step:
+    step = step or job.committed_step
+    if step:
         rows = await session.execute(
-            select(models.CheckpointShard.rank, models.CheckpointShard.node_id)
+            select(
+                models.CheckpointShard.rank,
+                models.CheckpointShard.node_id,
+                models.Node.checkpointd_address,
+            )
+            .outerjoin(models.Node, models.Node.id == models.CheckpointShard.node_id)
             .where(models.CheckpointShard.job_id == job.id)
-            .where(models.CheckpointShard.step == job.committed_step)
+            .where(models.CheckpointShard.step == step)
             .where(models.CheckpointShard.node_id != DURABLE_NODE)
             .order_by(models.CheckpointShard.rank, models.CheckpointShard.node_id)
         )
-        for rank, node_id in rows:
+        for rank, node_id, address in rows:
             response.locations[rank].node_ids.append(node_id)
+            response.locations[rank].addresses.append(address or "")
     return response
 
 

@@ -1,0 +1,322 @@
+"""The example job (pitstop.trainer.example, dp=4, one rank per node) under a real
+scheduler, real agents and real checkpoint daemons, one of each per node, plus a spare:
+fault-free, and with a Pause and Resume through the CLI mid-run, the job succeeds with
+the same final-weights hash as the example run standalone in one process (the hash does
+not depend on the world size), every rank logging each step exactly once."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import SchedulerThread, StoreUrls, follow_events, scheduler_settings, unique
+from typer.testing import CliRunner
+
+from pitstop.client.cli import app
+from pitstop.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc
+
+pytestmark = pytest.mark.cluster
+
+STEPS = 60
+WORKERS = ["n0", "n1", "n2", "n3"]
+SPARE = "sp"
+TIMEOUT = 90.0
+EXAMPLE = [sys.executable, "-m", "pitstop.trainer.example", "--steps", str(STEPS)]
+BIN = Path(sys.executable).parent
+STEP_LINE = re.compile(rb'^\{"rank": (\d+), "step": (\d+), ')
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+
+
+@pytest.fixture(scope="module")
+def standalone_hash() -> str:
+    """The example run alone in one process: the hash every run must end with."""
+    done = subprocess.run(
+        [*EXAMPLE, "--log-every", "0"],
+        capture_output=True,
+        env=clean_env(),
+        timeout=TIMEOUT,
+        check=True,
+    )
+    return str(json.loads(done.stdout.splitlines()[-1])["final_weights_sha256"])
+
+
+@dataclass
+class Node:
+    """One node: its checkpoint daemon and its agent, each a process group of its own."""
+
+    node_id: str
+    root: Path
+    rack: str
+    role: str
+    scheduler: str
+    checkpointd: subprocess.Popen[str] | None = None
+    agent: subprocess.Popen[bytes] | None = None
+    checkpointd_address: str = ""
+    lines: queue.Queue[str] = field(default_factory=queue.Queue)
+
+    def start(self) -> None:
+        command = [
+            str(BIN / "pitstop-checkpointd"),
+            "run",
+            "--node-id",
+            self.node_id,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--scheduler",
+            self.scheduler,
+            "--state-dir",
+            str(self.root / "checkpointd"),
+            "--log-level",
+            "WARNING",
+        ]
+        env = clean_env()
+        env["PITSTOP_CHECKPOINTD_MEMORY_BUDGET_BYTES"] = str(256 << 20)
+        env["PITSTOP_CHECKPOINTD_FLUSH_EVERY_STEPS"] = "1000"
+        env["PITSTOP_CHECKPOINTD_RETRY_MAX_SECONDS"] = "0.5"
+        self.checkpointd = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+        self.checkpointd_address = self._wait_for_line("listening on").split("listening on ")[1]
+        self.checkpointd_address = self.checkpointd_address.split()[0]
+        self.agent = subprocess.Popen(
+            [
+                str(BIN / "pitstop-agent"),
+                "run",
+                "--node-id",
+                self.node_id,
+                "--scheduler",
+                self.scheduler,
+                "--gpus",
+                "sim:1",
+                "--zone",
+                "z1",
+                "--block",
+                "b1",
+                "--rack",
+                self.rack,
+                "--role",
+                self.role,
+                "--state-dir",
+                str(self.root / "agent"),
+                "--checkpointd-address",
+                self.checkpointd_address,
+                "--metrics-port",
+                "0",
+                "--log-level",
+                "WARNING",
+            ],
+            stdout=subprocess.DEVNULL,
+            env=clean_env(),
+            start_new_session=True,
+        )
+
+    def _read(self) -> None:
+        assert self.checkpointd is not None
+        assert self.checkpointd.stdout is not None
+        for line in self.checkpointd.stdout:
+            self.lines.put(line.rstrip())
+
+    def _wait_for_line(self, text: str) -> str:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"checkpointd of {self.node_id} never said {text!r}") from None
+            if text in line:
+                return line
+
+    def rank_log(self, job_id: str, rank: int) -> Path:
+        return self.root / "agent" / "ranks" / job_id / f"rank-{rank}.log"
+
+    def stop(self) -> None:
+        for proc in (self.agent, self.checkpointd):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in (self.agent, self.checkpointd):
+            if proc is None:
+                continue
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def killpg(pid: int, signum: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signum)
+
+
+class Cluster:
+    """A deciding scheduler, four worker nodes in four racks and a spare."""
+
+    def __init__(self, scheduler: SchedulerThread, root: Path) -> None:
+        self.scheduler = scheduler
+        self.events = follow_events(scheduler.address, timeout=4 * TIMEOUT)
+        self.jobs = jobs_pb2_grpc.JobServiceStub(scheduler.channel())
+        self.nodes: dict[str, Node] = {}
+        specs = [(n, f"r{i}", "worker") for i, n in enumerate(WORKERS)]
+        specs.append((SPARE, "r0", "spare"))
+        for node_id, rack, role in specs:
+            node = Node(node_id, root / node_id, rack, role, scheduler.address)
+            self.nodes[node_id] = node
+            node.start()
+        missing = set(self.nodes)
+        while missing:
+            missing.discard(self.wait(lambda e: e.kind == "node.registered").node_id)
+
+    def wait(self, match: Any) -> Any:
+        for event in self.events:
+            if match(event):
+                return event
+        raise AssertionError("the event stream ended before the awaited event")
+
+    def job_event(self, job_id: str, *kinds: str) -> Any:
+        return self.wait(lambda e: e.job_id == job_id and e.kind in kinds)
+
+    def submit(self) -> jobs_pb2.Job:
+        spec = jobs_pb2.JobSpec(
+            name=unique("gpt"),
+            command=[*EXAMPLE, "--log-every", "1"],
+            dp=4,
+            gpus_per_node=1,
+            spares=1,
+            max_restarts=3,
+            env={"PYTHONUNBUFFERED": "1"},
+        )
+        job = self.jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job
+        self.job_event(job.id, "job.running")
+        return job
+
+    def get(self, job_id: str) -> jobs_pb2.Job:
+        return self.jobs.Get(jobs_pb2.GetJobRequest(job_id=job_id))
+
+    def await_committed(self, job_id: str, step: int) -> jobs_pb2.Job:
+        """The job once `step` is committed (polled: no event marks a commit)."""
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            job = self.get(job_id)
+            if job.committed_step >= step:
+                return job
+            assert job.state == common_pb2.JOB_STATE_RUNNING, job
+            assert time.monotonic() < deadline, f"step {step} never committed: {job}"
+            time.sleep(0.05)
+
+    def finish(self, job_id: str) -> jobs_pb2.Job:
+        done = self.job_event(job_id, "job.succeeded", "job.failed", "job.cancelled")
+        job = self.get(job_id)
+        assert done.kind == "job.succeeded", (done, job, self.logs(job_id))
+        return job
+
+    def node_of(self, job: jobs_pb2.Job, rank: int) -> Node:
+        (node_id,) = [a.node_id for a in job.rank_map.ranks if a.rank == rank]
+        return self.nodes[node_id]
+
+    def logs(self, job_id: str) -> str:
+        out = []
+        for node in self.nodes.values():
+            for path in sorted((node.root / "agent" / "ranks" / job_id).glob("*.log")):
+                out.append(f"== {node.node_id} {path.name}\n{path.read_text()[-3000:]}")
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            node.stop()
+
+
+@pytest.fixture
+def cluster(stores: StoreUrls, tmp_path: Path) -> Iterator[Cluster]:
+    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="pr-"))  # short: the agent socket path
+    thread = SchedulerThread(
+        scheduler_settings(
+            stores,
+            tmp_path / "scheduler",
+            database_url=stores.fresh_database(),
+            redis_prefix=f"{stores.redis_prefix}{unique('rec')}:",
+            leader_loops=True,
+            heartbeat_interval_seconds=0.5,
+            liveness_startup_grace_seconds=0.0,
+        )
+    )
+    built: Cluster | None = None
+    try:
+        built = Cluster(thread, root)
+        yield built
+    finally:
+        if built is not None:
+            built.stop()
+        thread.stop()
+        if not os.environ.get("PITSTOP_E2E_KEEP"):
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def steps_logged(cluster: Cluster, job: jobs_pb2.Job, rank: int) -> list[int]:
+    """The steps `rank` printed, in order, over every process that ran it."""
+    path = cluster.node_of(job, rank).rank_log(job.id, rank)
+    return [
+        int(m.group(2))
+        for line in path.read_bytes().splitlines()
+        if (m := STEP_LINE.match(line)) is not None
+    ]
+
+
+def check_result(job: jobs_pb2.Job, expected: str) -> None:
+    assert job.state == common_pb2.JOB_STATE_SUCCEEDED
+    assert job.result["final_weights_sha256"] == expected
+    assert job.current_step == STEPS
+
+
+def test_fault_free_run_matches_the_standalone_hash(cluster: Cluster, standalone_hash: str) -> None:
+    job = cluster.submit()
+    done = cluster.finish(job.id)
+    check_result(done, standalone_hash)
+    assert done.generation == 1
+    for rank in range(4):
+        assert steps_logged(cluster, done, rank) == list(range(1, STEPS + 1))
+
+
+def test_pause_then_resume_through_the_cli_skips_and_repeats_no_step(
+    cluster: Cluster, standalone_hash: str
+) -> None:
+    job = cluster.submit()
+    cluster.await_committed(job.id, random.randint(3, 20))
+    cli = CliRunner()
+    server = ["--server", cluster.scheduler.address]
+    paused = cli.invoke(app, [*server, "job", "pause", job.id], catch_exceptions=False)
+    assert paused.exit_code == 0, paused.output
+    assert cluster.get(job.id).state == common_pb2.JOB_STATE_PAUSED
+    resumed = cli.invoke(app, [*server, "job", "resume", job.id], catch_exceptions=False)
+    assert resumed.exit_code == 0, resumed.output
+    done = cluster.finish(job.id)
+    check_result(done, standalone_hash)
+    assert done.generation == 1  # paused and resumed in place: never restarted
+    for rank in range(4):
+        assert steps_logged(cluster, done, rank) == list(range(1, STEPS + 1))
