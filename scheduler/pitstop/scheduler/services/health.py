@@ -23,6 +23,7 @@ from pitstop.health.xid import XidClass, classify_xid
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import NodeState
 from pitstop.scheduler.services.events import record_event
+from pitstop.scheduler.services.nodes import move_node
 from pitstop.v1 import common_pb2
 
 # Stored as short lowercase words ("nvml_event", "fatal"), the enum names less prefix.
@@ -36,31 +37,6 @@ _LIVE = (NodeState.READY, NodeState.CORDONED, NodeState.DRAINING)
 async def _locked_node(session: AsyncSession, node_id: str) -> models.Node | None:
     return await session.scalar(
         select(models.Node).where(models.Node.id == node_id).with_for_update()
-    )
-
-
-def _move(
-    session: AsyncSession,
-    node: models.Node,
-    target: NodeState,
-    *,
-    kind: str,
-    reason: str,
-    actor: str,
-    attributes: dict[str, str] | None = None,
-) -> None:
-    previous = node.state
-    node.state = target
-    node.reason = reason
-    record_event(
-        session,
-        kind,
-        actor=actor,
-        node_id=node.id,
-        from_state=previous.value,
-        to_state=target.value,
-        reason=reason,
-        attributes=attributes,
     )
 
 
@@ -95,7 +71,7 @@ async def record_xid(
     if node is None:
         return None
     if info.xid_class is XidClass.FATAL and node.state in _LIVE:
-        _move(
+        move_node(
             session,
             node,
             NodeState.UNHEALTHY,
@@ -106,7 +82,7 @@ async def record_xid(
         )
         return node.state
     if info.xid_class is XidClass.WARNING and node.state in (NodeState.READY, NodeState.CORDONED):
-        _move(
+        move_node(
             session,
             node,
             NodeState.DRAINING,
@@ -134,13 +110,17 @@ async def apply_health(
     reason = "; ".join(health.reasons) or _VERDICT_NAMES.get(health.verdict, "unknown")
     actor = f"agent:{node_id}"
     if health.verdict == common_pb2.HEALTH_VERDICT_FATAL and node.state in _LIVE:
-        _move(session, node, NodeState.UNHEALTHY, kind="node.unhealthy", reason=reason, actor=actor)
+        move_node(
+            session, node, NodeState.UNHEALTHY, kind="node.unhealthy", reason=reason, actor=actor
+        )
         return node.state
     if health.verdict == common_pb2.HEALTH_VERDICT_WARNING and node.state in (
         NodeState.READY,
         NodeState.CORDONED,
     ):
-        _move(session, node, NodeState.DRAINING, kind="node.draining", reason=reason, actor=actor)
+        move_node(
+            session, node, NodeState.DRAINING, kind="node.draining", reason=reason, actor=actor
+        )
         return node.state
     return None
 
@@ -153,7 +133,7 @@ async def mark_lost(session: AsyncSession, node_id: str, *, reason: str) -> bool
         return False
     node.connected = False
     if node.state in _LIVE:
-        _move(session, node, NodeState.LOST, kind="node.lost", reason=reason, actor="scheduler")
+        move_node(session, node, NodeState.LOST, kind="node.lost", reason=reason, actor="scheduler")
         return True
     record_event(session, "node.disconnected", actor="scheduler", node_id=node_id, reason=reason)
     return False

@@ -74,7 +74,7 @@ async def active_jobs_on(session: AsyncSession, node_id: str) -> list[str]:
     return list((await session.scalars(query)).all())
 
 
-def _transition(
+def move_node(
     session: AsyncSession,
     node: models.Node,
     target: NodeState,
@@ -82,7 +82,9 @@ def _transition(
     kind: str,
     reason: str,
     actor: str,
+    attributes: dict[str, str] | None = None,
 ) -> None:
+    """One node state change with its reason, and its event."""
     previous = node.state
     node.state = target
     node.reason = reason
@@ -94,6 +96,7 @@ def _transition(
         from_state=previous.value,
         to_state=target.value,
         reason=reason,
+        attributes=attributes,
     )
 
 
@@ -109,7 +112,7 @@ async def cordon_node(
         raise FailedPrecondition(
             f"node {node.id} is {node.state.value}; only a ready node can be cordoned"
         )
-    _transition(
+    move_node(
         session,
         node,
         NodeState.CORDONED,
@@ -159,7 +162,7 @@ async def uncordon_node(
                 "(fix or clear the fault first), or restart its agent after the repair"
             )
         )
-    _transition(
+    move_node(
         session,
         node,
         NodeState.READY,
@@ -182,7 +185,7 @@ async def drain_node(
         raise FailedPrecondition(
             f"node {node.id} is {node.state.value}; only a ready or cordoned node can be drained"
         )
-    _transition(
+    move_node(
         session,
         node,
         NodeState.DRAINING,
@@ -295,7 +298,7 @@ async def register_node(
     )
     if node.state is NodeState.LOST or (node.state is NodeState.UNHEALTHY and restarted):
         why = "agent reconnected" if node.state is NodeState.LOST else "agent restarted"
-        _transition(session, node, NodeState.READY, kind="node.recovered", reason=why, actor=actor)
+        move_node(session, node, NodeState.READY, kind="node.recovered", reason=why, actor=actor)
     return node, created
 
 
