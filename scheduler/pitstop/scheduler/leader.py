@@ -106,7 +106,7 @@ class LeaderElection:
                 continue
             self.token = token
             self.became_leader.set()
-            log.warning("%s is the leader (fencing token %d)", self.holder, token)
+            log.info("%s is the leader (fencing token %d)", self.holder, token)
             task = asyncio.create_task(lead(token), name="leader-loops")
             try:
                 while True:
