@@ -146,7 +146,7 @@ class SchedulerThread:
             stream.close()
 
     def stop(self) -> None:
-        self._call(self.scheduler.stop(grace=1.0))
+        self._call(self.scheduler.stop(grace=1.0), timeout=60)
         for stream in self._open_streams:
             stream.close()
         for channel in self._channels:

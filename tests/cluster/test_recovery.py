@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import queue
-import random
 import re
 import shutil
 import signal
@@ -219,17 +218,6 @@ class Cluster:
     def get(self, job_id: str) -> jobs_pb2.Job:
         return self.jobs.Get(jobs_pb2.GetJobRequest(job_id=job_id))
 
-    def await_committed(self, job_id: str, step: int) -> jobs_pb2.Job:
-        """The job once `step` is committed (polled: no event marks a commit)."""
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            job = self.get(job_id)
-            if job.committed_step >= step:
-                return job
-            assert job.state == common_pb2.JOB_STATE_RUNNING, job
-            assert time.monotonic() < deadline, f"step {step} never committed: {job}"
-            time.sleep(0.05)
-
     def finish(self, job_id: str) -> jobs_pb2.Job:
         done = self.job_event(job_id, "job.succeeded", "job.failed", "job.cancelled")
         job = self.get(job_id)
@@ -306,8 +294,7 @@ def test_fault_free_run_matches_the_standalone_hash(cluster: Cluster, standalone
 def test_pause_then_resume_through_the_cli_skips_and_repeats_no_step(
     cluster: Cluster, standalone_hash: str
 ) -> None:
-    job = cluster.submit()
-    cluster.await_committed(job.id, random.randint(3, 20))
+    job = cluster.submit()  # returns once the ranks are stepping: the pause lands mid-run
     cli = CliRunner()
     server = ["--server", cluster.scheduler.address]
     paused = cli.invoke(app, [*server, "job", "pause", job.id], catch_exceptions=False)

@@ -7,6 +7,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -55,6 +56,15 @@ SERVICE_NAMES = (
     rendezvous_pb2.DESCRIPTOR.services_by_name["RendezvousService"].full_name,
 )
 HEALTH_CHECK_SECONDS = 2.0
+# The most any one shutdown step may take beyond its own grace.
+STEP_SECONDS = 5.0
+
+
+async def _bounded(what: str, step: Awaitable[Any], seconds: float) -> None:
+    try:
+        await asyncio.wait_for(step, seconds)
+    except TimeoutError:
+        log.warning("shutdown: could not %s within %.0fs; going on", what, seconds)
 
 
 @dataclass
@@ -80,22 +90,24 @@ class Scheduler:
         return f"{self.settings.host}:{self.port}"
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stop accepting calls, let in-flight ones finish within ``grace``, close the stores."""
+        """Stop accepting calls, let in-flight ones finish within ``grace``, close the stores.
+        Every step is bounded: a step that hangs is logged by name and shutdown goes on."""
         self.agents.stopping = True  # streams we close now are not lost nodes
-        await self.server.stop(self.settings.shutdown_grace_seconds if grace is None else grace)
+        grace = self.settings.shutdown_grace_seconds if grace is None else grace
+        await _bounded("stop the gRPC server", self.server.stop(grace), grace + STEP_SECONDS)
         for task in self._tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            await _bounded("stop the background loops", asyncio.wait(self._tasks), STEP_SECONDS)
         if self.election is not None:
-            await self.election.release()
+            await _bounded("release the leader lease", self.election.release(), STEP_SECONDS)
         for stop in self._stoppers:
-            await stop()
+            await _bounded("stop the command router", stop(), STEP_SECONDS)
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop)
-        await self.bus.stop()
-        await self.hot.close()
-        await self.engine.dispose()
+        await _bounded("stop the event bus", self.bus.stop(), STEP_SECONDS)
+        await _bounded("close Redis", self.hot.close(), STEP_SECONDS)
+        await _bounded("close the PostgreSQL pool", self.engine.dispose(), STEP_SECONDS)
         if self.embedded is not None:
             await asyncio.to_thread(self.embedded.stop)
 

@@ -8,7 +8,6 @@ when something changes: a new verdict, an Xid, an exit, a lost stream.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import logging
 import re
@@ -97,11 +96,12 @@ class AgentServicer:
                 state.commands.add(item.command_id)
                 yield item
         finally:
-            for task in (getter, reader):
-                if task is not None and not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await task
+            pending = [t for t in (getter, reader) if t is not None and not t.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                # Bounded: a read stuck in a dying stream must not hold up server shutdown.
+                await asyncio.wait(pending, timeout=2.0)
             if self.gateway.detach(state.node_id, queue) and not self.stopping:
                 await self._lost(state.node_id, reason)
 
