@@ -4,6 +4,8 @@ URLs: real servers in the state directory, the same code path as production."""
 from __future__ import annotations
 
 import logging
+import shutil
+import subprocess
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -77,9 +79,23 @@ def start_postgres(state_dir: Path) -> tuple[str, Any]:
             "(or install pitstop[scheduler] on Python 3.11 or 3.12)"
         ) from exc
     data = state_dir / "postgres"
+    fresh = not (data / "PG_VERSION").exists()
     data.mkdir(parents=True, exist_ok=True)
-    # "stop": the server is ours; it stops with the scheduler and its data stays.
-    server = pgserver.get_server(str(data), cleanup_mode="stop")
+    try:
+        # "stop": the server is ours; it stops with the scheduler and its data stays.
+        server = pgserver.get_server(str(data), cleanup_mode="stop")
+    except subprocess.CalledProcessError as exc:
+        # pgserver's bundled initdb has been seen to die by a signal (SIGSEGV) now and
+        # then on a loaded machine. A brand-new data directory holds nothing yet: clear
+        # the half-made one and try once more. Existing data is never touched.
+        if not fresh or exc.returncode >= 0:
+            raise
+        log.warning("embedded initdb died (%s); retrying once", exc)
+        # pgserver registers an instance before initialising it; forget the broken one.
+        pgserver.postgres_server.PostgresServer._instances.pop(data.resolve(), None)
+        shutil.rmtree(data, ignore_errors=True)
+        data.mkdir(parents=True)
+        server = pgserver.get_server(str(data), cleanup_mode="stop")
     return str(server.get_uri()), server
 
 
