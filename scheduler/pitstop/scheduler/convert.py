@@ -85,9 +85,16 @@ def job_to_pb(job: models.Job, ranks: Sequence[models.RankAssignment] = ()) -> j
     if job.goodput:
         json_format.ParseDict(job.goodput, msg.goodput, ignore_unknown_fields=True)
     if ranks:
-        msg.rank_map.generation = job.generation
-        msg.rank_map.world_size = len(ranks)
-        msg.rank_map.ranks.extend(
+        msg.rank_map.CopyFrom(rank_map_to_pb(job.generation, ranks))
+    return msg
+
+
+def rank_map_to_pb(generation: int, ranks: Sequence[Any]) -> common_pb2.RankMap:
+    """A RankMap from rank rows or placement slots (anything with the rank fields)."""
+    return common_pb2.RankMap(
+        generation=generation,
+        world_size=len(ranks),
+        ranks=[
             common_pb2.RankAssignment(
                 rank=r.rank,
                 node_id=r.node_id,
@@ -98,8 +105,8 @@ def job_to_pb(job: models.Job, ranks: Sequence[models.RankAssignment] = ()) -> j
                 tp=r.tp,
             )
             for r in ranks
-        )
-    return msg
+        ],
+    )
 
 
 def node_to_pb(

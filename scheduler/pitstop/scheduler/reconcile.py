@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import select
 
 from pitstop.health.straggler import StragglerDetector, StragglerPolicy
+from pitstop.scheduler.convert import rank_map_to_pb
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState, NodeState
 from pitstop.scheduler.gateway import CommandRouter
@@ -36,7 +37,7 @@ from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.scheduler.store import Store
 from pitstop.scheduler.topology import Placement, Topology
-from pitstop.v1 import agent_pb2, common_pb2
+from pitstop.v1 import agent_pb2
 
 log = logging.getLogger(__name__)
 
@@ -498,22 +499,7 @@ def start_command(
         command=list(spec.command),
         env=dict(spec.env),
         working_dir=spec.working_dir,
-        rank_map=common_pb2.RankMap(
-            generation=job.generation,
-            world_size=placement.world_size,
-            ranks=[
-                common_pb2.RankAssignment(
-                    rank=s.rank,
-                    node_id=s.node_id,
-                    gpu_index=s.gpu_index,
-                    local_rank=s.local_rank,
-                    dp=s.dp,
-                    pp=s.pp,
-                    tp=s.tp,
-                )
-                for s in placement.ranks
-            ],
-        ),
+        rank_map=rank_map_to_pb(job.generation, placement.ranks),
         rendezvous_address=f"{hosts.get(rank0) or rank0}:{port}",
         restore_step=job.committed_step,
     )
