@@ -3,7 +3,8 @@ calls succeed again once PostgreSQL is back, without a restart."""
 
 from __future__ import annotations
 
-import contextlib
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -11,7 +12,6 @@ import pytest
 from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pitstop.scheduler.embedded import start_postgres
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 
@@ -23,8 +23,40 @@ def wait_for_health(thread: SchedulerThread, wanted: int, timeout: float = 20) -
             return
 
 
+class PostgresProcess:
+    """An embedded PostgreSQL owned by a small process of its own: initdb and pg_ctl run
+    from a fresh, single-threaded interpreter, not from this test process and its gRPC
+    threads (pgserver's initdb was seen to segfault when started from here). Closing its
+    stdin stops the server; the data stays for the next one."""
+
+    SCRIPT = (
+        "import sys; from pathlib import Path; "
+        "from pitstop.scheduler.embedded import start_postgres; "
+        "url, server = start_postgres(Path(sys.argv[1])); print(url, flush=True); "
+        "sys.stdin.read(); server.cleanup()"
+    )
+
+    def __init__(self, state_dir: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", self.SCRIPT, str(state_dir)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.url = self.proc.stdout.readline().strip()
+        assert self.url.startswith("postgresql://"), "embedded PostgreSQL did not start"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            assert self.proc.wait(60) == 0
+
+
 def test_postgres_outage_is_unavailable_and_heals(stores: StoreUrls, tmp_path: Path) -> None:
-    url, postgres = start_postgres(tmp_path / "pg")
+    postgres = PostgresProcess(tmp_path / "pg")
+    url = postgres.url
     thread = SchedulerThread(scheduler_settings(stores, tmp_path / "sched", database_url=url))
     try:
         jobs = jobs_pb2_grpc.JobServiceStub(thread.channel())
@@ -32,7 +64,7 @@ def test_postgres_outage_is_unavailable_and_heals(stores: StoreUrls, tmp_path: P
         spec = jobs_pb2.JobSpec(name=unique("outage"), command=["python", "t.py"])
         before = jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job
 
-        postgres.cleanup()  # stops the server; its data stays
+        postgres.stop()  # the server stops; its data stays
         calls = [
             lambda: jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec), timeout=15),
             lambda: jobs.Get(jobs_pb2.GetJobRequest(job_id=before.id), timeout=15),
@@ -46,16 +78,15 @@ def test_postgres_outage_is_unavailable_and_heals(stores: StoreUrls, tmp_path: P
             assert "PostgreSQL" in err.value.details()
         wait_for_health(thread, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-        url_again, postgres = start_postgres(tmp_path / "pg")
-        assert url_again == url
+        postgres = PostgresProcess(tmp_path / "pg")
+        assert postgres.url == url
         wait_for_health(thread, health_pb2.HealthCheckResponse.SERVING)
         after = jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec), timeout=15).job
         assert after.id != before.id
         assert jobs.Get(jobs_pb2.GetJobRequest(job_id=before.id)).id == before.id
     finally:
         thread.stop()
-        with contextlib.suppress(Exception):
-            postgres.cleanup()
+        postgres.stop()
 
 
 def test_redis_outage_is_unavailable_and_heals(stores: StoreUrls, tmp_path: Path) -> None:
