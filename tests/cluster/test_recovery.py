@@ -1,8 +1,9 @@
 """The example job (pitstop.trainer.example, dp=4, one rank per node) under a real
-scheduler, real agents and real checkpoint daemons, one of each per node, plus a spare:
-fault-free, and with a Pause and Resume through the CLI mid-run, the job succeeds with
-the same final-weights hash as the example run standalone in one process (the hash does
-not depend on the world size), every rank logging each step exactly once."""
+scheduler, real agents and real checkpoint daemons, one of each per node, plus a spare.
+Fault-free, with a Pause and Resume through the CLI mid-run, and with a rank killed, a
+whole node killed or a fatal Xid injected at a random step, the job succeeds with the same
+final-weights hash as the example run standalone in one process (the hash does not depend
+on the world size)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import contextlib
 import json
 import os
 import queue
+import random
 import re
 import shutil
 import signal
@@ -28,11 +30,12 @@ from conftest import SchedulerThread, StoreUrls, follow_events, scheduler_settin
 from typer.testing import CliRunner
 
 from pitstop.client.cli import app
-from pitstop.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc
+from pitstop.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 pytestmark = pytest.mark.cluster
 
 STEPS = 60
+STEP_SECONDS = 0.12  # paced, so a fault lands mid-run
 WORKERS = ["n0", "n1", "n2", "n3"]
 SPARE = "sp"
 TIMEOUT = 90.0
@@ -181,6 +184,7 @@ class Cluster:
         self.scheduler = scheduler
         self.events = follow_events(scheduler.address, timeout=4 * TIMEOUT)
         self.jobs = jobs_pb2_grpc.JobServiceStub(scheduler.channel())
+        self.node_api = nodes_pb2_grpc.NodeServiceStub(scheduler.channel())
         self.nodes: dict[str, Node] = {}
         specs = [(n, f"r{i}", "worker") for i, n in enumerate(WORKERS)]
         specs.append((SPARE, "r0", "spare"))
@@ -201,10 +205,10 @@ class Cluster:
     def job_event(self, job_id: str, *kinds: str) -> Any:
         return self.wait(lambda e: e.job_id == job_id and e.kind in kinds)
 
-    def submit(self) -> jobs_pb2.Job:
+    def submit(self, *extra: str) -> jobs_pb2.Job:
         spec = jobs_pb2.JobSpec(
             name=unique("gpt"),
-            command=[*EXAMPLE, "--log-every", "1"],
+            command=[*EXAMPLE, "--log-every", "1", *extra],
             dp=4,
             gpus_per_node=1,
             spares=1,
@@ -213,7 +217,7 @@ class Cluster:
         )
         job = self.jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job
         self.job_event(job.id, "job.running")
-        return job
+        return self.get(job.id)
 
     def get(self, job_id: str) -> jobs_pb2.Job:
         return self.jobs.Get(jobs_pb2.GetJobRequest(job_id=job_id))
@@ -227,6 +231,53 @@ class Cluster:
     def node_of(self, job: jobs_pb2.Job, rank: int) -> Node:
         (node_id,) = [a.node_id for a in job.rank_map.ranks if a.rank == rank]
         return self.nodes[node_id]
+
+    def wait_for_step(self, job: jobs_pb2.Job, rank: int, step: int) -> None:
+        """Until `rank` has logged `step` (its log is read as it grows)."""
+        path = self.node_of(job, rank).rank_log(job.id, rank)
+        deadline = time.monotonic() + TIMEOUT
+        seen = 0
+        while time.monotonic() < deadline:
+            text = path.read_bytes() if path.exists() else b""
+            seen = max(
+                [0, *(int(m.group(2)) for m in map(STEP_LINE.match, text.splitlines()) if m)]
+            )
+            if seen >= step:
+                return
+            time.sleep(0.02)  # polls the log; the condition is the step, not the time
+        raise AssertionError(f"rank {rank} reached only step {seen} of {step}")
+
+    def rank_pids(self, job_id: str, node_id: str) -> list[int]:
+        """The rank processes a node's agent started for the job (from their environment)."""
+        wanted = {f"PITSTOP_JOB_ID={job_id}".encode(), f"PITSTOP_NODE_ID={node_id}".encode()}
+        pids = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                environ = set((proc / "environ").read_bytes().split(b"\0"))
+            except OSError:
+                continue
+            if wanted <= environ:
+                pids.append(int(proc.name))
+        return pids
+
+    def kill_node(self, node_id: str) -> None:
+        """kill -9 of everything on the node: its agent, its checkpoint daemon, its ranks."""
+        node = self.nodes[node_id]
+        ranks = [pid for job in self.job_ids for pid in self.rank_pids(job, node_id)]
+        for proc in (node.agent, node.checkpointd):
+            assert proc is not None
+            killpg(proc.pid, signal.SIGKILL)
+        for pid in ranks:
+            killpg(pid, signal.SIGKILL)
+
+    def inject(self, node_id: str, fault: common_pb2.Fault) -> None:
+        self.node_api.InjectFault(nodes_pb2.InjectFaultRequest(node_id=node_id, fault=fault))
+
+    @property
+    def job_ids(self) -> list[str]:
+        return [j.id for j in self.jobs.List(jobs_pb2.ListJobsRequest(page_size=100)).jobs]
 
     def logs(self, job_id: str) -> str:
         out = []
@@ -267,13 +318,25 @@ def cluster(stores: StoreUrls, tmp_path: Path) -> Iterator[Cluster]:
 
 
 def steps_logged(cluster: Cluster, job: jobs_pb2.Job, rank: int) -> list[int]:
-    """The steps `rank` printed, in order, over every process that ran it."""
+    """The steps `rank` printed, in order, over every process that ran it on its node."""
     path = cluster.node_of(job, rank).rank_log(job.id, rank)
     return [
         int(m.group(2))
         for line in path.read_bytes().splitlines()
         if (m := STEP_LINE.match(line)) is not None
     ]
+
+
+def all_steps_logged(cluster: Cluster, job: jobs_pb2.Job, rank: int) -> set[int]:
+    """The steps `rank` printed on any node (a moved rank's log starts on its new node)."""
+    steps: set[int] = set()
+    for node in cluster.nodes.values():
+        path = node.rank_log(job.id, rank)
+        if path.exists():
+            steps.update(
+                int(m.group(2)) for m in map(STEP_LINE.match, path.read_bytes().splitlines()) if m
+            )
+    return steps
 
 
 def check_result(job: jobs_pb2.Job, expected: str) -> None:
@@ -307,3 +370,36 @@ def test_pause_then_resume_through_the_cli_skips_and_repeats_no_step(
     assert done.generation == 1  # paused and resumed in place: never restarted
     for rank in range(4):
         assert steps_logged(cluster, done, rank) == list(range(1, STEPS + 1))
+
+
+FAULTS = ["rank_killed", "node_killed", "fatal_xid"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
+    cluster: Cluster, standalone_hash: str, fault: str
+) -> None:
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    victim_rank = random.randrange(4)
+    at_step = random.randint(8, STEPS // 2)
+    victim = cluster.node_of(job, victim_rank)
+    cluster.wait_for_step(job, victim_rank, at_step)
+    if fault == "rank_killed":
+        (pid,) = cluster.rank_pids(job.id, victim.node_id)
+        killpg(pid, signal.SIGKILL)
+    elif fault == "node_killed":
+        cluster.kill_node(victim.node_id)
+    else:
+        cluster.inject(victim.node_id, common_pb2.Fault(gpu_index=0, xid=79))
+    done = cluster.finish(job.id)
+    context = f"{fault} on {victim.node_id} (rank {victim_rank}) at step {at_step}"
+    check_result(done, standalone_hash)
+    assert done.generation >= 2, context
+    moved = {a.node_id for a in done.rank_map.ranks}
+    if fault == "rank_killed":
+        assert victim.node_id in moved, context  # restarted in place
+    else:
+        assert victim.node_id not in moved, context
+        assert SPARE in moved, context
+    for rank in range(4):
+        assert all_steps_logged(cluster, done, rank) == set(range(1, STEPS + 1)), context

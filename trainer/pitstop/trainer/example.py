@@ -29,6 +29,7 @@ import math
 import os
 import random
 import sys
+import time
 from collections.abc import Sequence
 
 import torch
@@ -233,6 +234,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     parser.add_argument("--log-every", type=int, default=10, help="print every N steps; 0: never")
+    parser.add_argument(
+        "--step-seconds",
+        type=float,
+        default=0.0,
+        help="pace each step to at least this long, standing in for a real model's GPU time "
+        "(demos and fault tests use it to fail a run mid-way; the weights do not change)",
+    )
     return parser.parse_args(argv)
 
 
@@ -248,12 +256,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.shards < session.world_size:
             raise SystemExit(f"--shards {args.shards} is below the world size {session.world_size}")
         for step in session.steps(state, until=args.steps):
+            began = time.monotonic()
             with session.guard():
                 loss = job.train_step(state, step, session.rank, session.world_size)
                 tokens = len(range(session.rank, args.shards, session.world_size))
                 session.commit(state, loss=loss, tokens=tokens * args.shard_batch * args.context)
                 if args.log_every and step % args.log_every == 0:
                     _say(rank=session.rank, step=step, loss=round(float(loss), 4))
+            if args.step_seconds > 0:
+                time.sleep(max(0.0, args.step_seconds - (time.monotonic() - began)))
         if not session.finished:
             _say(rank=session.rank, stopped_at=state.step)
             return 0
