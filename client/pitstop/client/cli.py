@@ -10,6 +10,7 @@ import grpc
 import typer
 from typer.core import TyperGroup
 
+from pitstop.client.cli_cluster import cluster_app
 from pitstop.client.cli_context import Settings
 from pitstop.client.cli_events import events
 from pitstop.client.cli_jobs import jobs_app
@@ -76,6 +77,7 @@ app = typer.Typer(
 )
 app.add_typer(jobs_app, name="job")
 app.add_typer(nodes_app, name="node")
+app.add_typer(cluster_app, name="cluster")
 app.command("events")(events)
 
 

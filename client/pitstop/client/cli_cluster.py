@@ -1,0 +1,233 @@
+"""``pitstop cluster up|status|down``: a local cluster of real daemons on this machine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from pitstop.client.cli_context import JsonFlag, console, print_json
+from pitstop.client.client import SERVER_ENV
+from pitstop.client.enums import NODE_ROLES, NODE_STATES, enum_word
+from pitstop.client.errors import PitstopError
+from pitstop.client.localcluster import (
+    DEFAULT_PORT,
+    DEFAULT_STATE_DIR,
+    DEFAULT_TIMEOUT,
+    STOP_TIMEOUT,
+    ClusterError,
+    LocalCluster,
+    wipe_state_dir,
+)
+from pitstop.client.render import add_row, table
+from pitstop.client.render_nodes import nodes_table
+from pitstop.v1 import nodes_pb2
+
+cluster_app = typer.Typer(
+    help="Run a local cluster: a scheduler, and a checkpoint daemon and an agent per node.",
+    no_args_is_help=True,
+)
+
+StateDirOption = Annotated[
+    Path,
+    typer.Option(
+        "--state-dir",
+        file_okay=False,
+        help="Where the cluster keeps its state, logs and cluster.json.",
+    ),
+]
+
+
+@contextmanager
+def _cluster_errors() -> Iterator[None]:
+    """A ClusterError becomes ``error: ...`` on stderr and exit 1."""
+    try:
+        yield
+    except ClusterError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _count(n: int, noun: str, plural: str = "s") -> str:
+    return f"{n} {noun}{'' if n == 1 else plural}"
+
+
+def _status_console() -> Console:
+    # Progress goes to stderr: stdout holds only the result.
+    return Console(stderr=True, highlight=False)
+
+
+@cluster_app.command("up")
+def up(
+    nodes: Annotated[int, typer.Option("--nodes", min=1, help="Worker nodes.")] = 2,
+    spares: Annotated[int, typer.Option("--spares", min=0, help="Spare nodes.")] = 1,
+    state_dir: StateDirOption = DEFAULT_STATE_DIR,
+    port: Annotated[
+        int,
+        typer.Option("--port", min=0, max=65535, help="Scheduler port; 0 picks a free one."),
+    ] = DEFAULT_PORT,
+    database_url: Annotated[
+        str | None,
+        typer.Option(
+            "--database-url",
+            help="PostgreSQL URL for the scheduler; default: an embedded server "
+            "(or PITSTOP_DATABASE_URL).",
+            show_default=False,
+        ),
+    ] = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            "--redis-url",
+            help="Redis URL for the scheduler; default: an embedded server (or PITSTOP_REDIS_URL).",
+            show_default=False,
+        ),
+    ] = None,
+    gpus_per_node: Annotated[
+        int, typer.Option("--gpus-per-node", min=1, help="Simulated GPUs per node.")
+    ] = 1,
+    timeout: Annotated[
+        float, typer.Option("--timeout", min=1.0, help="Seconds to wait for every node.")
+    ] = DEFAULT_TIMEOUT,
+) -> None:
+    """Start a scheduler and each node's daemons, detached; wait until every node is ready."""
+    began = time.monotonic()
+    with _cluster_errors(), _status_console().status("starting the cluster") as status:
+        cluster = LocalCluster.up(
+            state_dir,
+            nodes=nodes,
+            spares=spares,
+            port=port,
+            database_url=database_url,
+            redis_url=redis_url,
+            gpus_per_node=gpus_per_node,
+            timeout=timeout,
+            progress=lambda message: status.update(message),
+        )
+        ready = cluster.wait_ready(timeout=timeout)
+    elapsed = time.monotonic() - began
+    out = console()
+    out.print(
+        f"cluster up in {elapsed:.1f} s: scheduler at {cluster.scheduler_address}, "
+        f"{_count(len(ready), 'node')} ready (state and logs in {cluster.state_dir})"
+    )
+    out.print(nodes_table(ready, datetime.now(UTC)))
+    typer.echo(f"stop it with: pitstop cluster down --state-dir {cluster.state_dir}")
+    typer.echo(f"export {SERVER_ENV}={cluster.scheduler_address}")
+
+
+def _node_json(node: nodes_pb2.Node) -> dict[str, Any]:
+    return {
+        "id": node.id,
+        "role": enum_word(NODE_ROLES, node.role),
+        "state": enum_word(NODE_STATES, node.state),
+        "reason": node.reason,
+        "connected": node.connected,
+        "rack": node.labels.rack,
+        "gpus": len(node.inventory.gpus),
+        "checkpointd_address": node.inventory.checkpointd_address,
+    }
+
+
+@cluster_app.command("status")
+def status(state_dir: StateDirOption = DEFAULT_STATE_DIR, json_out: JsonFlag = False) -> None:
+    """Every daemon of the cluster, alive or dead, and the scheduler's nodes."""
+    with _cluster_errors():
+        cluster = LocalCluster.load(state_dir)
+    root = state_dir.expanduser().absolute()
+    if cluster is None:
+        if json_out:
+            print_json(
+                {
+                    "state_dir": str(root),
+                    "running": False,
+                    "scheduler_address": None,
+                    "processes": [],
+                    "nodes": None,
+                    "error": None,
+                }
+            )
+        else:
+            typer.echo(f"no cluster runs in {root}")
+        return
+    alive = {p.name: p.alive() for p in cluster.processes}
+    nodes: list[nodes_pb2.Node] | None = None
+    error = None
+    if alive.get("scheduler"):
+        try:
+            nodes = cluster.list_nodes(timeout=3.0)
+        except PitstopError as exc:
+            error = f"the scheduler at {cluster.scheduler_address} did not answer: {exc}"
+    else:
+        error = "the scheduler does not run"
+    if json_out:
+        print_json(
+            {
+                "state_dir": str(cluster.state_dir),
+                "running": any(alive.values()),
+                "scheduler_address": cluster.scheduler_address,
+                "processes": [
+                    {
+                        "name": p.name,
+                        "kind": p.kind,
+                        "node_id": p.node_id or None,
+                        "pid": p.pid,
+                        "alive": alive[p.name],
+                        "address": p.address or None,
+                        "log": str(p.log),
+                    }
+                    for p in cluster.processes
+                ],
+                "nodes": None if nodes is None else [_node_json(n) for n in nodes],
+                "error": error,
+            }
+        )
+        return
+    out = console()
+    if not any(alive.values()):
+        out.print(
+            f"nothing runs in {cluster.state_dir} (every daemon of the cluster there is gone); "
+            f"pitstop cluster down --state-dir {cluster.state_dir} cleans up"
+        )
+    else:
+        out.print(f"cluster in {cluster.state_dir}: scheduler at {cluster.scheduler_address}")
+    processes = table("NAME", "PID", "ALIVE", "ADDRESS")
+    for p in cluster.processes:
+        add_row(processes, (p.name, p.pid, "yes" if alive[p.name] else "no", p.address or "-"))
+    out.print(processes)
+    out.print(f"logs: {cluster.log_dir}/<name>.log")
+    if nodes is not None:
+        out.print(nodes_table(nodes, datetime.now(UTC)) if nodes else "no nodes registered")
+    elif any(alive.values()):
+        out.print(error)
+
+
+@cluster_app.command("down")
+def down(
+    state_dir: StateDirOption = DEFAULT_STATE_DIR,
+    wipe: Annotated[
+        bool, typer.Option("--wipe", help="Also delete the state dir (database, logs).")
+    ] = False,
+    timeout: Annotated[
+        float,
+        typer.Option("--timeout", min=0.0, help="Seconds after SIGTERM before SIGKILL."),
+    ] = STOP_TIMEOUT,
+) -> None:
+    """Stop the agents, then the checkpoint daemons, then the scheduler."""
+    root = state_dir.expanduser().absolute()
+    with _cluster_errors(), _status_console().status("stopping the cluster"):
+        cluster = LocalCluster.load(root)
+        stopped = [] if cluster is None else cluster.down(timeout=timeout)
+        wiped = wipe and wipe_state_dir(root)
+    if cluster is None:
+        typer.echo(f"no cluster runs in {root}")
+    else:
+        typer.echo(f"stopped {_count(len(stopped), 'process', 'es')} of the cluster in {root}")
+    if wiped:
+        typer.echo(f"removed {root}")

@@ -1,0 +1,277 @@
+"""``pitstop cluster up|status|down`` as a person runs it: the real CLI binary starting the
+real daemons (scheduler, checkpoint daemons, agents) detached, on the test stores.
+
+Each test gets its own state dir, database and Redis prefix; whatever a test leaves
+running is brought down by the fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import StoreUrls, unique
+
+from pitstop.client.localcluster import LocalCluster, node_layout
+from pitstop.v1 import jobs_pb2
+
+PITSTOP = Path(sys.executable).with_name("pitstop")
+CLI_TIMEOUT = 100.0
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (reaped late by a container's init) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def processes_under(root: Path) -> list[int]:
+    """Every live process whose command line names a path under `root`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdecimal() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(str(root).encode() in arg for arg in argv) and running(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    # Short, under /tmp: the agents' Unix sockets live below it.
+    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="pc-"))
+    yield root
+    cluster = LocalCluster.load(root)
+    if cluster is not None:
+        cluster.down(timeout=5.0)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def cli_env(stores: StoreUrls) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    env["PITSTOP_REDIS_PREFIX"] = f"{stores.redis_prefix}{unique('cluster')}:"
+    env["COLUMNS"] = "200"
+    return env
+
+
+def cluster_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(PITSTOP), "cluster", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        timeout=CLI_TIMEOUT,
+        check=False,
+    )
+
+
+def status_json(env: dict[str, str], state_dir: Path) -> Any:
+    done = cluster_cli(env, "status", "--state-dir", str(state_dir), "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_up_status_down(stores: StoreUrls, state_dir: Path, cli_env: dict[str, str]) -> None:
+    up_args = [
+        "up",
+        "--nodes",
+        "2",
+        "--spares",
+        "1",
+        "--state-dir",
+        str(state_dir),
+        "--port",
+        "0",
+        "--database-url",
+        stores.fresh_database(),
+        "--redis-url",
+        stores.redis_url,
+        "--timeout",
+        "90",
+    ]
+    up = cluster_cli(cli_env, *up_args)
+    assert up.returncode == 0, up.stdout + up.stderr
+    exported = re.search(r"^export PITSTOP_SERVER=(\S+)$", up.stdout, re.MULTILINE)
+    assert exported, up.stdout
+    address = exported.group(1)
+
+    # The CLI has exited; the daemons keep running, each in a session of its own.
+    status = status_json(cli_env, state_dir)
+    assert status["running"] is True
+    assert status["scheduler_address"] == address
+    assert status["error"] is None
+    assert {(n["id"], n["role"], n["state"], n["connected"]) for n in status["nodes"]} == {
+        ("node-1", "worker", "ready", True),
+        ("node-2", "worker", "ready", True),
+        ("spare-1", "spare", "ready", True),
+    }
+    processes = status["processes"]
+    nodes = ("node-1", "node-2", "spare-1")
+    assert sorted(p["name"] for p in processes) == sorted(
+        ["scheduler"] + [f"{kind}-{node}" for kind in ("checkpointd", "agent") for node in nodes]
+    )
+    assert all(p["alive"] for p in processes), processes
+    pids = [p["pid"] for p in processes]
+    assert all(running(pid) and os.getsid(pid) == pid for pid in pids)
+    for p in processes:
+        assert Path(p["log"]).is_file()
+
+    # A second up in the same dir is refused, naming the scheduler, and changes nothing.
+    scheduler_pid = next(p["pid"] for p in processes if p["kind"] == "scheduler")
+    again = cluster_cli(cli_env, *up_args)
+    assert again.returncode == 1
+    assert (
+        f"error: a cluster is already running in {state_dir} (scheduler pid {scheduler_pid}); "
+        "run pitstop cluster down" in again.stderr
+    )
+    assert all(running(pid) for pid in pids)
+
+    human = cluster_cli(cli_env, "status", "--state-dir", str(state_dir))
+    assert human.returncode == 0, human.stderr
+    assert f"scheduler at {address}" in human.stdout
+    assert "agent-spare-1" in human.stdout
+
+    down = cluster_cli(cli_env, "down", "--state-dir", str(state_dir))
+    assert down.returncode == 0, down.stderr
+    assert "stopped 7 processes" in down.stdout
+    assert not [pid for pid in pids if running(pid)]
+    assert processes_under(state_dir) == []
+    assert not (state_dir / "cluster.json").exists()
+
+    after = status_json(cli_env, state_dir)
+    assert after["running"] is False
+    assert after["processes"] == []
+    human = cluster_cli(cli_env, "status", "--state-dir", str(state_dir))
+    assert f"no cluster runs in {state_dir}" in human.stdout
+
+    # Idempotent: nothing to stop is no error.
+    again_down = cluster_cli(cli_env, "down", "--state-dir", str(state_dir), "--wipe")
+    assert again_down.returncode == 0, again_down.stderr
+    assert f"no cluster runs in {state_dir}" in again_down.stdout
+    assert not state_dir.exists()
+
+
+def test_failed_start_leaves_nothing_running(
+    stores: StoreUrls, state_dir: Path, cli_env: dict[str, str]
+) -> None:
+    # The checkpoint daemons refuse this budget; the scheduler is up by then.
+    cli_env["PITSTOP_CHECKPOINTD_MEMORY_BUDGET_BYTES"] = "-1"
+    up = cluster_cli(
+        cli_env,
+        "up",
+        "--nodes",
+        "1",
+        "--spares",
+        "0",
+        "--state-dir",
+        str(state_dir),
+        "--port",
+        "0",
+        "--database-url",
+        stores.fresh_database(),
+        "--redis-url",
+        stores.redis_url,
+    )
+    assert up.returncode == 1
+    assert "error: the checkpoint daemon of node-1 exited with code 2" in up.stderr
+    assert "checkpointd-node-1.log ends with:" in up.stderr
+    assert "memory_budget_bytes" in up.stderr  # the tail of its log says why
+    assert "listening on" in (state_dir / "logs" / "scheduler.log").read_text()
+    assert processes_under(state_dir) == []
+    assert not (state_dir / "cluster.json").exists()
+    assert cluster_cli(cli_env, "status", "--state-dir", str(state_dir)).stdout.startswith(
+        "no cluster runs"
+    )
+
+
+def test_kill_and_restart_a_node(stores: StoreUrls, state_dir: Path) -> None:
+    """The Python API the fault tests use: kill a node's daemons and its ranks as a dying
+    host would, start it again, and bring everything down, ranks included."""
+    env = {"PITSTOP_REDIS_PREFIX": f"{stores.redis_prefix}{unique('cluster')}:"}
+    with LocalCluster.up(
+        state_dir,
+        nodes=1,
+        spares=1,
+        port=0,
+        database_url=stores.fresh_database(),
+        redis_url=stores.redis_url,
+        env=env,
+        timeout=90,
+    ) as cluster:
+        assert LocalCluster.load(state_dir) == LocalCluster(
+            cluster.state_dir, cluster.scheduler_address, cluster.nodes, cluster.processes
+        )
+        spec = jobs_pb2.JobSpec(
+            name=unique("sleeper"),
+            command=[sys.executable, "-c", "import time; time.sleep(600)"],
+            dp=1,
+            gpus_per_node=1,
+        )
+        with cluster.client() as client:
+            client.submit_job(spec)
+        # The rank never reports a step; it is started when the agent has spawned it.
+        wait_for(lambda: bool(cluster.rank_pids("node-1")), "the rank to start on node-1")
+        (rank,) = cluster.rank_pids("node-1")
+        old = {p.name: p for p in cluster.node_processes("node-1")}
+
+        killed = cluster.kill_node("node-1")
+        assert sorted(killed) == sorted(
+            [old["agent-node-1"].pid, old["checkpointd-node-1"].pid, rank]
+        )
+        assert not any(running(pid) for pid in killed)
+        assert cluster.process("scheduler").alive()
+
+        new = cluster.restart_node("node-1")
+        assert {p.name for p in new} == set(old)
+        assert not {p.pid for p in new} & {p.pid for p in old.values()}
+        (node,) = [n for n in cluster.list_nodes() if n.id == "node-1"]
+        assert node.connected
+        assert node.inventory.checkpointd_address == cluster.process("checkpointd-node-1").address
+        recorded = LocalCluster.load(state_dir)
+        assert recorded is not None
+        assert recorded.processes == cluster.processes
+        pids = [p.pid for p in cluster.processes]
+    assert not any(running(pid) for pid in pids)
+    assert processes_under(state_dir) == []
+    assert LocalCluster.load(state_dir) is None
+
+
+def test_node_layout_gives_every_spare_a_rack_peer() -> None:
+    layout = node_layout(4, 3, gpus_per_node=2)
+    assert [(n.node_id, n.role, n.rack) for n in layout] == [
+        ("node-1", "worker", "r1"),
+        ("node-2", "worker", "r2"),
+        ("node-3", "worker", "r1"),
+        ("node-4", "worker", "r2"),
+        ("spare-1", "spare", "r1"),
+        ("spare-2", "spare", "r2"),
+        ("spare-3", "spare", "r1"),
+    ]
+    assert {n.gpus for n in layout} == {2}
+    assert {n.rack for n in node_layout(1, 1)} == {"r1"}
