@@ -116,6 +116,26 @@ def goodput_view(goodput: jobs_pb2.Goodput) -> Table:
     )
 
 
+def incidents_table(goodput: jobs_pb2.Goodput) -> Table:
+    """Each failure: what failed, and how long detection, decision and resumption took."""
+    result = table("CAUSE", "DETECT", "DECIDE", "RESUME", "TOTAL", "STEPS LOST", title="recoveries")
+    for incident in goodput.incidents:
+        total = incident.detect_seconds + incident.decide_seconds + incident.resume_seconds
+        add_row(
+            result,
+            (
+                incident.cause,
+                format_seconds(incident.detect_seconds),
+                format_seconds(incident.decide_seconds),
+                format_seconds(incident.resume_seconds)
+                + ("" if incident.resumed else " (under way)"),
+                format_seconds(total),
+                incident.lost_steps,
+            ),
+        )
+    return result
+
+
 def rank_map_table(job: jobs_pb2.Job) -> Table:
     """Where each rank runs in the current generation."""
     result = table(
@@ -157,6 +177,8 @@ def rank_stats_table(job: jobs_pb2.Job) -> Table:
 def job_view(job: jobs_pb2.Job, now: datetime) -> RenderableType:
     """Everything ``pitstop job show`` prints, sections left out when empty."""
     parts: list[RenderableType] = [job_summary(job, now), "", goodput_view(job.goodput)]
+    if job.goodput.incidents:
+        parts += ["", incidents_table(job.goodput)]
     if job.rank_map.ranks:
         parts += ["", rank_map_table(job)]
     if job.rank_stats:

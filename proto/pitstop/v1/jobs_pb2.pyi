@@ -90,20 +90,40 @@ class JobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., min_dp: _Optional[int] = ..., spares: _Optional[int] = ..., priority: _Optional[int] = ..., max_restarts: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointPolicy, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., straggler: _Optional[_Union[StragglerPolicy, _Mapping]] = ..., working_dir: _Optional[str] = ...) -> None: ...
 
 class Goodput(_message.Message):
-    __slots__ = ("productive_seconds", "detect_seconds", "recovery_seconds", "recompute_seconds", "ratio", "recoveries")
+    __slots__ = ("productive_seconds", "detect_seconds", "recovery_seconds", "recompute_seconds", "ratio", "recoveries", "incidents")
     PRODUCTIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DETECT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RATIO_FIELD_NUMBER: _ClassVar[int]
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
+    INCIDENTS_FIELD_NUMBER: _ClassVar[int]
     productive_seconds: float
     detect_seconds: float
     recovery_seconds: float
     recompute_seconds: float
     ratio: float
     recoveries: int
-    def __init__(self, productive_seconds: _Optional[float] = ..., detect_seconds: _Optional[float] = ..., recovery_seconds: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., ratio: _Optional[float] = ..., recoveries: _Optional[int] = ...) -> None: ...
+    incidents: _containers.RepeatedCompositeFieldContainer[GoodputIncident]
+    def __init__(self, productive_seconds: _Optional[float] = ..., detect_seconds: _Optional[float] = ..., recovery_seconds: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., ratio: _Optional[float] = ..., recoveries: _Optional[int] = ..., incidents: _Optional[_Iterable[_Union[GoodputIncident, _Mapping]]] = ...) -> None: ...
+
+class GoodputIncident(_message.Message):
+    __slots__ = ("cause", "failed_at", "detect_seconds", "decide_seconds", "resume_seconds", "lost_steps", "resumed")
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_AT_FIELD_NUMBER: _ClassVar[int]
+    DETECT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DECIDE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOST_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    cause: str
+    failed_at: float
+    detect_seconds: float
+    decide_seconds: float
+    resume_seconds: float
+    lost_steps: int
+    resumed: bool
+    def __init__(self, cause: _Optional[str] = ..., failed_at: _Optional[float] = ..., detect_seconds: _Optional[float] = ..., decide_seconds: _Optional[float] = ..., resume_seconds: _Optional[float] = ..., lost_steps: _Optional[int] = ..., resumed: _Optional[bool] = ...) -> None: ...
 
 class RankStepStats(_message.Message):
     __slots__ = ("rank", "node_id", "p50_seconds", "p99_seconds", "straggler")

@@ -32,7 +32,7 @@ from pitstop.scheduler.placement import (
     replace_node,
     shrink_by_one_replica,
 )
-from pitstop.scheduler.services import lifecycle
+from pitstop.scheduler.services import goodput, lifecycle
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.scheduler.store import Store
@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 FAILED_NODE_STATES = (NodeState.UNHEALTHY, NodeState.LOST)
 RUNNABLE = (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING)
+GOODPUT_REFRESH_SECONDS = 1.0
+STEP_HOLD_SECONDS = 5.0
+"""Longest a step sample waits for the job's other ranks before the detector sees it."""
 
 
 @dataclass
@@ -56,24 +59,34 @@ class JobWatch:
     restart_at: float | None = None
     swap_nodes: set[str] = field(default_factory=set)
     # Samples held back until every rank has reached their step (see release_in_step_order).
-    held: list[agent_pb2.StepSample] = field(default_factory=list)
+    held: list[tuple[float, agent_pb2.StepSample]] = field(default_factory=list)
     rank_max: dict[int, int] = field(default_factory=dict)
+    goodput_at: float = 0.0
 
     def release_in_step_order(
-        self, fresh: list[agent_pb2.StepSample], slack: int
+        self, fresh: list[agent_pb2.StepSample], world_size: int, now: float, hold: float
     ) -> list[agent_pb2.StepSample]:
         """Node batches arrive at different times, so one node's ranks can be reported far
         ahead of another's. The detector judges a window once it sees later steps, so it
-        gets the samples in step order: those at or below the step every rank has reached,
-        and anything more than ``slack`` steps behind the newest (a dead rank must not hold
-        the rest back)."""
+        gets the samples in step order: those at or below the step every one of the
+        job's ranks has reached, and any held for ``hold`` seconds (a dead or silent rank
+        must not hold the rest back for longer than it takes to notice it)."""
         for sample in fresh:
             self.rank_max[sample.rank] = max(self.rank_max.get(sample.rank, 0), sample.step)
-        self.held.extend(fresh)
-        frontier = max(min(self.rank_max.values()), max(self.rank_max.values()) - slack)
-        ready = sorted((x for x in self.held if x.step <= frontier), key=lambda x: x.step)
-        self.held = [x for x in self.held if x.step > frontier]
+        self.held.extend((now, sample) for sample in fresh)
+        everyone = min(self.rank_max.values()) if len(self.rank_max) >= world_size else 0
+        overdue = max((s.step for t, s in self.held if t + hold <= now), default=0)
+        frontier = max(everyone, overdue)
+        ready = sorted((s for _, s in self.held if s.step <= frontier), key=lambda x: x.step)
+        self.held = [(t, s) for t, s in self.held if s.step > frontier]
         return ready
+
+    def step_seconds(self) -> float:
+        """The job's typical step time: the median of its ranks' medians (0 if unknown)."""
+        if self.detector is None:
+            return 0.0
+        medians = sorted(s.p50_seconds for s in self.detector.stats())
+        return medians[len(medians) // 2] if medians else 0.0
 
 
 class Reconciler:
@@ -241,11 +254,17 @@ class Reconciler:
                         reason="waiting for capacity: no spare and no shrink left",
                     )
                 return
+            incident = await goodput.node_incident(session, self.hot, job, states)
             await lifecycle.write_generation(session, job, placement)
             target = JobState.RECOVERING
             if job.state is not target:
                 lifecycle.transition(
-                    session, job, target, kind="job.recovering", reason="; ".join(moves)
+                    session,
+                    job,
+                    target,
+                    kind="job.recovering",
+                    reason="; ".join(moves),
+                    attributes=incident,
                 )
             else:
                 record_event(
@@ -254,7 +273,7 @@ class Reconciler:
                     actor="scheduler",
                     job_id=job.id,
                     reason="; ".join(moves),
-                    attributes={"generation": str(job.generation)},
+                    attributes={"generation": str(job.generation), **incident},
                 )
         self.metrics.decision_seconds.labels("recovery").observe(time.perf_counter() - started)
         self.metrics.recoveries.labels("node").inc()
@@ -317,14 +336,19 @@ class Reconciler:
             watch.detector = StragglerDetector(StragglerPolicy.from_proto(spec.straggler))
             watch.detector_generation = job.generation
             watch.held, watch.rank_max = [], {}
-        slack = 2 * max(spec.straggler.window_steps, 1)
-        findings = watch.detector.observe(watch.release_in_step_order(samples, slack))
+        detector = watch.detector
         async with self.store.write() as session:
             await self.election.assert_leader(session)
             row = await session.get(models.Job, job.id, with_for_update=True)
             if row is None or row.generation != job.generation or row.state.terminal:
                 return
+            placement = await lifecycle.rank_map(session, row)
+            released = watch.release_in_step_order(
+                samples, placement.world_size, self.clock(), STEP_HOLD_SECONDS
+            )
+            findings = detector.observe(released)
             row.current_step = max(row.current_step, newest)
+            changed = False
             if row.state in (JobState.STARTING, JobState.RECOVERING) and watch.restart_at is None:
                 kind = "job.running" if row.state is JobState.STARTING else "job.recovered"
                 lifecycle.transition(
@@ -334,6 +358,11 @@ class Reconciler:
                     kind=kind,
                     reason=f"ranks are stepping (step {newest})",
                 )
+                changed = True
+            if changed or self.clock() >= watch.goodput_at:
+                await session.flush()  # the transition's event counts
+                await goodput.refresh(session, row, step_seconds=watch.step_seconds())
+                watch.goodput_at = self.clock() + GOODPUT_REFRESH_SECONDS
             for finding in findings:
                 record_event(
                     session,
@@ -343,10 +372,9 @@ class Reconciler:
                     reason=finding.reason,
                     attributes={"rank": str(finding.rank), "slowdown": f"{finding.slowdown:.3f}"},
                 )
-            placement = await lifecycle.rank_map(session, row)
         stats = [
             s.to_proto(placement.ranks[s.rank].node_id if s.rank < placement.world_size else "")
-            for s in watch.detector.stats()
+            for s in detector.stats()
         ]
         await self.hot.redis.set(
             self.hot.rank_stats_key(job.id),
@@ -419,6 +447,10 @@ class Reconciler:
             lifecycle.transition(
                 session, job, JobState.SUCCEEDED, kind="job.succeeded", reason="every rank exited 0"
             )
+            await session.flush()
+            watch = self.watches.get(job_id)
+            step_seconds = watch.step_seconds() if watch is not None else 0.0
+            await goodput.refresh(session, job, step_seconds=step_seconds)
             await lifecycle.release_gpus(session, job.id)
         self.watches.pop(job_id, None)
 
@@ -449,13 +481,24 @@ class Reconciler:
                     f"{event.reason}; restart {job.restarts} of {spec.max_restarts} "
                     f"in {backoff:.0f}s"
                 )
+                incident = goodput.rank_incident(job, event)
                 if job.state is JobState.RECOVERING:
                     record_event(
-                        session, "job.restarting", actor="scheduler", job_id=job.id, reason=reason
+                        session,
+                        "job.restarting",
+                        actor="scheduler",
+                        job_id=job.id,
+                        reason=reason,
+                        attributes=incident,
                     )
                 else:
                     lifecycle.transition(
-                        session, job, JobState.RECOVERING, kind="job.restarting", reason=reason
+                        session,
+                        job,
+                        JobState.RECOVERING,
+                        kind="job.restarting",
+                        reason=reason,
+                        attributes=incident,
                     )
                 self.watches.setdefault(job_id, JobWatch()).restart_at = self.clock() + backoff
                 self.metrics.recoveries.labels("rank_exit").inc()

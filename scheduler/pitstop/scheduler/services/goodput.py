@@ -1,0 +1,89 @@
+"""The job's goodput account, kept on its row (``jobs.goodput``), recomputed from its
+events (see pitstop.health.goodput), and the incident a recovery opens."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from pitstop.health.goodput import JobEvent, account, epoch, incident_attributes
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import NodeState
+from pitstop.scheduler.hotstate import HotState
+
+NODE_FAILURE_KINDS = ("node.lost", "node.unhealthy")
+
+
+async def refresh(session: AsyncSession, job: models.Job, *, step_seconds: float) -> None:
+    """Recompute the job's account from its events and store it on the row."""
+    rows = (
+        await session.execute(
+            select(
+                models.Event.time,
+                models.Event.kind,
+                models.Event.from_state,
+                models.Event.to_state,
+                models.Event.attributes,
+            )
+            .where(models.Event.job_id == job.id)
+            .where(models.Event.kind.like("job.%"))
+            .order_by(models.Event.id)
+        )
+    ).all()
+    events = [
+        JobEvent(epoch(t), kind, src, dst, {k: str(v) for k, v in (attrs or {}).items()})
+        for t, kind, src, dst, attrs in rows
+    ]
+    job.goodput = account(events, now=time.time(), step_seconds=step_seconds).to_json()
+
+
+async def node_incident(
+    session: AsyncSession,
+    hot: HotState,
+    job: models.Job,
+    failed: dict[str, NodeState | None],
+) -> dict[str, str]:
+    """The incident for a recovery that moves ranks off ``failed`` nodes: when the first
+    of them failed (a lost node's last heartbeat; an unhealthy node's fatal report) and
+    when the scheduler noticed (its state change)."""
+    now = time.time()
+    failed_at, detected_at, causes = now, now, []
+    for node_id, state in failed.items():
+        if state not in (NodeState.LOST, NodeState.UNHEALTHY):
+            causes.append(f"{node_id} swapped out")
+            continue
+        noticed = await session.scalar(
+            select(models.Event.time)
+            .where(models.Event.node_id == node_id)
+            .where(models.Event.kind.in_(NODE_FAILURE_KINDS))
+            .order_by(models.Event.id.desc())
+            .limit(1)
+        )
+        seen = epoch(noticed) if noticed is not None else now
+        began = seen
+        if state is NodeState.LOST:
+            live = await hot.redis.get(hot.node_health_key(node_id))
+            if live is not None:
+                began = min(seen, float(json.loads(live).get("received_at", seen)))
+        failed_at, detected_at = min(failed_at, began), min(detected_at, seen)
+        causes.append(f"{node_id} {state.value}")
+    return incident_attributes(
+        cause=", ".join(causes),
+        failed_at=failed_at,
+        detected_at=detected_at,
+        lost_steps=job.current_step - job.committed_step,
+    )
+
+
+def rank_incident(job: models.Job, exited: models.Event) -> dict[str, str]:
+    """The incident a failed rank opens: its exit is noticed as it happens."""
+    at = epoch(exited.time)
+    return incident_attributes(
+        cause=exited.reason or "rank exited",
+        failed_at=at,
+        detected_at=at,
+        lost_steps=job.current_step - job.committed_step,
+    )
