@@ -15,7 +15,14 @@ from pitstop.checkpointd.catalog import CatalogClient
 from pitstop.checkpointd.durable import DurableShard, DurableStore
 from pitstop.checkpointd.flusher import DurableFlusher
 from pitstop.checkpointd.slots import SlotPool, remove_stale_segments, segment_prefix
-from pitstop.checkpointd.store import ShardId, ShardRecord, ShardStore, Tier, shard_checksum
+from pitstop.checkpointd.store import (
+    PENDING_COMMIT,
+    ShardId,
+    ShardRecord,
+    ShardStore,
+    Tier,
+    shard_checksum,
+)
 
 
 @pytest.fixture
@@ -50,6 +57,28 @@ def test_the_newest_k_are_kept_per_rank_and_tier(pool: SlotPool) -> None:
     assert store.put(three) == [one]
     assert [r.shard.step for r in store.records() if r.shard.rank == 0] == [1, 2, 3]
     assert store.newest_step("job", 0) == 3
+
+
+def test_the_committed_step_and_the_steps_awaiting_commit_are_kept(pool: SlotPool) -> None:
+    """A recovery restores the committed step, which trails the newest by the time
+    replication takes: its snapshot, and those that may be committed next, must
+    outlive the newest K (up to K + PENDING_COMMIT of them)."""
+    store = ShardStore(keep=2)
+    snapshots = [record(pool, step) for step in range(1, 20)]
+    for shard in snapshots[:6]:
+        store.put(shard, committed=2)
+    assert sorted(r.shard.step for r in store.records()) == [2, 3, 4, 5, 6]
+    # The commit moves on: what is older than the new restore point goes.
+    evicted = store.put(snapshots[6], committed=5)
+    assert {r.shard.step for r in evicted} <= {1, 2, 3, 4}
+    assert sorted(r.shard.step for r in store.records()) == [5, 6, 7]
+    # Commits stall (a buddy is gone): memory stays bounded.
+    for shard in snapshots[7:]:
+        store.put(shard, committed=5)
+    kept = sorted(r.shard.step for r in store.records())
+    assert kept[0] == 5
+    assert len(kept) == 1 + store.keep + PENDING_COMMIT
+    assert kept[-1] == 19
 
 
 def test_an_older_shard_than_the_kept_ones_is_evicted_at_once(pool: SlotPool) -> None:

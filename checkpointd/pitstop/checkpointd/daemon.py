@@ -254,7 +254,8 @@ class CheckpointDaemon:
         self.catalog.shard_added(record.info(), Tier.REPLICA)
 
     def _hold(self, record: ShardRecord) -> None:
-        for old in self.store.put(record):
+        committed = self.catalog.committed_steps.get(record.shard.job_id, 0)
+        for old in self.store.put(record, committed):
             if old.checksum is not None:
                 self.catalog.shard_removed(old.shard, old.generation, old.tier)
             self.pool.unref(old.segment)

@@ -88,6 +88,10 @@ class ShardRecord:
         return info
 
 
+PENDING_COMMIT = 8
+"""Snapshots newer than the committed step kept beyond `keep` while they await commit."""
+
+
 class ShardStore:
     """The shards in memory, newest `keep` per (job, rank, tier)."""
 
@@ -97,10 +101,17 @@ class ShardStore:
         self.keep = keep
         self._records: dict[tuple[ShardId, Tier], ShardRecord] = {}
 
-    def put(self, record: ShardRecord) -> list[ShardRecord]:
+    def put(self, record: ShardRecord, committed: int | None = None) -> list[ShardRecord]:
         """Hold `record`; return what it displaced (the same shard and tier held before,
         and anything beyond the newest `keep`). A record older than the `keep` newest is
-        itself returned."""
+        itself returned.
+
+        Beyond the `keep` newest, the newest record at or below `committed` (the job's
+        committed step as last heard: what a recovery restores) is kept, and so is
+        every record above it, up to `keep + PENDING_COMMIT` in all: the committed step
+        trails the newest by the time replication and reporting take, and one of those
+        steps is what the scheduler will have committed by the time a node fails.
+        `committed` None (no scheduler to commit steps): just the `keep` newest."""
         evicted = []
         previous = self._records.pop((record.shard, record.tier), None)
         if previous is not None:
@@ -122,7 +133,12 @@ class ShardStore:
             r for r in same if r.generation < record.generation and r.shard.step > record.shard.step
         ]
         same = [r for r in same if r not in stale]
-        for old in stale + same[self.keep :]:
+        restore_point, pending = None, []
+        if committed is not None:
+            restore_point = next((r for r in same if r.shard.step <= committed), None)
+            pending = [r for r in same if r.shard.step > committed][: self.keep + PENDING_COMMIT]
+        wanted = {id(r) for r in [*same[: self.keep], *pending, restore_point] if r is not None}
+        for old in stale + [r for r in same if id(r) not in wanted]:
             del self._records[(old.shard, old.tier)]
             evicted.append(old)
         return evicted
