@@ -332,15 +332,26 @@ def run_agents(
             proc.wait(30)
 
 
-def follow_events(address: str, after: int = 0, timeout: float = 60.0) -> Iterator[Any]:
-    """Every event after ``after``, as recorded (a Watch stream; cancel by closing)."""
-    channel = grpc.insecure_channel(address)
-    try:
-        yield from nodes_pb2_grpc.EventServiceStub(channel).Watch(
+class follow_events:  # noqa: N801 (used like the generator it replaced)
+    """Every event after ``after``, as recorded (a Watch stream). ``close()`` cancels it;
+    one dropped unclosed is left to grpc's own finalizer: closing a channel from a
+    garbage collection that runs inside grpc code holding the channel's lock deadlocks."""
+
+    def __init__(self, address: str, after: int = 0, timeout: float = 60.0) -> None:
+        self._channel = grpc.insecure_channel(address)
+        self._stream = nodes_pb2_grpc.EventServiceStub(self._channel).Watch(
             nodes_pb2.WatchEventsRequest(after_event_id=after), timeout=timeout
         )
-    finally:
-        channel.close()
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._stream)
+
+    def close(self) -> None:
+        self._stream.cancel()
+        self._channel.close()
 
 
 def wait_for(events: Iterator[Any], match: Callable[[Any], bool]) -> Any:

@@ -289,6 +289,7 @@ class Cluster:
     def stop(self) -> None:
         for node in self.nodes.values():
             node.stop()
+        self.events.close()
 
 
 @pytest.fixture
@@ -327,6 +328,18 @@ def steps_logged(cluster: Cluster, job: jobs_pb2.Job, rank: int) -> list[int]:
     ]
 
 
+RESTORED_LINE = re.compile(rb"rank \d+ restored step (\d+) from ")
+
+
+def restored_steps(cluster: Cluster, job: jobs_pb2.Job) -> list[int]:
+    """The step each restarted rank process restored, from every rank log."""
+    steps = []
+    for node in cluster.nodes.values():
+        for path in (node.root / "agent" / "ranks" / job.id).glob("*.log"):
+            steps += [int(m.group(1)) for m in RESTORED_LINE.finditer(path.read_bytes())]
+    return steps
+
+
 def all_steps_logged(cluster: Cluster, job: jobs_pb2.Job, rank: int) -> set[int]:
     """The steps `rank` printed on any node (a moved rank's log starts on its new node)."""
     steps: set[int] = set()
@@ -352,6 +365,9 @@ def test_fault_free_run_matches_the_standalone_hash(cluster: Cluster, standalone
     assert done.generation == 1
     for rank in range(4):
         assert steps_logged(cluster, done, rank) == list(range(1, STEPS + 1))
+    assert done.goodput.recoveries == 0
+    assert done.goodput.productive_seconds > 0
+    assert done.goodput.ratio == 1.0
 
 
 def test_pause_then_resume_through_the_cli_skips_and_repeats_no_step(
@@ -403,3 +419,22 @@ def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
         assert SPARE in moved, context
     for rank in range(4):
         assert all_steps_logged(cluster, done, rank) == set(range(1, STEPS + 1)), context
+    # Recovered from the in-memory snapshots, not restarted from the beginning.
+    restored = restored_steps(cluster, done)
+    assert restored, (context, cluster.logs(job.id))
+    assert min(restored) > 0, (context, restored)
+    # The goodput account names the failure and splits its cost; `job show` prints it.
+    goodput = done.goodput
+    assert goodput.recoveries >= 1, goodput
+    assert 0 < goodput.ratio < 1, goodput
+    first = goodput.incidents[0]
+    assert first.resumed, goodput
+    assert first.resume_seconds > 0, goodput
+    if fault != "rank_killed":
+        assert victim.node_id in first.cause, goodput
+    shown = CliRunner().invoke(
+        app, ["--server", cluster.scheduler.address, "job", "show", job.id], catch_exceptions=False
+    )
+    assert shown.exit_code == 0, shown.output
+    assert "recoveries" in shown.output
+    assert first.cause.split()[0] in shown.output
