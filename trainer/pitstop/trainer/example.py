@@ -31,6 +31,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,7 @@ import torch.nn.functional as F  # noqa: N812 (torch's own convention)
 from torch import nn
 
 from pitstop.trainer import Session, TrainState
+from pitstop.trainer.state import apply, capture
 
 _TEXT = (
     "the a pit crew swaps every tire in seconds while engineers watch gauges and data "
@@ -235,6 +237,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     parser.add_argument("--log-every", type=int, default=10, help="print every N steps; 0: never")
     parser.add_argument(
+        "--save-dir",
+        default="",
+        help="without pitstop: torch.save a checkpoint here every --save-every steps and "
+        "start from the newest one (the plain-torchrun baseline of bench/recovery.py)",
+    )
+    parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument(
         "--step-seconds",
         type=float,
         default=0.0,
@@ -253,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Session.from_env() as session:
         job = Job(args, session.device)
         state = session.restore(default=job.make_state)
+        if args.save_dir:
+            load_saved(state, Path(args.save_dir))
         if args.shards < session.world_size:
             raise SystemExit(f"--shards {args.shards} is below the world size {session.world_size}")
         for step in session.steps(state, until=args.steps):
@@ -263,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 session.commit(state, loss=loss, tokens=tokens * args.shard_batch * args.context)
                 if args.log_every and step % args.log_every == 0:
                     _say(rank=session.rank, step=step, loss=round(float(loss), 4))
+            if args.save_dir and step % args.save_every == 0 and session.rank == 0:
+                save(state, Path(args.save_dir))
             if args.step_seconds > 0:
                 time.sleep(max(0.0, args.step_seconds - (time.monotonic() - began)))
         if not session.finished:
@@ -272,6 +285,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         session.report_result({"final_weights_sha256": digest, "steps": str(state.step)})
         _say(rank=session.rank, steps=state.step, final_weights_sha256=digest)
     return 0
+
+
+def save(state: TrainState, directory: Path) -> None:
+    """torch.save the whole state (as the snapshot captures it), written whole or not
+    at all."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors, metadata = capture(state)
+    partial = directory / f".step-{state.step}.pt.partial"
+    torch.save({"tensors": dict(tensors), "metadata": dict(metadata)}, partial)
+    os.replace(partial, directory / "latest.pt")
+
+
+def load_saved(state: TrainState, directory: Path) -> None:
+    """Continue from the newest torch.save checkpoint in `directory`, if any."""
+    path = directory / "latest.pt"
+    if path.exists():
+        saved = torch.load(path, weights_only=True)
+        apply(state, saved["tensors"], saved["metadata"])
+        _say(rank=int(os.environ.get("RANK", "0")), loaded_step=state.step)
 
 
 def _say(**fields: object) -> None:
