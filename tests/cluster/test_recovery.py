@@ -213,7 +213,7 @@ class Cluster:
             gpus_per_node=1,
             spares=1,
             max_restarts=3,
-            env={"PYTHONUNBUFFERED": "1"},
+            env={"PYTHONUNBUFFERED": "1", "PITSTOP_COLLECTIVE_TIMEOUT": "5"},
         )
         job = self.jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job
         self.job_event(job.id, "job.running")

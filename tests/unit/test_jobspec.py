@@ -37,6 +37,11 @@ def test_explicit_zero_restarts_and_warmup_are_kept() -> None:
     assert spec.straggler.warmup_steps == 0
 
 
+def test_a_job_may_tune_the_trainers_timeouts() -> None:
+    spec = validate_job_spec(make(dp=4, env={"PITSTOP_COLLECTIVE_TIMEOUT": "5"}))
+    assert spec.env["PITSTOP_COLLECTIVE_TIMEOUT"] == "5"
+
+
 def test_the_input_is_not_modified() -> None:
     original = make()
     validate_job_spec(original)

@@ -26,6 +26,15 @@ RESERVED_ENV = frozenset(
         "TORCHELASTIC_RUN_ID",
     }
 )
+# The trainer's tunables a job may set (every other PITSTOP_* name is the agent's).
+TUNABLE_ENV = frozenset(
+    {
+        "PITSTOP_COLLECTIVE_TIMEOUT",
+        "PITSTOP_RECONFIGURE_TIMEOUT",
+        "PITSTOP_COMMAND_WAIT",
+        "PITSTOP_SNAPSHOT_COPY_THREADS",
+    }
+)
 MAX_WORLD_SIZE = 1_000_000
 MAX_ARGS = 256
 MAX_STRING = 4096
@@ -124,8 +133,13 @@ def validate_job_spec(spec: jobs_pb2.JobSpec) -> jobs_pb2.JobSpec:
         field = f"spec.env.{key}" if len(key) <= 64 else "spec.env"
         if not ENV_KEY_RE.match(key):
             raise InvalidArgument(field, key, "environment names are letters, digits and '_'")
-        if key in RESERVED_ENV or key.startswith("PITSTOP_"):
-            raise InvalidArgument(field, key, "set by pitstop for every rank; remove it from env")
+        if key in RESERVED_ENV or (key.startswith("PITSTOP_") and key not in TUNABLE_ENV):
+            raise InvalidArgument(
+                field,
+                key,
+                "set by pitstop for every rank; remove it from env (a job may set only "
+                f"{', '.join(sorted(TUNABLE_ENV))})",
+            )
         check_text(field, value)
     _at_most("spec.env", len(out.env), 1000, "use at most 1000 environment variables")
     check_text("spec.working_dir", out.working_dir)

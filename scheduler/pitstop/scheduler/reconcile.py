@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.health.straggler import StragglerDetector, StragglerPolicy
 from pitstop.scheduler.convert import rank_map_to_pb
@@ -32,7 +33,7 @@ from pitstop.scheduler.placement import (
     replace_node,
     shrink_by_one_replica,
 )
-from pitstop.scheduler.services import goodput, lifecycle
+from pitstop.scheduler.services import catalog, goodput, lifecycle
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.scheduler.store import Store
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 FAILED_NODE_STATES = (NodeState.UNHEALTHY, NodeState.LOST)
 RUNNABLE = (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING)
 GOODPUT_REFRESH_SECONDS = 1.0
+RECONFIGURE_TIMEOUT_SECONDS = 30.0
+"""An in-place recovery not stepping by then becomes a full restart of every rank."""
 STEP_HOLD_SECONDS = 5.0
 """Longest a step sample waits for the job's other ranks before the detector sees it."""
 
@@ -62,6 +65,10 @@ class JobWatch:
     held: list[tuple[float, agent_pb2.StepSample]] = field(default_factory=list)
     rank_max: dict[int, int] = field(default_factory=dict)
     goodput_at: float = 0.0
+    # Nodes whose ranks must start afresh at the next restart (a rank there exited).
+    restart_nodes: set[str] = field(default_factory=set)
+    # When an in-place recovery (Reconfigure) is given up for a full restart.
+    recover_deadline: float | None = None
 
     def release_in_step_order(
         self, fresh: list[agent_pb2.StepSample], world_size: int, now: float, hold: float
@@ -169,15 +176,7 @@ class Reconciler:
             if job is None:
                 return
             placement = await lifecycle.rank_map(session, job)
-            hosts = dict(
-                (
-                    await session.execute(
-                        select(models.Node.id, models.Node.hostname).where(
-                            models.Node.id.in_(placement.nodes())
-                        )
-                    )
-                ).all()
-            )
+            hosts = await _hosts(session, placement)
             if job.state is JobState.PLACED:
                 lifecycle.transition(
                     session,
@@ -186,10 +185,49 @@ class Reconciler:
                     kind="job.starting",
                     reason=f"starting ranks ({reason})",
                 )
-            command = start_command(job, placement, hosts)
-        self.watches.setdefault(job_id, JobWatch()).finished.clear()
+            restore = await catalog.restorable_step(session, job)
+            command = start_command(job, placement, hosts, restore)
+        watch = self.watches.setdefault(job_id, JobWatch())
+        watch.finished.clear()
+        watch.recover_deadline = None
         for node_id in placement.nodes():
             await self.router.send(node_id, agent_pb2.SchedulerMessage(start_ranks=command))
+
+    async def recover(self, job_id: str, fresh: set[str], removed: set[str]) -> None:
+        """Move the job to its current generation in place: nodes in `fresh` start their
+        ranks anew (StartRanks: a spare, or a node whose rank exited); every other node
+        of the rank map gets a Reconfigure, so its ranks keep their processes and their
+        state in memory, roll back to the restore step only if ahead, and re-form the
+        group with the new ranks; `removed` nodes, if still up, stop theirs. A recovery
+        not stepping within RECONFIGURE_TIMEOUT_SECONDS becomes a full restart."""
+        async with self.store.write() as session:
+            await self.election.assert_leader(session)
+            job = await session.get(models.Job, job_id, with_for_update=True)
+            if job is None or job.state.terminal:
+                return
+            placement = await lifecycle.rank_map(session, job)
+            hosts = await _hosts(session, placement)
+            restore = await catalog.restorable_step(session, job)
+            start = start_command(job, placement, hosts, restore)
+        watch = self.watches.setdefault(job_id, JobWatch())
+        watch.finished.clear()
+        watch.recover_deadline = self.clock() + RECONFIGURE_TIMEOUT_SECONDS
+        reconfigure = agent_pb2.Reconfigure(
+            job_id=job_id,
+            generation=start.generation,
+            rank_map=start.rank_map,
+            rendezvous_address=start.rendezvous_address,
+            restore_step=restore,
+        )
+        stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=5, reason="moved off this node")
+        for node_id in removed - set(placement.nodes()):
+            await self.router.send(node_id, agent_pb2.SchedulerMessage(stop_ranks=stop))
+        for node_id in placement.nodes():
+            if node_id in fresh:
+                message = agent_pb2.SchedulerMessage(start_ranks=start)
+            else:
+                message = agent_pb2.SchedulerMessage(reconfigure=reconfigure)
+            await self.router.send(node_id, message)
 
     # Failures --------------------------------------------------------------------------
 
@@ -222,6 +260,7 @@ class Reconciler:
             if job is None or job.state.terminal:
                 return
             placement = await lifecycle.rank_map(session, job)
+            before = set(placement.nodes())
             nodes, booked = await lifecycle.topology_inputs(session)
             topology = Topology.build(nodes, booked)
             spec = spec_from_json(job.spec)
@@ -277,8 +316,15 @@ class Reconciler:
                 )
         self.metrics.decision_seconds.labels("recovery").observe(time.perf_counter() - started)
         self.metrics.recoveries.labels("node").inc()
-        self.watches.setdefault(job_id, JobWatch()).swap_nodes.difference_update(failed)
-        await self.start(job_id, reason="recovery")
+        watch = self.watches.setdefault(job_id, JobWatch())
+        watch.swap_nodes.difference_update(failed)
+        if watch.restart_at is not None:
+            # A rank's exit already scheduled a restart: this generation supersedes it,
+            # and that rank's node starts its ranks anew (if it is still in the map).
+            watch.restart_at = None
+        fresh = (set(placement.nodes()) - before) | watch.restart_nodes
+        watch.restart_nodes = set()
+        await self.recover(job_id, fresh, set(failed))
 
     @staticmethod
     def _repair_one(
@@ -358,6 +404,7 @@ class Reconciler:
                     kind=kind,
                     reason=f"ranks are stepping (step {newest})",
                 )
+                watch.recover_deadline = None
                 changed = True
             if changed or self.clock() >= watch.goodput_at:
                 await session.flush()  # the transition's event counts
@@ -429,6 +476,8 @@ class Reconciler:
                     await self.finish(job.id, event)
             elif watch.restart_at is None:
                 await self.fail_rank(job.id, event)
+            elif event.node_id:
+                watch.restart_nodes.add(event.node_id)  # failed too: it restarts as well
 
     async def finish(self, job_id: str, event: models.Event) -> None:
         async with self.store.write() as session:
@@ -476,7 +525,8 @@ class Reconciler:
                 failed = True
             else:
                 job.restarts += 1
-                backoff = min(2.0 ** (job.restarts - 1), 30.0)
+                # The first restart goes at once; a rank that keeps failing backs off.
+                backoff = 0.0 if job.restarts == 1 else min(2.0 ** (job.restarts - 2), 30.0)
                 reason = (
                     f"{event.reason}; restart {job.restarts} of {spec.max_restarts} "
                     f"in {backoff:.0f}s"
@@ -500,7 +550,10 @@ class Reconciler:
                         reason=reason,
                         attributes=incident,
                     )
-                self.watches.setdefault(job_id, JobWatch()).restart_at = self.clock() + backoff
+                watch = self.watches.setdefault(job_id, JobWatch())
+                watch.restart_at = self.clock() + backoff
+                if event.node_id:
+                    watch.restart_nodes.add(event.node_id)
                 self.metrics.recoveries.labels("rank_exit").inc()
                 failed = False
         if failed:
@@ -512,24 +565,50 @@ class Reconciler:
     async def restart_due(self) -> None:
         now = self.clock()
         for job_id, watch in list(self.watches.items()):
-            if watch.restart_at is None or watch.restart_at > now:
-                continue
-            async with self.store.write() as session:
-                await self.election.assert_leader(session)
-                job = await session.get(models.Job, job_id, with_for_update=True)
-                if job is None or job.state is not JobState.RECOVERING:
-                    watch.restart_at = None
-                    continue
-                # Same places, a new generation: every rank restarts from the restore step.
-                await lifecycle.write_generation(
-                    session, job, await lifecycle.rank_map(session, job)
+            if watch.recover_deadline is not None and watch.recover_deadline <= now:
+                await self._restart(job_id, watch, full=True)
+            elif watch.restart_at is not None and watch.restart_at <= now:
+                await self._restart(job_id, watch, full=False)
+
+    async def _restart(self, job_id: str, watch: JobWatch, *, full: bool) -> None:
+        """Same places, a new generation. After a rank's exit, its node starts its ranks
+        anew and the others reconfigure in place; `full` (an in-place recovery that did
+        not get the job stepping in time) restarts every rank from the restore step."""
+        async with self.store.write() as session:
+            await self.election.assert_leader(session)
+            job = await session.get(models.Job, job_id, with_for_update=True)
+            if job is None or job.state is not JobState.RECOVERING:
+                watch.restart_at = watch.recover_deadline = None
+                return
+            await lifecycle.write_generation(session, job, await lifecycle.rank_map(session, job))
+            if full:
+                record_event(
+                    session,
+                    "job.restarting",
+                    actor="scheduler",
+                    job_id=job.id,
+                    reason=f"the in-place recovery did not resume within "
+                    f"{RECONFIGURE_TIMEOUT_SECONDS:.0f}s: restarting every rank",
+                    attributes={"generation": str(job.generation)},
                 )
-            watch.restart_at = None
-            await self.start(job_id, reason="restart")
+        watch.restart_at = watch.recover_deadline = None
+        fresh, watch.restart_nodes = watch.restart_nodes, set()
+        if full:
+            await self.start(job_id, reason="full restart")
+        else:
+            await self.recover(job_id, fresh, set())
+
+
+async def _hosts(session: AsyncSession, placement: Placement) -> dict[str, str]:
+    """Host names of the placement's nodes, by node id."""
+    rows = await session.execute(
+        select(models.Node.id, models.Node.hostname).where(models.Node.id.in_(placement.nodes()))
+    )
+    return {node_id: hostname for node_id, hostname in rows.all()}
 
 
 def start_command(
-    job: models.Job, placement: Placement, hosts: dict[str, str]
+    job: models.Job, placement: Placement, hosts: dict[str, str], restore_step: int
 ) -> agent_pb2.StartRanks:
     """StartRanks for the job's current generation. The rendezvous is rank 0's host on a
     port derived from the job and generation, so a new generation never meets the old."""
@@ -544,5 +623,5 @@ def start_command(
         working_dir=spec.working_dir,
         rank_map=rank_map_to_pb(job.generation, placement.ranks),
         rendezvous_address=f"{hosts.get(rank0) or rank0}:{port}",
-        restore_step=job.committed_step,
+        restore_step=restore_step,
     )

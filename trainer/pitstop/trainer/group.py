@@ -52,27 +52,49 @@ def form(
     timeout: timedelta,
     rendezvous_address: str = "",
     device: torch.device | None = None,
+    wait: timedelta | None = None,
 ) -> None:
-    """Form the default process group; over env:// unless a rendezvous address is given.
-    A group the script formed itself is kept (and dropped on a Reconfigure)."""
+    """Form the default process group at `rendezvous_address` (else MASTER_ADDR and
+    MASTER_PORT). Collectives time out after `timeout`; forming waits up to `wait`
+    for every rank to arrive (a replacement may still be starting), so the collective
+    timeout can be short. Under torchrun the group forms over env://, on the store its
+    agent serves. A group the script formed itself is kept (and dropped on a
+    Reconfigure)."""
     if dist.is_initialized():
         log.info("process group already formed by the script: using it")
         return
-    init_method = f"tcp://{rendezvous_address}" if rendezvous_address else "env://"
-    if not rendezvous_address and not os.environ.get("MASTER_ADDR"):
+    device_id = device if device is not None and device.type == "cuda" else None
+    if not rendezvous_address and os.environ.get("TORCHELASTIC_RUN_ID"):
+        dist.init_process_group(
+            backend(),
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device_id,
+        )
+        log.info("process group formed: rank %d of %d via torchrun's store", rank, world_size)
+        return
+    host, _, port = rendezvous_address.rpartition(":")
+    if not rendezvous_address:
+        host, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if not host or not port.isdigit():
         raise RuntimeError(
             f"rank {rank} of {world_size}: MASTER_ADDR/MASTER_PORT are not set; start the "
             "ranks through the pitstop agent or torchrun, or set them"
         )
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        host, int(port), world_size, is_master=rank == 0, timeout=max(wait or timeout, timeout)
+    )
     dist.init_process_group(
         backend(),
-        init_method=init_method,
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timeout,
-        device_id=device if device is not None and device.type == "cuda" else None,
+        device_id=device_id,
     )
-    log.info("process group formed: rank %d of %d via %s", rank, world_size, init_method)
+    log.info("process group formed: rank %d of %d via %s:%s", rank, world_size, host, port)
 
 
 def drop() -> None:

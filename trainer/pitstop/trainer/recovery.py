@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from pitstop.checkpointd.writer import SnapshotWriter
@@ -171,6 +172,7 @@ class Recovery:
             session.config.timeout,
             rendezvous_address=new.rendezvous_address,
             device=session.device,
+            wait=timedelta(seconds=session.config.reconfigure_timeout),
         )
 
     def _rank_in(self, rank_map: common_pb2.RankMap) -> int | None:

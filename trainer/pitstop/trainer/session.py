@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
+from datetime import timedelta
 from types import TracebackType
 
 import grpc
@@ -132,7 +133,13 @@ class Session:
             self.start_commands()
         if config.distributed:
             self.device = group.device_for(config.local_rank)
-            group.form(config.rank, config.world_size, config.timeout, device=self.device)
+            group.form(
+                config.rank,
+                config.world_size,
+                config.timeout,
+                device=self.device,
+                wait=timedelta(seconds=config.reconfigure_timeout),
+            )
         elif not config.standby:
             self.device = group.device_for(0)
 

@@ -194,3 +194,43 @@ def choose_buddy(node: models.Node, candidates: Sequence[models.Node]) -> models
         if (candidate.zone, candidate.block, candidate.rack) != here:
             return candidate
     return ordered[0]
+
+
+RESTORE_CANDIDATES = 16
+"""How many of the newest held steps a recovery considers."""
+
+
+async def restorable_step(session: AsyncSession, job: models.Job) -> int:
+    """The step a recovery restores: the newest step of which every rank of its
+    generation still has a copy on a node that is not lost or unhealthy (its own
+    memory, a buddy's, or the durable store). After a failure one copy of the newest
+    steps is gone, so this is the committed step (two copies) or newer: survivors keep
+    their unreplicated snapshots, and the failed node's ranks need only their
+    replica. Never older than the committed step."""
+    alive = select(models.Node.id).where(
+        models.Node.state.not_in((NodeState.LOST, NodeState.UNHEALTHY))
+    )
+    rows = (
+        await session.execute(
+            select(
+                models.CheckpointShard.step,
+                func.count(func.distinct(models.CheckpointShard.rank)),
+            )
+            .where(models.CheckpointShard.job_id == job.id)
+            .where(models.CheckpointShard.step > job.committed_step)
+            .where(
+                (models.CheckpointShard.node_id == DURABLE_NODE)
+                | models.CheckpointShard.node_id.in_(alive)
+            )
+            .group_by(models.CheckpointShard.step)
+            .order_by(models.CheckpointShard.step.desc())
+            .limit(RESTORE_CANDIDATES)
+        )
+    ).all()
+    for step, ranks in rows:
+        checkpoint = await session.get(models.Checkpoint, (job.id, step))
+        if checkpoint is not None and ranks >= await world_size(
+            session, job, checkpoint.generation
+        ):
+            return int(step)
+    return job.committed_step
