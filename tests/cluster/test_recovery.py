@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from conftest import SchedulerThread, StoreUrls, follow_events, scheduler_settings, unique
 from typer.testing import CliRunner
 
@@ -205,11 +206,15 @@ class Cluster:
     def job_event(self, job_id: str, *kinds: str) -> Any:
         return self.wait(lambda e: e.job_id == job_id and e.kind in kinds)
 
-    def submit(self, *extra: str) -> jobs_pb2.Job:
+    redis_url = ""
+    redis_prefix = ""
+
+    def submit(self, *extra: str, min_dp: int = 4) -> jobs_pb2.Job:
         spec = jobs_pb2.JobSpec(
             name=unique("gpt"),
             command=[*EXAMPLE, "--log-every", "1", *extra],
             dp=4,
+            min_dp=min_dp,
             gpus_per_node=1,
             spares=1,
             max_restarts=3,
@@ -295,12 +300,13 @@ class Cluster:
 @pytest.fixture
 def cluster(stores: StoreUrls, tmp_path: Path) -> Iterator[Cluster]:
     root = Path(tempfile.mkdtemp(dir="/tmp", prefix="pr-"))  # short: the agent socket path
+    prefix = f"{stores.redis_prefix}{unique('rec')}:"
     thread = SchedulerThread(
         scheduler_settings(
             stores,
             tmp_path / "scheduler",
             database_url=stores.fresh_database(),
-            redis_prefix=f"{stores.redis_prefix}{unique('rec')}:",
+            redis_prefix=prefix,
             leader_loops=True,
             heartbeat_interval_seconds=0.5,
             liveness_startup_grace_seconds=0.0,
@@ -309,6 +315,7 @@ def cluster(stores: StoreUrls, tmp_path: Path) -> Iterator[Cluster]:
     built: Cluster | None = None
     try:
         built = Cluster(thread, root)
+        built.redis_url, built.redis_prefix = stores.redis_url, prefix
         yield built
     finally:
         if built is not None:
@@ -388,7 +395,7 @@ def test_pause_then_resume_through_the_cli_skips_and_repeats_no_step(
         assert steps_logged(cluster, done, rank) == list(range(1, STEPS + 1))
 
 
-FAULTS = ["rank_killed", "node_killed", "fatal_xid"]
+FAULTS = ["rank_killed", "agent_killed", "node_killed", "fatal_xid"]
 
 
 @pytest.mark.parametrize("fault", FAULTS)
@@ -403,6 +410,9 @@ def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
     if fault == "rank_killed":
         (pid,) = cluster.rank_pids(job.id, victim.node_id)
         killpg(pid, signal.SIGKILL)
+    elif fault == "agent_killed":
+        assert victim.agent is not None
+        killpg(victim.agent.pid, signal.SIGKILL)  # its ranks and checkpointd live on
     elif fault == "node_killed":
         cluster.kill_node(victim.node_id)
     else:
@@ -438,3 +448,47 @@ def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
     assert shown.exit_code == 0, shown.output
     assert "recoveries" in shown.output
     assert first.cause.split()[0] in shown.output
+
+
+@pytest.mark.timeout(240)
+def test_spares_exhausted_the_job_shrinks_by_one_replica_and_finishes(
+    cluster: Cluster, standalone_hash: str
+) -> None:
+    """The first lost node takes the spare; the second leaves none, so the job goes on
+    with three replicas (min_dp 3). The example splits its global batch into the same
+    four shards at any world size, so even the shrunk run ends bitwise equal."""
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS), min_dp=3)
+    first = cluster.node_of(job, 1)
+    cluster.wait_for_step(job, 1, 10)
+    cluster.kill_node(first.node_id)
+    cluster.job_event(job.id, "job.recovered")
+    moved = cluster.get(job.id)
+    assert SPARE in {a.node_id for a in moved.rank_map.ranks}
+    second = cluster.node_of(moved, 2)
+    cluster.wait_for_step(moved, 2, 25)
+    cluster.kill_node(second.node_id)
+    shrunk = cluster.job_event(job.id, "job.recovering", "job.reconfigured")
+    assert "shrunk to dp=3" in shrunk.reason, shrunk
+    done = cluster.finish(job.id)
+    check_result(done, standalone_hash)
+    assert done.rank_map.world_size == 3
+    assert {a.node_id for a in done.rank_map.ranks}.isdisjoint({first.node_id, second.node_id})
+    assert done.goodput.recoveries >= 2
+
+
+def test_a_redis_flush_mid_run_loses_nothing(cluster: Cluster, standalone_hash: str) -> None:
+    """Redis holds only hot state (heartbeat deadlines, step streams, live health): with
+    all of the scheduler's keys gone mid-run, the job still finishes bitwise equal, and
+    no node is declared lost for it."""
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    cluster.wait_for_step(job, 0, 20)
+    client = redis.Redis.from_url(cluster.redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{cluster.redis_prefix}*"))
+        assert keys  # the scheduler's hot state was there
+        client.delete(*keys)
+    finally:
+        client.close()
+    done = cluster.finish(job.id)
+    check_result(done, standalone_hash)
+    assert done.generation == 1

@@ -64,7 +64,7 @@ def test_the_committed_step_and_the_steps_awaiting_commit_are_kept(pool: SlotPoo
     replication takes: its snapshot, and those that may be committed next, must
     outlive the newest K (up to K + PENDING_COMMIT of them)."""
     store = ShardStore(keep=2)
-    snapshots = [record(pool, step) for step in range(1, 20)]
+    snapshots = [record(pool, step) for step in range(1, 10 + PENDING_COMMIT * 2)]
     for shard in snapshots[:6]:
         store.put(shard, committed=2)
     assert sorted(r.shard.step for r in store.records()) == [2, 3, 4, 5, 6]
@@ -78,7 +78,7 @@ def test_the_committed_step_and_the_steps_awaiting_commit_are_kept(pool: SlotPoo
     kept = sorted(r.shard.step for r in store.records())
     assert kept[0] == 5
     assert len(kept) == 1 + store.keep + PENDING_COMMIT
-    assert kept[-1] == 19
+    assert kept[-1] == snapshots[-1].shard.step
 
 
 def test_an_older_shard_than_the_kept_ones_is_evicted_at_once(pool: SlotPool) -> None:

@@ -54,6 +54,7 @@ class RankSupervision(Protocol):
     async def start_ranks(self, command: agent_pb2.StartRanks) -> list[int]: ...
     async def stop_ranks(self, command: agent_pb2.StopRanks) -> list[int]: ...
     def running(self) -> list[agent_pb2.RunningRank]: ...
+    def renumber(self, job_id: str, rank_map: common_pb2.RankMap) -> dict[int, int]: ...
 
 
 class RankChannel(Protocol):
@@ -514,6 +515,9 @@ class SchedulerLink:
             self._local.set_generation(new.job_id, new.generation, new.restore_step)
             adopted = await self._hand_to_standbys(new)
             relayed = await self._relay(new.job_id, rank_pb2.RankCommand(reconfigure=new))
+            moved = self._supervisor.renumber(new.job_id, new.rank_map)
+            if moved:
+                log.info("job %s: ranks renumbered %s", new.job_id, moved)
             return "; ".join(error for error in (adopted, relayed) if error)
         elif kind == "pause":
             pause = rank_pb2.RankCommand(pause=message.pause)

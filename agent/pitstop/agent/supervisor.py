@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -173,6 +175,23 @@ class RankSupervisor:
         if entry is not None and generation > entry.generation:
             entry.generation = generation
 
+    def renumber(self, job_id: str, rank_map: common_pb2.RankMap) -> dict[int, int]:
+        """A Reconfigure may give a surviving rank a new number (a shrink renumbers the
+        ranks): key each of the job's processes here by the rank the new map places on
+        its GPU, as the rank itself will call from now on. Returns old -> new."""
+        placed = {a.gpu_index: a.rank for a in rank_map.ranks if a.node_id == self.node_id}
+        moved = {}
+        for key in [k for k in self._ranks if k[0] == job_id]:
+            entry = self._ranks[key]
+            new = placed.get(entry.gpu_index)
+            if new is not None and new != entry.rank:
+                moved[entry.rank] = new
+        entries = {old: self._ranks.pop((job_id, old)) for old in moved}
+        for old, new in moved.items():
+            entries[old].rank = new
+            self._ranks[(job_id, new)] = entries[old]
+        return moved
+
     def record_result(self, job_id: str, rank: int, result: Mapping[str, str]) -> None:
         """Remember a rank's final result, reported with its exit."""
         entry = self._ranks.get((job_id, rank))
@@ -233,6 +252,7 @@ class RankSupervisor:
                 cwd=cwd,
                 env=env,
                 start_new_session=True,
+                preexec_fn=_die_with_the_agent,
             )
         except OSError as exc:
             raise ValueError(
@@ -313,6 +333,18 @@ class RankSupervisor:
                     entry.job_id,
                     entry.process.pid,
                 )
+
+
+def _die_with_the_agent() -> None:
+    """In the child before exec: SIGKILL when the agent dies. A rank whose agent is gone
+    can neither report nor be reconfigured or stopped; the scheduler treats the node as
+    lost and its ranks must not train on in a generation that no longer exists."""
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _check_job_id(job_id: str) -> None:

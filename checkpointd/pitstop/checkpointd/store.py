@@ -88,7 +88,7 @@ class ShardRecord:
         return info
 
 
-PENDING_COMMIT = 8
+PENDING_COMMIT = 16
 """Snapshots newer than the committed step kept beyond `keep` while they await commit."""
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from pitstop.client.localcluster import LocalCluster
@@ -29,6 +31,7 @@ from pitstop.v1 import common_pb2, jobs_pb2
 FaultKind = Literal["xid", "node_kill", "agent_hang", "rank_kill"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("xid", "node_kill", "agent_hang", "rank_kill")
 FATAL_XID = 79
+STEP_LINE = re.compile(rb'^\{"rank": \d+, "step": (\d+), ', re.MULTILINE)
 TERMINAL = (
     common_pb2.JOB_STATE_SUCCEEDED,
     common_pb2.JOB_STATE_FAILED,
@@ -67,7 +70,7 @@ def example_command(steps: int, step_seconds: float, *extra: str) -> list[str]:
         "--step-seconds",
         str(step_seconds),
         "--log-every",
-        "0",
+        "1",
         *extra,
     ]
 
@@ -121,6 +124,7 @@ class Driver:
         on_event: Callable[[common_pb2.Event], None] | None = None,
         on_fault: Callable[[Injected], None] | None = None,
         seed: int = 0,
+        spacing: int = 0,
     ) -> None:
         self.cluster = cluster
         self.client = cluster.client(timeout=30.0)
@@ -128,7 +132,25 @@ class Driver:
         self.on_event = on_event or (lambda _event: None)
         self.on_fault = on_fault or (lambda _injected: None)
         self.random = random.Random(seed)
+        self.spacing = spacing
         self.failed: list[str] = []  # nodes to bring back as spares once free
+        self._restoring: list[threading.Thread] = []
+        self._read: dict[Path, int] = {}
+        self._newest = 0
+
+    def newest_step(self, job_id: str) -> int:
+        """The newest step any rank has logged: the ranks' own progress, ahead of what
+        the scheduler has heard (step reports travel in per-node batches)."""
+        for path in self.cluster.state_dir.glob(f"nodes/*/agent/ranks/{job_id}/rank-*.log"):
+            offset = self._read.get(path, 0)
+            with path.open("rb") as log:
+                log.seek(offset)
+                chunk = log.read()
+            complete = chunk.rfind(b"\n") + 1
+            self._read[path] = offset + complete
+            for match in STEP_LINE.finditer(chunk[:complete]):
+                self._newest = max(self._newest, int(match.group(1)))
+        return self._newest
 
     def run(
         self, spec: jobs_pb2.JobSpec, faults: Sequence[Fault], *, timeout: float = 1800.0
@@ -150,7 +172,10 @@ class Driver:
                 if time.monotonic() - started > timeout:
                     raise TimeoutError(f"job {job.id} did not end within {timeout:.0f} s")
                 stepping = job.state == common_pb2.JOB_STATE_RUNNING
-                if pending and stepping and job.current_step >= pending[0].at_step:
+                due = pending[0].at_step if pending else 0
+                if run.injected:  # never two failures closer than `spacing` steps
+                    due = max(due, run.injected[-1].step + self.spacing)
+                if pending and stepping and self.newest_step(job.id) >= due:
                     fault = pending.pop(0)
                     nodes = sorted({a.node_id for a in job.rank_map.ranks} - {last_victim})
                     victim = self.random.choice(nodes)
@@ -163,11 +188,13 @@ class Driver:
                 time.sleep(0.1)  # a poll of the job's step: the condition is the step
         finally:
             stop.set()
+            for worker in self._restoring:
+                worker.join(timeout=120)
         run.job, run.seconds = job, time.monotonic() - started
         return run
 
     def inject(self, job: jobs_pb2.Job, fault: Fault, node_id: str) -> Injected:
-        injected = Injected(fault, node_id, time.time(), job.current_step)
+        injected = Injected(fault, node_id, time.time(), self.newest_step(job.id))
         if fault.kind == "xid":
             self.client.inject_fault(node_id, common_pb2.Fault(gpu_index=0, xid=FATAL_XID))
         elif fault.kind == "node_kill":
@@ -184,15 +211,19 @@ class Driver:
         return injected
 
     def restore_spares(self, job: jobs_pb2.Job) -> None:
-        """A failed node the job no longer uses comes back as a hot spare."""
+        """A failed node the job no longer uses comes back as a hot spare (in the
+        background: the next failure does not wait for it)."""
         in_use = {a.node_id for a in job.rank_map.ranks}
         for node_id in [n for n in self.failed if n not in in_use]:
             self.failed.remove(node_id)
-            for proc in self.cluster.node_processes(node_id):
-                if proc.kind == "agent" and self.cluster.is_alive(proc):
-                    os.kill(proc.pid, signal.SIGCONT)  # a hung agent is killed, not thawed
-            self.cluster.restart_node(node_id, wait=True)
-            self.client.set_node_role(node_id, common_pb2.NODE_ROLE_SPARE, "back as a spare")
+            worker = threading.Thread(target=self._bring_back, args=(node_id,), daemon=True)
+            worker.start()
+            self._restoring.append(worker)
+
+    def _bring_back(self, node_id: str) -> None:
+        self.cluster.kill_node(node_id, signal.SIGKILL)  # a hung agent is not thawed
+        self.cluster.restart_node(node_id, wait=True)
+        self.client.set_node_role(node_id, common_pb2.NODE_ROLE_SPARE, "back as a spare")
 
     def _watch(self, job_id: str, stop: threading.Event) -> None:
         try:

@@ -1,7 +1,8 @@
 """The job state machine of DESIGN.md, as data: which transitions are legal.
 
 PENDING -> PLACED -> STARTING -> RUNNING <-> RECOVERING, RUNNING <-> PAUSED,
-then SUCCEEDED | FAILED | CANCELLED. Any live state may be cancelled or fail.
+then SUCCEEDED | FAILED | CANCELLED. Any live state may be cancelled or fail; a job
+starting or recovering succeeds when its ranks all finish before reporting a step.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ LEGAL_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     S.PENDING: frozenset({S.PLACED, S.CANCELLED, S.FAILED}),
     # A placement can be taken back (its node died before the ranks started).
     S.PLACED: frozenset({S.STARTING, S.PENDING, S.CANCELLED, S.FAILED}),
-    S.STARTING: frozenset({S.RUNNING, S.RECOVERING, S.CANCELLED, S.FAILED}),
+    S.STARTING: frozenset({S.RUNNING, S.RECOVERING, S.SUCCEEDED, S.CANCELLED, S.FAILED}),
     S.RUNNING: frozenset({S.RECOVERING, S.PAUSED, S.SUCCEEDED, S.FAILED, S.CANCELLED}),
-    S.RECOVERING: frozenset({S.RUNNING, S.FAILED, S.CANCELLED}),
+    S.RECOVERING: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELLED}),
     S.PAUSED: frozenset({S.RUNNING, S.RECOVERING, S.FAILED, S.CANCELLED}),
     S.SUCCEEDED: frozenset(),
     S.FAILED: frozenset(),

@@ -198,7 +198,8 @@ class Reconciler:
         ranks anew (StartRanks: a spare, or a node whose rank exited); every other node
         of the rank map gets a Reconfigure, so its ranks keep their processes and their
         state in memory, roll back to the restore step only if ahead, and re-form the
-        group with the new ranks; `removed` nodes, if still up, stop theirs. A recovery
+        group with the new ranks; `removed` nodes get it too, and their ranks leave. A
+        recovery
         not stepping within RECONFIGURE_TIMEOUT_SECONDS becomes a full restart."""
         async with self.store.write() as session:
             await self.election.assert_leader(session)
@@ -219,9 +220,12 @@ class Reconciler:
             rendezvous_address=start.rendezvous_address,
             restore_step=restore,
         )
-        stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=5, reason="moved off this node")
+        # A node left out still gets the Reconfigure: its ranks find themselves absent
+        # from the new map and leave cleanly at the step boundary every rank agrees on,
+        # so the survivors reach that boundary at once instead of stepping on until the
+        # old rank dies (a dead node's agent simply never reads it).
         for node_id in removed - set(placement.nodes()):
-            await self.router.send(node_id, agent_pb2.SchedulerMessage(stop_ranks=stop))
+            await self.router.send(node_id, agent_pb2.SchedulerMessage(reconfigure=reconfigure))
         for node_id in placement.nodes():
             if node_id in fresh:
                 message = agent_pb2.SchedulerMessage(start_ranks=start)
@@ -472,7 +476,10 @@ class Reconciler:
             )
             if clean:
                 watch.finished.add(rank)
-                if len(watch.finished) >= sizes[job.id] and job.state is JobState.RUNNING:
+                if len(watch.finished) >= sizes[job.id] and job.state in RUNNABLE:
+                    # The ranks' last step times were sent before their exits but are
+                    # read from another stream: take them in first.
+                    await self.follow_steps()
                     await self.finish(job.id, event)
             elif watch.restart_at is None:
                 await self.fail_rank(job.id, event)
@@ -483,7 +490,9 @@ class Reconciler:
         async with self.store.write() as session:
             await self.election.assert_leader(session)
             job = await session.get(models.Job, job_id, with_for_update=True)
-            if job is None or job.state is not JobState.RUNNING:
+            # Also from STARTING or RECOVERING: ranks that restored the last step (or
+            # had little left) may all finish before reporting a step.
+            if job is None or job.state not in RUNNABLE:
                 return
             job.result = {
                 **job.result,

@@ -15,7 +15,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.db import models
-from pitstop.scheduler.domain import NodeState
+from pitstop.scheduler.domain import JobState, NodeState
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.v1 import checkpoint_pb2
@@ -139,7 +139,10 @@ async def _settle_step(session: AsyncSession, job: models.Job, step: int) -> Non
     )
     if twice >= ranks and not checkpoint.committed:
         checkpoint.committed = True
-        if step > job.committed_step:
+        # Not while recovering: checkpoint daemons keep the committed step in memory,
+        # and the restore point a recovery chose must outlive the steps the survivors
+        # take (and commit) before they reach the Reconfigure.
+        if step > job.committed_step and job.state is not JobState.RECOVERING:
             job.committed_step = step
     if (durable or 0) >= ranks and not checkpoint.durable:
         checkpoint.durable = True
