@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -228,6 +226,7 @@ class RankSupervisor:
             PITSTOP_AGENT_SOCKET=str(self.socket_path),
             PITSTOP_RESTORE_STEP=str(command.restore_step),
             PITSTOP_CHECKPOINTD=self.checkpointd_address,
+            PITSTOP_AGENT_PID=str(os.getpid()),  # the rank dies with it (see the trainer)
         )
         if master is not None:
             env["MASTER_ADDR"], env["MASTER_PORT"] = master
@@ -252,7 +251,6 @@ class RankSupervisor:
                 cwd=cwd,
                 env=env,
                 start_new_session=True,
-                preexec_fn=_die_with_the_agent,
             )
         except OSError as exc:
             raise ValueError(
@@ -333,18 +331,6 @@ class RankSupervisor:
                     entry.job_id,
                     entry.process.pid,
                 )
-
-
-def _die_with_the_agent() -> None:
-    """In the child before exec: SIGKILL when the agent dies. A rank whose agent is gone
-    can neither report nor be reconfigured or stopped; the scheduler treats the node as
-    lost and its ranks must not train on in a generation that no longer exists."""
-    if sys.platform == "linux":
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 def _check_job_id(job_id: str) -> None:

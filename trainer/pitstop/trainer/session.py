@@ -31,7 +31,11 @@ Recovery, both paths bitwise identical because both continue from the same snaps
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import signal
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -91,6 +95,8 @@ class Session:
         """The session for this process: attached to the agent when PITSTOP_AGENT_SOCKET
         is set, a do-nothing session otherwise."""
         config = RankConfig.from_env()
+        if config.agent_socket:
+            _die_with_the_agent()
         control: RankControlClient | None = None
         checkpointd = config.checkpointd
         if config.agent_socket and config.standby:
@@ -311,3 +317,19 @@ class Session:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_the_agent() -> None:
+    """SIGKILL this rank when the agent that started it dies: a rank whose agent is gone
+    can neither report nor be reconfigured or stopped, the scheduler treats its node as
+    lost, and it must not train on in a generation that no longer exists. Exits at once
+    if the agent is already gone."""
+    agent = os.environ.get("PITSTOP_AGENT_PID", "")
+    if sys.platform != "linux" or not agent.isdigit():
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != int(agent):
+        raise SystemExit(f"the pitstop agent (pid {agent}) that started this rank is gone")
