@@ -42,8 +42,12 @@ def at_boundary(session: Session, state: TrainState) -> bool:
         session.stop(state, inbox.take(STOP, state.step))
     elif kind == RECONFIGURE:
         command = inbox.take(RECONFIGURE, state.step)
-        assert command is not None  # never forced: every rank holds its copy
-        session.recovery.reconfigure(state, command, cut_short=False)
+        if command is None:  # another rank's copy came first: wait here for this one's
+            session.recovery.after_peer_loss(
+                state, RuntimeError("the other ranks act on a Reconfigure not yet here")
+            )
+        else:
+            session.recovery.reconfigure(state, command, cut_short=False)
     elif kind == PAUSE:
         _pause(session, state, inbox)
     return kind is not None

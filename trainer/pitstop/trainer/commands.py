@@ -187,7 +187,13 @@ def flags(inbox: Inbox, is_chief: bool, world_size: int, command_wait: float) ->
     for kind in AGREED_KINDS:
         pending = inbox.holds(kind)
         value = 0 if pending is None else 1
-        if (
+        if pending is not None and kind == RECONFIGURE:
+            # A Reconfigure is the scheduler's decision, not a request: any rank holding
+            # one makes every rank act on it at this boundary. A rank whose copy has not
+            # come waits for it there; one left out (its agent hung, say) never gets
+            # one and is simply not in the new group.
+            value += world_size
+        elif (
             pending is not None
             and is_chief
             and kind in _FORCEABLE
