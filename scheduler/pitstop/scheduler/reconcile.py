@@ -199,8 +199,7 @@ class Reconciler:
         of the rank map gets a Reconfigure, so its ranks keep their processes and their
         state in memory, roll back to the restore step only if ahead, and re-form the
         group with the new ranks; `removed` nodes get it too, and their ranks leave. A
-        recovery
-        not stepping within RECONFIGURE_TIMEOUT_SECONDS becomes a full restart."""
+        recovery not stepping within RECONFIGURE_TIMEOUT_SECONDS becomes a full restart."""
         async with self.store.write() as session:
             await self.election.assert_leader(session)
             job = await session.get(models.Job, job_id, with_for_update=True)
