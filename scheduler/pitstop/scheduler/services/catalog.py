@@ -237,3 +237,13 @@ async def restorable_step(session: AsyncSession, job: models.Job) -> int:
         ):
             return int(step)
     return job.committed_step
+
+
+async def forget_node(session: AsyncSession, node_id: str) -> None:
+    """The node failed: count none of the shards it held in memory any more. Its
+    checkpoint daemon is dead, or about to be restarted empty with the node, or on a
+    node that is out; a restore must not be sent there, nor a restore step chosen
+    because of it. The buddies' replicas of its ranks stay."""
+    await session.execute(
+        delete(models.CheckpointShard).where(models.CheckpointShard.node_id == node_id)
+    )

@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from pitstop.health.xid import XidClass, classify_xid
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import NodeState
+from pitstop.scheduler.services import catalog
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.nodes import move_node
 from pitstop.v1 import common_pb2
@@ -113,6 +114,7 @@ async def apply_health(
         move_node(
             session, node, NodeState.UNHEALTHY, kind="node.unhealthy", reason=reason, actor=actor
         )
+        await catalog.forget_node(session, node_id)
         return node.state
     if health.verdict == common_pb2.HEALTH_VERDICT_WARNING and node.state in (
         NodeState.READY,
@@ -134,6 +136,7 @@ async def mark_lost(session: AsyncSession, node_id: str, *, reason: str) -> bool
     node.connected = False
     if node.state in _LIVE:
         move_node(session, node, NodeState.LOST, kind="node.lost", reason=reason, actor="scheduler")
+        await catalog.forget_node(session, node_id)
         return True
     record_event(session, "node.disconnected", actor="scheduler", node_id=node_id, reason=reason)
     return False
