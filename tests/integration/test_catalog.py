@@ -3,15 +3,26 @@ durable once every rank has a durable copy; buddies sit in another rack."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SchedulerThread, unique
+from conftest import AgentSpec, SchedulerThread, follow_events, run_agents, unique, wait_for
 
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import NodeState
 from pitstop.scheduler.services.catalog import choose_buddy
-from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc, jobs_pb2, jobs_pb2_grpc
+from pitstop.v1 import (
+    checkpoint_pb2,
+    checkpoint_pb2_grpc,
+    common_pb2,
+    jobs_pb2,
+    jobs_pb2_grpc,
+    nodes_pb2,
+    nodes_pb2_grpc,
+)
 
 L, R, D = (
     checkpoint_pb2.SHARD_TIER_LOCAL,
@@ -69,6 +80,36 @@ def test_durable_needs_every_rank_and_removed_shards_uncommit_nothing_retroactiv
     report(catalog, "a", shard(job_id, 1, 9, D))
     point = catalog.GetRestorePoint(checkpoint_pb2.GetRestorePointRequest(job_id=job_id))
     assert point.durable_step == 9
+
+
+def test_an_unhealthy_nodes_shards_are_forgotten(
+    scheduler: SchedulerThread, catalog: Any, job_id: str
+) -> None:
+    """A node out with a fatal Xid no longer counts as a holder: no restore is sent
+    there and no restore step is chosen because of it (its daemon may come back empty)."""
+    events = follow_events(scheduler.address)
+    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="pc-"))  # short: the agent socket
+    try:
+        with run_agents(scheduler.address, root, [AgentSpec("fa", gpus=1)]):
+            wait_for(events, lambda e: e.kind == "node.registered" and e.node_id == "fa")
+            report(catalog, "fa", shard(job_id, 0, 5, L), shard(job_id, 1, 5, L))
+            report(catalog, "fb", shard(job_id, 0, 5, R), shard(job_id, 1, 5, R))
+            nodes = nodes_pb2_grpc.NodeServiceStub(scheduler.channel())
+            nodes.InjectFault(
+                nodes_pb2.InjectFaultRequest(
+                    node_id="fa", fault=common_pb2.Fault(gpu_index=0, xid=79)
+                )
+            )
+            wait_for(events, lambda e: e.kind == "node.unhealthy" and e.node_id == "fa")
+            request = checkpoint_pb2.GetRestorePointRequest(job_id=job_id, step=5)
+            point = catalog.GetRestorePoint(request)
+            assert {r: list(v.node_ids) for r, v in point.locations.items()} == {
+                0: ["fb"],
+                1: ["fb"],
+            }
+    finally:
+        events.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_shards_of_unknown_jobs_are_ignored(catalog: Any) -> None:

@@ -81,6 +81,7 @@ async def record_xid(
             actor=actor,
             attributes=attributes,
         )
+        await catalog.forget_node(session, node_id)
         return node.state
     if info.xid_class is XidClass.WARNING and node.state in (NodeState.READY, NodeState.CORDONED):
         move_node(
