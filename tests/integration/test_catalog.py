@@ -112,6 +112,16 @@ def test_an_unhealthy_nodes_shards_are_forgotten(
         shutil.rmtree(root, ignore_errors=True)
 
 
+def test_a_restarted_daemon_starts_with_nothing_on_record(catalog: Any, job_id: str) -> None:
+    report(catalog, "ra", shard(job_id, 0, 7, L), shard(job_id, 1, 7, L))
+    report(catalog, "rb", shard(job_id, 0, 7, R), shard(job_id, 1, 7, R))
+    fresh = checkpoint_pb2.ReportShardsRequest(node_id="ra", fresh_start=True)
+    catalog.ReportShards(fresh)
+    request = checkpoint_pb2.GetRestorePointRequest(job_id=job_id, step=7)
+    point = catalog.GetRestorePoint(request)
+    assert {r: list(v.node_ids) for r, v in point.locations.items()} == {0: ["rb"], 1: ["rb"]}
+
+
 def test_shards_of_unknown_jobs_are_ignored(catalog: Any) -> None:
     assert report(catalog, "a", shard("j-doesnotexist", 0, 1, L)) == {}
 

@@ -71,6 +71,9 @@ class CatalogClient:
         self.committed_steps: dict[str, int] = {}
         """Newest committed step per job, as of the last report's answer."""
         self.reports_sent = 0
+        # Until the first report lands, it tells the scheduler this daemon is new.
+        self._fresh_start = True
+        self._wake.set()
 
     @property
     def pending(self) -> int:
@@ -108,10 +111,10 @@ class CatalogClient:
         while not stop.is_set():
             if delay:
                 await _wait(stop, delay * random.uniform(0.5, 1.0))
-            elif not self.pending:
+            elif not (self.pending or self._fresh_start):
                 self._wake.clear()
                 await _wait_any(stop, self._wake)
-            if stop.is_set() or not self.pending:
+            if stop.is_set() or not (self.pending or self._fresh_start):
                 continue
             added, self._added = self._added, {}
             removed, self._removed = self._removed, {}
@@ -122,6 +125,7 @@ class CatalogClient:
                 added=list(added.values()),
                 removed=list(removed.values()),
                 flush_errors=errors,
+                fresh_start=self._fresh_start,
             )
             try:
                 response = await self._stub.ReportShards(
@@ -145,6 +149,7 @@ class CatalogClient:
                 delay = min(self._retry_max, max(_FIRST_RETRY_SECONDS, delay * 2))
                 continue
             failures, delay = 0, 0.0
+            self._fresh_start = False
             self.reports_sent += 1
             self.committed_steps.update(response.committed_steps)
 

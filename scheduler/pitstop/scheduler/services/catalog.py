@@ -52,6 +52,8 @@ async def report_shards(
     node_id = request.node_id
     touched: dict[str, set[int]] = {}
     jobs: dict[str, models.Job | None] = {}
+    if request.fresh_start:
+        await forget_node(session, node_id)  # a new daemon: its memory starts empty
     for info in request.added:
         key = info.header.key
         if key.job_id not in jobs:
