@@ -30,7 +30,9 @@ import redis
 from conftest import SchedulerThread, StoreUrls, follow_events, scheduler_settings, unique
 from typer.testing import CliRunner
 
+from pitstop.agent.config import SOCKET_NAME
 from pitstop.client.cli import app
+from pitstop.client.localcluster import rank_pids
 from pitstop.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 pytestmark = pytest.mark.cluster
@@ -186,6 +188,7 @@ class Cluster:
         self.events = follow_events(scheduler.address, timeout=4 * TIMEOUT)
         self.jobs = jobs_pb2_grpc.JobServiceStub(scheduler.channel())
         self.node_api = nodes_pb2_grpc.NodeServiceStub(scheduler.channel())
+        self.event_api = nodes_pb2_grpc.EventServiceStub(scheduler.channel())
         self.nodes: dict[str, Node] = {}
         specs = [(n, f"r{i}", "worker") for i, n in enumerate(WORKERS)]
         specs.append((SPARE, "r0", "spare"))
@@ -252,25 +255,15 @@ class Cluster:
             time.sleep(0.02)  # polls the log; the condition is the step, not the time
         raise AssertionError(f"rank {rank} reached only step {seen} of {step}")
 
-    def rank_pids(self, job_id: str, node_id: str) -> list[int]:
-        """The rank processes a node's agent started for the job (from their environment)."""
-        wanted = {f"PITSTOP_JOB_ID={job_id}".encode(), f"PITSTOP_NODE_ID={node_id}".encode()}
-        pids = []
-        for proc in Path("/proc").iterdir():
-            if not proc.name.isdigit():
-                continue
-            try:
-                environ = set((proc / "environ").read_bytes().split(b"\0"))
-            except OSError:
-                continue
-            if wanted <= environ:
-                pids.append(int(proc.name))
-        return pids
+    def rank_pids(self, node_id: str) -> list[int]:
+        """The rank processes the node's agent started (found by their agent socket)."""
+        socket = str(self.nodes[node_id].root / "agent" / SOCKET_NAME)
+        return rank_pids({node_id: socket})[node_id]
 
     def kill_node(self, node_id: str) -> None:
         """kill -9 of everything on the node: its agent, its checkpoint daemon, its ranks."""
         node = self.nodes[node_id]
-        ranks = [pid for job in self.job_ids for pid in self.rank_pids(job, node_id)]
+        ranks = self.rank_pids(node_id)
         for proc in (node.agent, node.checkpointd):
             assert proc is not None
             killpg(proc.pid, signal.SIGKILL)
@@ -279,10 +272,6 @@ class Cluster:
 
     def inject(self, node_id: str, fault: common_pb2.Fault) -> None:
         self.node_api.InjectFault(nodes_pb2.InjectFaultRequest(node_id=node_id, fault=fault))
-
-    @property
-    def job_ids(self) -> list[str]:
-        return [j.id for j in self.jobs.List(jobs_pb2.ListJobsRequest(page_size=100)).jobs]
 
     def logs(self, job_id: str) -> str:
         out = []
@@ -408,7 +397,7 @@ def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
     victim = cluster.node_of(job, victim_rank)
     cluster.wait_for_step(job, victim_rank, at_step)
     if fault == "rank_killed":
-        (pid,) = cluster.rank_pids(job.id, victim.node_id)
+        (pid,) = cluster.rank_pids(victim.node_id)
         killpg(pid, signal.SIGKILL)
     elif fault == "agent_killed":
         assert victim.agent is not None
@@ -492,3 +481,5 @@ def test_a_redis_flush_mid_run_loses_nothing(cluster: Cluster, standalone_hash: 
     done = cluster.finish(job.id)
     check_result(done, standalone_hash)
     assert done.generation == 1
+    log = cluster.event_api.List(nodes_pb2.ListEventsRequest(limit=1000))
+    assert "node.lost" not in [e.kind for e in log.events]

@@ -62,10 +62,6 @@ class Incident:
         end = self.resumed_at if self.resumed_at is not None else self.decided_at
         return max(0.0, end - self.decided_at)
 
-    @property
-    def total_seconds(self) -> float:
-        return self.detect_seconds + self.decide_seconds + self.resume_seconds
-
     def to_json(self) -> dict[str, Any]:
         return {
             "cause": self.cause,

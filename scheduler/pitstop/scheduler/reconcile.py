@@ -193,13 +193,16 @@ class Reconciler:
         for node_id in placement.nodes():
             await self.router.send(node_id, agent_pb2.SchedulerMessage(start_ranks=command))
 
-    async def recover(self, job_id: str, fresh: set[str], removed: set[str]) -> None:
+    async def recover(
+        self, job_id: str, fresh: set[str], removed: set[str], restore: int | None = None
+    ) -> None:
         """Move the job to its current generation in place: nodes in `fresh` start their
         ranks anew (StartRanks: a spare, or a node whose rank exited); every other node
         of the rank map gets a Reconfigure, so its ranks keep their processes and their
         state in memory, roll back to the restore step only if ahead, and re-form the
         group with the new ranks; `removed` nodes get it too, and their ranks leave. A
-        recovery not stepping within RECONFIGURE_TIMEOUT_SECONDS becomes a full restart."""
+        recovery not stepping within RECONFIGURE_TIMEOUT_SECONDS becomes a full restart.
+        `restore`: the step the deciding transaction chose (else chosen here)."""
         async with self.store.write() as session:
             await self.election.assert_leader(session)
             job = await session.get(models.Job, job_id, with_for_update=True)
@@ -207,7 +210,8 @@ class Reconciler:
                 return
             placement = await lifecycle.rank_map(session, job)
             hosts = await _hosts(session, placement)
-            restore = await catalog.restorable_step(session, job)
+            if restore is None:
+                restore = await catalog.restorable_step(session, job)
             start = start_command(job, placement, hosts, restore)
         watch = self.watches.setdefault(job_id, JobWatch())
         watch.finished.clear()
@@ -296,7 +300,8 @@ class Reconciler:
                         reason="waiting for capacity: no spare and no shrink left",
                     )
                 return
-            incident = await goodput.node_incident(session, self.hot, job, states)
+            restore = await catalog.restorable_step(session, job)
+            incident = await goodput.node_incident(session, self.hot, job, states, restore)
             await lifecycle.write_generation(session, job, placement)
             target = JobState.RECOVERING
             if job.state is not target:
@@ -321,13 +326,12 @@ class Reconciler:
         self.metrics.recoveries.labels("node").inc()
         watch = self.watches.setdefault(job_id, JobWatch())
         watch.swap_nodes.difference_update(failed)
-        if watch.restart_at is not None:
-            # A rank's exit already scheduled a restart: this generation supersedes it,
-            # and that rank's node starts its ranks anew (if it is still in the map).
-            watch.restart_at = None
+        # A restart a rank's exit scheduled is superseded by this generation; that
+        # rank's node starts its ranks anew (if it is still in the map).
+        watch.restart_at = None
         fresh = (set(placement.nodes()) - before) | watch.restart_nodes
         watch.restart_nodes = set()
-        await self.recover(job_id, fresh, set(failed))
+        await self.recover(job_id, fresh, set(failed), restore)
 
     @staticmethod
     def _repair_one(

@@ -13,7 +13,6 @@ from pitstop.health.goodput import JobEvent, account, epoch, incident_attributes
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import NodeState
 from pitstop.scheduler.hotstate import HotState
-from pitstop.scheduler.services import catalog
 
 NODE_FAILURE_KINDS = ("node.lost", "node.unhealthy")
 
@@ -46,6 +45,7 @@ async def node_incident(
     hot: HotState,
     job: models.Job,
     failed: dict[str, NodeState | None],
+    restore_step: int,
 ) -> dict[str, str]:
     """The incident for a recovery that moves ranks off ``failed`` nodes: when the first
     of them failed (a lost node's last heartbeat; an unhealthy node's fatal report) and
@@ -71,12 +71,11 @@ async def node_incident(
                 began = min(seen, float(json.loads(live).get("received_at", seen)))
         failed_at, detected_at = min(failed_at, began), min(detected_at, seen)
         causes.append(f"{node_id} {state.value}")
-    restore = await catalog.restorable_step(session, job)
     return incident_attributes(
         cause=", ".join(causes),
         failed_at=failed_at,
         detected_at=detected_at,
-        lost_steps=job.current_step - restore,
+        lost_steps=job.current_step - restore_step,
     )
 
 
