@@ -12,8 +12,10 @@ import pytest
 from conftest import AgentSpec, SchedulerThread, follow_events, run_agents, unique, wait_for
 
 from pitstop.scheduler.db import models
+from pitstop.scheduler.db.engine import session_factory
 from pitstop.scheduler.domain import NodeState
-from pitstop.scheduler.services.catalog import choose_buddy
+from pitstop.scheduler.services.catalog import choose_buddy, restorable_step
+from pitstop.scheduler.store import Store
 from pitstop.v1 import (
     checkpoint_pb2,
     checkpoint_pb2_grpc,
@@ -120,6 +122,62 @@ def test_a_restarted_daemon_starts_with_nothing_on_record(catalog: Any, job_id: 
     request = checkpoint_pb2.GetRestorePointRequest(job_id=job_id, step=7)
     point = catalog.GetRestorePoint(request)
     assert {r: list(v.node_ids) for r, v in point.locations.items()} == {0: ["rb"], 1: ["rb"]}
+
+
+def restore_step_of(scheduler: SchedulerThread, job_id: str) -> int:
+    """The step a recovery of the job would restore now, read in the scheduler's loop."""
+    store = Store(session_factory(scheduler.scheduler.engine), scheduler.scheduler.bus)
+
+    async def read() -> int:
+        async with store.read() as session:
+            job = await session.get(models.Job, job_id)
+            assert job is not None
+            return await restorable_step(session, job)
+
+    return int(scheduler._call(read()))
+
+
+def test_a_node_and_its_buddy_lost_together_restore_the_newest_whole_step(
+    scheduler: SchedulerThread, catalog: Any, job_id: str
+) -> None:
+    """Both copies of the newest steps gone (a node and its buddy): the restore goes
+    back to an older step still whole in memory, then the durable store, then step 0;
+    never to a step no live node or store holds."""
+    for node_id in ("wa", "wb", "wc"):
+        scheduler.register_node(node_id, gpus=1)
+
+    def restorable() -> int:
+        return restore_step_of(scheduler, job_id)
+
+    both = [(0, L), (1, L)]
+    report(catalog, "wc", *(shard(job_id, r, 4, t) for r, t in both))
+    report(catalog, "wa", *(shard(job_id, r, 3, D) for r, _ in both))  # flushed: durable
+    for step in (5, 6):
+        report(catalog, "wa", *(shard(job_id, r, step, L) for r, _ in both))
+        assert report(catalog, "wb", *(shard(job_id, r, step, R) for r, _ in both)) == {
+            job_id: step
+        }
+    assert restorable() == 6
+    for node_id in ("wa", "wb"):  # both come back empty: their memory is gone
+        catalog.ReportShards(checkpoint_pb2.ReportShardsRequest(node_id=node_id, fresh_start=True))
+    assert restorable() == 4  # wc still holds step 4 of both ranks
+    catalog.ReportShards(checkpoint_pb2.ReportShardsRequest(node_id="wc", fresh_start=True))
+    assert restorable() == 3  # the durable store
+    # A daemon prunes its old durable copy of rank 0: step 3 is no longer whole, though
+    # it stays the job's durable step on record. Nothing is left: start over.
+    pruned = checkpoint_pb2.ReportShardsRequest(
+        node_id="wa", removed_durable=[shard(job_id, 0, 3, D).header.key]
+    )
+    catalog.ReportShards(pruned)
+    assert restorable() == 0
+
+
+def test_with_no_whole_step_anywhere_the_restore_starts_over(
+    scheduler: SchedulerThread, catalog: Any, job_id: str
+) -> None:
+    scheduler.register_node("wd", gpus=1)
+    report(catalog, "wd", shard(job_id, 0, 8, L))  # rank 1 never snapshotted
+    assert restore_step_of(scheduler, job_id) == 0
 
 
 def test_shards_of_unknown_jobs_are_ignored(catalog: Any) -> None:

@@ -506,6 +506,37 @@ def test_a_failing_durable_store_is_reported_retried_and_memory_kept(
         writer.close()
 
 
+def test_a_pruned_durable_copy_is_reported_as_removed_from_the_store(
+    daemons: Callable[..., DaemonThread], catalog: FakeCatalog, tmp_path: Path
+) -> None:
+    """With one durable checkpoint kept, flushing step 2 prunes step 1, and the report
+    says the durable copy is gone (not the memory copy), so the scheduler never picks a
+    restore step whose files were deleted."""
+    node = daemons(
+        "a",
+        scheduler=catalog.address,
+        durable_url=f"file://{tmp_path / 'store'}",
+        flush_every_steps=1,
+        keep_durable=1,
+    )
+    writer = SnapshotWriter(node.address, "job-prune", 0)
+    try:
+        writer.snapshot(1, make_state(0, 1))
+        catalog.wait_for(added(node.daemon.node_id, "job-prune", 1, DURABLE, {0}))
+        writer.snapshot(2, make_state(0, 2))
+        catalog.wait_for(
+            lambda reports: any(
+                (k.job_id, k.rank, k.step) == ("job-prune", 0, 1)
+                for r in reports
+                for k in r.removed_durable
+            )
+        )
+        memory = [(k.job_id, k.step) for r in catalog.reports for k in r.removed]
+        assert ("job-prune", 1) not in memory  # step 1 is still in memory
+    finally:
+        writer.close()
+
+
 def test_a_token_is_required_when_configured(daemons: Callable[..., DaemonThread]) -> None:
     node = daemons("a", token="s3cret")
     anonymous = SnapshotWriter(node.address, "job-auth", 0)

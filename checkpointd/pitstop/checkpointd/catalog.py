@@ -123,7 +123,8 @@ class CatalogClient:
             request = checkpoint_pb2.ReportShardsRequest(
                 node_id=self.node_id,
                 added=list(added.values()),
-                removed=list(removed.values()),
+                removed=[k for (_, tier), k in removed.items() if tier is not Tier.DURABLE],
+                removed_durable=[k for (_, tier), k in removed.items() if tier is Tier.DURABLE],
                 flush_errors=errors,
                 fresh_start=self._fresh_start,
             )

@@ -143,18 +143,20 @@ class RestoreResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ShardHeader, _Mapping]] = ..., shm_name: _Optional[str] = ..., source: _Optional[_Union[ShardTier, str]] = ...) -> None: ...
 
 class ReportShardsRequest(_message.Message):
-    __slots__ = ("node_id", "added", "removed", "flush_errors", "fresh_start")
+    __slots__ = ("node_id", "added", "removed", "flush_errors", "fresh_start", "removed_durable")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     FLUSH_ERRORS_FIELD_NUMBER: _ClassVar[int]
     FRESH_START_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_DURABLE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     added: _containers.RepeatedCompositeFieldContainer[ShardInfo]
     removed: _containers.RepeatedCompositeFieldContainer[ShardKey]
     flush_errors: _containers.RepeatedScalarFieldContainer[str]
     fresh_start: bool
-    def __init__(self, node_id: _Optional[str] = ..., added: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., removed: _Optional[_Iterable[_Union[ShardKey, _Mapping]]] = ..., flush_errors: _Optional[_Iterable[str]] = ..., fresh_start: _Optional[bool] = ...) -> None: ...
+    removed_durable: _containers.RepeatedCompositeFieldContainer[ShardKey]
+    def __init__(self, node_id: _Optional[str] = ..., added: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., removed: _Optional[_Iterable[_Union[ShardKey, _Mapping]]] = ..., flush_errors: _Optional[_Iterable[str]] = ..., fresh_start: _Optional[bool] = ..., removed_durable: _Optional[_Iterable[_Union[ShardKey, _Mapping]]] = ...) -> None: ...
 
 class ReportShardsResponse(_message.Message):
     __slots__ = ("committed_steps",)

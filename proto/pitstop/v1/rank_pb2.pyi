@@ -45,10 +45,12 @@ class StepReport(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., sample: _Optional[_Union[_agent_pb2.StepSample, _Mapping]] = ...) -> None: ...
 
 class StepReportResponse(_message.Message):
-    __slots__ = ("command_pending",)
+    __slots__ = ("command_pending", "slow_multiplier")
     COMMAND_PENDING_FIELD_NUMBER: _ClassVar[int]
+    SLOW_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     command_pending: bool
-    def __init__(self, command_pending: _Optional[bool] = ...) -> None: ...
+    slow_multiplier: float
+    def __init__(self, command_pending: _Optional[bool] = ..., slow_multiplier: _Optional[float] = ...) -> None: ...
 
 class CommandStreamRequest(_message.Message):
     __slots__ = ("job_id", "rank")

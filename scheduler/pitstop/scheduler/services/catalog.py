@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.dialects.postgresql import insert
@@ -92,13 +93,15 @@ async def report_shards(
             )
         )
         touched.setdefault(key.job_id, set()).add(key.step)
-    for key in request.removed:
+    removals = [(key, node_id) for key in request.removed]
+    removals += [(key, DURABLE_NODE) for key in request.removed_durable]
+    for key, holder in removals:
         await session.execute(
             delete(models.CheckpointShard)
             .where(models.CheckpointShard.job_id == key.job_id)
             .where(models.CheckpointShard.step == key.step)
             .where(models.CheckpointShard.rank == key.rank)
-            .where(models.CheckpointShard.node_id == node_id)
+            .where(models.CheckpointShard.node_id == holder)
         )
     for error in request.flush_errors:
         record_event(
@@ -201,44 +204,55 @@ def choose_buddy(node: models.Node, candidates: Sequence[models.Node]) -> models
     return ordered[0]
 
 
-RESTORE_CANDIDATES = 16
-"""How many of the newest held steps a recovery considers."""
+RESTORE_CANDIDATES = 64
+"""How many of the newest held steps a recovery considers (a daemon keeps about 20)."""
 
 
 async def restorable_step(session: AsyncSession, job: models.Job) -> int:
     """The step a recovery restores: the newest step of which every rank of its
     generation still has a copy on a node that is not lost or unhealthy (its own
-    memory, a buddy's, or the durable store). After a failure one copy of the newest
-    steps is gone, so this is the committed step (two copies) or newer: survivors keep
-    their unreplicated snapshots, and the failed node's ranks need only their
-    replica. Never older than the committed step."""
+    memory, a buddy's, or the durable store).
+
+    After one failure that is the committed step (two copies) or newer: survivors keep
+    their unreplicated snapshots, and the failed node's ranks need only their replica.
+    When a node and its buddy fail together, both copies of some rank's newest steps
+    are gone: the recovery goes back to the newest step still whole (an older one in
+    memory, then the durable store), and to step 0 when there is none, rather than
+    asking for a shard nobody holds."""
     alive = select(models.Node.id).where(
         models.Node.state.not_in((NodeState.LOST, NodeState.UNHEALTHY))
     )
-    rows = (
-        await session.execute(
-            select(
-                models.CheckpointShard.step,
-                func.count(func.distinct(models.CheckpointShard.rank)),
-            )
-            .where(models.CheckpointShard.job_id == job.id)
-            .where(models.CheckpointShard.step > job.committed_step)
-            .where(
-                (models.CheckpointShard.node_id == DURABLE_NODE)
-                | models.CheckpointShard.node_id.in_(alive)
-            )
-            .group_by(models.CheckpointShard.step)
-            .order_by(models.CheckpointShard.step.desc())
-            .limit(RESTORE_CANDIDATES)
-        )
-    ).all()
-    for step, ranks in rows:
+    durable = models.CheckpointShard.node_id == DURABLE_NODE
+    held = durable | models.CheckpointShard.node_id.in_(alive)
+    newest = await _newest_whole(session, job, held, RESTORE_CANDIDATES)
+    if newest is None:
+        # Older than every candidate: the newest step whose durable copies are all
+        # still on record (a daemon prunes its old durable copies and reports it, so
+        # the job's durable step may no longer be whole). 0 when none: start over.
+        newest = await _newest_whole(session, job, durable, None)
+    return newest or 0
+
+
+async def _newest_whole(
+    session: AsyncSession, job: models.Job, where: Any, limit: int | None
+) -> int | None:
+    """The newest step (of the `limit` newest, None: all) of which the job's shards
+    matching `where` hold every rank of the step's generation."""
+    rows = await session.execute(
+        select(models.CheckpointShard.step, func.count(func.distinct(models.CheckpointShard.rank)))
+        .where(models.CheckpointShard.job_id == job.id)
+        .where(where)
+        .group_by(models.CheckpointShard.step)
+        .order_by(models.CheckpointShard.step.desc())
+        .limit(limit)
+    )
+    for step, ranks in rows.all():
         checkpoint = await session.get(models.Checkpoint, (job.id, step))
         if checkpoint is not None and ranks >= await world_size(
             session, job, checkpoint.generation
         ):
             return int(step)
-    return job.committed_step
+    return None
 
 
 async def forget_node(session: AsyncSession, node_id: str) -> None:
