@@ -65,6 +65,10 @@ class AgentSettings(BaseSettings):
     """Port of /metrics and /healthz; 0 picks a free one (printed at start)."""
     checkpointd_address: str = ""
     """host:port of this node's checkpoint daemon, reported in the inventory."""
+    advertise_host: str = ""
+    """Host name or IP the other nodes reach this node's ranks at: a job whose rank 0
+    runs here meets at this host. Default: the host name (set it when the host name
+    resolves to loopback or to the wrong network)."""
     log_level: str = "INFO"
     allow_fault_injection: bool = False
     """Accept injected faults on the local socket; default true only for simulated GPUs."""

@@ -90,6 +90,11 @@ EXAMPLE_CONFIG = """\
 # host:port of this node's checkpoint daemon, reported to the scheduler.
 # checkpointd_address: ""
 
+# Host name or IP the other nodes reach this node's ranks at (e.g. 10.0.3.17): a job
+# whose rank 0 runs here meets at this host. Empty: the host name. Set it when the host
+# name resolves to loopback or to a network the other nodes cannot reach.
+# advertise_host: ""
+
 # DEBUG, INFO, WARNING, ERROR or CRITICAL.
 # log_level: INFO
 

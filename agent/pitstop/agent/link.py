@@ -28,7 +28,7 @@ from pitstop.agent.config import AgentSettings
 from pitstop.agent.gpu import GpuBackend
 from pitstop.agent.metrics import AgentMetrics
 from pitstop.health.verdict import assess_gpu, assess_node
-from pitstop.health.xid import classify_xid, verdict_for
+from pitstop.health.xid import XidClass, classify_xid, verdict_for
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, rank_pb2
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class RankSupervision(Protocol):
     async def stop_ranks(self, command: agent_pb2.StopRanks) -> list[int]: ...
     def running(self) -> list[agent_pb2.RunningRank]: ...
     def renumber(self, job_id: str, rank_map: common_pb2.RankMap) -> dict[int, int]: ...
+    def kill_gpu(self, gpu_index: int, reason: str) -> list[tuple[str, int]]: ...
 
 
 class RankChannel(Protocol):
@@ -291,7 +292,7 @@ class SchedulerLink:
             register=agent_pb2.Register(
                 node_id=settings.node_id,
                 inventory=common_pb2.Inventory(
-                    hostname=socket.gethostname(),
+                    hostname=settings.advertise_host or socket.gethostname(),
                     driver_version=backend.driver_version(),
                     gpus=gpus,
                     agent_version=agent_version(),
@@ -449,6 +450,11 @@ class SchedulerLink:
                 info.name,
                 common_pb2.HealthVerdict.Name(xid.verdict),
             )
+            if info.xid_class is XidClass.APPLICATION:
+                # The GPU is fine but the contexts on it are not: the ranks there would
+                # crash or hang in their next kernel. End them now, so the scheduler
+                # restarts them in place instead of waiting on a collective timeout.
+                self._supervisor.kill_gpu(xid.gpu_index, f"Xid {xid.xid} ({info.name})")
         self._send(xid=xid)
 
     async def _send_kernel_log_xids(self) -> None:

@@ -285,21 +285,23 @@ class _RankControlServicer:
         gpu = await self._gpu(request.job_id, request.rank, context)
         endpoint = self._endpoint
         generation, restore_step = endpoint._generations.get(request.job_id, (0, 0))
-        try:
-            multiplier = endpoint.backend.slow_multiplier(gpu)
-        except ValueError:  # a GPU the backend does not know cannot be simulated slow
-            multiplier = 1.0
         return rank_pb2.AttachResponse(
             generation=generation,
             restore_step=restore_step,
             checkpointd_address=endpoint.checkpointd_address,
-            slow_multiplier=multiplier,
+            slow_multiplier=self._slow_multiplier(gpu),
         )
+
+    def _slow_multiplier(self, gpu: int) -> float:
+        try:
+            return self._endpoint.backend.slow_multiplier(gpu)
+        except ValueError:  # a GPU the backend does not know cannot be simulated slow
+            return 1.0
 
     async def ReportStep(  # noqa: N802
         self, request: rank_pb2.StepReport, context: Any
     ) -> rank_pb2.StepReportResponse:
-        await self._gpu(request.job_id, request.rank, context)
+        gpu = await self._gpu(request.job_id, request.rank, context)
         sample = request.sample
         sample.rank = request.rank
         if not sample.HasField("time"):
@@ -309,7 +311,9 @@ class _RankControlServicer:
         supervisor.record_step(request.job_id, request.rank, sample.step)
         supervisor.record_generation(request.job_id, request.rank, request.generation)
         pending = self._endpoint._unacked_by_current((request.job_id, request.rank))
-        return rank_pb2.StepReportResponse(command_pending=bool(pending))
+        return rank_pb2.StepReportResponse(
+            command_pending=bool(pending), slow_multiplier=self._slow_multiplier(gpu)
+        )
 
     async def Commands(  # noqa: N802
         self, request: rank_pb2.CommandStreamRequest, context: Any

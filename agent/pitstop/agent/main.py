@@ -129,6 +129,10 @@ def run(
     checkpointd_address: Annotated[
         str | None, typer.Option(help="host:port of this node's checkpointd")
     ] = None,
+    advertise_host: Annotated[
+        str | None,
+        typer.Option(help="Host name or IP other nodes reach this node's ranks at [host name]"),
+    ] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING [INFO]")] = None,
 ) -> None:
     """Run the agent until SIGTERM or SIGINT; then stop its ranks and exit."""
@@ -148,6 +152,7 @@ def run(
             metrics_host=metrics_host,
             metrics_port=metrics_port,
             checkpointd_address=checkpointd_address,
+            advertise_host=advertise_host,
             log_level=log_level,
         )
     except ValidationError as exc:

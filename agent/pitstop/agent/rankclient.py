@@ -37,6 +37,9 @@ class RankControlClient:
         self.rank = rank
         self.timeout = timeout
         self.generation = 0
+        self.slow_multiplier = 1.0
+        """How much slower the rank's GPU runs (the agent's answer to attach and to each
+        step report); 1 except on a simulated slow GPU."""
         self._channel: Any = grpc.insecure_channel(f"unix:{socket_path}")
         self._stub: Any = rank_pb2_grpc.RankControlStub(self._channel)
         self._streams: list[Any] = []
@@ -71,6 +74,7 @@ class RankControlClient:
         response: rank_pb2.AttachResponse = self._stub.Attach(
             request, timeout=self.timeout, wait_for_ready=True
         )
+        self.slow_multiplier = response.slow_multiplier or 1.0
         return response
 
     def report_step(
@@ -97,6 +101,7 @@ class RankControlClient:
             job_id=self.job_id, rank=self.rank, generation=self.generation, sample=sample
         )
         response: rank_pb2.StepReportResponse = self._stub.ReportStep(request, timeout=self.timeout)
+        self.slow_multiplier = response.slow_multiplier or 1.0
         return response.command_pending
 
     def commands(self) -> Iterator[rank_pb2.RankCommand]:

@@ -190,6 +190,21 @@ class RankSupervisor:
             self._ranks[(job_id, new)] = entries[old]
         return moved
 
+    def kill_gpu(self, gpu_index: int, reason: str) -> list[tuple[str, int]]:
+        """SIGKILL the process group of every rank on GPU `gpu_index`: an application Xid
+        left their CUDA contexts broken, so they can neither finish the step nor save
+        anything worth keeping. Each exit is reported as usual (the scheduler restarts
+        the rank in place). Returns the (job id, rank) pairs killed."""
+        killed = []
+        for (job_id, rank), entry in sorted(self._ranks.items()):
+            if entry.gpu_index == gpu_index:
+                logger.warning(
+                    "killing rank %d of job %s on GPU %d: %s", rank, job_id, gpu_index, reason
+                )
+                _signal_group(entry.process.pid, signal.SIGKILL)
+                killed.append((job_id, rank))
+        return killed
+
     def record_result(self, job_id: str, rank: int, result: Mapping[str, str]) -> None:
         """Remember a rank's final result, reported with its exit."""
         entry = self._ranks.get((job_id, rank))
