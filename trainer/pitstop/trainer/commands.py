@@ -126,6 +126,15 @@ class Inbox:
         with self._changed:
             return next((p for p in self._pending if p.kind == kind), None)
 
+    def newest_generation(self) -> int:
+        """The newest generation among the Reconfigure copies held (0: none), left in
+        place."""
+        with self._changed:
+            return max(
+                (p.command.reconfigure.generation for p in self._pending if p.kind == RECONFIGURE),
+                default=0,
+            )
+
     def take(self, kind: str, step: int) -> rank_pb2.RankCommand | None:
         """Remove and return the oldest copy of `kind`; without one, the next copy to
         arrive is acknowledged on arrival as acted on at `step`."""
@@ -226,31 +235,27 @@ class StepReporter:
 
     def __init__(self, report: Callable[..., bool], max_queued: int = 1024) -> None:
         self._report = report
-        self._queue: queue.Queue[tuple[int, float, float | torch.Tensor, int, bool] | None]
+        self._queue: queue.Queue[tuple[int, float, float | torch.Tensor, int] | None]
         self._queue = queue.Queue(max_queued)
         self._failures = 0
         self._thread = threading.Thread(target=self._send, name="pitstop-steps", daemon=True)
         self._thread.start()
 
-    def put(
-        self, step: int, seconds: float, loss: float | torch.Tensor, tokens: int, snapshot: bool
-    ) -> None:
+    def put(self, step: int, seconds: float, loss: float | torch.Tensor, tokens: int) -> None:
         """Queue one finished step. A tensor loss is read on the reporting thread, so a
         GPU loss does not make the training thread wait for the device."""
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
         try:
-            self._queue.put_nowait((step, seconds, loss, tokens, snapshot))
+            self._queue.put_nowait((step, seconds, loss, tokens))
         except queue.Full:
             log.debug("step report queue full: step %d not reported", step)
 
     def _send(self) -> None:
         while (item := self._queue.get()) is not None:
-            step, seconds, loss, tokens, snapshot = item
+            step, seconds, loss, tokens = item
             try:
-                self._report(
-                    step, seconds, loss=float(loss), tokens=tokens, checkpoint_step=snapshot
-                )
+                self._report(step, seconds, loss=float(loss), tokens=tokens)
                 self._failures = 0
             except grpc.RpcError as exc:
                 self._failures += 1

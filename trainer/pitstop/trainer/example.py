@@ -30,7 +30,8 @@ import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -160,9 +161,16 @@ class Job:
         y = torch.stack([self.ids[s + 1 : s + context + 1] for s in starts])
         return x.to(self.device), y.to(self.device)
 
-    def train_step(self, state: TrainState, step: int, rank: int, world: int) -> torch.Tensor:
+    def train_step(
+        self,
+        state: TrainState,
+        step: int,
+        rank: int,
+        world: int,
+        waiting: Callable[[], AbstractContextManager[None]] = nullcontext,
+    ) -> torch.Tensor:
         """One optimizer step over the global batch, as `rank` of `world`; the mean loss
-        of its shards."""
+        of its shards. The gradient exchange runs inside `waiting()`."""
         args, model, optimizer = self.args, state.model, state.optimizer
         assert optimizer is not None
         x, y = self.next_batch(state.cursor, args.shards * args.shard_batch)
@@ -184,7 +192,8 @@ class Job:
         gathered = [local]
         if world > 1:
             gathered = [torch.empty_like(local) for _ in range(world)]
-            dist.all_gather(gathered, local)
+            with waiting():
+                dist.all_gather(gathered, local)
         total = gathered[0][0].clone()
         for shard in range(1, args.shards):
             total += gathered[shard % world][shard // world]
@@ -269,7 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for step in session.steps(state, until=args.steps):
             began = time.monotonic()
             with session.guard():
-                loss = job.train_step(state, step, session.rank, session.world_size)
+                loss = job.train_step(
+                    state, step, session.rank, session.world_size, session.waiting
+                )
                 tokens = len(range(session.rank, args.shards, session.world_size))
                 session.commit(state, loss=loss, tokens=tokens * args.shard_batch * args.context)
                 if args.log_every and step % args.log_every == 0:
@@ -298,12 +309,13 @@ def save(state: TrainState, directory: Path) -> None:
 
 
 def load_saved(state: TrainState, directory: Path) -> None:
-    """Continue from the newest torch.save checkpoint in `directory`, if any."""
+    """Continue from the newest torch.save checkpoint in `directory`, if any; say the
+    step it starts from (0: none saved yet, start over)."""
     path = directory / "latest.pt"
     if path.exists():
         saved = torch.load(path, weights_only=True)
         apply(state, saved["tensors"], saved["metadata"])
-        _say(rank=int(os.environ.get("RANK", "0")), loaded_step=state.step)
+    _say(rank=int(os.environ.get("RANK", "0")), loaded_step=state.step)
 
 
 def _say(**fields: object) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -46,6 +48,17 @@ def device_for(local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+class Superseded(Exception):
+    """A newer generation was decided while this rank waited for its group to form."""
+
+
+ARRIVAL_POLL = timedelta(seconds=0.5)
+"""How long one attempt to reach the generation's store lasts before checking whether
+this rank is superseded."""
+ARRIVAL_CHECK_SECONDS = 0.05
+"""How often a rank waiting at the store looks for the ranks still to come."""
+
+
 def form(
     rank: int,
     world_size: int,
@@ -53,13 +66,16 @@ def form(
     rendezvous_address: str = "",
     device: torch.device | None = None,
     wait: timedelta | None = None,
+    superseded: Callable[[], bool] | None = None,
 ) -> None:
     """Form the default process group at `rendezvous_address` (else MASTER_ADDR and
-    MASTER_PORT). Collectives time out after `timeout`; forming waits up to `wait`
-    for every rank to arrive (a replacement may still be starting), so the collective
-    timeout can be short. Under torchrun the group forms over env://, on the store its
-    agent serves. A group the script formed itself is kept (and dropped on a
-    Reconfigure)."""
+    MASTER_PORT). Collectives time out after `timeout`; forming first waits up to
+    `wait` for every rank to arrive at the store (a replacement may still be
+    starting), so the collective timeout can be short. While it waits it asks
+    `superseded()` and raises Superseded when a newer generation makes
+    this one moot: its peers will never come. Under torchrun the group forms over
+    env://, on the store its agent serves. A group the script formed itself is kept (and
+    dropped on a Reconfigure)."""
     if dist.is_initialized():
         log.info("process group already formed by the script: using it")
         return
@@ -83,9 +99,7 @@ def form(
             f"rank {rank} of {world_size}: MASTER_ADDR/MASTER_PORT are not set; start the "
             "ranks through the pitstop agent or torchrun, or set them"
         )
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        host, int(port), world_size, is_master=rank == 0, timeout=max(wait or timeout, timeout)
-    )
+    store = _arrive(rank, world_size, host, int(port), max(wait or timeout, timeout), superseded)
     dist.init_process_group(
         backend(),
         store=store,
@@ -95,6 +109,54 @@ def form(
         device_id=device_id,
     )
     log.info("process group formed: rank %d of %d via %s:%s", rank, world_size, host, port)
+
+
+def _arrive(
+    rank: int,
+    world_size: int,
+    host: str,
+    port: int,
+    wait: timedelta,
+    superseded: Callable[[], bool] | None,
+) -> dist.TCPStore:  # type: ignore[name-defined]
+    """Connect to the generation's store (rank 0 serves it) and wait there until every
+    rank has arrived: gloo's own connect gives up after the short collective timeout."""
+    deadline = time.monotonic() + wait.total_seconds()
+
+    def check() -> None:
+        if superseded is not None and superseded():
+            raise Superseded(f"rank {rank}: a newer generation was decided while forming")
+
+    while True:
+        check()
+        try:
+            store = dist.TCPStore(  # type: ignore[attr-defined]
+                host,
+                port,
+                world_size,
+                is_master=rank == 0,
+                timeout=min(ARRIVAL_POLL, wait) if rank != 0 else wait,
+                wait_for_workers=False,
+            )
+            break
+        except (RuntimeError, dist.DistError) as exc:  # rank 0's store is not up yet
+            if rank == 0 or time.monotonic() >= deadline:
+                raise
+            log.debug("store at %s:%d not up yet: %s", host, port, exc)
+    store.set(f"pitstop/arrived/{rank}", "1")
+    everyone = [f"pitstop/arrived/{r}" for r in range(world_size)]
+    # Polled with check(), which answers at once: a timed-out wait() would log a c10d
+    # warning twice a second for as long as a replacement takes to start.
+    while not store.check(everyone):
+        check()
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"rank {rank}: not every rank of {world_size} reached {host}:{port} within "
+                f"{wait.total_seconds():.0f}s"
+            )
+        time.sleep(ARRIVAL_CHECK_SECONDS)
+    store.set_timeout(wait)
+    return store
 
 
 def drop() -> None:

@@ -100,6 +100,28 @@ class Recovery:
             return True
         try:
             self._join(state, new, rank, must_restore=cut_short)
+        except group.Superseded:
+            # A newer generation was decided while this one formed (a second failure
+            # mid-recovery): its peers will never all come. Join the newest instead.
+            held = inbox.drain(RECONFIGURE)
+            newest = max(held, key=lambda c: c.reconfigure.generation)
+            for stale in held:
+                if stale is not newest:
+                    inbox.acknowledge(stale, ok=True, step=state.step)
+            superseded_by = newest.reconfigure.generation
+            inbox.acknowledge(
+                command,
+                ok=False,
+                step=state.step,
+                error=f"superseded by generation {superseded_by}",
+            )
+            log.warning(
+                "rank %d: generation %d superseded by %d while forming",
+                session.rank,
+                new.generation,
+                superseded_by,
+            )
+            return self.reconfigure(state, newest, cut_short=True)
         except Exception as exc:
             inbox.acknowledge(
                 command, ok=False, step=state.step, error=f"{type(exc).__name__}: {exc}"
@@ -173,7 +195,14 @@ class Recovery:
             rendezvous_address=new.rendezvous_address,
             device=session.device,
             wait=timedelta(seconds=session.config.reconfigure_timeout),
+            superseded=self._superseded_by(new.generation),
         )
+
+    def _superseded_by(self, generation: int) -> Callable[[], bool] | None:
+        inbox = self._session.inbox
+        if inbox is None:
+            return None
+        return lambda: inbox.newest_generation() > generation
 
     def _rank_in(self, rank_map: common_pb2.RankMap) -> int | None:
         config, session = self._session.config, self._session

@@ -4,8 +4,14 @@
         state = session.restore(default=make_state)
         for step in session.steps(state, until=total_steps):
             with session.guard():              # a lost peer: roll back, not crash
-                loss = train_step(state)
+                loss = train_step(state)       # collectives inside session.waiting()
                 session.commit(state, loss=loss)
+
+A step's reported time (what straggler detection compares across ranks) is its wall
+time less the time spent in `session.waiting()`: in synchronous training every rank
+leaves a collective together, so only the work before it tells a slow GPU apart. On a
+simulated slow GPU (the agent's slow multiplier above 1) the session stretches that work
+by the multiplier, as the slow GPU would, before each collective and at commit.
 
 Off-cluster (no PITSTOP_AGENT_SOCKET) the session does nothing but run the loop and,
 when RANK/WORLD_SIZE are set (torchrun), form the process group; with PITSTOP_CHECKPOINTD
@@ -82,6 +88,8 @@ class Session:
         self._default: Callable[[], TrainState] | None = None
         self._pending_step: int | None = None
         self._started = 0.0
+        self._mark = 0.0  # end of the last waiting() or the step's start
+        self._waited = 0.0  # seconds of this step spent in waiting()
         self._aborted: BaseException | None = None
         self.finished = False
         """The loop ran to `until`."""
@@ -216,7 +224,8 @@ class Session:
             if at_boundary(self, state):
                 continue  # the state or the group changed: decide again, all together
             self._pending_step = state.step + 1
-            self._started = time.perf_counter()
+            self._started = self._mark = time.perf_counter()
+            self._waited = 0.0
             yield self._pending_step
 
     @contextmanager
@@ -232,20 +241,42 @@ class Session:
             log.warning("rank %d: step lost a peer: %s", self.rank, exc)
             self._aborted = exc
 
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Wrap a collective (or any wait on other ranks): its time is not this rank's
+        work, so it is left out of the step time that straggler detection compares."""
+        self._simulate_slow_gpu()
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._mark = time.perf_counter()
+            self._waited += self._mark - began
+
+    def _simulate_slow_gpu(self) -> None:
+        """On a simulated slow GPU, stretch the work since the last mark by the
+        multiplier: the rank reaches its next collective as late as the slow GPU would."""
+        multiplier = self.control.slow_multiplier if self.control is not None else 1.0
+        if multiplier > 1.0 and self._pending_step is not None:
+            time.sleep((multiplier - 1.0) * (time.perf_counter() - self._mark))
+
     def commit(self, state: TrainState, loss: float | torch.Tensor = 0.0, tokens: int = 0) -> None:
         """The step is done: count it, snapshot when due, report it to the agent."""
         step = self._pending_step
         if step is None:
             raise RuntimeError("commit() outside a step: call it once per step of steps()")
+        self._simulate_slow_gpu()
         self._pending_step = None
         state.step = step
-        seconds = time.perf_counter() - self._started
+        seconds = time.perf_counter() - self._started - self._waited
         every = self.config.snapshot_every
-        snapshot = self.writer is not None and every > 0 and step % every == 0
-        if snapshot:
-            snapshot = self.snapshot(state)
+        if self.writer is not None and every > 0 and step % every == 0:
+            self.snapshot(state)
         if self._reporter is not None:
-            self._reporter.put(step, seconds, loss, tokens, snapshot)
+            # `seconds` was taken before the snapshot, so its stall is in no step's time
+            # and the step is not reported as a checkpoint step: it counts in straggler
+            # statistics (with a snapshot every step, excluding them would exclude all).
+            self._reporter.put(step, seconds, loss, tokens)
 
     def snapshot(self, state: TrainState) -> bool:
         """Snapshot `state` now; False (logged) when checkpointd skipped or refused it."""
