@@ -67,8 +67,11 @@ class JobWatch:
     goodput_at: float = 0.0
     # Nodes whose ranks must start afresh at the next restart (a rank there exited).
     restart_nodes: set[str] = field(default_factory=set)
-    # When an in-place recovery (Reconfigure) is given up for a full restart.
+    # When an in-place recovery (Reconfigure) is given up for a full restart; set while
+    # one is in flight.
     recover_deadline: float | None = None
+    # The nodes that in-flight recovery started ranks on afresh.
+    starting_nodes: set[str] = field(default_factory=set)
 
     def release_in_step_order(
         self, fresh: list[agent_pb2.StepSample], world_size: int, now: float, hold: float
@@ -214,6 +217,12 @@ class Reconciler:
                 restore = await catalog.restorable_step(session, job)
             start = start_command(job, placement, hosts, restore)
         watch = self.watches.setdefault(job_id, JobWatch())
+        if watch.recover_deadline is not None:
+            # This supersedes a recovery still in flight. The ranks it started may not
+            # have opened their command streams yet, so a Reconfigure would miss them
+            # and they would wait in the old generation: start them anew instead.
+            fresh = fresh | watch.starting_nodes
+        watch.starting_nodes = set(fresh)
         watch.finished.clear()
         watch.recover_deadline = self.clock() + RECONFIGURE_TIMEOUT_SECONDS
         reconfigure = agent_pb2.Reconfigure(
@@ -505,6 +514,11 @@ class Reconciler:
                     if k.startswith("result.")
                 },
             }
+            # Step times are telemetry (an agent drops them when its buffer is full, or
+            # across a scheduler restart); a final step the ranks report is the truth.
+            steps = job.result.get("steps", "")
+            if steps.isdecimal():
+                job.current_step = max(job.current_step, int(steps))
             lifecycle.transition(
                 session, job, JobState.SUCCEEDED, kind="job.succeeded", reason="every rank exited 0"
             )
