@@ -231,7 +231,11 @@ def run_torchrun(args: argparse.Namespace, steps: int, root: Path) -> dict[str, 
     save_dir = root / "torchrun-save"
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-    env.update(PYTHONUNBUFFERED="1")
+    # torchrun shares one TCPStore server across rendezvous rounds by default, and the
+    # restarted workers' gloo group then reads the previous round's peer addresses from
+    # it ("Connection refused" in connectFullMesh, or a hang). This opt-out gives each
+    # round a store of its own; it is what a torchrun user who restarts workers needs.
+    env.update(PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     command = example_command(steps, args.step_seconds)
     command += ["--save-dir", str(save_dir), "--save-every", str(args.save_every)]
     agents = []
@@ -321,6 +325,9 @@ def main() -> int:
     parser.add_argument("--save-every", type=int, default=25, help="torchrun's torch.save")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-torchrun", action="store_true")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the run's directory (logs, rank logs)"
+    )
     args = parser.parse_args()
     steps = (args.every + 10) * (args.failures + 1)
     root = Path(tempfile.mkdtemp(prefix="pitstop-recovery-"))
@@ -332,7 +339,10 @@ def main() -> int:
         torchrun = None if args.skip_torchrun else run_torchrun(args, steps, root)
         pitstop = run_pitstop(args, steps, root)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        if args.keep:
+            say(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     rows = pitstop["failures"]
     result: dict[str, Any] = {
         "bench": "recovery",

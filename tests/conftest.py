@@ -12,9 +12,11 @@ import contextlib
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -337,10 +339,14 @@ class follow_events:  # noqa: N801 (used like the generator it replaced)
     one dropped unclosed is left to grpc's own finalizer: closing a channel from a
     garbage collection that runs inside grpc code holding the channel's lock deadlocks."""
 
-    def __init__(self, address: str, after: int = 0, timeout: float = 60.0) -> None:
+    def __init__(
+        self, address: str, after: int = 0, timeout: float = 60.0, wait_for_ready: bool = False
+    ) -> None:
         self._channel = grpc.insecure_channel(address)
         self._stream = nodes_pb2_grpc.EventServiceStub(self._channel).Watch(
-            nodes_pb2.WatchEventsRequest(after_event_id=after), timeout=timeout
+            nodes_pb2.WatchEventsRequest(after_event_id=after),
+            timeout=timeout,
+            wait_for_ready=wait_for_ready,
         )
 
     def __iter__(self) -> Iterator[Any]:
@@ -360,3 +366,103 @@ def wait_for(events: Iterator[Any], match: Callable[[Any], bool]) -> Any:
         if match(event):
             return event
     raise AssertionError("the event stream ended before the awaited event")
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (bound once and let go)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+SCHEDULER_BIN = Path(sys.executable).with_name("pitstop-scheduler")
+
+
+class SchedulerProcess:
+    """A `pitstop-scheduler` process, configured by `env` (PITSTOP_* settings), that a
+    test can kill -9 and start again on the same port. Its stderr goes to
+    ``root/<name>.log``."""
+
+    def __init__(self, root: Path, name: str, env: dict[str, str], port: int = 0) -> None:
+        self.root, self.name, self.env, self.port = root, name, env, port
+        self.metrics_port = free_port()
+        self.log = root / f"{name}.log"
+        self._channels: list[grpc.Channel] = []
+        self.start()
+
+    def start(self) -> None:
+        with self.log.open("a") as log:
+            self.proc = subprocess.Popen(
+                [
+                    str(SCHEDULER_BIN),
+                    "--state-dir",
+                    str(self.root / self.name),
+                    "--port",
+                    str(self.port),
+                    "--metrics-port",
+                    str(self.metrics_port),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=self.env,
+            )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert "listening on" in line, self.log.read_text()
+        self.address = line.rsplit(" ", 1)[1].strip()
+        self.port = int(self.address.rsplit(":", 1)[1])  # a restart reuses it
+
+    def channel(self) -> grpc.Channel:
+        channel = grpc.insecure_channel(self.address)
+        self._channels.append(channel)
+        return channel
+
+    def leading(self) -> bool:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+        return "pitstop_scheduler_leader 1.0" in text
+
+    def kill(self) -> None:
+        """kill -9: no shutdown, no lease given back, streams cut."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(30)
+        for channel in self._channels:
+            channel.close()
+
+
+class PostgresProcess:
+    """An embedded PostgreSQL owned by a small process of its own: initdb and pg_ctl run
+    from a fresh, single-threaded interpreter, not from this test process and its gRPC
+    threads (pgserver's initdb was seen to segfault when started from here). Closing its
+    stdin stops the server; the data stays for the next one."""
+
+    SCRIPT = (
+        "import sys; from pathlib import Path; "
+        "from pitstop.scheduler.embedded import start_postgres; "
+        "url, server = start_postgres(Path(sys.argv[1])); print(url, flush=True); "
+        "sys.stdin.read(); server.cleanup()"
+    )
+
+    def __init__(self, state_dir: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", self.SCRIPT, str(state_dir)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.url = self.proc.stdout.readline().strip()
+        assert self.url.startswith("postgresql://"), "embedded PostgreSQL did not start"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            assert self.proc.wait(60) == 0

@@ -7,68 +7,29 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import psycopg
 import pytest
-from conftest import AgentSpec, StoreUrls, follow_events, run_agents, unique, wait_for
+from conftest import (
+    AgentSpec,
+    SchedulerProcess,
+    StoreUrls,
+    follow_events,
+    run_agents,
+    unique,
+    wait_for,
+)
 from fake_rank import FAKE_RANK
 
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc
 
 LEASE = 1.0
-SCHEDULER = Path(sys.executable).with_name("pitstop-scheduler")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-class SchedulerProcess:
-    def __init__(self, root: Path, name: str, env: dict[str, str]) -> None:
-        self.metrics_port = free_port()
-        self.log = root / f"{name}.log"
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(
-                [
-                    str(SCHEDULER),
-                    "--state-dir",
-                    str(root / name),
-                    "--port",
-                    "0",
-                    "--metrics-port",
-                    str(self.metrics_port),
-                ],
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                env=env,
-            )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert "listening on" in line, self.log.read_text()
-        self.address = line.rsplit(" ", 1)[1].strip()
-
-    def leading(self) -> bool:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            text = reply.read().decode()
-        return "pitstop_scheduler_leader 1.0" in text
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(30)
 
 
 @pytest.fixture

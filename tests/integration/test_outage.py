@@ -3,13 +3,11 @@ calls succeed again once PostgreSQL is back, without a restart."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
 import pytest
-from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
+from conftest import PostgresProcess, SchedulerThread, StoreUrls, scheduler_settings, unique
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
@@ -21,37 +19,6 @@ def wait_for_health(thread: SchedulerThread, wanted: int, timeout: float = 20) -
     for reply in stub.Watch(health_pb2.HealthCheckRequest(), timeout=timeout):
         if reply.status == wanted:
             return
-
-
-class PostgresProcess:
-    """An embedded PostgreSQL owned by a small process of its own: initdb and pg_ctl run
-    from a fresh, single-threaded interpreter, not from this test process and its gRPC
-    threads (pgserver's initdb was seen to segfault when started from here). Closing its
-    stdin stops the server; the data stays for the next one."""
-
-    SCRIPT = (
-        "import sys; from pathlib import Path; "
-        "from pitstop.scheduler.embedded import start_postgres; "
-        "url, server = start_postgres(Path(sys.argv[1])); print(url, flush=True); "
-        "sys.stdin.read(); server.cleanup()"
-    )
-
-    def __init__(self, state_dir: Path) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", self.SCRIPT, str(state_dir)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        self.url = self.proc.stdout.readline().strip()
-        assert self.url.startswith("postgresql://"), "embedded PostgreSQL did not start"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            assert self.proc.wait(60) == 0
 
 
 def test_postgres_outage_is_unavailable_and_heals(stores: StoreUrls, tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from typing import Any
 
 import grpc
 import pytest
+from conftest import free_port
 
 from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
 from pitstop.v1 import (
@@ -43,12 +43,6 @@ pytest.importorskip("torch")
 STEPS = 40
 TIMEOUT = 30.0
 EXAMPLE = [sys.executable, "-m", "pitstop.trainer.example", "--steps", str(STEPS)]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class Proc:
