@@ -170,7 +170,9 @@ class Job:
         waiting: Callable[[], AbstractContextManager[None]] = nullcontext,
     ) -> torch.Tensor:
         """One optimizer step over the global batch, as `rank` of `world`; the mean loss
-        of its shards. The gradient exchange runs inside `waiting()`."""
+        of its shards. The gradient exchange runs inside `waiting()`; the work before it
+        is paced to at least --step-seconds."""
+        began = time.monotonic()
         args, model, optimizer = self.args, state.model, state.optimizer
         assert optimizer is not None
         x, y = self.next_batch(state.cursor, args.shards * args.shard_batch)
@@ -189,6 +191,8 @@ class Job:
             loss.backward()  # type: ignore[no-untyped-call]
             local[slot, :-1] = torch.cat([_grad(p).reshape(-1) for p in params])
             local[slot, -1] = loss.detach()
+        if args.step_seconds > 0:  # the stand-in for a real model's GPU time
+            time.sleep(max(0.0, args.step_seconds - (time.monotonic() - began)))
         gathered = [local]
         if world > 1:
             gathered = [torch.empty_like(local) for _ in range(world)]
@@ -256,8 +260,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--step-seconds",
         type=float,
         default=0.0,
-        help="pace each step to at least this long, standing in for a real model's GPU time "
-        "(demos and fault tests use it to fail a run mid-way; the weights do not change)",
+        help="pace each step's forward and backward (the work before the gradient exchange) "
+        "to at least this long, standing in for a real model's GPU time: a simulated slow GPU "
+        "stretches it (demos and fault tests use it to fail a run mid-way and to show a "
+        "straggler; the weights do not change)",
     )
     return parser.parse_args(argv)
 
@@ -276,7 +282,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.shards < session.world_size:
             raise SystemExit(f"--shards {args.shards} is below the world size {session.world_size}")
         for step in session.steps(state, until=args.steps):
-            began = time.monotonic()
             with session.guard():
                 loss = job.train_step(
                     state, step, session.rank, session.world_size, session.waiting
@@ -287,8 +292,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     _say(rank=session.rank, step=step, loss=round(float(loss), 4))
             if args.save_dir and step % args.save_every == 0 and session.rank == 0:
                 save(state, Path(args.save_dir))
-            if args.step_seconds > 0:
-                time.sleep(max(0.0, args.step_seconds - (time.monotonic() - began)))
         if not session.finished:
             _say(rank=session.rank, stopped_at=state.step)
             return 0
