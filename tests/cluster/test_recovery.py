@@ -21,7 +21,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,9 @@ from pitstop.agent.config import SOCKET_NAME
 from pitstop.checkpointd.slots import segment_prefix
 from pitstop.client.cli import app
 from pitstop.client.localcluster import rank_pids
+from pitstop.client.netns import IFACE, Network
+from pitstop.client.netns import create as create_network
+from pitstop.client.netns import destroy as destroy_network
 from pitstop.v1 import (
     checkpoint_pb2,
     checkpoint_pb2_grpc,
@@ -100,6 +102,7 @@ class Node:
     checkpointd_env: dict[str, str] = field(default_factory=dict)
     host: str = "127.0.0.1"  # what its daemons listen on and its ranks are reached at
     netns: str = ""  # the network namespace its daemons (and so its ranks) run in
+    iface: str = ""  # the interface its ranks' gloo uses (GLOO_SOCKET_IFNAME); "": any
 
     def _in_netns(self, command: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *command] if self.netns else command
@@ -173,7 +176,7 @@ class Node:
                 ]
             ),
             stdout=subprocess.DEVNULL,
-            env=clean_env(),
+            env=clean_env() | ({"GLOO_SOCKET_IFNAME": self.iface} if self.iface else {}),
             start_new_session=True,
         )
 
@@ -238,29 +241,30 @@ class Cluster:
         self.catalog = checkpoint_pb2_grpc.CheckpointCatalogServiceStub(scheduler.channel())
         self.nodes: dict[str, Node] = {}
 
-    netns: Netns | None = None
+    network: Network | None = None
 
     def start(
         self,
         spares: int = 1,
         checkpointd_env: dict[str, str] | None = None,
-        netns: Netns | None = None,
+        network: Network | None = None,
     ) -> None:
         """Start the nodes (their checkpoint daemons with `checkpointd_env`); returns
-        once every one is registered. With `netns`, node `netns.node` runs in that
-        network namespace and every node is reached at its veth address."""
-        self.netns = netns
+        once every one is registered. With `network`, its nodes run in their namespaces
+        and the others here, reached at the bridge's address."""
+        self.network = network
         specs = [(n, f"r{i}", "worker") for i, n in enumerate(WORKERS)]
         specs += [(f"{SPARE}{i or ''}", f"r{i}", "spare") for i in range(spares)]
         for node_id, rack, role in specs:
             node = Node(node_id, self.root / node_id, rack, role, self.scheduler.address)
             node.checkpointd_env = dict(checkpointd_env or {})
-            if netns is not None:
-                inside = node_id == netns.node
-                node.host = netns.inside if inside else netns.outside
-                node.netns = netns.name if inside else ""
+            if network is not None:
+                inside = {link.node_id: link for link in network.links}.get(node_id)
+                node.host = network.gateway if inside is None else inside.address
+                node.netns = "" if inside is None else inside.namespace
+                node.iface = network.bridge if inside is None else IFACE
                 port = self.scheduler.address.rsplit(":", 1)[1]
-                node.scheduler = f"{netns.outside}:{port}"
+                node.scheduler = f"{network.gateway}:{port}"
             self.nodes[node_id] = node
             node.start()
         for node in self.nodes.values():  # the daemons started side by side: now the agents
@@ -401,53 +405,14 @@ def full_filesystem(path: Path) -> Iterator[None]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
-@dataclass(frozen=True)
-class Netns:
-    """Node `node` in network namespace `name`, joined to the test's namespace by a veth
-    pair whose ends are both called `iface`: `outside` here, `inside` in there."""
-
-    name: str
-    iface: str
-    node: str
-    outside: str = "10.231.57.1"
-    inside: str = "10.231.57.2"
-
-    def cut(self) -> None:
-        """Take the namespace's end of the link down: the node is cut off, alive."""
-        subprocess.run(["ip", "-n", self.name, "link", "set", self.iface, "down"], check=True)
-
-
 @contextlib.contextmanager
-def network_namespace(node: str) -> Iterator[Netns]:
-    tag = uuid.uuid4().hex[:8]
-    netns = Netns(f"pitstop-{tag}", f"pv{tag}", node)
-
-    def ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True)
-
-    ip("netns", "add", netns.name)
+def network_namespace(node: str) -> Iterator[Network]:
+    """Node `node` in a network namespace of its own, behind a bridge here."""
+    network = create_network([node])
     try:
-        ip(
-            "link",
-            "add",
-            netns.iface,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            netns.iface,
-            "netns",
-            netns.name,
-        )
-        ip("addr", "add", f"{netns.outside}/30", "dev", netns.iface)
-        ip("link", "set", netns.iface, "up")
-        ip("-n", netns.name, "addr", "add", f"{netns.inside}/30", "dev", netns.iface)
-        ip("-n", netns.name, "link", "set", netns.iface, "up")
-        ip("-n", netns.name, "link", "set", "lo", "up")
-        yield netns
+        yield network
     finally:
-        subprocess.run(["ip", "link", "del", netns.iface], check=False, capture_output=True)
-        subprocess.run(["ip", "netns", "del", netns.name], check=False, capture_output=True)
+        destroy_network(network)
 
 
 @pytest.fixture
@@ -476,7 +441,7 @@ def cluster(
                 "PITSTOP_CHECKPOINTD_DURABLE_URL": f"file://{root / 'store' / 'durable'}",
                 "PITSTOP_CHECKPOINTD_FLUSH_EVERY_STEPS": "5",
             }
-        netns = stack.enter_context(network_namespace(netns_node)) if netns_node else None
+        network = stack.enter_context(network_namespace(netns_node)) if netns_node else None
         thread = SchedulerThread(
             scheduler_settings(
                 stores,
@@ -487,13 +452,13 @@ def cluster(
                 heartbeat_interval_seconds=0.5,
                 liveness_startup_grace_seconds=0.0,
                 # Reachable from a node in a network namespace too.
-                host="0.0.0.0" if netns else "127.0.0.1",
+                host="0.0.0.0" if network else "127.0.0.1",
             )
         )
         stack.callback(thread.stop)
         built = Cluster(thread, root)
         stack.callback(built.stop)  # also when a node fails to start
-        built.start(spares, checkpointd_env, netns)
+        built.start(spares, checkpointd_env, network)
         built.redis_url, built.redis_prefix = stores.redis_url, prefix
         yield built
 
@@ -987,24 +952,24 @@ def test_a_node_cut_off_by_its_network_namespace_is_replaced(
     declares it lost, its rank moves to the spare and restores the replica its buddy
     holds; the survivors' gradient exchange gives up after the collective timeout and
     they re-form without it. The job ends bitwise equal."""
-    netns = cluster.netns
-    assert netns is not None
-    # gloo's peers meet on the veth addresses (loopback would not cross namespaces).
-    job = cluster.submit(
-        "--step-seconds", str(STEP_SECONDS), env={"GLOO_SOCKET_IFNAME": netns.iface}
-    )
-    (rank,) = [a.rank for a in job.rank_map.ranks if a.node_id == netns.node]
+    network = cluster.network
+    assert network is not None
+    (cut,) = network.links
+    # gloo's peers meet on the bridge's subnet (loopback would not cross namespaces): each
+    # node's agent hands its ranks GLOO_SOCKET_IFNAME.
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    (rank,) = [a.rank for a in job.rank_map.ranks if a.node_id == cut.node_id]
     assert rank != 0  # rank 0's host is the rendezvous; the test cuts another node
     cluster.wait_for_step(job, rank, random.randint(8, STEPS // 2))
-    netns.cut()
+    network.cut(cut.node_id)
     done = cluster.finish(job.id)
     check_result(done, standalone_hash)
     placed = {a.node_id for a in done.rank_map.ranks}
-    assert netns.node not in placed, placed
+    assert cut.node_id not in placed, placed
     assert SPARE in placed, placed
     lost = node_lost_events(cluster)
     assert len(lost) == 1, lost
-    assert lost[0].startswith(f"{netns.node}: "), lost
+    assert lost[0].startswith(f"{cut.node_id}: "), lost
     for each in range(4):
         assert all_steps_logged(cluster, done, each) == set(range(1, STEPS + 1))
     restored = restored_steps(cluster, done)

@@ -1,4 +1,4 @@
-"""``pitstop cluster up|status|down`` as a person runs it: the real CLI binary starting the
+"""``pitstop cluster up|status|cut|heal|down`` as a person runs it: the real CLI binary starting the
 real daemons (scheduler, checkpoint daemons, agents) detached, on the test stores.
 
 Each test gets its own state dir, database and Redis prefix; whatever a test leaves
@@ -157,6 +157,13 @@ def test_up_status_down(stores: StoreUrls, state_dir: Path, cli_env: dict[str, s
     assert f"scheduler at {address}" in human.stdout
     assert "agent-spare-1" in human.stdout
 
+    # Cutting a node off needs namespaces: the error says how to get them.
+    cut = cluster_cli(cli_env, "cut", "node-2", "--state-dir", str(state_dir))
+    assert cut.returncode == 1
+    assert "runs without network namespaces; bring it up with pitstop cluster up --netns" in (
+        cut.stderr
+    )
+
     down = cluster_cli(cli_env, "down", "--state-dir", str(state_dir))
     assert down.returncode == 0, down.stderr
     assert "stopped 7 processes" in down.stdout
@@ -175,6 +182,85 @@ def test_up_status_down(stores: StoreUrls, state_dir: Path, cli_env: dict[str, s
     assert again_down.returncode == 0, again_down.stderr
     assert f"no cluster runs in {state_dir}" in again_down.stdout
     assert not state_dir.exists()
+
+
+def net_namespace(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/net")
+
+
+def node_states(env: dict[str, str], state_dir: Path) -> dict[str, tuple[str, bool]]:
+    return {n["id"]: (n["state"], n["connected"]) for n in status_json(env, state_dir)["nodes"]}
+
+
+def ip_names(*args: str) -> str:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None, reason="network namespaces need root and ip"
+)
+def test_netns_cut_and_heal(stores: StoreUrls, state_dir: Path, cli_env: dict[str, str]) -> None:
+    """``up --netns``: each node in a namespace of its own behind a bridge. A node cut off
+    lives on but is declared lost; healed, it comes back ready; ``down`` removes the
+    namespaces and the bridge."""
+    up = cluster_cli(
+        cli_env,
+        "up",
+        "--nodes",
+        "2",
+        "--spares",
+        "0",
+        "--netns",
+        "--state-dir",
+        str(state_dir),
+        "--port",
+        "0",
+        "--database-url",
+        stores.fresh_database(),
+        "--redis-url",
+        stores.redis_url,
+        "--timeout",
+        "90",
+    )
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert "each node in a network namespace of its own" in up.stdout
+    status = status_json(cli_env, state_dir)
+    network = status["network"]
+    assert network["cut_off"] == []
+    links = {link["node_id"]: link for link in network["links"]}
+    assert set(links) == {"node-1", "node-2"}
+    assert status["scheduler_address"].startswith(network["gateway"] + ":")
+    pids = {p["name"]: p["pid"] for p in status["processes"]}
+    spaces = {name: net_namespace(pid) for name, pid in pids.items()}
+    assert spaces["scheduler"] == net_namespace(os.getpid())
+    assert spaces["agent-node-1"] == spaces["checkpointd-node-1"]
+    assert len({spaces["scheduler"], spaces["agent-node-1"], spaces["agent-node-2"]}) == 3
+    addresses = {p["name"]: p["address"] for p in status["processes"]}
+    assert addresses["checkpointd-node-2"].startswith(links["node-2"]["address"] + ":")
+
+    cut = cluster_cli(cli_env, "cut", "node-2", "--state-dir", str(state_dir))
+    assert cut.returncode == 0, cut.stderr
+    wait_for(
+        lambda: node_states(cli_env, state_dir)["node-2"] == ("lost", False), "node-2 to be lost"
+    )
+    assert all(running(pid) for pid in pids.values())  # cut off, not dead
+    assert node_states(cli_env, state_dir)["node-1"] == ("ready", True)
+    assert status_json(cli_env, state_dir)["network"]["cut_off"] == ["node-2"]
+
+    heal = cluster_cli(cli_env, "heal", "node-2", "--state-dir", str(state_dir))
+    assert heal.returncode == 0, heal.stderr
+    wait_for(
+        lambda: node_states(cli_env, state_dir)["node-2"] == ("ready", True),
+        "node-2 to come back",
+    )
+    assert status_json(cli_env, state_dir)["network"]["cut_off"] == []
+
+    down = cluster_cli(cli_env, "down", "--state-dir", str(state_dir))
+    assert down.returncode == 0, down.stderr
+    assert not any(running(pid) for pid in pids.values())
+    namespaces = ip_names("netns", "list")
+    assert not [link["namespace"] for link in links.values() if link["namespace"] in namespaces]
+    assert network["bridge"] not in ip_names("-o", "link", "show")
 
 
 def test_failed_start_leaves_nothing_running(

@@ -1,4 +1,5 @@
-"""``pitstop cluster up|status|down``: a local cluster of real daemons on this machine."""
+"""``pitstop cluster up|status|cut|heal|down``: a local cluster of real daemons on this
+machine."""
 
 from __future__ import annotations
 
@@ -92,6 +93,14 @@ def up(
     gpus_per_node: Annotated[
         int, typer.Option("--gpus-per-node", min=1, help="Simulated GPUs per node.")
     ] = 1,
+    netns: Annotated[
+        bool,
+        typer.Option(
+            "--netns",
+            help="Run each node in a network namespace of its own (root and iproute2), so "
+            "pitstop cluster cut can cut one off.",
+        ),
+    ] = False,
     timeout: Annotated[
         float, typer.Option("--timeout", min=1.0, help="Seconds to wait for every node.")
     ] = DEFAULT_TIMEOUT,
@@ -107,6 +116,7 @@ def up(
             database_url=database_url,
             redis_url=redis_url,
             gpus_per_node=gpus_per_node,
+            netns=netns,
             timeout=timeout,
             progress=lambda message: status.update(message),
         )
@@ -118,8 +128,20 @@ def up(
         f"{_count(len(ready), 'node')} ready (state and logs in {cluster.state_dir})"
     )
     out.print(nodes_table(ready, datetime.now(UTC)))
+    if cluster.network is not None:
+        typer.echo(_network_line(cluster))
     typer.echo(f"stop it with: pitstop cluster down --state-dir {cluster.state_dir}")
     typer.echo(f"export {SERVER_ENV}={cluster.scheduler_address}")
+
+
+def _network_line(cluster: LocalCluster) -> str:
+    network = cluster.network
+    assert network is not None
+    cut = cluster.cut_off()
+    return (
+        f"each node in a network namespace of its own, on bridge {network.bridge} "
+        f"({network.gateway}/{network.prefix_len}); cut off: {', '.join(cut) or 'none'}"
+    )
 
 
 def _node_json(node: nodes_pb2.Node) -> dict[str, Any]:
@@ -185,6 +207,9 @@ def status(state_dir: StateDirOption = DEFAULT_STATE_DIR, json_out: JsonFlag = F
                     for p in cluster.processes
                 ],
                 "nodes": None if nodes is None else [_node_json(n) for n in nodes],
+                "network": None
+                if cluster.network is None
+                else {**cluster.network.to_json(), "cut_off": cluster.cut_off()},
                 "error": error,
             }
         )
@@ -202,10 +227,41 @@ def status(state_dir: StateDirOption = DEFAULT_STATE_DIR, json_out: JsonFlag = F
         add_row(processes, (p.name, p.pid, "yes" if alive[p.name] else "no", p.address or "-"))
     out.print(processes)
     out.print(f"logs: {cluster.log_dir}/<name>.log")
+    if cluster.network is not None:
+        out.print(_network_line(cluster))
     if nodes is not None:
         out.print(nodes_table(nodes, datetime.now(UTC)) if nodes else "no nodes registered")
     elif any(alive.values()):
         out.print(error)
+
+
+NodeArgument = Annotated[str, typer.Argument(help="The node, e.g. node-2.", show_default=False)]
+
+
+def _running(state_dir: Path) -> LocalCluster:
+    cluster = LocalCluster.load(state_dir)
+    if cluster is None:
+        raise ClusterError(
+            f"no cluster runs in {state_dir.expanduser().absolute()}; "
+            "start one with pitstop cluster up --netns"
+        )
+    return cluster
+
+
+@cluster_app.command("cut")
+def cut(node: NodeArgument, state_dir: StateDirOption = DEFAULT_STATE_DIR) -> None:
+    """Cut a node off the network, its processes alive (a cluster up with --netns)."""
+    with _cluster_errors():
+        _running(state_dir).cut(node)
+    typer.echo(f"cut {node} off: its link is down; bring it back with pitstop cluster heal {node}")
+
+
+@cluster_app.command("heal")
+def heal(node: NodeArgument, state_dir: StateDirOption = DEFAULT_STATE_DIR) -> None:
+    """Bring a node that was cut off back onto the network."""
+    with _cluster_errors():
+        _running(state_dir).heal(node)
+    typer.echo(f"{node} is back on the network")
 
 
 @cluster_app.command("down")

@@ -33,15 +33,19 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self, cast
+from typing import Any, Literal, Self, TypeVar, cast
 
 from pitstop.client.client import PitstopClient
 from pitstop.client.errors import PitstopError
+from pitstop.client.netns import IFACE, NetnsError, Network, check_supported
+from pitstop.client.netns import create as create_network
+from pitstop.client.netns import destroy as destroy_network
 from pitstop.v1 import common_pb2, nodes_pb2
 
 Kind = Literal["scheduler", "checkpointd", "agent"]
 Role = Literal["worker", "spare"]
 Progress = Callable[[str], None]
+_T = TypeVar("_T")
 
 DEFAULT_STATE_DIR = Path(".state/cluster")
 DEFAULT_PORT = 50051
@@ -384,6 +388,8 @@ class LocalCluster:
     scheduler_address: str
     nodes: list[NodeSpec]
     processes: list[ClusterProcess] = field(default_factory=list)
+    network: Network | None = None
+    """With ``--netns``: each node's network namespace behind one bridge."""
     env: dict[str, str] = field(default_factory=dict, compare=False)
     """Extra environment (over os.environ) for every daemon started from this object;
     not recorded in cluster.json, so a loaded cluster starts nodes without it."""
@@ -407,6 +413,7 @@ class LocalCluster:
         database_url: str | None = None,
         redis_url: str | None = None,
         gpus_per_node: int = 1,
+        netns: bool = False,
         env: Mapping[str, str] | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         progress: Progress | None = None,
@@ -414,6 +421,9 @@ class LocalCluster:
         """Start a scheduler on 127.0.0.1:`port` (0: a free port) with embedded stores
         unless URLs are given, then a checkpointd and an agent for each of `nodes`
         workers and `spares` spares; return once every node is ready in the scheduler.
+        With `netns` (root, iproute2) each node runs in a network namespace of its own
+        behind a bridge whose address the scheduler listens on, so :meth:`cut` can cut
+        one off.
 
         Raises ClusterAlreadyRunning when an earlier cluster in `state_dir` still runs,
         ClusterStartError when a daemon fails or `timeout` passes; then nothing that
@@ -422,6 +432,8 @@ class LocalCluster:
         root = Path(state_dir).expanduser().absolute()
         layout = node_layout(nodes, spares, gpus_per_node)
         say = progress or (lambda _message: None)
+        if netns:
+            _checked(check_supported)
         with _locked(root):
             earlier = cls.load(root)
             if earlier is not None:
@@ -437,6 +449,12 @@ class LocalCluster:
             cluster = cls(root, "", layout, env=dict(env or {}))
             deadline = time.monotonic() + timeout
             try:
+                if netns:
+                    say(f"creating {len(layout)} network namespaces")
+                    cluster.network = _checked(
+                        lambda: create_network([spec.node_id for spec in layout])
+                    )
+                    cluster._save()
                 say("starting the scheduler")
                 cluster._start_scheduler(port, database_url, redis_url, deadline)
                 say(f"scheduler at {cluster.scheduler_address}; starting {len(layout)} nodes")
@@ -470,6 +488,7 @@ class LocalCluster:
                 str(data["scheduler_address"]),
                 [NodeSpec.from_json(n) for n in data["nodes"]],
                 [ClusterProcess.from_json(p) for p in data["processes"]],
+                Network.from_json(data["network"]) if data.get("network") else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ClusterError(
@@ -620,6 +639,29 @@ class LocalCluster:
                 )
         return pids
 
+    def cut(self, node_id: str) -> None:
+        """Cut the node off the network, its processes alive (needs ``--netns``)."""
+        _checked(lambda: self._network().cut(self.node(node_id).node_id))
+
+    def heal(self, node_id: str) -> None:
+        """Bring a node that was cut off back onto the network."""
+        _checked(lambda: self._network().heal(self.node(node_id).node_id))
+
+    def cut_off(self) -> list[str]:
+        """The nodes cut off now (none without ``--netns``)."""
+        network = self.network
+        if network is None:
+            return []
+        return [link.node_id for link in network.links if network.is_cut(link.node_id)]
+
+    def _network(self) -> Network:
+        if self.network is None:
+            raise ClusterError(
+                f"the cluster in {self.state_dir} runs without network namespaces; "
+                "bring it up with pitstop cluster up --netns (as root) to cut nodes off"
+            )
+        return self.network
+
     def restart_node(
         self, node_id: str, *, wait: bool = True, timeout: float = DEFAULT_TIMEOUT
     ) -> list[ClusterProcess]:
@@ -683,6 +725,18 @@ class LocalCluster:
                 f"{self.state_file} is kept"
             )
         self._forget_children(list(self._children))
+        self._remove_network()
+
+    def _remove_network(self) -> None:
+        """Remove the namespaces and the bridge (once nothing runs in them)."""
+        if self.network is None:
+            return
+        problems = destroy_network(self.network)
+        if problems:
+            raise ClusterError(
+                f"could not remove the cluster's network namespaces: {'; '.join(problems)}; "
+                f"{self.state_file} is kept, run pitstop cluster down again"
+            )
 
     def _stop_processes(
         self, procs: Sequence[ClusterProcess], timeout: float = STOP_TIMEOUT
@@ -733,6 +787,7 @@ class LocalCluster:
             for pid in pids:
                 _signal_rank(pid, signal.SIGKILL)
         self._stop_stores(KILL_WAIT)
+        self._remove_network()
 
     # Spawning
 
@@ -807,12 +862,13 @@ class LocalCluster:
             env["PITSTOP_DATABASE_URL"] = database_url
         if redis_url:
             env["PITSTOP_REDIS_URL"] = redis_url
+        host = "127.0.0.1" if self.network is None else self.network.gateway
         argv = [
             binary("pitstop-scheduler"),
             "--state-dir",
             str(self.state_dir / "scheduler"),
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(port),
             "--metrics-port",
@@ -824,7 +880,7 @@ class LocalCluster:
         except ClusterStartError as exc:
             if port and "Failed to bind" in log_tail(starting.process.log, starting.offset):
                 raise ClusterStartError(
-                    f"the scheduler cannot listen on 127.0.0.1:{port}: is another cluster or "
+                    f"the scheduler cannot listen on {host}:{port}: is another cluster or "
                     "scheduler using it? Give another --port (0 picks a free one)"
                 ) from exc
             raise
@@ -844,6 +900,14 @@ class LocalCluster:
         ]
         return started + [a.process for a in agents]
 
+    def _in_namespace(self, node_id: str, argv: list[str]) -> list[str]:
+        """`argv` run in the node's network namespace, if it has one."""
+        return argv if self.network is None else [*self.network.exec_prefix(node_id), *argv]
+
+    def _node_host(self, node_id: str) -> str:
+        """The address the node's daemons listen on and its ranks are reached at."""
+        return "127.0.0.1" if self.network is None else self.network.link(node_id).address
+
     def _spawn_checkpointd(self, spec: NodeSpec) -> _Starting:
         argv = [
             binary("pitstop-checkpointd"),
@@ -851,7 +915,7 @@ class LocalCluster:
             "--node-id",
             spec.node_id,
             "--host",
-            "127.0.0.1",
+            self._node_host(spec.node_id),
             "--port",
             "0",
             "--scheduler",
@@ -866,7 +930,7 @@ class LocalCluster:
         return self._spawn(
             f"checkpointd-{spec.node_id}",
             "checkpointd",
-            argv,
+            self._in_namespace(spec.node_id, argv),
             self._daemon_env(CHECKPOINTD_ENV),
             f"the checkpoint daemon of {spec.node_id}",
             node_id=spec.node_id,
@@ -901,11 +965,17 @@ class LocalCluster:
             "--metrics-port",
             "0",
         ]
+        extra = {}
+        if self.network is not None:
+            argv += ["--advertise-host", self._node_host(spec.node_id)]
+            # Gloo would pick the address the host name resolves to, loopback here;
+            # the ranks inherit the agent's environment.
+            extra["GLOO_SOCKET_IFNAME"] = IFACE
         return self._spawn(
             f"agent-{spec.node_id}",
             "agent",
-            argv,
-            self._daemon_env({}),
+            self._in_namespace(spec.node_id, argv),
+            self._daemon_env(extra),
             f"the agent of {spec.node_id}",
             node_id=spec.node_id,
             socket=str(socket),
@@ -1022,10 +1092,19 @@ class LocalCluster:
             "scheduler_address": self.scheduler_address,
             "nodes": [spec.to_json() for spec in self.nodes],
             "processes": [p.to_json() for p in self.processes],
+            "network": None if self.network is None else self.network.to_json(),
         }
         tmp = self.state_dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         tmp.replace(self.state_file)
+
+
+def _checked(action: Callable[[], _T]) -> _T:
+    """`action()`, its NetnsError raised as a ClusterError."""
+    try:
+        return action()
+    except NetnsError as exc:
+        raise ClusterError(str(exc)) from exc
 
 
 def _find_address(log: Path, offset: int, pattern: re.Pattern[str]) -> str | None:
