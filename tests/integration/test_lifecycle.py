@@ -1,18 +1,24 @@
 """The scheduler's decisions end to end, with real agents on simulated GPUs and real
 rank processes: a gang is placed, started, runs and succeeds; a fatal Xid moves its
 ranks to a spare; a failing rank is restarted with backoff until max_restarts; a slow
-GPU is flagged as a straggler while a noisy healthy run raises no flag."""
+GPU is flagged as a straggler while a noisy healthy run raises no flag; ranks that exit
+while the leader's lease lapses still finish their job."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import tempfile
+import threading
+import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import psycopg
 import pytest
 from conftest import (
     AgentSpec,
@@ -225,3 +231,72 @@ def test_pause_and_resume_reach_the_ranks(deciding: SchedulerThread, short_dir: 
             jobs.Resume(jobs_pb2.JobControlRequest(job_id=job.id))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         jobs.Cancel(jobs_pb2.JobControlRequest(job_id=job.id))
+
+
+def _refused_finish(record: logging.LogRecord) -> bool:
+    """A reconcile tick whose attempt to finish a job was refused for a lapsed lease."""
+    if record.name != "pitstop.scheduler.reconcile" or not record.exc_info:
+        return False
+    _, error, tb = record.exc_info
+    frames = {frame.name for frame in traceback.extract_tb(tb)}
+    return "finish" in frames and "lost the leader lease" in str(error)
+
+
+def test_ranks_that_exit_while_the_lease_lapses_still_finish_the_job(
+    stores: StoreUrls, tmp_path: Path, short_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The leader's lease lapses (its renewal is late: a stalled event loop, a slow
+    database) just as the ranks exit. Finishing the job is refused meanwhile; it must
+    be done at a later tick, once the lease is renewed, not forgotten with the job left
+    running and no rank alive."""
+    database_url = stores.fresh_database()
+    thread = SchedulerThread(
+        scheduler_settings(
+            stores,
+            tmp_path / "scheduler",
+            database_url=database_url,
+            redis_prefix=f"{stores.redis_prefix}{unique('lapse')}:",
+            leader_loops=True,
+            heartbeat_interval_seconds=0.5,
+            liveness_startup_grace_seconds=0.0,
+        )
+    )
+    stop = threading.Event()
+
+    def lapse() -> None:
+        # The holder and token stay; only the expiry passes, as when a renewal is late.
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            while not stop.is_set():
+                conn.execute("UPDATE leases SET expires_at = now() - interval '1 second'")
+                stop.wait(0.01)
+
+    try:
+        events = follow_events(thread.address)
+        with run_agents(thread.address, short_dir, [AgentSpec(n, gpus=1) for n in ("x0", "x1")]):
+            registered(events, ["x0", "x1"])
+            job = submit(
+                thread, dp=2, command=rank("--attach", "--steps", "20", "--step-seconds", "0.05")
+            )
+            job_event(events, job.id, "job.running")
+            lapser = threading.Thread(target=lapse, daemon=True)
+            lapser.start()
+            try:
+                deadline = time.monotonic() + 60
+                # The ranks exit within about a second; the lease stays lapsed until a
+                # finish has been refused (or, should a tick slip into the few
+                # milliseconds after a renewal, the job has finished anyway).
+                while not any(_refused_finish(r) for r in caplog.records):
+                    assert time.monotonic() < deadline, "no attempt to finish the job was seen"
+                    if get(thread, job.id).state == common_pb2.JOB_STATE_SUCCEEDED:
+                        break
+                    time.sleep(0.05)
+            finally:
+                stop.set()
+                lapser.join()
+            job_event(events, job.id, "job.succeeded")
+            done = get(thread, job.id)
+            assert done.state == common_pb2.JOB_STATE_SUCCEEDED
+            assert done.current_step == 20
+    finally:
+        stop.set()
+        thread.stop()

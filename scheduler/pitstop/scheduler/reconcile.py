@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pitstop.health.straggler import StragglerDetector, StragglerPolicy
+from pitstop.health.straggler import StragglerDetector, StragglerFinding, StragglerPolicy
 from pitstop.scheduler.convert import rank_map_to_pb
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState, NodeState
@@ -72,6 +72,9 @@ class JobWatch:
     recover_deadline: float | None = None
     # The nodes that in-flight recovery started ranks on afresh.
     starting_nodes: set[str] = field(default_factory=set)
+    # Straggler findings whose events are not committed yet (the detector reports each
+    # once: a transaction that fails must not lose one).
+    findings: list[StragglerFinding] = field(default_factory=list)
 
     def release_in_step_order(
         self, fresh: list[agent_pb2.StepSample], world_size: int, now: float, hold: float
@@ -397,7 +400,7 @@ class Reconciler:
         if watch.detector is None or watch.detector_generation != job.generation:
             watch.detector = StragglerDetector(StragglerPolicy.from_proto(spec.straggler))
             watch.detector_generation = job.generation
-            watch.held, watch.rank_max = [], {}
+            watch.held, watch.rank_max, watch.findings = [], {}, []
         detector = watch.detector
         async with self.store.write() as session:
             await self.election.assert_leader(session)
@@ -408,7 +411,8 @@ class Reconciler:
             released = watch.release_in_step_order(
                 samples, placement.world_size, self.clock(), STEP_HOLD_SECONDS
             )
-            findings = detector.observe(released)
+            watch.findings += detector.observe(released)
+            findings = list(watch.findings)
             row.current_step = max(row.current_step, newest)
             changed = False
             if row.state in (JobState.STARTING, JobState.RECOVERING) and watch.restart_at is None:
@@ -435,6 +439,7 @@ class Reconciler:
                     reason=finding.reason,
                     attributes={"rank": str(finding.rank), "slowdown": f"{finding.slowdown:.3f}"},
                 )
+        watch.findings = []  # committed
         stats = [
             s.to_proto(placement.ranks[s.rank].node_id if s.rank < placement.world_size else "")
             for s in detector.stats()
@@ -477,26 +482,31 @@ class Reconciler:
                 j: (await lifecycle.rank_map(session, job)).world_size for j, job in jobs.items()
             }
         for event in exits:
+            await self._handle_exit(event, jobs, sizes)
+            # Only once it is handled: a decision that failed (a lapsed lease, the store
+            # gone) is taken again at the next tick, so no job waits for ever on an exit.
             self.exit_cursor = max(self.exit_cursor, event.id)
-            job = jobs.get(event.job_id or "")
-            if job is None or int(event.attributes.get("generation", -1)) != job.generation:
-                continue  # a rank of an older generation, stopped on purpose
-            watch = self.watches.setdefault(job.id, JobWatch())
-            rank = int(event.attributes.get("rank", -1))
-            clean = (
-                event.attributes.get("exit_code") == "0" and event.attributes.get("signal") == "0"
-            )
-            if clean:
-                watch.finished.add(rank)
-                if len(watch.finished) >= sizes[job.id] and job.state in RUNNABLE:
-                    # The ranks' last step times were sent before their exits but are
-                    # read from another stream: take them in first.
-                    await self.follow_steps()
-                    await self.finish(job.id, event)
-            elif watch.restart_at is None:
-                await self.fail_rank(job.id, event)
-            elif event.node_id:
-                watch.restart_nodes.add(event.node_id)  # failed too: it restarts as well
+
+    async def _handle_exit(
+        self, event: models.Event, jobs: dict[str, models.Job], sizes: dict[str, int]
+    ) -> None:
+        job = jobs.get(event.job_id or "")
+        if job is None or int(event.attributes.get("generation", -1)) != job.generation:
+            return  # a rank of an older generation, stopped on purpose
+        watch = self.watches.setdefault(job.id, JobWatch())
+        rank = int(event.attributes.get("rank", -1))
+        clean = event.attributes.get("exit_code") == "0" and event.attributes.get("signal") == "0"
+        if clean:
+            watch.finished.add(rank)
+            if len(watch.finished) >= sizes[job.id] and job.state in RUNNABLE:
+                # The ranks' last step times were sent before their exits but are
+                # read from another stream: take them in first.
+                await self.follow_steps()
+                await self.finish(job.id, event)
+        elif watch.restart_at is None:
+            await self.fail_rank(job.id, event)
+        elif event.node_id:
+            watch.restart_nodes.add(event.node_id)  # failed too: it restarts as well
 
     async def finish(self, job_id: str, event: models.Event) -> None:
         async with self.store.write() as session:
