@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import grpc
 import pytest
@@ -140,10 +140,19 @@ class Node:
         )
         threading.Thread(target=self._read, daemon=True).start()
 
+    @property
+    def agent_log(self) -> Path:
+        return self.root / "agent.log"
+
     def start_agent(self) -> None:
         """Start the agent, pointed at the checkpoint daemon (waits until it listens)."""
         self.checkpointd_address = self._wait_for_line("listening on").split("listening on ")[1]
         self.checkpointd_address = self.checkpointd_address.split()[0]
+        self.root.mkdir(parents=True, exist_ok=True)
+        with self.agent_log.open("ab") as log:
+            self._spawn_agent(log)
+
+    def _spawn_agent(self, log: BinaryIO) -> None:
         self.agent = subprocess.Popen(
             self._in_netns(
                 [
@@ -175,7 +184,8 @@ class Node:
                     "WARNING",
                 ]
             ),
-            stdout=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             env=clean_env() | ({"GLOO_SOCKET_IFNAME": self.iface} if self.iface else {}),
             start_new_session=True,
         )
@@ -269,9 +279,22 @@ class Cluster:
             node.start()
         for node in self.nodes.values():  # the daemons started side by side: now the agents
             node.start_agent()
-        missing = set(self.nodes)
-        while missing:
-            missing.discard(self.wait(lambda e: e.kind == "node.registered").node_id)
+        deadline = time.monotonic() + TIMEOUT / 2
+        while missing := set(self.nodes) - self.connected():
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"nodes {sorted(missing)} never registered; their agents said:\n"
+                    + "\n".join(
+                        f"{n}: {self.nodes[n].agent_log.read_text(errors='replace')[-2000:]}"
+                        for n in sorted(missing)
+                    )
+                )
+            time.sleep(0.05)
+
+    def connected(self) -> set[str]:
+        """The nodes whose agents are connected to the scheduler now."""
+        listed = self.node_api.List(nodes_pb2.ListNodesRequest(), timeout=10)
+        return {n.id for n in listed.nodes if n.connected}
 
     def wait(self, match: Any) -> Any:
         """The next event `match` accepts. A scheduler that dies cuts the stream: it is
