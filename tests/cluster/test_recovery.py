@@ -60,7 +60,8 @@ from pitstop.v1 import (
 pytestmark = pytest.mark.cluster
 
 STEPS = 45
-STEP_SECONDS = 0.12  # paced, so a fault lands mid-run
+STEP_SECONDS = 0.07  # each step's work paced (the exchange and snapshot come on top), so a
+# fault lands mid-run
 WORKERS = ["n0", "n1", "n2", "n3"]
 SPARE = "sp"
 TIMEOUT = 90.0
