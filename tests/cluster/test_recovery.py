@@ -62,6 +62,10 @@ pytestmark = pytest.mark.cluster
 STEPS = 45
 STEP_SECONDS = 0.07  # each step's work paced (the exchange and snapshot come on top), so a
 # fault lands mid-run
+# A silent node is lost after 5 beats of 0.5 s: the default deadline (2.5 s). A shorter
+# one turned every node lost at once in a CI run, when starting four ranks starved the
+# 2-core machine; a stream that breaks is noticed at once either way.
+LIVENESS_INTERVALS = 5.0
 WORKERS = ["n0", "n1", "n2", "n3"]
 SPARE = "sp"
 TIMEOUT = 90.0
@@ -474,6 +478,7 @@ def cluster(
                 redis_prefix=prefix,
                 leader_loops=True,
                 heartbeat_interval_seconds=0.5,
+                liveness_timeout_intervals=LIVENESS_INTERVALS,
                 liveness_startup_grace_seconds=0.0,
                 # Reachable from a node in a network namespace too.
                 host="0.0.0.0" if network else "127.0.0.1",
@@ -537,6 +542,7 @@ def process_cluster(
             "PITSTOP_REDIS_PREFIX": f"{stores.redis_prefix}{unique('proc')}:",
             "PITSTOP_LEADER_LEASE_SECONDS": "1",
             "PITSTOP_HEARTBEAT_INTERVAL_SECONDS": "0.5",
+            "PITSTOP_LIVENESS_TIMEOUT_INTERVALS": str(LIVENESS_INTERVALS),
             "GRPC_VERBOSITY": "ERROR",
         }
         for i in range(standbys + 1):

@@ -126,6 +126,7 @@ def test_up_status_down(stores: StoreUrls, state_dir: Path, cli_env: dict[str, s
     assert status["running"] is True
     assert status["scheduler_address"] == address
     assert status["error"] is None
+    assert status["network"] is None  # no --netns
     assert {(n["id"], n["role"], n["state"], n["connected"]) for n in status["nodes"]} == {
         ("node-1", "worker", "ready", True),
         ("node-2", "worker", "ready", True),
@@ -174,6 +175,7 @@ def test_up_status_down(stores: StoreUrls, state_dir: Path, cli_env: dict[str, s
     after = status_json(cli_env, state_dir)
     assert after["running"] is False
     assert after["processes"] == []
+    assert after["network"] is None
     human = cluster_cli(cli_env, "status", "--state-dir", str(state_dir))
     assert f"no cluster runs in {state_dir}" in human.stdout
 

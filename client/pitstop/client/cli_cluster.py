@@ -172,6 +172,7 @@ def status(state_dir: StateDirOption = DEFAULT_STATE_DIR, json_out: JsonFlag = F
                     "scheduler_address": None,
                     "processes": [],
                     "nodes": None,
+                    "network": None,
                     "error": None,
                 }
             )

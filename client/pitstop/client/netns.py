@@ -152,6 +152,8 @@ def create(node_ids: Sequence[str], tag: str | None = None) -> Network:
     """A bridge and a namespace per node, linked and addressed; on failure, whatever
     was made is removed again before NetnsError is raised."""
     check_supported()
+    if len(node_ids) > 253:
+        raise NetnsError(f"{len(node_ids)} nodes do not fit one /24 network; use at most 253")
     tag = tag or uuid.uuid4().hex[:6]
     subnet = free_subnet()
     hosts = subnet.hosts()
