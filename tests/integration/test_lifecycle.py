@@ -34,6 +34,11 @@ from fake_rank import FAKE_RANK
 
 from pitstop.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
+# Lost after 5 silent beats (2.5 s, the default deadline): at 1.25 s a node was declared
+# lost in a CI run while its agent started four ranks on the loaded 2-core machine. No
+# test here waits on a deadline: a broken stream or an Xid is noticed at once.
+LIVENESS_INTERVALS = 5.0
+
 
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
@@ -53,6 +58,7 @@ def deciding(stores: StoreUrls, tmp_path: Path) -> Iterator[SchedulerThread]:
             redis_prefix=f"{stores.redis_prefix}{unique('life')}:",
             leader_loops=True,
             heartbeat_interval_seconds=0.5,
+            liveness_timeout_intervals=LIVENESS_INTERVALS,
             liveness_startup_grace_seconds=0.0,
         )
     )
@@ -258,6 +264,7 @@ def test_ranks_that_exit_while_the_lease_lapses_still_finish_the_job(
             redis_prefix=f"{stores.redis_prefix}{unique('lapse')}:",
             leader_loops=True,
             heartbeat_interval_seconds=0.5,
+            liveness_timeout_intervals=LIVENESS_INTERVALS,
             liveness_startup_grace_seconds=0.0,
         )
     )
