@@ -97,13 +97,14 @@ def status_json(env: dict[str, str], state_dir: Path) -> Any:
     return json.loads(done.stdout)
 
 
-def test_up_status_down(stores: StoreUrls, state_dir: Path, cli_env: dict[str, str]) -> None:
-    up_args = [
+def up_args(stores: StoreUrls, state_dir: Path, nodes: int, spares: int, *extra: str) -> list[str]:
+    """``up`` on the test stores, a fresh database and a free port."""
+    return [
         "up",
         "--nodes",
-        "2",
+        str(nodes),
         "--spares",
-        "1",
+        str(spares),
         "--state-dir",
         str(state_dir),
         "--port",
@@ -112,10 +113,13 @@ def test_up_status_down(stores: StoreUrls, state_dir: Path, cli_env: dict[str, s
         stores.fresh_database(),
         "--redis-url",
         stores.redis_url,
-        "--timeout",
-        "90",
+        *extra,
     ]
-    up = cluster_cli(cli_env, *up_args)
+
+
+def test_up_status_down(stores: StoreUrls, state_dir: Path, cli_env: dict[str, str]) -> None:
+    command = up_args(stores, state_dir, 2, 1, "--timeout", "90")
+    up = cluster_cli(cli_env, *command)
     assert up.returncode == 0, up.stdout + up.stderr
     exported = re.search(r"^export PITSTOP_SERVER=(\S+)$", up.stdout, re.MULTILINE)
     assert exported, up.stdout
@@ -145,7 +149,7 @@ def test_up_status_down(stores: StoreUrls, state_dir: Path, cli_env: dict[str, s
 
     # A second up in the same dir is refused, naming the scheduler, and changes nothing.
     scheduler_pid = next(p["pid"] for p in processes if p["kind"] == "scheduler")
-    again = cluster_cli(cli_env, *up_args)
+    again = cluster_cli(cli_env, *command)
     assert again.returncode == 1
     assert (
         f"error: a cluster is already running in {state_dir} (scheduler pid {scheduler_pid}); "
@@ -205,25 +209,7 @@ def test_netns_cut_and_heal(stores: StoreUrls, state_dir: Path, cli_env: dict[st
     """``up --netns``: each node in a namespace of its own behind a bridge. A node cut off
     lives on but is declared lost; healed, it comes back ready; ``down`` removes the
     namespaces and the bridge."""
-    up = cluster_cli(
-        cli_env,
-        "up",
-        "--nodes",
-        "2",
-        "--spares",
-        "0",
-        "--netns",
-        "--state-dir",
-        str(state_dir),
-        "--port",
-        "0",
-        "--database-url",
-        stores.fresh_database(),
-        "--redis-url",
-        stores.redis_url,
-        "--timeout",
-        "90",
-    )
+    up = cluster_cli(cli_env, *up_args(stores, state_dir, 2, 0, "--netns", "--timeout", "90"))
     assert up.returncode == 0, up.stdout + up.stderr
     assert "each node in a network namespace of its own" in up.stdout
     status = status_json(cli_env, state_dir)
@@ -270,22 +256,7 @@ def test_failed_start_leaves_nothing_running(
 ) -> None:
     # The checkpoint daemons refuse this budget; the scheduler is up by then.
     cli_env["PITSTOP_CHECKPOINTD_MEMORY_BUDGET_BYTES"] = "-1"
-    up = cluster_cli(
-        cli_env,
-        "up",
-        "--nodes",
-        "1",
-        "--spares",
-        "0",
-        "--state-dir",
-        str(state_dir),
-        "--port",
-        "0",
-        "--database-url",
-        stores.fresh_database(),
-        "--redis-url",
-        stores.redis_url,
-    )
+    up = cluster_cli(cli_env, *up_args(stores, state_dir, 1, 0))
     assert up.returncode == 1
     assert "error: the checkpoint daemon of node-1 exited with code 2" in up.stderr
     assert "checkpointd-node-1.log ends with:" in up.stderr
