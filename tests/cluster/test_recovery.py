@@ -333,7 +333,10 @@ class Cluster:
         min_dp: int = 4,
         straggler: jobs_pb2.StragglerPolicy | None = None,
         env: dict[str, str] | None = None,
+        standby: bool = True,
     ) -> jobs_pb2.Job:
+        """Submit the example job; returns once it runs. With `standby`, its spare holds a
+        standby process (only tests that move a rank to a spare need one)."""
         spec = jobs_pb2.JobSpec(
             straggler=straggler,
             name=unique("gpt"),
@@ -343,6 +346,7 @@ class Cluster:
             gpus_per_node=1,
             spares=1,
             max_restarts=3,
+            standby_processes=standby,
             env={"PYTHONUNBUFFERED": "1", "PITSTOP_COLLECTIVE_TIMEOUT": "5", **(env or {})},
         )
         job = self.jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job
@@ -604,12 +608,18 @@ def test_fault_free_run_matches_the_standalone_hash(cluster: Cluster, standalone
     assert done.goodput.recoveries == 0
     assert done.goodput.productive_seconds > 0
     assert done.goodput.ratio == 1.0
+    # The spare held a standby process for the job; it goes when the job ends.
+    standby_log = cluster.nodes[SPARE].root / "agent" / "ranks" / job.id / "standby-gpu0.log"
+    assert "--- pitstop: standby on GPU 0" in standby_log.read_text()
+    wait_until(lambda: cluster.rank_pids(SPARE) == [], "the standby process stops")
 
 
 def test_pause_then_resume_through_the_cli_skips_and_repeats_no_step(
     cluster: Cluster, standalone_hash: str
 ) -> None:
-    job = cluster.submit()  # returns once the ranks are stepping: the pause lands mid-run
+    job = cluster.submit(
+        standby=False
+    )  # returns once the ranks are stepping: the pause lands mid-run
     cli = CliRunner()
     server = ["--server", cluster.scheduler.address]
     paused = cli.invoke(app, [*server, "job", "pause", job.id], catch_exceptions=False)
@@ -632,7 +642,7 @@ IN_PLACE = ("rank_killed", "application_xid")  # the rank restarts on its own no
 def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
     cluster: Cluster, standalone_hash: str, fault: str
 ) -> None:
-    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS), standby=fault not in IN_PLACE)
     victim_rank = random.randrange(4)
     at_step = random.randint(8, STEPS // 2)
     victim = cluster.node_of(job, victim_rank)
@@ -659,6 +669,10 @@ def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
     else:
         assert victim.node_id not in moved, context
         assert SPARE in moved, context
+        # The spare's standby process took the rank: no fresh Python, no torch import.
+        adopted = cluster.nodes[SPARE].rank_log(job.id, victim_rank).read_text()
+        assert "--- pitstop: standby on GPU 0" in adopted, (context, adopted[-3000:])
+        assert f"rank {victim_rank} joined generation" in adopted, (context, adopted[-3000:])
     for rank in range(4):
         assert all_steps_logged(cluster, done, rank) == set(range(1, STEPS + 1)), context
     # Recovered from the in-memory snapshots, not restarted from the beginning.
@@ -712,7 +726,7 @@ def test_a_redis_flush_mid_run_loses_nothing(cluster: Cluster, standalone_hash: 
     """Redis holds only hot state (heartbeat deadlines, step streams, live health): with
     all of the scheduler's keys gone mid-run, the job still finishes bitwise equal, and
     no node is declared lost for it."""
-    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS), standby=False)
     cluster.wait_for_step(job, 0, 20)
     client = redis.Redis.from_url(cluster.redis_url)
     try:
@@ -809,7 +823,7 @@ def test_a_corrupted_in_memory_shard_is_caught_and_restored_from_the_buddy(
     rank there is killed. Its restart finds the local copy failing its checksum, drops
     it and restores the buddy's replica: the job ends bitwise equal, never training on
     the corrupted bytes."""
-    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS), standby=False)
     rank = random.randrange(4)
     victim = cluster.node_of(job, rank)
     cluster.wait_for_step(job, rank, random.randint(8, STEPS // 2))
@@ -890,7 +904,7 @@ def test_the_scheduler_killed_and_restarted_mid_run_loses_nothing(
     declared lost and no restart."""
     cluster = process_cluster.cluster
     (scheduler,) = process_cluster.schedulers
-    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS), standby=False)
     cluster.wait_for_step(job, 0, random.randint(8, STEPS // 2))
     scheduler.kill()
     scheduler.start()
@@ -937,7 +951,7 @@ def test_a_postgresql_restart_mid_run_loses_nothing(
     UNAVAILABLE meanwhile, the ranks keep stepping, and the job finishes bitwise equal
     with every step reported."""
     cluster = process_cluster.cluster
-    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS), standby=False)
     cluster.wait_for_step(job, 0, random.randint(8, STEPS // 3))
     process_cluster.restart_postgres()
     done = cluster.finish(job.id)

@@ -45,6 +45,7 @@ ENV_KEYS = (
     "PITSTOP_AGENT_SOCKET",
     "PITSTOP_RESTORE_STEP",
     "PITSTOP_CHECKPOINTD",
+    "PITSTOP_STANDBY",
     "FAKE_RANK_EXTRA",
 )
 
@@ -144,6 +145,11 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--ignore-sigterm", action="store_true")
     parser.add_argument("--spawn-child", action="store_true", help="fork a child into the group")
     parser.add_argument("--exit-code", type=int, default=0)
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="under PITSTOP_STANDBY=1: say so, wait to be handed a rank, then say which",
+    )
     return parser.parse_args()
 
 
@@ -191,6 +197,21 @@ def main() -> int:
             restore_step=attached.restore_step,
             checkpointd=attached.checkpointd_address,
             slow_multiplier=multiplier,
+        )
+    if args.standby and os.environ.get("PITSTOP_STANDBY") == "1":
+        from pitstop.agent.rankclient import RankControlClient
+
+        standby = RankControlClient(
+            os.environ["PITSTOP_AGENT_SOCKET"], os.environ["PITSTOP_JOB_ID"], 0
+        )
+        send(standby=True, **ready)
+        assignment = standby.standby()
+        rank = assignment.rank  # its notices come as that rank from now on
+        ready.update(
+            adopted=True,
+            generation=assignment.reconfigure.generation,
+            restore_step=assignment.reconfigure.restore_step,
+            gpu_index=assignment.gpu_index,
         )
     send(**ready)
     if args.wait_commands and client is not None:

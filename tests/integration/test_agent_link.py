@@ -319,6 +319,62 @@ async def test_pause_is_relayed_to_the_jobs_ranks(
             assert (await notices.next(rank))["kind"] == "pause"
 
 
+async def test_a_rank_handed_to_the_node_goes_to_its_standby_or_starts_afresh(
+    scheduler: SchedulerThread, short_dir: Path, notices: RankNotices
+) -> None:
+    """A Reconfigure naming ranks in adopted_ranks: the standby process on the rank's GPU
+    becomes it; with no standby left there, the rank starts as a fresh process from the
+    standby's command, and the rank already running here is left alone."""
+    settings = agent_settings(scheduler.address, short_dir, gpus="sim:2")
+    node, job_id = settings.node_id, unique("job")
+    standby = start_command(job_id, notices, "--standby", "--hold", ranks=(), standby_gpus=[1])
+
+    def handed(generation: int, *ranks: tuple[int, int]) -> agent_pb2.Reconfigure:
+        """Generation `generation`: rank 0 elsewhere, (rank, gpu) here, the last adopted."""
+        placed = [common_pb2.RankAssignment(rank=0, node_id="elsewhere", gpu_index=0)]
+        placed += [common_pb2.RankAssignment(rank=r, node_id=node, gpu_index=g) for r, g in ranks]
+        return agent_pb2.Reconfigure(
+            job_id=job_id,
+            generation=generation,
+            rank_map=common_pb2.RankMap(generation=generation, world_size=4, ranks=placed),
+            rendezvous_address="127.0.0.1:29999",
+            restore_step=7,
+            adopted_ranks=[ranks[-1][0]],
+        )
+
+    async with running_agent(settings) as agent:
+        await agent.link.wait_registered(timeout=TIMEOUT)
+        await asyncio.to_thread(send_command, scheduler, node, start_ranks=standby)
+        waiting = await notices.next(0)
+        assert waiting["standby"]
+        assert (waiting["env"]["PITSTOP_STANDBY"], waiting["env"]["CUDA_VISIBLE_DEVICES"]) == (
+            "1",
+            "1",
+        )
+
+        await asyncio.to_thread(send_command, scheduler, node, reconfigure=handed(2, (3, 1)))
+        adopted = await notices.next(3)
+        assert adopted["pid"] == waiting["pid"]
+        assert (adopted["generation"], adopted["restore_step"], adopted["gpu_index"]) == (2, 7, 1)
+        running = [(r.rank, r.generation, r.standby) for r in agent.supervisor.running()]
+        assert running == [(3, 2, False)]
+
+        again = handed(3, (3, 1), (2, 0))
+        await asyncio.to_thread(send_command, scheduler, node, reconfigure=again)
+        fresh = await notices.next(2)
+        assert not fresh.get("standby")
+        assert {
+            k: fresh["env"][k] for k in ("RANK", "PITSTOP_GENERATION", "CUDA_VISIBLE_DEVICES")
+        } == {
+            "RANK": "2",
+            "PITSTOP_GENERATION": "3",
+            "CUDA_VISIBLE_DEVICES": "0",
+        }
+        assert fresh["env"]["PITSTOP_RESTORE_STEP"] == "7"
+        running = [(r.rank, r.pid) for r in agent.supervisor.running()]
+        assert running == [(2, fresh["pid"]), (3, waiting["pid"])]  # rank 3 kept its process
+
+
 async def test_the_agent_outlives_a_scheduler_restart_without_touching_its_ranks(
     stores: StoreUrls, tmp_path: Path, short_dir: Path, notices: RankNotices
 ) -> None:

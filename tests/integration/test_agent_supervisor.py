@@ -9,7 +9,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -102,6 +102,7 @@ async def test_starts_this_nodes_ranks_with_the_torch_environment(
         "PITSTOP_AGENT_SOCKET": str(supervisor.socket_path),
         "PITSTOP_RESTORE_STEP": "40",
         "PITSTOP_CHECKPOINTD": "ckpt:7070",
+        "PITSTOP_STANDBY": None,
         "FAKE_RANK_EXTRA": "yes",
     }
     assert (third["env"]["RANK"], third["env"]["CUDA_VISIBLE_DEVICES"]) == ("2", "5")
@@ -247,3 +248,93 @@ async def test_a_missing_program_is_a_clear_error(
     with pytest.raises(ValueError, match="cannot run '/nonexistent/python'"):
         await supervisor.start_ranks(command)
     assert supervisor.running() == []
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Yield to the event loop until `condition` holds (the supervisor's watchers run)."""
+    async with asyncio.timeout(TIMEOUT):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def test_a_standby_process_waits_unreported_then_is_supervised_as_the_rank_it_adopts(
+    supervisor: RankSupervisor, notices: RankNotices, exits: ExitLog, tmp_path: Path
+) -> None:
+    command = start_command(
+        "job-standby", notices, "--hold", ranks=(), standby_gpus=[2], env={"FAKE_RANK_EXTRA": "x"}
+    )
+    assert await supervisor.start_standbys(command) == [2]
+    ready = await notices.next(0)
+    assert ready["env"] == {
+        "RANK": None,
+        "WORLD_SIZE": None,
+        "LOCAL_RANK": None,
+        "LOCAL_WORLD_SIZE": None,
+        "MASTER_ADDR": None,
+        "MASTER_PORT": None,
+        "CUDA_VISIBLE_DEVICES": "2",
+        "PITSTOP_JOB_ID": "job-standby",
+        "PITSTOP_GENERATION": "1",
+        "PITSTOP_NODE_ID": NODE,
+        "PITSTOP_AGENT_SOCKET": str(supervisor.socket_path),
+        "PITSTOP_RESTORE_STEP": None,
+        "PITSTOP_CHECKPOINTD": "ckpt:7070",
+        "PITSTOP_STANDBY": "1",
+        "FAKE_RANK_EXTRA": "x",
+    }
+    listed = [(r.job_id, r.pid, r.standby) for r in supervisor.running()]
+    assert listed == [("job-standby", ready["pid"], True)]
+    assert await supervisor.start_standbys(command) == [2]  # again: nothing new starts
+    assert [r.pid for r in supervisor.running()] == [ready["pid"]]
+    assert supervisor.standby_pid("job-standby", 2) == ready["pid"]
+    assert supervisor.standby_pid("job-standby", 0) is None
+
+    assert supervisor.adopt("job-standby", 2, rank=3, generation=4) == ready["pid"]
+    assert supervisor.standby_pid("job-standby", 2) is None
+    assert supervisor.adopt("job-standby", 2, rank=3, generation=4) is None  # taken
+    adopted = [(r.rank, r.generation, r.standby, r.pid) for r in supervisor.running()]
+    assert adopted == [(3, 4, False, ready["pid"])]
+    log = tmp_path / "logs" / "job-standby" / "rank-3.log"
+    assert log.read_text().startswith("--- pitstop: standby on GPU 2 starting at")
+
+    os.kill(ready["pid"], signal.SIGKILL)
+    exited = await exits.next()  # reported as the rank it became
+    assert (exited.job_id, exited.rank, exited.generation, exited.signal) == (
+        "job-standby",
+        3,
+        4,
+        signal.SIGKILL,
+    )
+
+
+async def test_a_standby_that_dies_is_not_a_lost_rank_and_a_job_stop_ends_the_others(
+    supervisor: RankSupervisor, notices: RankNotices, exits: ExitLog
+) -> None:
+    command = start_command("job-standbys", notices, "--hold", ranks=(), standby_gpus=[0, 1])
+    assert await supervisor.start_standbys(command) == [0, 1]
+    pids = sorted([(await notices.next(0))["pid"], (await notices.next(0))["pid"]])
+    os.kill(pids[0], signal.SIGKILL)
+    await until(lambda: [r.pid for r in supervisor.running()] == [pids[1]])
+    assert exits.queue.empty()  # a standby's exit is logged, never reported
+
+    stop = agent_pb2.StopRanks(job_id="job-standbys", grace_seconds=5)
+    assert await supervisor.stop_ranks(stop) == []  # no rank, but the standby goes
+    assert supervisor.running() == []
+    await wait_gone([pids[1]])
+    assert exits.queue.empty()
+    assert supervisor.standby_command("job-standbys") is None
+
+
+async def test_a_rank_started_on_a_standbys_gpu_replaces_the_standby(
+    supervisor: RankSupervisor, notices: RankNotices, exits: ExitLog
+) -> None:
+    standby = start_command("job-cold", notices, "--hold", ranks=(), standby_gpus=[0])
+    await supervisor.start_standbys(standby)
+    waiting = await notices.next(0)
+    start = start_command("job-cold", notices, "--hold", ranks=((1, NODE, 0), (2, NODE, 1)))
+    assert await supervisor.start_ranks(start, only={1}) == [1]
+    await wait_gone([waiting["pid"]])
+    fresh = await notices.next(1)
+    assert fresh["env"]["LOCAL_WORLD_SIZE"] == "2"  # the node's share of the map
+    assert [(r.rank, r.standby) for r in supervisor.running()] == [(1, False)]
+    assert exits.queue.empty()

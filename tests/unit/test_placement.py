@@ -24,6 +24,7 @@ from pitstop.scheduler.placement import (
     rank_of,
     replace_node,
     shrink_by_one_replica,
+    standby_spares,
 )
 
 ALL_GPUS = tuple(range(8))
@@ -249,6 +250,30 @@ def test_replace_node_moves_only_the_failed_nodes_ranks() -> None:
         replace_node(
             placement, failed, "s", Topology.build([spare], [("s", 0), ("s", 1), ("s", 2)])
         )
+
+
+def test_standby_spares_are_the_ones_the_jobs_nodes_would_be_replaced_by() -> None:
+    workers = [node("a", "r0", gpus=range(4)), node("b", "r0", gpus=range(4)), node("c", "r1")]
+    spares = [
+        node("s-r1", "r1", role="spare", gpus=range(4)),  # nearest to c only
+        node("s-r0", "r0", role="spare", gpus=range(4)),  # nearest to a and b
+        node("s-far", "r9", "b9", "z9", role="spare", gpus=range(4)),
+        node("s-small", "r0", role="spare", gpus=range(1)),  # too few GPUs for a node
+    ]
+    topology = Topology.build([*workers, *spares], [("s-r0", 0)])
+    placement = place_gang(topology, GangRequest("j", 2, 1, 3, 2))
+    assert placement is not None
+    assert {n: len(placement.ranks_on(n)) for n in placement.nodes()} == {"a": 2, "b": 2, "c": 2}
+    # The most-chosen spare first, each with the lowest free GPUs a replacement takes.
+    assert standby_spares(topology, placement, 1) == {"s-r0": (1, 2)}
+    assert standby_spares(topology, placement, 2) == {"s-r0": (1, 2), "s-r1": (0, 1)}
+    # More than the nodes ever choose: the other ready spares with room, by id.
+    assert standby_spares(topology, placement, 9) == {
+        "s-r0": (1, 2),
+        "s-r1": (0, 1),
+        "s-far": (0, 1),
+    }
+    assert standby_spares(topology, placement, 0) == {}
 
 
 def test_shrink_drops_the_replica_and_renumbers_densely() -> None:

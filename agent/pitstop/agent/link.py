@@ -16,7 +16,7 @@ import logging
 import socket
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any, Protocol
 
 import grpc
@@ -38,6 +38,9 @@ STEP_FLUSH_SAMPLES = 1024
 STEP_POLL_SECONDS = 0.1
 CLOSE_GRACE_SECONDS = 2.0
 """How long a stopping agent waits for the scheduler to end the stream."""
+STANDBY_WAIT_SECONDS = 60.0
+"""How long a rank handed to a standby process still importing waits for it before it
+starts afresh instead (a cold start takes as long as the import it would wait for)."""
 _LOUD_CODES = frozenset(
     {
         grpc.StatusCode.FAILED_PRECONDITION,
@@ -51,11 +54,17 @@ _LOUD_CODES = frozenset(
 class RankSupervision(Protocol):
     """What the link needs of the rank supervisor."""
 
-    async def start_ranks(self, command: agent_pb2.StartRanks) -> list[int]: ...
+    async def start_ranks(
+        self, command: agent_pb2.StartRanks, only: Collection[int] | None = None
+    ) -> list[int]: ...
     async def stop_ranks(self, command: agent_pb2.StopRanks) -> list[int]: ...
     def running(self) -> list[agent_pb2.RunningRank]: ...
     def renumber(self, job_id: str, rank_map: common_pb2.RankMap) -> dict[int, int]: ...
     def kill_gpu(self, gpu_index: int, reason: str) -> list[tuple[str, int]]: ...
+    async def start_standbys(self, command: agent_pb2.StartRanks) -> list[int]: ...
+    def standby_pid(self, job_id: str, gpu_index: int) -> int | None: ...
+    def standby_command(self, job_id: str) -> agent_pb2.StartRanks | None: ...
+    def adopt(self, job_id: str, gpu_index: int, rank: int, generation: int) -> int | None: ...
 
 
 class RankChannel(Protocol):
@@ -63,7 +72,13 @@ class RankChannel(Protocol):
 
     async def send_command(self, job_id: str, rank: int, command: rank_pb2.RankCommand) -> bool: ...
     def set_generation(self, job_id: str, generation: int, restore_step: int) -> None: ...
-    async def assign_standby(self, job_id: str, assignment: rank_pb2.StandbyAssignment) -> bool: ...
+    async def assign_standby(
+        self, job_id: str, assignment: rank_pb2.StandbyAssignment, pid: int | None = None
+    ) -> bool: ...
+    def standby_waits(self, job_id: str, pid: int) -> bool: ...
+    async def wait_standby_process(
+        self, job_id: str, pid: int, timeout: float, alive: Callable[[], bool]
+    ) -> bool: ...
 
 
 class StepSource(Protocol):
@@ -500,7 +515,11 @@ class SchedulerLink:
     async def _command(self, message: agent_pb2.SchedulerMessage, kind: str) -> str:
         """Carry out one command; the error in words, or "" when done."""
         node_id = self._settings.node_id
-        if kind == "start_ranks":
+        if kind == "start_ranks" and message.start_ranks.standby_gpus:
+            start = message.start_ranks
+            gpus = await self._supervisor.start_standbys(start)
+            log.info("job %s: standby processes on GPUs %s", start.job_id, gpus)
+        elif kind == "start_ranks":
             start = message.start_ranks
             # Before the start, so a rank that attaches at once sees its generation.
             self._local.set_generation(start.job_id, start.generation, start.restore_step)
@@ -520,7 +539,10 @@ class SchedulerLink:
             new = message.reconfigure
             self._local.set_generation(new.job_id, new.generation, new.restore_step)
             adopted = await self._hand_to_standbys(new)
-            relayed = await self._relay(new.job_id, rank_pb2.RankCommand(reconfigure=new))
+            # The ranks taken over here join the new generation on their own.
+            relayed = await self._relay(
+                new.job_id, rank_pb2.RankCommand(reconfigure=new), skip=set(new.adopted_ranks)
+            )
             moved = self._supervisor.renumber(new.job_id, new.rank_map)
             if moved:
                 log.info("job %s: ranks renumbered %s", new.job_id, moved)
@@ -549,10 +571,16 @@ class SchedulerLink:
             return f"command {kind!r} is unknown to the agent on node {node_id}; upgrade the agent"
         return ""
 
-    async def _relay(self, job_id: str, command: rank_pb2.RankCommand) -> str:
-        """Queue `command` for every rank of the job running here. Done when queued: the
-        ranks act on it at their next step boundary."""
-        ranks = [r.rank for r in self._supervisor.running() if r.job_id == job_id and not r.standby]
+    async def _relay(
+        self, job_id: str, command: rank_pb2.RankCommand, skip: set[int] | None = None
+    ) -> str:
+        """Queue `command` for every rank of the job running here (but those in `skip`).
+        Done when queued: the ranks act on it at their next step boundary."""
+        ranks = [
+            r.rank
+            for r in self._supervisor.running()
+            if r.job_id == job_id and not r.standby and r.rank not in (skip or set())
+        ]
         missed = []
         for rank in ranks:
             # Each rank acks its copy by id, so every copy gets an id of its own.
@@ -568,22 +596,63 @@ class SchedulerLink:
         return ""
 
     async def _hand_to_standbys(self, new: agent_pb2.Reconfigure) -> str:
-        """Give each rank this node adopts to a waiting standby process."""
-        placed = {a.rank: a for a in new.rank_map.ranks if a.node_id == self._settings.node_id}
-        missed = []
+        """Give each rank this node adopts to the job's standby process on the rank's GPU.
+        One still importing is waited for; where none is left (it died, or was never
+        started here), the rank starts as a fresh process from the standby's command."""
+        job_id, node_id = new.job_id, self._settings.node_id
+        placed = {a.rank: a for a in new.rank_map.ranks if a.node_id == node_id}
+        missed, fresh = [], []
         for rank in new.adopted_ranks:
             where = placed.get(rank)
-            assignment = rank_pb2.StandbyAssignment(
-                reconfigure=new,
-                rank=rank,
-                local_rank=where.local_rank if where else 0,
-                gpu_index=where.gpu_index if where else 0,
-            )
-            if where is None or not await self._local.assign_standby(new.job_id, assignment):
+            if where is None:
                 missed.append(rank)
+                continue
+            if not await self._adopt(new, where):
+                fresh.append(rank)
+        if fresh:
+            spec = self._supervisor.standby_command(job_id)
+            if spec is None:
+                missed += fresh
+            else:
+                log.warning(
+                    "job %s: no standby process waits for ranks %s here: starting them afresh",
+                    job_id,
+                    fresh,
+                )
+                start = agent_pb2.StartRanks(
+                    job_id=job_id,
+                    generation=new.generation,
+                    command=spec.command,
+                    env=spec.env,
+                    working_dir=spec.working_dir,
+                    rank_map=new.rank_map,
+                    rendezvous_address=new.rendezvous_address,
+                    restore_step=new.restore_step,
+                )
+                await self._supervisor.start_ranks(start, only=fresh)
         if missed:
             return (
-                f"job {new.job_id}: no standby process on node {self._settings.node_id} "
-                f"could take ranks {missed} (none waiting, or not placed here in the rank map)"
+                f"job {job_id}: node {node_id} cannot take ranks {missed}: not placed here in "
+                "the rank map, or no standby process of the job was ever started here"
             )
         return ""
+
+    async def _adopt(self, new: agent_pb2.Reconfigure, where: common_pb2.RankAssignment) -> bool:
+        """Hand rank `where` to the job's standby process on its GPU, once that process
+        waits (at most STANDBY_WAIT_SECONDS); False when there is none to hand it to."""
+        job_id, gpu = new.job_id, where.gpu_index
+        pid = self._supervisor.standby_pid(job_id, gpu)
+        if pid is None:
+            return False
+        alive = lambda: self._supervisor.standby_pid(job_id, gpu) == pid  # noqa: E731
+        if not await self._local.wait_standby_process(job_id, pid, STANDBY_WAIT_SECONDS, alive):
+            return False
+        # No await from the check to the hand-over: the process cannot stop waiting between.
+        if not self._local.standby_waits(job_id, pid):
+            return False
+        if self._supervisor.adopt(job_id, gpu, where.rank, new.generation) != pid:
+            return False
+        assignment = rank_pb2.StandbyAssignment(
+            reconfigure=new, rank=where.rank, local_rank=where.local_rank, gpu_index=gpu
+        )
+        return await self._local.assign_standby(job_id, assignment, pid=pid)

@@ -148,19 +148,42 @@ class LocalEndpoint:
         """The generation and restore step Attach answers for `job_id`."""
         self._generations[job_id] = (generation, restore_step)
 
-    async def assign_standby(self, job_id: str, assignment: rank_pb2.StandbyAssignment) -> bool:
-        """Hand `assignment` to the longest-waiting standby call of `job_id`; False when
-        none waits."""
-        waiting = self._standby.get(job_id, [])
-        while waiting:
-            future, context, pid = waiting.pop(0)
-            if future.done() or context.cancelled():
+    async def assign_standby(
+        self, job_id: str, assignment: rank_pb2.StandbyAssignment, pid: int | None = None
+    ) -> bool:
+        """Hand `assignment` to the longest-waiting standby call of `job_id` (of process
+        `pid` when given); False when none waits."""
+        for waiter in list(self._standby.get(job_id, [])):
+            future, context, caller = waiter
+            if future.done() or context.cancelled() or (pid is not None and caller != pid):
                 continue
+            self._standby[job_id].remove(waiter)
             future.set_result(assignment)
-            self._adopted[(job_id, assignment.rank)] = (assignment.gpu_index, pid)
+            self._adopted[(job_id, assignment.rank)] = (assignment.gpu_index, caller)
             self._notify()
             return True
         return False
+
+    def standby_waits(self, job_id: str, pid: int) -> bool:
+        """Whether process `pid` waits in a standby call of `job_id` now."""
+        return any(
+            caller == pid and not future.done() and not context.cancelled()
+            for future, context, caller in self._standby.get(job_id, [])
+        )
+
+    async def wait_standby_process(
+        self, job_id: str, pid: int, timeout: float, alive: Callable[[], bool]
+    ) -> bool:
+        """Wait up to `timeout` s for process `pid` to wait in a standby call of `job_id`
+        (it may still be importing); False at once when `alive()` turns false."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while alive() and not self.standby_waits(job_id, pid):
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False
+            # Woken by any change here; `alive` is looked at again at least twice a second.
+            await self._wait_until(lambda: self.standby_waits(job_id, pid), min(left, 0.5))
+        return self.standby_waits(job_id, pid)
 
     @property
     def standby_count(self) -> int:

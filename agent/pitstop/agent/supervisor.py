@@ -4,18 +4,24 @@ Each rank runs in its own session, so its process group holds the rank and whate
 it forks (data-loader workers, compilers): stopping a rank signals the whole group,
 and when a rank ends, what it left behind in its group is killed with it. One asyncio
 task per process waits for its exit and reports it at once; nothing polls.
+
+On a spare, a job may keep standby processes: its command, started with
+PITSTOP_STANDBY=1 on a GPU but no rank yet. Such a process imports torch and the script
+and waits on the agent; `adopt` makes it a rank (from then on supervised as one). A
+standby's own exit is logged, not reported: no rank was lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -46,6 +52,12 @@ class _Rank:
     step: int = 0
     result: dict[str, str] = field(default_factory=dict)
     watcher: asyncio.Task[None] | None = None
+    standby: bool = False  # a standby process, not (yet) a rank
+
+    def describe(self) -> str:
+        if self.standby:
+            return f"standby process of job {self.job_id} on GPU {self.gpu_index}"
+        return f"rank {self.rank} of job {self.job_id}"
 
 
 class RankSupervisor:
@@ -68,13 +80,18 @@ class RankSupervisor:
         self.checkpointd_address = checkpointd_address
         self._on_exit = on_exit
         self._ranks: dict[tuple[str, int], _Rank] = {}
+        # Standby processes by (job id, GPU), and the command that started each job's.
+        self._standbys: dict[tuple[str, int], _Rank] = {}
+        self._standby_commands: dict[str, agent_pb2.StartRanks] = {}
         # Starts and stops run one at a time, so a start never races the stop it follows.
         self._lock = asyncio.Lock()
         self._closed = False
 
-    async def start_ranks(self, command: agent_pb2.StartRanks) -> list[int]:
-        """Start the ranks of `command.rank_map` placed on this node; return their
-        global ranks.
+    async def start_ranks(
+        self, command: agent_pb2.StartRanks, only: Collection[int] | None = None
+    ) -> list[int]:
+        """Start the ranks of `command.rank_map` placed on this node (those in `only`,
+        when given); return their global ranks.
 
         A rank already running in the same generation is left alone, so a repeated
         command is harmless; one running an older generation is stopped first. Raises
@@ -86,6 +103,9 @@ class RankSupervisor:
         if not command.command:
             raise ValueError(f"StartRanks for job {job_id!r}: command is empty; give the argv")
         mine = [a for a in command.rank_map.ranks if a.node_id == self.node_id]
+        local_world_size = len(mine)
+        if only is not None:
+            mine = [a for a in mine if a.rank in only]
         if not mine:
             raise ValueError(
                 f"StartRanks for job {job_id!r} generation {generation}: no rank of the "
@@ -108,12 +128,98 @@ class RankSupervisor:
                     )
                 if running is not None and running.generation < generation:
                     older.append(running)
+                standby = self._standbys.get((job_id, assignment.gpu_index))
+                if standby is not None:  # the rank takes its GPU: it would only hold memory
+                    older.append(standby)
             await self._stop(older, DEFAULT_GRACE_SECONDS)
             for assignment in mine:
                 if (job_id, assignment.rank) not in self._ranks:
-                    env = self._rank_env(command, generation, assignment, len(mine), master)
+                    env = self._rank_env(command, generation, assignment, local_world_size, master)
                     await self._spawn(command, generation, assignment, env, cwd)
         return [a.rank for a in mine]
+
+    async def start_standbys(self, command: agent_pb2.StartRanks) -> list[int]:
+        """Start a standby process of `command.job_id` on each GPU of
+        `command.standby_gpus` that has none; return those GPUs. Raises ValueError for a
+        command that cannot run here, RuntimeError after shutdown."""
+        job_id = command.job_id
+        _check_job_id(job_id)
+        if not command.command:
+            raise ValueError(f"StartRanks for job {job_id!r}: command is empty; give the argv")
+        gpus = list(command.standby_gpus)
+        if len(set(gpus)) != len(gpus):
+            raise ValueError(f"StartRanks for job {job_id!r}: a standby GPU appears twice")
+        cwd = _check_working_dir(job_id, command.working_dir)
+        async with self._lock:
+            if self._closed:
+                raise RuntimeError("the rank supervisor is shut down; it starts no ranks")
+            self._standby_commands[job_id] = command
+            for gpu in gpus:
+                taken = any(e.gpu_index == gpu for (j, _), e in self._ranks.items() if j == job_id)
+                if (job_id, gpu) in self._standbys or taken:
+                    continue
+                env = {**os.environ, **command.env}
+                env.update(
+                    PITSTOP_STANDBY="1",
+                    CUDA_VISIBLE_DEVICES=str(gpu),
+                    PITSTOP_JOB_ID=job_id,
+                    PITSTOP_GENERATION=str(command.generation),
+                    PITSTOP_NODE_ID=self.node_id,
+                    PITSTOP_AGENT_SOCKET=str(self.socket_path),
+                    PITSTOP_CHECKPOINTD=self.checkpointd_address,
+                    PITSTOP_AGENT_PID=str(os.getpid()),
+                )
+                log_path = self.log_dir / job_id / f"standby-gpu{gpu}.log"
+                process = await self._launch(
+                    job_id, command.command, env, cwd, log_path, f"standby on GPU {gpu}"
+                )
+                entry = _Rank(job_id, command.generation, 0, gpu, process, log_path, standby=True)
+                self._standbys[(job_id, gpu)] = entry
+                self._watch_entry(entry)
+        return gpus
+
+    def standby_pid(self, job_id: str, gpu_index: int) -> int | None:
+        """The pid of the job's standby process on the GPU; None when it has none."""
+        entry = self._standbys.get((job_id, gpu_index))
+        return None if entry is None else entry.process.pid
+
+    def standby_command(self, job_id: str) -> agent_pb2.StartRanks | None:
+        """The command that started the job's standby processes here, if any did."""
+        return self._standby_commands.get(job_id)
+
+    def adopt(self, job_id: str, gpu_index: int, rank: int, generation: int) -> int | None:
+        """Make the job's standby process on the GPU rank `rank` of `generation`: from now
+        on it is supervised, reported and stopped as that rank, and its log becomes the
+        rank's (when the rank has none here yet). Its pid; None when no standby process
+        is there or the rank already runs here."""
+        entry = self._standbys.get((job_id, gpu_index))
+        if entry is None or entry.process.returncode is not None:
+            return None
+        if (job_id, rank) in self._ranks:
+            return None
+        del self._standbys[(job_id, gpu_index)]
+        entry.standby, entry.rank, entry.generation = False, rank, generation
+        target = self.log_dir / job_id / f"rank-{rank}.log"
+        try:
+            if target.exists():  # the rank ran here before: keep its log beside
+                earlier = itertools.count(1)
+                while (kept := target.with_suffix(f".{next(earlier)}.log")).exists():
+                    pass
+                target.rename(kept)
+            entry.log_path.rename(target)  # the process writes on through its descriptor
+            entry.log_path = target
+        except OSError as exc:
+            logger.warning("rank %d of job %s logs to %s: %s", rank, job_id, entry.log_path, exc)
+        self._ranks[(job_id, rank)] = entry
+        logger.info(
+            "standby pid %d on GPU %d became rank %d of job %s generation %d",
+            entry.process.pid,
+            gpu_index,
+            rank,
+            job_id,
+            generation,
+        )
+        return entry.process.pid
 
     async def stop_ranks(self, command: agent_pb2.StopRanks) -> list[int]:
         """SIGTERM each named rank's process group (every rank of the job when none is
@@ -127,6 +233,9 @@ class RankSupervisor:
                 for (job_id, rank), entry in sorted(self._ranks.items())
                 if job_id == command.job_id and (not named or rank in named)
             ]
+            if not named:
+                self._standby_commands.pop(command.job_id, None)
+                targets += [e for (j, _), e in self._standbys.items() if j == command.job_id]
             if targets:
                 logger.info(
                     "stopping ranks %s of job %s: %s",
@@ -135,10 +244,13 @@ class RankSupervisor:
                     command.reason or "no reason given",
                 )
             await self._stop(targets, grace)
-        return [entry.rank for entry in targets]
+        return [entry.rank for entry in targets if not entry.standby]
 
     def running(self) -> list[agent_pb2.RunningRank]:
-        """Every rank alive now, by job and rank, with the last step it reported."""
+        """Every rank alive now, by job and rank, with the last step it reported; then
+        the standby processes (standby set, rank 0)."""
+        entries = [e for _, e in sorted(self._ranks.items())]
+        entries += [e for _, e in sorted(self._standbys.items())]
         return [
             agent_pb2.RunningRank(
                 job_id=entry.job_id,
@@ -146,8 +258,9 @@ class RankSupervisor:
                 rank=entry.rank,
                 pid=entry.process.pid,
                 step=entry.step,
+                standby=entry.standby,
             )
-            for _, entry in sorted(self._ranks.items())
+            for entry in entries
         ]
 
     def gpu_index(self, job_id: str, rank: int) -> int | None:
@@ -203,6 +316,10 @@ class RankSupervisor:
                 )
                 _signal_group(entry.process.pid, signal.SIGKILL)
                 killed.append((job_id, rank))
+        for (_, gpu), entry in sorted(self._standbys.items()):
+            if gpu == gpu_index:  # its context is as broken; it is not replaced here
+                logger.warning("killing the %s: %s", entry.describe(), reason)
+                _signal_group(entry.process.pid, signal.SIGKILL)
         return killed
 
     def record_result(self, job_id: str, rank: int, result: Mapping[str, str]) -> None:
@@ -218,7 +335,7 @@ class RankSupervisor:
         exit is reported. No rank starts afterwards."""
         async with self._lock:
             self._closed = True
-            await self._stop(list(self._ranks.values()), grace_seconds)
+            await self._stop([*self._ranks.values(), *self._standbys.values()], grace_seconds)
 
     def _rank_env(
         self,
@@ -256,31 +373,13 @@ class RankSupervisor:
         cwd: str | None,
     ) -> None:
         log_path = self.log_dir / command.job_id / f"rank-{assignment.rank}.log"
-        log = _open_log(log_path, f"generation {generation} rank {assignment.rank}")
-        try:
-            process = await asyncio.create_subprocess_exec(
-                *command.command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=cwd,
-                env=env,
-                start_new_session=True,
-            )
-        except OSError as exc:
-            raise ValueError(
-                f"job {command.job_id!r} rank {assignment.rank}: cannot run "
-                f"{command.command[0]!r}: {exc.strerror or exc}; check the job's command"
-            ) from exc
-        finally:
-            log.close()  # the child holds its own descriptor
+        what = f"generation {generation} rank {assignment.rank}"
+        process = await self._launch(command.job_id, command.command, env, cwd, log_path, what)
         entry = _Rank(
             command.job_id, generation, assignment.rank, assignment.gpu_index, process, log_path
         )
         self._ranks[(entry.job_id, entry.rank)] = entry
-        entry.watcher = asyncio.create_task(
-            self._watch(entry), name=f"rank {entry.rank} of {entry.job_id}"
-        )
+        self._watch_entry(entry)
         logger.info(
             "started rank %d of job %s generation %d as pid %d on GPU %d",
             entry.rank,
@@ -290,10 +389,53 @@ class RankSupervisor:
             entry.gpu_index,
         )
 
+    async def _launch(
+        self,
+        job_id: str,
+        argv: Sequence[str],
+        env: dict[str, str],
+        cwd: str | None,
+        log_path: Path,
+        what: str,
+    ) -> asyncio.subprocess.Process:
+        """Start `argv` in a session of its own, its output appended to `log_path`."""
+        log = _open_log(log_path, what)
+        try:
+            return await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            raise ValueError(
+                f"job {job_id!r} {what}: cannot run {argv[0]!r}: "
+                f"{exc.strerror or exc}; check the job's command"
+            ) from exc
+        finally:
+            log.close()  # the child holds its own descriptor
+
+    def _watch_entry(self, entry: _Rank) -> None:
+        entry.watcher = asyncio.create_task(self._watch(entry), name=entry.describe())
+
     async def _watch(self, entry: _Rank) -> None:
         returncode = await entry.process.wait()
         # The rank is gone; whatever it forked into its group goes with it.
         _signal_group(entry.process.pid, signal.SIGKILL)
+        if entry.standby:
+            if self._standbys.get((entry.job_id, entry.gpu_index)) is entry:
+                del self._standbys[(entry.job_id, entry.gpu_index)]
+            logger.warning(
+                "the %s (pid %d) exited with %d before it was handed a rank; see %s",
+                entry.describe(),
+                entry.process.pid,
+                returncode,
+                entry.log_path,
+            )
+            return
         if self._ranks.get((entry.job_id, entry.rank)) is entry:
             del self._ranks[(entry.job_id, entry.rank)]
         now = Timestamp()
@@ -329,21 +471,15 @@ class RankSupervisor:
         _, lingering = await asyncio.wait(watchers, timeout=max(grace, 0.0))
         for watcher in lingering:
             entry = watchers[watcher]
-            logger.warning(
-                "rank %d of job %s outlived SIGTERM by %.1f s: SIGKILL",
-                entry.rank,
-                entry.job_id,
-                grace,
-            )
+            logger.warning("%s outlived SIGTERM by %.1f s: SIGKILL", entry.describe(), grace)
             _signal_group(entry.process.pid, signal.SIGKILL)
         if lingering:
             _, stuck = await asyncio.wait(lingering, timeout=KILL_WAIT_SECONDS)
             for watcher in stuck:
                 entry = watchers[watcher]
                 logger.error(
-                    "rank %d of job %s (pid %d) survives SIGKILL: stuck in the kernel?",
-                    entry.rank,
-                    entry.job_id,
+                    "%s (pid %d) survives SIGKILL: stuck in the kernel?",
+                    entry.describe(),
                     entry.process.pid,
                 )
 

@@ -59,7 +59,10 @@ def job_summary(job: jobs_pb2.Job, now: datetime) -> Table:
         ("shape", f"tp x pp x dp = {format_shape(spec)} ({world} ranks)"),
         ("gpus per node", spec.gpus_per_node),
         ("elastic dp", f"{spec.min_dp or spec.dp}..{spec.dp}"),
-        ("spares", spec.spares),
+        (
+            "spares",
+            f"{spec.spares}, with standby processes" if spec.standby_processes else spec.spares,
+        ),
         ("priority", spec.priority),
         ("restarts", f"{job.restarts} of {spec.max_restarts}"),
         ("generation", job.generation),

@@ -86,6 +86,7 @@ def example_spec(
         gpus_per_node=1,
         min_dp=dp,
         spares=spares,
+        standby_processes=True,  # the spares hold the example, imported and waiting
         max_restarts=1000,
         # A collective with a lost peer gives up after 5 s, not the default 30 s: the
         # example's steps take well under a second.

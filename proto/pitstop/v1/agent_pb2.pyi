@@ -148,7 +148,7 @@ class Registered(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., role: _Optional[_Union[_common_pb2.NodeRole, str]] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ...) -> None: ...
 
 class StartRanks(_message.Message):
-    __slots__ = ("job_id", "generation", "command", "env", "working_dir", "rank_map", "rendezvous_address", "restore_step")
+    __slots__ = ("job_id", "generation", "command", "env", "working_dir", "rank_map", "rendezvous_address", "restore_step", "standby_gpus")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class StartRanks(_message.Message):
     RANK_MAP_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_GPUS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     command: _containers.RepeatedScalarFieldContainer[str]
@@ -172,7 +173,8 @@ class StartRanks(_message.Message):
     rank_map: _common_pb2.RankMap
     rendezvous_address: str
     restore_step: int
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ...) -> None: ...
+    standby_gpus: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., standby_gpus: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StopRanks(_message.Message):
     __slots__ = ("job_id", "ranks", "grace_seconds", "reason")

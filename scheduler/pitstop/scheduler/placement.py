@@ -305,6 +305,31 @@ def choose_replacement(topology: Topology, failed: NodeInfo, gpus_needed: int) -
     return None if best is None else best[1]
 
 
+def standby_spares(
+    topology: Topology, placement: Placement, count: int
+) -> dict[str, tuple[int, ...]]:
+    """Where a job's standby processes wait: the spares its nodes would be replaced by
+    (`choose_replacement`), the most often chosen first, then the other READY spares by
+    id; at most `count` of them, each with the GPUs a replacement would take there."""
+    needed = max((len(placement.ranks_on(n)) for n in placement.nodes()), default=0)
+    if count <= 0 or needed == 0:
+        return {}
+    votes: dict[str, int] = {}
+    for node_id in placement.nodes():
+        if node_id not in topology.nodes:
+            continue
+        spare = choose_replacement(topology, topology.node(node_id), needed)
+        if spare is not None:
+            votes[spare] = votes.get(spare, 0) + 1
+    chosen = sorted(votes, key=lambda n: (-votes[n], n))
+    chosen += [
+        n
+        for n in topology.ready_spares()
+        if n not in votes and n not in placement.nodes() and topology.free_count(n) >= needed
+    ]
+    return {n: topology.free_gpus(n)[:needed] for n in chosen[:count]}
+
+
 def replace_node(
     placement: Placement, failed_node_id: str, spare_node_id: str, topology: Topology
 ) -> Placement:

@@ -32,6 +32,7 @@ from pitstop.scheduler.placement import (
     place_pending,
     replace_node,
     shrink_by_one_replica,
+    standby_spares,
 )
 from pitstop.scheduler.services import catalog, goodput, lifecycle
 from pitstop.scheduler.services.events import record_event
@@ -49,6 +50,8 @@ RECONFIGURE_TIMEOUT_SECONDS = 30.0
 """An in-place recovery not stepping by then becomes a full restart of every rank."""
 STEP_HOLD_SECONDS = 5.0
 """Longest a step sample waits for the job's other ranks before the detector sees it."""
+STANDBY_CHECK_SECONDS = 1.0
+"""How often the leader checks that running jobs have their standby processes."""
 
 
 @dataclass
@@ -121,6 +124,9 @@ class Reconciler:
         self.clock = clock
         self.watches: dict[str, JobWatch] = {}
         self.exit_cursor = 0
+        # The standby processes this leader started: job id -> spare node -> its GPUs.
+        self.standbys: dict[str, dict[str, tuple[int, ...]]] = {}
+        self.standbys_at = 0.0
 
     async def run(self, tick_seconds: float) -> None:
         """The deciding loop, for as long as this process leads."""
@@ -139,6 +145,7 @@ class Reconciler:
         await self.follow_steps()
         await self.handle_exits()
         await self.restart_due()
+        await self.keep_standbys()
 
     # Placement and start -------------------------------------------------------------
 
@@ -200,15 +207,22 @@ class Reconciler:
             await self.router.send(node_id, agent_pb2.SchedulerMessage(start_ranks=command))
 
     async def recover(
-        self, job_id: str, fresh: set[str], removed: set[str], restore: int | None = None
+        self,
+        job_id: str,
+        fresh: set[str],
+        removed: set[str],
+        restore: int | None = None,
+        adopting: set[str] | None = None,
     ) -> None:
         """Move the job to its current generation in place: nodes in `fresh` start their
-        ranks anew (StartRanks: a spare, or a node whose rank exited); every other node
-        of the rank map gets a Reconfigure, so its ranks keep their processes and their
-        state in memory, roll back to the restore step only if ahead, and re-form the
-        group with the new ranks; `removed` nodes get it too, and their ranks leave. A
-        recovery not stepping within RECONFIGURE_TIMEOUT_SECONDS becomes a full restart.
-        `restore`: the step the deciding transaction chose (else chosen here)."""
+        ranks anew (StartRanks: a spare, or a node whose rank exited), but a spare in
+        `adopting` hands them to the job's standby processes waiting there (a Reconfigure
+        naming them in adopted_ranks); every other node of the rank map gets a
+        Reconfigure, so its ranks keep their processes and their state in memory, roll
+        back to the restore step only if ahead, and re-form the group with the new
+        ranks; `removed` nodes get it too, and their ranks leave. A recovery not
+        stepping within RECONFIGURE_TIMEOUT_SECONDS becomes a full restart. `restore`:
+        the step the deciding transaction chose (else chosen here)."""
         async with self.store.write() as session:
             await self.election.assert_leader(session)
             job = await session.get(models.Job, job_id, with_for_update=True)
@@ -225,6 +239,7 @@ class Reconciler:
             # have opened their command streams yet, so a Reconfigure would miss them
             # and they would wait in the old generation: start them anew instead.
             fresh = fresh | watch.starting_nodes
+        adopting = (adopting or set()) & (fresh - watch.starting_nodes)
         watch.starting_nodes = set(fresh)
         watch.finished.clear()
         watch.recover_deadline = self.clock() + RECONFIGURE_TIMEOUT_SECONDS
@@ -241,8 +256,15 @@ class Reconciler:
         # old rank dies (a dead node's agent simply never reads it).
         for node_id in removed - set(placement.nodes()):
             await self.router.send(node_id, agent_pb2.SchedulerMessage(reconfigure=reconfigure))
+        standbys = self.standbys.get(job_id, {})
         for node_id in placement.nodes():
-            if node_id in fresh:
+            if node_id in adopting:
+                standbys.pop(node_id, None)  # taken: the next check starts another
+                handed = agent_pb2.Reconfigure()
+                handed.CopyFrom(reconfigure)
+                handed.adopted_ranks.extend(a.rank for a in placement.ranks_on(node_id))
+                message = agent_pb2.SchedulerMessage(reconfigure=handed)
+            elif node_id in fresh:
                 message = agent_pb2.SchedulerMessage(start_ranks=start)
             else:
                 message = agent_pb2.SchedulerMessage(reconfigure=reconfigure)
@@ -341,9 +363,11 @@ class Reconciler:
         # A restart a rank's exit scheduled is superseded by this generation; that
         # rank's node starts its ranks anew (if it is still in the map).
         watch.restart_at = None
-        fresh = (set(placement.nodes()) - before) | watch.restart_nodes
+        added = set(placement.nodes()) - before
+        fresh = added | watch.restart_nodes
         watch.restart_nodes = set()
-        await self.recover(job_id, fresh, set(failed), restore)
+        adopting = added & set(self.standbys.get(job_id, {}))
+        await self.recover(job_id, fresh, set(failed), restore, adopting)
 
     @staticmethod
     def _repair_one(
@@ -633,6 +657,63 @@ class Reconciler:
             await self.start(job_id, reason="full restart")
         else:
             await self.recover(job_id, fresh, set())
+
+    # Standby processes -------------------------------------------------------------------
+
+    async def keep_standbys(self) -> None:
+        """Every RUNNING job with standby_processes has a standby process on each GPU of
+        the spares its nodes would be replaced by (`standby_spares`, as many spares as it
+        asks for); those of jobs that ended, and on spares no longer chosen, stop. Once a
+        second at most; a job recovering or paused keeps what it has."""
+        now = self.clock()
+        if now < self.standbys_at:
+            return
+        self.standbys_at = now + STANDBY_CHECK_SECONDS
+        async with self.store.read() as session:
+            live = {j.id: j for j in await lifecycle.live_jobs(session)}
+            wanting = [
+                j
+                for j in live.values()
+                if j.state is JobState.RUNNING
+                and spec_from_json(j.spec).standby_processes
+                and spec_from_json(j.spec).spares > 0
+            ]
+            if not wanting and not self.standbys:
+                return
+            nodes, booked = await lifecycle.topology_inputs(session)
+            maps = {j.id: await lifecycle.rank_map(session, j) for j in wanting}
+        topology = Topology.build(nodes, booked)
+        for job_id in [j for j in self.standbys if j not in live]:
+            await self._stop_standbys(job_id, set(self.standbys.pop(job_id)), "the job ended")
+        for job in wanting:
+            spec = spec_from_json(job.spec)
+            wanted = standby_spares(topology, maps[job.id], spec.spares)
+            held = self.standbys.setdefault(job.id, {})
+            gone = {n for n in held if n not in wanted and n not in maps[job.id].nodes()}
+            await self._stop_standbys(job.id, gone, "the spare is no longer held for the job")
+            for node_id in gone:
+                del held[node_id]
+            for node_id, gpus in wanted.items():
+                if held.get(node_id) == gpus:
+                    continue
+                command = agent_pb2.StartRanks(
+                    job_id=job.id,
+                    generation=job.generation,
+                    command=list(spec.command),
+                    env=dict(spec.env),
+                    working_dir=spec.working_dir,
+                    standby_gpus=gpus,
+                )
+                sent = await self.router.send(
+                    node_id, agent_pb2.SchedulerMessage(start_ranks=command)
+                )
+                if sent is not None:  # else Redis is down too: the next check sends again
+                    held[node_id] = gpus
+
+    async def _stop_standbys(self, job_id: str, nodes: set[str], why: str) -> None:
+        stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=5, reason=f"standby: {why}")
+        for node_id in sorted(nodes):
+            await self.router.send(node_id, agent_pb2.SchedulerMessage(stop_ranks=stop))
 
 
 async def _hosts(session: AsyncSession, placement: Placement) -> dict[str, str]:
