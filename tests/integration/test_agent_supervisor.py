@@ -9,7 +9,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import psutil
@@ -250,13 +250,6 @@ async def test_a_missing_program_is_a_clear_error(
     assert supervisor.running() == []
 
 
-async def until(condition: Callable[[], bool]) -> None:
-    """Yield to the event loop until `condition` holds (the supervisor's watchers run)."""
-    async with asyncio.timeout(TIMEOUT):
-        while not condition():
-            await asyncio.sleep(0.01)
-
-
 async def test_a_standby_process_waits_unreported_then_is_supervised_as_the_rank_it_adopts(
     supervisor: RankSupervisor, notices: RankNotices, exits: ExitLog, tmp_path: Path
 ) -> None:
@@ -314,14 +307,14 @@ async def test_a_standby_that_dies_is_not_a_lost_rank_and_a_job_stop_ends_the_ot
     assert await supervisor.start_standbys(command) == [0, 1]
     pids = sorted([(await notices.next(0))["pid"], (await notices.next(0))["pid"]])
     os.kill(pids[0], signal.SIGKILL)
-    await until(lambda: [r.pid for r in supervisor.running()] == [pids[1]])
-    assert exits.queue.empty()  # a standby's exit is logged, never reported
+    await wait_gone([pids[0]])
 
     stop = agent_pb2.StopRanks(job_id="job-standbys", grace_seconds=5)
     assert await supervisor.stop_ranks(stop) == []  # no rank, but the standby goes
+    # Both watchers are done: the killed one's before the stop or awaited by it.
     assert supervisor.running() == []
     await wait_gone([pids[1]])
-    assert exits.queue.empty()
+    assert exits.queue.empty()  # a standby's exit is logged, never reported
     assert supervisor.standby_command("job-standbys") is None
 
 
