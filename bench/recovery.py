@@ -106,7 +106,9 @@ def run_pitstop(args: argparse.Namespace, steps: int, root: Path) -> dict[str, A
             dp=args.workers,
             steps=steps,
             step_seconds=args.step_seconds,
-            spares=1,
+            # Two spares hold standby processes: the one a failure takes is started
+            # again while the other waits, ready for the next.
+            spares=2,
         )
 
         def on_fault(injected: Injected) -> None:
@@ -129,6 +131,12 @@ def run_pitstop(args: argparse.Namespace, steps: int, root: Path) -> dict[str, A
     if job.state != common_pb2.JOB_STATE_SUCCEEDED:
         raise SystemExit(f"pitstop: job ended {common_pb2.JobState.Name(job.state)}: {job.reason}")
     per_failure = split(job.goodput, run.injected, restores)
+    for row in per_failure:
+        say(
+            f"pitstop: {KINDS[int(row['kind_index'])]}: {row['total']:.2f} s = detect "
+            f"{row['detect']:.2f} + decide {row['decide']:.2f} + restore {row['restore']:.2f} "
+            f"+ re-form {row['reform']:.2f}"
+        )
     redone = step_lines - steps * args.workers
     return {
         "job": job,

@@ -16,7 +16,7 @@ import psutil
 import pytest
 from fake_rank import NODE, TIMEOUT, ExitLog, RankNotices, start_command
 
-from pitstop.agent.supervisor import RankSupervisor
+from pitstop.agent.supervisor import STANDBY_NICE, RankSupervisor
 from pitstop.v1 import agent_pb2
 
 
@@ -281,10 +281,15 @@ async def test_a_standby_process_waits_unreported_then_is_supervised_as_the_rank
     assert [r.pid for r in supervisor.running()] == [ready["pid"]]
     assert supervisor.standby_pid("job-standby", 2) == ready["pid"]
     assert supervisor.standby_pid("job-standby", 0) is None
+    # It imports at a low priority, and the rank it becomes runs at the normal one (as
+    # root: raising priority needs CAP_SYS_NICE).
+    assert os.getpriority(os.PRIO_PROCESS, ready["pid"]) == STANDBY_NICE
 
     assert supervisor.adopt("job-standby", 2, rank=3, generation=4) == ready["pid"]
     assert supervisor.standby_pid("job-standby", 2) is None
     assert supervisor.adopt("job-standby", 2, rank=3, generation=4) is None  # taken
+    niceness = 0 if os.geteuid() == 0 else STANDBY_NICE
+    assert os.getpriority(os.PRIO_PROCESS, ready["pid"]) == niceness
     adopted = [(r.rank, r.generation, r.standby, r.pid) for r in supervisor.running()]
     assert adopted == [(3, 4, False, ready["pid"])]
     log = tmp_path / "logs" / "job-standby" / "rank-3.log"

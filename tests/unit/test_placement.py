@@ -230,6 +230,11 @@ def test_choose_replacement_nearest_first(drop: int) -> None:
     topology = Topology.build([failed, *skipped, *SPARES[drop:]], [])
     expected = SPARES[drop].node_id if drop < len(SPARES) else None
     assert choose_replacement(topology, failed, 8) == expected
+    # A spare holding the job's standby processes comes first, however far; one that does
+    # not qualify is passed over still.
+    preferred = "s-any" if drop < len(SPARES) else None  # s-any is the last one dropped
+    assert choose_replacement(topology, failed, 8, prefer={"s-any"}) == preferred
+    assert choose_replacement(topology, failed, 8, prefer={"s-busy"}) == expected
 
 
 def test_replace_node_moves_only_the_failed_nodes_ranks() -> None:

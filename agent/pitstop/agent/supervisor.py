@@ -39,6 +39,9 @@ DEFAULT_GRACE_SECONDS = 10.0
 STDERR_TAIL_BYTES = 4096
 # After SIGKILL only a process stuck in the kernel can still be alive; do not hang on it.
 KILL_WAIT_SECONDS = 30.0
+STANDBY_NICE = 10
+"""A standby imports at this niceness, so its start never slows the node's ranks, the
+agent or (on a shared machine) a recovery in flight; the rank it becomes runs at 0."""
 
 
 @dataclass
@@ -173,6 +176,7 @@ class RankSupervisor:
                 process = await self._launch(
                     job_id, command.command, env, cwd, log_path, f"standby on GPU {gpu}"
                 )
+                _renice(process.pid, STANDBY_NICE)
                 entry = _Rank(job_id, command.generation, 0, gpu, process, log_path, standby=True)
                 self._standbys[(job_id, gpu)] = entry
                 self._watch_entry(entry)
@@ -198,6 +202,7 @@ class RankSupervisor:
         if (job_id, rank) in self._ranks:
             return None
         del self._standbys[(job_id, gpu_index)]
+        _renice(entry.process.pid, 0)
         entry.standby, entry.rank, entry.generation = False, rank, generation
         target = self.log_dir / job_id / f"rank-{rank}.log"
         try:
@@ -505,6 +510,24 @@ def _parse_rendezvous(address: str) -> tuple[str, str] | None:
     if not host or not port.isdecimal() or not 0 < int(port) < 65536:
         raise ValueError(f"rendezvous_address {address!r}: use host:port, e.g. 10.0.0.1:29500")
     return host, port
+
+
+def _renice(pid: int, niceness: int) -> None:
+    """Set every thread of process `pid` to `niceness` (Linux nice values are per
+    thread). Raising priority again needs CAP_SYS_NICE: without it the process keeps
+    its niceness, which is logged."""
+    try:
+        threads = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        threads = [pid]
+    for tid in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except ProcessLookupError:
+            continue
+        except PermissionError:
+            logger.warning("process %d keeps its niceness: setting %d needs root", pid, niceness)
+            return
 
 
 def _signal_group(pgid: int, signum: signal.Signals) -> None:

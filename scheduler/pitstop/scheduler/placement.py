@@ -18,7 +18,7 @@ import bisect
 import itertools
 import math
 from collections import defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from pitstop.scheduler.topology import (
@@ -292,17 +292,24 @@ def _distance(failed: NodeInfo, spare: NodeInfo) -> int:
     return 0 if spare.rack == failed.rack else 1
 
 
-def choose_replacement(topology: Topology, failed: NodeInfo, gpus_needed: int) -> str | None:
+def choose_replacement(
+    topology: Topology,
+    failed: NodeInfo,
+    gpus_needed: int,
+    prefer: Collection[str] = (),
+) -> str | None:
     """The nearest READY spare with ``gpus_needed`` free GPUs: same rack, then same block,
-    then same zone, then any; ties by node id. None when no spare qualifies."""
-    best: tuple[int, str] | None = None
+    then same zone, then any; ties by node id. A spare in ``prefer`` (one holding the
+    job's standby processes: it resumes in a fraction of a cold start) comes before any
+    other. None when no spare qualifies."""
+    best: tuple[bool, int, str] | None = None
     for node_id in topology.ready_spares():
         if node_id == failed.node_id or topology.free_count(node_id) < gpus_needed:
             continue
-        candidate = (_distance(failed, topology.node(node_id)), node_id)
+        candidate = (node_id not in prefer, _distance(failed, topology.node(node_id)), node_id)
         if best is None or candidate < best:
             best = candidate
-    return None if best is None else best[1]
+    return None if best is None else best[2]
 
 
 def standby_spares(

@@ -315,6 +315,7 @@ class Reconciler:
                     spec.pp,
                     spec.min_dp,
                     must=states.get(node_id) in FAILED_NODE_STATES,
+                    prefer=set(self.standbys.get(job_id, {})),
                 )
                 if new is None:
                     continue
@@ -379,16 +380,18 @@ class Reconciler:
         min_dp: int,
         *,
         must: bool,
+        prefer: set[str],
     ) -> tuple[Placement, str] | None:
         if not placement.ranks_on(node_id):
             return None
         spare = choose_replacement(
-            topology, topology.node(node_id), len(placement.ranks_on(node_id))
+            topology, topology.node(node_id), len(placement.ranks_on(node_id)), prefer
         )
         if spare is not None:
             moved = replace_node(placement, node_id, spare, topology)
             topology.book(Placement(moved.ranks_on(spare)))
-            return moved, f"ranks moved to spare {spare}"
+            standby = " (its standby processes take them)" if spare in prefer else ""
+            return moved, f"ranks moved to spare {spare}{standby}"
         if not must:
             return None  # a draining or slow node waits for a spare
         dp = placement.world_size // (tp * pp)
@@ -687,8 +690,13 @@ class Reconciler:
             await self._stop_standbys(job_id, set(self.standbys.pop(job_id)), "the job ended")
         for job in wanting:
             spec = spec_from_json(job.spec)
-            wanted = standby_spares(topology, maps[job.id], spec.spares)
+            # A standby already importing or waiting stays where it is while its spare
+            # still qualifies: moving it for a slightly nearer spare costs a fresh import.
+            ranked = standby_spares(topology, maps[job.id], len(topology.ready_spares()))
             held = self.standbys.setdefault(job.id, {})
+            kept = [n for n in ranked if n in held][: spec.spares]
+            kept += [n for n in ranked if n not in held][: spec.spares - len(kept)]
+            wanted = {n: ranked[n] for n in kept}
             gone = {n for n in held if n not in wanted and n not in maps[job.id].nodes()}
             await self._stop_standbys(job.id, gone, "the spare is no longer held for the job")
             for node_id in gone:
