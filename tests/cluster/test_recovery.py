@@ -215,9 +215,12 @@ class Node:
         return self.root / "agent" / "ranks" / job_id / f"rank-{rank}.log"
 
     def stop(self) -> None:
+        """SIGTERM to its daemons; `wait_stopped` waits for them (SIGKILL after 30 s)."""
         for proc in (self.agent, self.checkpointd):
             if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+
+    def wait_stopped(self) -> None:
         for proc in (self.agent, self.checkpointd):
             if proc is None:
                 continue
@@ -405,8 +408,10 @@ class Cluster:
         return "\n".join(out)
 
     def stop(self) -> None:
-        for node in self.nodes.values():
+        for node in self.nodes.values():  # every node stops side by side
             node.stop()
+        for node in self.nodes.values():
+            node.wait_stopped()
         self.events.close()
 
 
