@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -98,6 +99,27 @@ class ExitLog:
 
     async def next(self) -> agent_pb2.RankExited:
         return await asyncio.wait_for(self.queue.get(), TIMEOUT)
+
+
+async def wait_gone(pids: list[int]) -> None:
+    """Wait until none of `pids` runs: a pidfd turns readable when its process ends."""
+    import psutil  # the tests' side only
+
+    loop = asyncio.get_running_loop()
+    for pid in pids:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        ended = loop.create_future()
+        loop.add_reader(pidfd, ended.set_result, None)
+        try:
+            await asyncio.wait_for(ended, TIMEOUT)
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        with contextlib.suppress(psutil.NoSuchProcess):  # reaped already
+            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 def start_command(

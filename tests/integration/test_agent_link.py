@@ -22,13 +22,13 @@ from typing import Any
 import grpc
 import pytest
 from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
-from fake_rank import RankNotices, start_command
+from fake_rank import RankNotices, start_command, wait_gone
 from prometheus_client.parser import text_string_to_metric_families
 
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.gpu import SimulatedBackend, open_backend
 from pitstop.agent.main import NodeAgent
-from pitstop.v1 import agent_pb2, common_pb2, nodes_pb2, nodes_pb2_grpc
+from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 TIMEOUT = 15.0
 AGENT_BINARY = Path(sys.executable).with_name("pitstop-agent")
@@ -373,6 +373,38 @@ async def test_a_rank_handed_to_the_node_goes_to_its_standby_or_starts_afresh(
         assert fresh["env"]["PITSTOP_RESTORE_STEP"] == "7"
         running = [(r.rank, r.pid) for r in agent.supervisor.running()]
         assert running == [(2, fresh["pid"]), (3, waiting["pid"])]  # rank 3 kept its process
+
+
+async def test_a_standby_of_a_job_that_is_not_live_is_stopped(
+    scheduler: SchedulerThread, short_dir: Path, notices: RankNotices
+) -> None:
+    """The agent lists its standby processes in every heartbeat; one whose job has ended
+    (after a leader change nobody remembers starting it) is stopped by the scheduler
+    holding the node's stream."""
+    settings = agent_settings(scheduler.address, short_dir, gpus="sim:1")
+    async with grpc.aio.insecure_channel(scheduler.address) as channel:
+        jobs = jobs_pb2_grpc.JobServiceStub(channel)
+        spec = jobs_pb2.JobSpec(name=unique("ended"), command=["true"], dp=1, gpus_per_node=64)
+        job = (await jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec))).job  # never placed
+        await jobs.Cancel(jobs_pb2.JobControlRequest(job_id=job.id, reason="it ended"))
+    orphan = start_command(job.id, notices, "--hold", ranks=(), standby_gpus=[0])
+    async with running_agent(settings) as agent:
+        # The standby may be stopped before its Python is up: take its pid as it starts.
+        started: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        start_standbys = agent.supervisor.start_standbys
+
+        async def noting_the_pid(command: agent_pb2.StartRanks) -> list[int]:
+            gpus = await start_standbys(command)
+            started.set_result(agent.supervisor.standby_pid(command.job_id, 0))
+            return gpus
+
+        agent.supervisor.start_standbys = noting_the_pid  # type: ignore[method-assign]
+        await agent.link.wait_registered(timeout=TIMEOUT)
+        await asyncio.to_thread(send_command, scheduler, settings.node_id, start_ranks=orphan)
+        pid = await asyncio.wait_for(started, TIMEOUT)
+        assert pid is not None
+        await wait_gone([pid])
+        assert agent.supervisor.standby_command(orphan.job_id) is None  # a job stop, not a crash
 
 
 async def test_the_agent_outlives_a_scheduler_restart_without_touching_its_ranks(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import shutil
 import signal
@@ -12,9 +10,8 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import psutil
 import pytest
-from fake_rank import NODE, TIMEOUT, ExitLog, RankNotices, start_command
+from fake_rank import NODE, ExitLog, RankNotices, start_command, wait_gone
 
 from pitstop.agent.supervisor import STANDBY_NICE, RankSupervisor
 from pitstop.v1 import agent_pb2
@@ -50,25 +47,6 @@ async def supervisor(
     )
     yield supervisor
     await supervisor.shutdown(grace_seconds=1.0)
-
-
-async def wait_gone(pids: list[int]) -> None:
-    """Wait until none of `pids` runs: a pidfd turns readable when its process ends."""
-    loop = asyncio.get_running_loop()
-    for pid in pids:
-        try:
-            pidfd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        ended = loop.create_future()
-        loop.add_reader(pidfd, ended.set_result, None)
-        try:
-            await asyncio.wait_for(ended, TIMEOUT)
-        finally:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
-        with contextlib.suppress(psutil.NoSuchProcess):  # reaped already
-            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
 async def test_starts_this_nodes_ranks_with_the_torch_environment(

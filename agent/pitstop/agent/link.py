@@ -519,6 +519,7 @@ class SchedulerLink:
             start = message.start_ranks
             gpus = await self._supervisor.start_standbys(start)
             log.info("job %s: standby processes on GPUs %s", start.job_id, gpus)
+            self._beat_now.set()  # the heartbeat lists them: the scheduler sees them at once
         elif kind == "start_ranks":
             start = message.start_ranks
             # Before the start, so a rank that attaches at once sees its generation.

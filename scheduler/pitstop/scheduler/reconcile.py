@@ -694,10 +694,12 @@ class Reconciler:
             # still qualifies: moving it for a slightly nearer spare costs a fresh import.
             ranked = standby_spares(topology, maps[job.id], len(topology.ready_spares()))
             held = self.standbys.setdefault(job.id, {})
+            for node_id in [n for n in held if n in maps[job.id].nodes()]:
+                del held[node_id]  # its GPUs run the job's ranks now: no standby is left
             kept = [n for n in ranked if n in held][: spec.spares]
             kept += [n for n in ranked if n not in held][: spec.spares - len(kept)]
             wanted = {n: ranked[n] for n in kept}
-            gone = {n for n in held if n not in wanted and n not in maps[job.id].nodes()}
+            gone = {n for n in held if n not in wanted}
             await self._stop_standbys(job.id, gone, "the spare is no longer held for the job")
             for node_id in gone:
                 del held[node_id]

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf import json_format
+from sqlalchemy import select
 
 from pitstop.scheduler.convert import NODE_ROLE_TO_PB, NODE_STATE_TO_PB, node_roles_from_pb
+from pitstop.scheduler.db import models
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument
 from pitstop.scheduler.gateway import AgentGateway, CloseStream
 from pitstop.scheduler.hotstate import HotState
@@ -31,6 +33,8 @@ from pitstop.v1 import agent_pb2, common_pb2
 log = logging.getLogger(__name__)
 
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+STANDBY_CHECK_SECONDS = 5.0
+"""How often a node reporting standby processes has their jobs looked up."""
 
 
 @dataclass
@@ -42,6 +46,7 @@ class StreamState:
     verdict: int = common_pb2.HEALTH_VERDICT_UNSPECIFIED
     reasons: tuple[str, ...] = ()
     commands: set[int] = field(default_factory=set)
+    standby_check_at: float = 0.0
 
 
 class AgentServicer:
@@ -220,12 +225,30 @@ class AgentServicer:
             self.metrics.heartbeat_lag_seconds.observe(max(lag.total_seconds(), 0.0))
         health = json_format.MessageToDict(beat.health, preserving_proto_field_name=True)
         await self.hot.record_heartbeat(state.node_id, self.liveness_timeout, health)
+        await self._retire_standbys(state, beat)
         reasons = tuple(beat.health.reasons)
         if (beat.health.verdict, reasons) == (state.verdict, state.reasons):
             return
         state.verdict, state.reasons = beat.health.verdict, reasons
         async with self.store.write() as session:
             await health_service.apply_health(session, state.node_id, beat.health)
+
+    async def _retire_standbys(self, state: StreamState, beat: agent_pb2.Heartbeat) -> None:
+        """Stop the node's standby processes of jobs that ended: the leader that started
+        them stops them too, but a leader change forgets them. Every few seconds at most."""
+        jobs = {r.job_id for r in beat.running_ranks if r.standby}
+        now = asyncio.get_running_loop().time()
+        if not jobs or now < state.standby_check_at:
+            return
+        state.standby_check_at = now + STANDBY_CHECK_SECONDS
+        async with self.store.read() as session:
+            rows = await session.execute(
+                select(models.Job.id, models.Job.state).where(models.Job.id.in_(jobs))
+            )
+            ended = {job_id for job_id, job_state in rows.all() if job_state.terminal}
+        for job_id in sorted(ended):
+            stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=5, reason="standby: job ended")
+            await self.gateway.forward(state.node_id, agent_pb2.SchedulerMessage(stop_ranks=stop))
 
     async def _ack(self, state: StreamState, ack: agent_pb2.CommandAck) -> None:
         if ack.command_id not in state.commands:
