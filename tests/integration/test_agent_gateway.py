@@ -4,10 +4,12 @@ traffic is refused with a clear status."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import psycopg
 import pytest
 import redis
 from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
@@ -158,6 +160,29 @@ def test_a_silent_agent_is_lost_at_its_deadline_and_its_stream_is_closed(
         assert "liveness deadline" in lost.reason
         with pytest.raises(StopIteration):
             agent.next_command()  # the scheduler ended the stale stream
+
+
+def test_a_deadline_whose_loss_failed_to_commit_is_claimed_again(
+    fast: SchedulerThread, nodes: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The liveness scan claims an expired deadline, then records the loss in PostgreSQL.
+    When that transaction fails (here a table it writes is gone for a moment; in a CI run
+    it was a deadlock), the claim goes back: a hung agent sends nothing more, so the
+    next scan is the only chance to declare its node lost."""
+    node_id = unique("unlucky")
+    url = fast.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(url, autocommit=True) as db, fast.agent_stream(node_id) as agent:
+        db.execute("ALTER TABLE checkpoint_shards RENAME TO checkpoint_shards_away")
+        try:
+            agent.send(heartbeat=agent_pb2.Heartbeat(health=healthy()))
+            deadline = time.monotonic() + 15
+            while not any("liveness scan failed" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, "the scan never failed"
+                time.sleep(0.05)
+        finally:
+            db.execute("ALTER TABLE checkpoint_shards_away RENAME TO checkpoint_shards")
+        lost = wait_for_event(fast, node_id, "node.lost")
+        assert "liveness deadline" in lost.reason
 
 
 def test_an_unhealthy_node_returns_when_its_agent_restarts(

@@ -124,6 +124,12 @@ class HotState:
             if won
         ]
 
+    async def reclaimable(self, node_ids: list[str], deadline: float) -> None:
+        """Put claimed nodes back with `deadline`, so a later scan claims them again (after
+        marking them failed); a node that beat meanwhile keeps its newer deadline."""
+        if node_ids:
+            await self.redis.zadd(self.deadlines_key, dict.fromkeys(node_ids, deadline), nx=True)
+
     async def extend_deadlines(self, at_least: float) -> None:
         """Give every known node until ``at_least``: used when a leader starts, so agents
         that are reconnecting after a scheduler restart are not declared lost."""

@@ -40,11 +40,18 @@ class LivenessMonitor:
 
     async def scan_once(self) -> list[str]:
         """Mark every node whose deadline passed LOST; returns them."""
-        lost = await self.hot.expired_nodes(self.clock())
-        for node_id in lost:
+        now = self.clock()
+        lost = await self.hot.expired_nodes(now)
+        for i, node_id in enumerate(lost):
             reason = "no heartbeat before the liveness deadline (agent hung or cut off)"
-            async with self.store.write() as session:
-                await health_service.mark_lost(session, node_id, reason=reason)
+            try:
+                async with self.store.write() as session:
+                    await health_service.mark_lost(session, node_id, reason=reason)
+            except BaseException:
+                # Not recorded (a deadlock, the database down): the claims go back, or a
+                # hung agent, which sends nothing more, would never be declared lost.
+                await asyncio.shield(self.hot.reclaimable(lost[i:], now))
+                raise
             # Its stream, if still open, is stale: end it so the agent must register again.
             self.gateway.close(node_id, reason)
             log.warning("node %s lost: %s", node_id, reason)
