@@ -651,6 +651,8 @@ def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
     victim_rank = random.randrange(4)
     at_step = random.randint(8, STEPS // 2)
     victim = cluster.node_of(job, victim_rank)
+    if fault not in IN_PLACE:  # the leader starts the spare's standby once the job runs
+        wait_until(lambda: cluster.rank_pids(SPARE) != [], "a standby process on the spare")
     cluster.wait_for_step(job, victim_rank, at_step)
     if fault == "rank_killed":
         (pid,) = cluster.rank_pids(victim.node_id)

@@ -645,7 +645,10 @@ class SchedulerLink:
         pid = self._supervisor.standby_pid(job_id, gpu)
         if pid is None:
             return False
-        alive = lambda: self._supervisor.standby_pid(job_id, gpu) == pid  # noqa: E731
+
+        def alive() -> bool:
+            return self._supervisor.standby_pid(job_id, gpu) == pid
+
         if not await self._local.wait_standby_process(job_id, pid, STANDBY_WAIT_SECONDS, alive):
             return False
         # No await from the check to the hand-over: the process cannot stop waiting between.

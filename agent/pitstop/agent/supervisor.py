@@ -194,8 +194,8 @@ class RankSupervisor:
     def adopt(self, job_id: str, gpu_index: int, rank: int, generation: int) -> int | None:
         """Make the job's standby process on the GPU rank `rank` of `generation`: from now
         on it is supervised, reported and stopped as that rank, and its log becomes the
-        rank's (when the rank has none here yet). Its pid; None when no standby process
-        is there or the rank already runs here."""
+        rank's `rank-N.log` (an earlier one here is kept as `rank-N.1.log`, `.2`, ...).
+        Its pid; None when no standby process is there or the rank already runs here."""
         entry = self._standbys.get((job_id, gpu_index))
         if entry is None or entry.process.returncode is not None:
             return None

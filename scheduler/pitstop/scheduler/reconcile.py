@@ -674,12 +674,13 @@ class Reconciler:
         self.standbys_at = now + STANDBY_CHECK_SECONDS
         async with self.store.read() as session:
             live = {j.id: j for j in await lifecycle.live_jobs(session)}
+            specs = {j.id: spec_from_json(j.spec) for j in live.values()}
             wanting = [
                 j
                 for j in live.values()
                 if j.state is JobState.RUNNING
-                and spec_from_json(j.spec).standby_processes
-                and spec_from_json(j.spec).spares > 0
+                and specs[j.id].standby_processes
+                and specs[j.id].spares > 0
             ]
             if not wanting and not self.standbys:
                 return
@@ -689,7 +690,7 @@ class Reconciler:
         for job_id in [j for j in self.standbys if j not in live]:
             await self._stop_standbys(job_id, set(self.standbys.pop(job_id)), "the job ended")
         for job in wanting:
-            spec = spec_from_json(job.spec)
+            spec = specs[job.id]
             # A standby already importing or waiting stays where it is while its spare
             # still qualifies: moving it for a slightly nearer spare costs a fresh import.
             ranked = standby_spares(topology, maps[job.id], len(topology.ready_spares()))
