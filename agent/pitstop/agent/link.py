@@ -75,7 +75,6 @@ class RankChannel(Protocol):
     async def assign_standby(
         self, job_id: str, assignment: rank_pb2.StandbyAssignment, pid: int | None = None
     ) -> bool: ...
-    def standby_waits(self, job_id: str, pid: int) -> bool: ...
     async def wait_standby_process(
         self, job_id: str, pid: int, timeout: float, alive: Callable[[], bool]
     ) -> bool: ...
@@ -649,10 +648,9 @@ class SchedulerLink:
         def alive() -> bool:
             return self._supervisor.standby_pid(job_id, gpu) == pid
 
+        # True: the process waits now, and no await comes before the hand-over, so it
+        # cannot stop waiting in between.
         if not await self._local.wait_standby_process(job_id, pid, STANDBY_WAIT_SECONDS, alive):
-            return False
-        # No await from the check to the hand-over: the process cannot stop waiting between.
-        if not self._local.standby_waits(job_id, pid):
             return False
         if self._supervisor.adopt(job_id, gpu, where.rank, new.generation) != pid:
             return False

@@ -161,17 +161,8 @@ class RankSupervisor:
                 taken = any(e.gpu_index == gpu for (j, _), e in self._ranks.items() if j == job_id)
                 if (job_id, gpu) in self._standbys or taken:
                     continue
-                env = {**os.environ, **command.env}
-                env.update(
-                    PITSTOP_STANDBY="1",
-                    CUDA_VISIBLE_DEVICES=str(gpu),
-                    PITSTOP_JOB_ID=job_id,
-                    PITSTOP_GENERATION=str(command.generation),
-                    PITSTOP_NODE_ID=self.node_id,
-                    PITSTOP_AGENT_SOCKET=str(self.socket_path),
-                    PITSTOP_CHECKPOINTD=self.checkpointd_address,
-                    PITSTOP_AGENT_PID=str(os.getpid()),
-                )
+                env = self._process_env(command, command.generation, gpu)
+                env["PITSTOP_STANDBY"] = "1"
                 log_path = self.log_dir / job_id / f"standby-gpu{gpu}.log"
                 process = await self._launch(
                     job_id, command.command, env, cwd, log_path, f"standby on GPU {gpu}"
@@ -342,6 +333,22 @@ class RankSupervisor:
             self._closed = True
             await self._stop([*self._ranks.values(), *self._standbys.values()], grace_seconds)
 
+    def _process_env(
+        self, command: agent_pb2.StartRanks, generation: int, gpu_index: int
+    ) -> dict[str, str]:
+        """What every process of a job here gets, a rank or a standby."""
+        env = {**os.environ, **command.env}
+        env.update(
+            CUDA_VISIBLE_DEVICES=str(gpu_index),
+            PITSTOP_JOB_ID=command.job_id,
+            PITSTOP_GENERATION=str(generation),
+            PITSTOP_NODE_ID=self.node_id,
+            PITSTOP_AGENT_SOCKET=str(self.socket_path),
+            PITSTOP_CHECKPOINTD=self.checkpointd_address,
+            PITSTOP_AGENT_PID=str(os.getpid()),  # it dies with the agent (see the trainer)
+        )
+        return env
+
     def _rank_env(
         self,
         command: agent_pb2.StartRanks,
@@ -350,20 +357,13 @@ class RankSupervisor:
         local_world_size: int,
         master: tuple[str, str] | None,
     ) -> dict[str, str]:
-        env = {**os.environ, **command.env}
+        env = self._process_env(command, generation, assignment.gpu_index)
         env.update(
             RANK=str(assignment.rank),
             WORLD_SIZE=str(command.rank_map.world_size or len(command.rank_map.ranks)),
             LOCAL_RANK=str(assignment.local_rank),
             LOCAL_WORLD_SIZE=str(local_world_size),
-            CUDA_VISIBLE_DEVICES=str(assignment.gpu_index),
-            PITSTOP_JOB_ID=command.job_id,
-            PITSTOP_GENERATION=str(generation),
-            PITSTOP_NODE_ID=self.node_id,
-            PITSTOP_AGENT_SOCKET=str(self.socket_path),
             PITSTOP_RESTORE_STEP=str(command.restore_step),
-            PITSTOP_CHECKPOINTD=self.checkpointd_address,
-            PITSTOP_AGENT_PID=str(os.getpid()),  # the rank dies with it (see the trainer)
         )
         if master is not None:
             env["MASTER_ADDR"], env["MASTER_PORT"] = master
