@@ -1,6 +1,7 @@
 """The pitstop rendezvous backend against a real scheduler: torch's RendezvousBackend
 contract (get, compare-and-set, corrupt state, lost scheduler), the scheduler's checks,
-and the c10d store the agents of one run share."""
+the isolation of one run's records and tokens from another's, and the c10d store the
+agents of one run share."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+from unittest import mock
 
 import grpc
 import pytest
@@ -34,6 +36,7 @@ from pitstop.trainer.rendezvous import (
 from pitstop.v1 import rendezvous_pb2, rendezvous_pb2_grpc
 
 AGENT_TOKEN = "agent-token-0123456789"
+ANY_TOKEN: Any = mock.ANY
 
 
 def closed_port() -> int:
@@ -200,6 +203,112 @@ def test_refused_request_raises_rendezvous_error(scheduler: SchedulerThread) -> 
         assert not isinstance(caught.value, RendezvousConnectionError)
     finally:
         backend.close()
+
+
+def refusal(call: Any, request: Any) -> str:
+    """The details of the INVALID_ARGUMENT that ``call(request)`` must raise."""
+    with pytest.raises(grpc.RpcError) as caught:
+        call(request)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return str(caught.value.details())
+
+
+def test_a_token_of_one_run_is_refused_for_another(scheduler: SchedulerThread) -> None:
+    first = connect(scheduler.address, unique("rdzv"))
+    second = connect(scheduler.address, unique("rdzv"))
+    try:
+        # Both records are at their first version: equal counters, different tokens.
+        _, first_token, _ = cas(first, b"first-round-0")
+        _, second_token, _ = cas(second, b"second-round-0")
+        assert first_token != second_token
+        with pytest.raises(RendezvousError, match="INVALID_ARGUMENT") as caught:
+            second.set_state(b"intruder", first_token)
+        assert second.run_id in str(caught.value)
+        assert second.get_state() == (b"second-round-0", second_token)
+        assert first.get_state() == (b"first-round-0", first_token)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_token_of_another_run_is_refused_where_nothing_is_stored(
+    backend: PitstopRendezvousBackend, stub: Any
+) -> None:
+    _, token, _ = cas(backend, b"round-0")
+    empty = unique("rdzv")
+    details = refusal(
+        stub.SetState, rendezvous_pb2.SetRendezvousStateRequest(run_id=empty, token=token)
+    )
+    assert details.startswith(f"token: {token!r} is invalid: it was issued for another")
+    assert repr(empty) in details
+    assert not stub.GetState(rendezvous_pb2.GetRendezvousStateRequest(run_id=empty)).found
+
+
+def test_a_token_of_a_runs_state_is_refused_for_its_store_record(
+    backend: PitstopRendezvousBackend,
+) -> None:
+    key = backend.run_id + STORE_KEY_SUFFIX
+    _, state_token, _ = cas(backend, b"round-0")
+    published = backend.records.compare_set(key, b"127.0.0.1:1", None)
+    assert published is not None
+    with pytest.raises(RendezvousError, match="INVALID_ARGUMENT"):
+        backend.records.compare_set(key, b"127.0.0.1:2", state_token)
+    assert backend.records.get(key) == (b"127.0.0.1:1", published[1])
+
+
+@pytest.mark.parametrize(
+    "suffix",
+    ["/c10d-store/c10d-store", "/c10d-store/", "/state", "/", "//c10d-store", "/C10D-STORE"],
+)
+def test_the_scheduler_refuses_keys_that_reach_into_a_runs_records(stub: Any, suffix: str) -> None:
+    key = unique("rdzv") + suffix
+    for call, request in (
+        (stub.GetState, rendezvous_pb2.GetRendezvousStateRequest(run_id=key)),
+        (stub.SetState, rendezvous_pb2.SetRendezvousStateRequest(run_id=key, state=b"s")),
+    ):
+        details = refusal(call, request)
+        assert details.startswith(f"run_id: {key!r} is invalid: ")
+        assert "--rdzv-id without '/'" in details
+
+
+def test_the_scheduler_refuses_a_record_without_its_run(stub: Any) -> None:
+    details = refusal(stub.GetState, rendezvous_pb2.GetRendezvousStateRequest(run_id="/c10d-store"))
+    assert details.startswith("run_id: '/c10d-store' is invalid: give the rendezvous id")
+
+
+def test_a_run_id_naming_another_runs_store_record_is_refused(
+    scheduler: SchedulerThread,
+) -> None:
+    run_id = unique("rdzv")
+    owner, store = create_backend(params(scheduler.address, run_id))
+    crafted = run_id + STORE_KEY_SUFFIX
+    try:
+        with pytest.raises(ValueError, match=r"contains '/'.*use another character"):
+            create_backend(params(scheduler.address, crafted))
+        with pytest.raises(ValueError, match="contains '/'"):
+            connect(scheduler.address, crafted)
+        # The owner's record is as it published it.
+        assert owner.records.get(crafted) == (f"127.0.0.1:{store.port}".encode(), ANY_TOKEN)
+    finally:
+        owner.close()
+
+
+@pytest.mark.parametrize("tail", ["c10d-store", "-c10d-store", ".c10d-store", " "])
+def test_runs_whose_ids_share_a_prefix_keep_their_own_records(
+    scheduler: SchedulerThread, tail: str
+) -> None:
+    run_id = unique("rdzv")
+    shorter, shorter_store = create_backend(params(scheduler.address, run_id))
+    longer, longer_store = create_backend(params(scheduler.address, run_id + tail))
+    try:
+        assert longer_store.port != shorter_store.port
+        assert cas(shorter, b"shorter")[2]
+        assert longer.get_state() is None
+        assert cas(longer, b"longer")[2]
+        assert shorter.get_state() == (b"shorter", ANY_TOKEN)
+    finally:
+        shorter.close()
+        longer.close()
 
 
 def test_torchrun_finds_the_backend_by_name(scheduler: SchedulerThread) -> None:

@@ -26,9 +26,15 @@ the c10d store its agents share. ``--rdzv-conf`` keys:
 
 Decisions:
 
-*Tokens* are the scheduler's version counter as a decimal string, passed through
-untouched. A token this backend did not issue (not a non-empty ``str``) can never match,
-so it is answered with the current state and False without a write.
+*Keys.* The scheduler keeps each rendezvous' records under ``<run id>`` (torch's state)
+and ``<run id>/c10d-store`` (the shared store's address) and refuses any other ``/``, so
+a run id with ``/`` is refused here before any call: ``a/c10d-store`` would otherwise
+name run ``a``'s store record as its own state.
+
+*Tokens* are opaque strings the scheduler issues, bound to the record they name, passed
+through untouched: a token of another run's record is refused by the scheduler
+(:class:`RendezvousError`). A token this backend did not issue (not a non-empty ``str``)
+can never match, so it is answered with the current state and False without a write.
 
 *Envelope.* The scheduler stores bytes opaquely; this backend wraps torch's bytes in
 ``b"PSRZ"``, a version byte and a CRC-32 of the payload. Bytes without that header, of
@@ -83,8 +89,10 @@ log = logging.getLogger(__name__)
 BACKEND_NAME = "pitstop"
 DEFAULT_PORT = 50051  # the scheduler's default port
 TOKEN_ENV = "PITSTOP_TOKEN"
-STORE_KEY_SUFFIX = "/c10d-store"
-MAX_KEY = 253  # the scheduler's limit on a run id
+RECORD_SEPARATOR = "/"  # the scheduler's: <run id>/<record>
+STORE_KEY_SUFFIX = RECORD_SEPARATOR + "c10d-store"
+MAX_KEY = 253  # the scheduler's limit on a record key
+MAX_RUN_ID = MAX_KEY - len(STORE_KEY_SUFFIX)
 
 _MAGIC = b"PSRZ"
 _VERSION = 1
@@ -142,6 +150,19 @@ def decode_envelope(blob: bytes, key: str) -> bytes:
     if zlib.crc32(payload) != checksum:
         raise RendezvousStateError(f"rendezvous record {key!r} fails its checksum; {fix}")
     return payload
+
+
+def check_run_id(run_id: str) -> None:
+    """Raise ValueError unless ``run_id`` can name a rendezvous of this backend: the
+    scheduler would take ``a/c10d-store`` for run ``a``'s store record. Its length is
+    the scheduler's to check."""
+    if not run_id:
+        raise ValueError("the rendezvous id is empty; give torchrun --rdzv-id")
+    if RECORD_SEPARATOR in run_id:
+        raise ValueError(
+            f"--rdzv-id {run_id!r} contains {RECORD_SEPARATOR!r}, which the pitstop backend "
+            "reserves to name a rendezvous' records; use another character, e.g. '-'"
+        )
 
 
 def _stub(channel: grpc.Channel) -> Any:
@@ -220,8 +241,7 @@ class PitstopRendezvousBackend(RendezvousBackend):
         token: str | None = None,
         rpc_timeout: float = 10.0,
     ) -> None:
-        if not run_id:
-            raise ValueError("the rendezvous id is empty; give torchrun --rdzv-id")
+        check_run_id(run_id)
         self._run_id = run_id
         self._channel = channel
         metadata = (("authorization", f"Bearer {token}"),) if token else ()
@@ -330,10 +350,11 @@ def create_backend(params: RendezvousParameters) -> tuple[PitstopRendezvousBacke
     """The backend for ``params`` (torchrun's rdzv arguments) and the c10d store its
     agents share, hosted by the first agent to arrive (see the module docstring)."""
     run_id = params.run_id
-    if not run_id or len(run_id) + len(STORE_KEY_SUFFIX) > MAX_KEY:
+    check_run_id(run_id)
+    if len(run_id) > MAX_RUN_ID:
         raise ValueError(
-            f"--rdzv-id {run_id!r} must be 1 to {MAX_KEY - len(STORE_KEY_SUFFIX)} characters "
-            "for the pitstop backend"
+            f"--rdzv-id {run_id!r} is {len(run_id)} characters; the pitstop backend takes "
+            f"at most {MAX_RUN_ID}: use a shorter id"
         )
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
     target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
