@@ -16,9 +16,37 @@ class StragglerAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STRAGGLER_ACTION_UNSPECIFIED: _ClassVar[StragglerAction]
     STRAGGLER_ACTION_REPORT: _ClassVar[StragglerAction]
     STRAGGLER_ACTION_SWAP: _ClassVar[StragglerAction]
+
+class IncidentKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INCIDENT_KIND_UNSPECIFIED: _ClassVar[IncidentKind]
+    INCIDENT_KIND_NODE: _ClassVar[IncidentKind]
+    INCIDENT_KIND_RANK_EXIT: _ClassVar[IncidentKind]
+    INCIDENT_KIND_FALLBACK: _ClassVar[IncidentKind]
+
+class IncidentOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INCIDENT_OUTCOME_UNSPECIFIED: _ClassVar[IncidentOutcome]
+    INCIDENT_OUTCOME_IN_PROGRESS: _ClassVar[IncidentOutcome]
+    INCIDENT_OUTCOME_RESUMED: _ClassVar[IncidentOutcome]
+    INCIDENT_OUTCOME_SUPERSEDED: _ClassVar[IncidentOutcome]
+    INCIDENT_OUTCOME_JOB_FAILED: _ClassVar[IncidentOutcome]
+    INCIDENT_OUTCOME_JOB_CANCELLED: _ClassVar[IncidentOutcome]
+    INCIDENT_OUTCOME_JOB_SUCCEEDED: _ClassVar[IncidentOutcome]
 STRAGGLER_ACTION_UNSPECIFIED: StragglerAction
 STRAGGLER_ACTION_REPORT: StragglerAction
 STRAGGLER_ACTION_SWAP: StragglerAction
+INCIDENT_KIND_UNSPECIFIED: IncidentKind
+INCIDENT_KIND_NODE: IncidentKind
+INCIDENT_KIND_RANK_EXIT: IncidentKind
+INCIDENT_KIND_FALLBACK: IncidentKind
+INCIDENT_OUTCOME_UNSPECIFIED: IncidentOutcome
+INCIDENT_OUTCOME_IN_PROGRESS: IncidentOutcome
+INCIDENT_OUTCOME_RESUMED: IncidentOutcome
+INCIDENT_OUTCOME_SUPERSEDED: IncidentOutcome
+INCIDENT_OUTCOME_JOB_FAILED: IncidentOutcome
+INCIDENT_OUTCOME_JOB_CANCELLED: IncidentOutcome
+INCIDENT_OUTCOME_JOB_SUCCEEDED: IncidentOutcome
 
 class CheckpointPolicy(_message.Message):
     __slots__ = ("snapshot_every_steps", "durable_every_steps", "durable_url", "keep_in_memory", "keep_durable", "auto_interval")
@@ -92,7 +120,7 @@ class JobSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., min_dp: _Optional[int] = ..., spares: _Optional[int] = ..., priority: _Optional[int] = ..., max_restarts: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointPolicy, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., straggler: _Optional[_Union[StragglerPolicy, _Mapping]] = ..., working_dir: _Optional[str] = ..., standby_processes: _Optional[bool] = ...) -> None: ...
 
 class Goodput(_message.Message):
-    __slots__ = ("productive_seconds", "detect_seconds", "recovery_seconds", "recompute_seconds", "ratio", "recoveries", "incidents")
+    __slots__ = ("productive_seconds", "detect_seconds", "recovery_seconds", "recompute_seconds", "ratio", "recoveries", "incidents", "incident_count")
     PRODUCTIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DETECT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECOVERY_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +128,7 @@ class Goodput(_message.Message):
     RATIO_FIELD_NUMBER: _ClassVar[int]
     RECOVERIES_FIELD_NUMBER: _ClassVar[int]
     INCIDENTS_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_COUNT_FIELD_NUMBER: _ClassVar[int]
     productive_seconds: float
     detect_seconds: float
     recovery_seconds: float
@@ -107,10 +136,11 @@ class Goodput(_message.Message):
     ratio: float
     recoveries: int
     incidents: _containers.RepeatedCompositeFieldContainer[GoodputIncident]
-    def __init__(self, productive_seconds: _Optional[float] = ..., detect_seconds: _Optional[float] = ..., recovery_seconds: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., ratio: _Optional[float] = ..., recoveries: _Optional[int] = ..., incidents: _Optional[_Iterable[_Union[GoodputIncident, _Mapping]]] = ...) -> None: ...
+    incident_count: int
+    def __init__(self, productive_seconds: _Optional[float] = ..., detect_seconds: _Optional[float] = ..., recovery_seconds: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., ratio: _Optional[float] = ..., recoveries: _Optional[int] = ..., incidents: _Optional[_Iterable[_Union[GoodputIncident, _Mapping]]] = ..., incident_count: _Optional[int] = ...) -> None: ...
 
 class GoodputIncident(_message.Message):
-    __slots__ = ("cause", "failed_at", "detect_seconds", "decide_seconds", "resume_seconds", "lost_steps", "resumed")
+    __slots__ = ("cause", "failed_at", "detect_seconds", "decide_seconds", "resume_seconds", "lost_steps", "resumed", "kind", "outcome", "detected_at", "decided_at", "resumed_at", "ended_at")
     CAUSE_FIELD_NUMBER: _ClassVar[int]
     FAILED_AT_FIELD_NUMBER: _ClassVar[int]
     DETECT_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +148,12 @@ class GoodputIncident(_message.Message):
     RESUME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOST_STEPS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    DETECTED_AT_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_AT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
     cause: str
     failed_at: float
     detect_seconds: float
@@ -125,7 +161,13 @@ class GoodputIncident(_message.Message):
     resume_seconds: float
     lost_steps: int
     resumed: bool
-    def __init__(self, cause: _Optional[str] = ..., failed_at: _Optional[float] = ..., detect_seconds: _Optional[float] = ..., decide_seconds: _Optional[float] = ..., resume_seconds: _Optional[float] = ..., lost_steps: _Optional[int] = ..., resumed: _Optional[bool] = ...) -> None: ...
+    kind: IncidentKind
+    outcome: IncidentOutcome
+    detected_at: float
+    decided_at: float
+    resumed_at: float
+    ended_at: float
+    def __init__(self, cause: _Optional[str] = ..., failed_at: _Optional[float] = ..., detect_seconds: _Optional[float] = ..., decide_seconds: _Optional[float] = ..., resume_seconds: _Optional[float] = ..., lost_steps: _Optional[int] = ..., resumed: _Optional[bool] = ..., kind: _Optional[_Union[IncidentKind, str]] = ..., outcome: _Optional[_Union[IncidentOutcome, str]] = ..., detected_at: _Optional[float] = ..., decided_at: _Optional[float] = ..., resumed_at: _Optional[float] = ..., ended_at: _Optional[float] = ...) -> None: ...
 
 class RankStepStats(_message.Message):
     __slots__ = ("rank", "node_id", "p50_seconds", "p99_seconds", "straggler")
