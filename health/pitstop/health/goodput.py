@@ -1,30 +1,79 @@
 """Goodput accounting, from a job's own event log.
 
 Wall time while a job is RUNNING counts as productive, except the steps it has to redo
-after a failure. Each failure is an *incident*, written by the scheduler on the event
-that starts its recovery (attributes ``incident.failed_at``, ``incident.detected_at``,
-``incident.lost_steps``, ``incident.cause``, epoch seconds as text): the failure itself
-(a last heartbeat, an Xid, a rank's exit), when the scheduler noticed it, and how many
-committed-but-unreplicated steps the restore gives up. The event's own time is when the
-decision committed; the next RUNNING transition is when training resumed. So:
+after a failure. Every decision the scheduler takes to get a job going again is an
+*incident* of its own, whatever became of it:
 
-    detect   = detected_at - failed_at
-    decide   = decided_at  - detected_at
-    resume   = resumed_at  - decided_at      (restore and re-form)
-    recompute = lost_steps * step_seconds    (time spent redoing those steps)
+``job.recovering`` / ``job.reconfigured``
+    a node failed (or is swapped out): kind ``node``. A ``job.recovering`` without
+    incident data is a recovery waiting for capacity; the node decision that ends the
+    wait completes that incident rather than opening another.
+``job.restarting``
+    a rank's exit restarts the job in place (kind ``rank_exit``), or, with attribute
+    ``fallback="true"``, a decision that missed its deadline falls back to a full restart
+    (kind ``fallback``). A restart without incident data is a fallback of a scheduler
+    that did not yet mark them.
 
-Pure: events in, numbers out. The scheduler stores the result on the job.
+A decision event carries its failure (attributes ``incident.failed_at``,
+``incident.detected_at``, ``incident.lost_steps``, ``incident.cause``, epoch seconds as
+text): the failure itself (a last heartbeat, an Xid, a rank's exit), when the scheduler
+noticed it, and how many steps the restore gives up. The event's own time is when the
+decision committed. Each incident ends one way (:class:`Outcome`): the job steps again
+(``job.recovered``, ``job.running``: resumed), a later decision replaces its plan before
+that (superseded), the job ends first (failed, cancelled; succeeded: its ranks finished
+without reporting a step), or none yet (in progress). So, where both ends are known:
+
+    detect    = detected_at - failed_at
+    decide    = decided_at  - detected_at
+    resume    = resumed_at  - decided_at      (restore and re-form)
+    recompute = lost_steps * step_seconds     (time spent redoing those steps)
+
+Incidents that follow one another before the job steps again share their lost time, so
+it is counted once. Pure: events in, numbers out. The scheduler stores the result on
+the job.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import enum
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 RUNNING = "running"
 INCIDENT = "incident."
+FALLBACK = "fallback"
+NODE_DECISIONS = ("job.recovering", "job.reconfigured")
+RESTART = "job.restarting"
+MAX_STORED_INCIDENTS = 50
+
+
+class IncidentKind(enum.StrEnum):
+    """What the decision answered (the proto's IncidentKind, less its prefix)."""
+
+    NODE = "node"
+    RANK_EXIT = "rank_exit"
+    FALLBACK = "fallback"
+
+
+class Outcome(enum.StrEnum):
+    """How an incident ended (the proto's IncidentOutcome, less its prefix)."""
+
+    IN_PROGRESS = "in_progress"
+    RESUMED = "resumed"
+    SUPERSEDED = "superseded"
+    JOB_FAILED = "job_failed"
+    JOB_CANCELLED = "job_cancelled"
+    JOB_SUCCEEDED = "job_succeeded"
+
+
+JOB_ENDS = {
+    "failed": Outcome.JOB_FAILED,
+    "cancelled": Outcome.JOB_CANCELLED,
+    "succeeded": Outcome.JOB_SUCCEEDED,
+}
 
 
 @dataclass(frozen=True)
@@ -36,41 +85,76 @@ class JobEvent:
     from_state: str
     to_state: str
     attributes: Mapping[str, str] = field(default_factory=dict)
+    reason: str = ""
 
 
 @dataclass
 class Incident:
-    """One failure and its recovery; times are epoch seconds."""
+    """One decision to get the job going again, and what became of it. Times are epoch
+    seconds; None where unknown (a fallback has no failure of its own, a recovery waiting
+    for capacity no decision yet)."""
 
+    kind: IncidentKind
     cause: str
-    failed_at: float
-    detected_at: float
-    decided_at: float
-    lost_steps: int
-    resumed_at: float | None = None
+    opened_at: float  # the decision event's time
+    failed_at: float | None = None
+    detected_at: float | None = None
+    decided_at: float | None = None
+    lost_steps: int = 0
+    outcome: Outcome = Outcome.IN_PROGRESS
+    ended_at: float | None = None  # when the outcome was settled
 
     @property
-    def detect_seconds(self) -> float:
-        return max(0.0, self.detected_at - self.failed_at)
+    def resumed(self) -> bool:
+        """The job got going again on this decision (its ranks stepped, or finished)."""
+        return self.outcome in (Outcome.RESUMED, Outcome.JOB_SUCCEEDED)
 
     @property
-    def decide_seconds(self) -> float:
-        return max(0.0, self.decided_at - self.detected_at)
+    def resumed_at(self) -> float | None:
+        return self.ended_at if self.outcome is Outcome.RESUMED else None
 
     @property
-    def resume_seconds(self) -> float:
-        end = self.resumed_at if self.resumed_at is not None else self.decided_at
-        return max(0.0, end - self.decided_at)
+    def waiting_for_capacity(self) -> bool:
+        """A node recovery that found no spare and no replica to shrink by: undecided."""
+        return self.kind is IncidentKind.NODE and self.decided_at is None
+
+    @property
+    def began_at(self) -> float:
+        """The earliest moment the incident is known to have cost."""
+        return _first(self.failed_at, self.detected_at, self.decided_at, self.opened_at)
+
+    @property
+    def noticed_at(self) -> float:
+        return _first(self.detected_at, self.decided_at, self.opened_at)
+
+    @property
+    def detect_seconds(self) -> float | None:
+        return _span(self.failed_at, self.detected_at)
+
+    @property
+    def decide_seconds(self) -> float | None:
+        return _span(self.detected_at, self.decided_at)
+
+    @property
+    def resume_seconds(self) -> float | None:
+        return _span(self.decided_at, self.resumed_at)
 
     def to_json(self) -> dict[str, Any]:
+        """The proto's GoodputIncident: unknown times and spans are 0."""
         return {
+            "kind": f"INCIDENT_KIND_{self.kind.value.upper()}",
             "cause": self.cause,
-            "failed_at": self.failed_at,
-            "detect_seconds": round(self.detect_seconds, 4),
-            "decide_seconds": round(self.decide_seconds, 4),
-            "resume_seconds": round(self.resume_seconds, 4),
+            "outcome": f"INCIDENT_OUTCOME_{self.outcome.value.upper()}",
+            "failed_at": self.failed_at or 0.0,
+            "detected_at": self.detected_at or 0.0,
+            "decided_at": self.decided_at or 0.0,
+            "resumed_at": self.resumed_at or 0.0,
+            "ended_at": self.ended_at or 0.0,
+            "detect_seconds": round(self.detect_seconds or 0.0, 4),
+            "decide_seconds": round(self.decide_seconds or 0.0, 4),
+            "resume_seconds": round(self.resume_seconds or 0.0, 4),
             "lost_steps": self.lost_steps,
-            "resumed": self.resumed_at is not None,
+            "resumed": self.resumed,
         }
 
 
@@ -93,7 +177,7 @@ class Goodput:
         return self.productive_seconds / total if total > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        """The stored form: the proto's Goodput fields, plus the incidents."""
+        """The stored form: the proto's Goodput fields, the newest incidents among them."""
         return {
             "productive_seconds": round(self.productive_seconds, 4),
             "detect_seconds": round(self.detect_seconds, 4),
@@ -101,14 +185,15 @@ class Goodput:
             "recompute_seconds": round(self.recompute_seconds, 4),
             "ratio": round(self.ratio, 6),
             "recoveries": self.recoveries,
-            "incidents": [i.to_json() for i in self.incidents[-50:]],
+            "incident_count": len(self.incidents),
+            "incidents": [i.to_json() for i in self.incidents[-MAX_STORED_INCIDENTS:]],
         }
 
 
 def incident_attributes(
     *, cause: str, failed_at: float, detected_at: float, lost_steps: int
 ) -> dict[str, str]:
-    """The attributes that open an incident on a recovery's first event."""
+    """The attributes that describe a decision's failure on its event."""
     return {
         f"{INCIDENT}cause": cause,
         f"{INCIDENT}failed_at": f"{failed_at:.6f}",
@@ -117,56 +202,90 @@ def incident_attributes(
     }
 
 
+def incident_kind(event: JobEvent) -> IncidentKind | None:
+    """The kind of incident ``event`` opens; None when it is no decision."""
+    if event.kind in NODE_DECISIONS:
+        return IncidentKind.NODE
+    if event.kind != RESTART:
+        return None
+    marked = event.attributes.get(FALLBACK) == "true"
+    if marked or f"{INCIDENT}failed_at" not in event.attributes:
+        return IncidentKind.FALLBACK
+    return IncidentKind.RANK_EXIT
+
+
+def describe(event: JobEvent, incident: Incident) -> None:
+    """Fill ``incident`` with the decision ``event`` records: its failure's times (a
+    failure never after its detection, neither after the decision) and the steps lost.
+    A node event without them leaves its incident undecided: waiting for capacity."""
+    attrs = event.attributes
+    incident.cause = attrs.get(f"{INCIDENT}cause") or event.reason or event.kind
+    failed_at = _number(attrs.get(f"{INCIDENT}failed_at"))
+    if failed_at is None and incident.kind is IncidentKind.NODE:
+        return
+    incident.decided_at = event.time
+    if failed_at is not None:
+        failed_at = min(failed_at, event.time)
+        detected_at = _number(attrs.get(f"{INCIDENT}detected_at"))
+        detected_at = failed_at if detected_at is None else detected_at
+        incident.failed_at = failed_at
+        incident.detected_at = min(max(detected_at, failed_at), event.time)
+    lost = _number(attrs.get(f"{INCIDENT}lost_steps"))
+    incident.lost_steps = max(0, int(lost)) if lost is not None else 0
+
+
 def account(events: Iterable[JobEvent], *, now: float, step_seconds: float) -> Goodput:
     """The account of a job whose events (oldest first) are ``events``, as of ``now``.
     ``step_seconds`` is the job's typical step time (what a redone step costs)."""
     out = Goodput()
     running_since: float | None = None
-    groups: list[list[Incident]] = []  # incidents ended by the same resumption
-    open_incidents: list[Incident] = []
+    groups: list[list[Incident]] = []  # decisions between two times the job stepped
+    open_group: list[Incident] = []
     for event in events:
-        attrs = event.attributes
-        if f"{INCIDENT}failed_at" in attrs:
-            failed_at = min(float(attrs[f"{INCIDENT}failed_at"]), event.time)
-            detected_at = float(attrs.get(f"{INCIDENT}detected_at", failed_at))
-            incident = Incident(
-                cause=str(attrs.get(f"{INCIDENT}cause", "")),
-                failed_at=failed_at,
-                detected_at=min(max(detected_at, failed_at), event.time),
-                decided_at=event.time,
-                lost_steps=int(attrs.get(f"{INCIDENT}lost_steps", "0")),
-            )
-            if not open_incidents:
-                groups.append(open_incidents)
-            open_incidents.append(incident)
-            out.incidents.append(incident)
+        kind = incident_kind(event)
+        if kind is not None:
+            latest = open_group[-1] if open_group else None
+            if kind is IncidentKind.NODE and latest is not None and latest.waiting_for_capacity:
+                describe(event, latest)  # the decision the wait was for
+            else:
+                if latest is not None:
+                    latest.outcome, latest.ended_at = Outcome.SUPERSEDED, event.time
+                incident = Incident(kind=kind, cause="", opened_at=event.time)
+                describe(event, incident)
+                if not open_group:
+                    groups.append(open_group)
+                open_group.append(incident)
+                out.incidents.append(incident)
             if running_since is not None:
                 # Time after the failure was not productive: it is counted as detection.
-                out.productive_seconds += max(0.0, failed_at - running_since)
+                began = open_group[-1].began_at
+                out.productive_seconds += max(0.0, min(began, event.time) - running_since)
                 running_since = None
         if event.from_state == RUNNING and event.to_state != RUNNING and running_since is not None:
             out.productive_seconds += max(0.0, event.time - running_since)
             running_since = None
+        ended = Outcome.RESUMED if event.to_state == RUNNING else JOB_ENDS.get(event.to_state)
+        if ended is not None and open_group:
+            last = open_group[-1]
+            last.outcome, last.ended_at = ended, event.time
+            open_group = []
         if event.to_state == RUNNING:
             running_since = event.time
-            for incident in open_incidents:
-                incident.resumed_at = event.time
-            open_incidents = []
     if running_since is not None:
         out.productive_seconds += max(0.0, now - running_since)
     for group in groups:
-        # Failures that overlap (one during another's recovery) share their lost time.
-        start = min(i.failed_at for i in group)
-        noticed = min(i.detected_at for i in group)
-        resumed = group[0].resumed_at
-        end = resumed if resumed is not None else max(now, max(i.decided_at for i in group))
+        last = group[-1]
+        start = min(i.began_at for i in group)
+        noticed = min(i.noticed_at for i in group)
+        end = last.ended_at if last.ended_at is not None else max(now, last.opened_at)
         out.detect_seconds += max(0.0, noticed - start)
         out.recovery_seconds += max(0.0, end - noticed)
         redo = max(i.lost_steps for i in group) * max(step_seconds, 0.0)
         out.recompute_seconds += redo
         out.productive_seconds -= redo
-        if resumed is not None:
-            out.recoveries += len(group)
+        if last.resumed:
+            # Failures the job got past, on their own decision or a later one's.
+            out.recoveries += sum(1 for i in group if i.kind is not IncidentKind.FALLBACK)
     out.productive_seconds = max(0.0, out.productive_seconds)
     return out
 
@@ -176,3 +295,22 @@ def epoch(value: dt.datetime) -> float:
     if value.tzinfo is None:
         value = value.replace(tzinfo=dt.UTC)
     return value.timestamp()
+
+
+def _number(text: str | None) -> float | None:
+    """An attribute's number; None when absent or not a finite number."""
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _first(*times: float | None) -> float:
+    return next(t for t in times if t is not None)
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else max(0.0, end - start)

@@ -1,5 +1,10 @@
 """The job's goodput account, kept on its row (``jobs.goodput``), recomputed from its
-events (see pitstop.health.goodput), and the incident a recovery opens."""
+events (see pitstop.health.goodput: every recovery, restart and fallback an incident of
+its own, with its outcome), and the failure data a recovery's decision event carries.
+
+The stored account is as fresh as its last :func:`refresh`: call it in the transaction
+of every decision and of every end of the job, so that an incident under way, and one
+the job's failure or cancellation ended, is on the row when someone looks."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ async def refresh(session: AsyncSession, job: models.Job, *, step_seconds: float
                 models.Event.from_state,
                 models.Event.to_state,
                 models.Event.attributes,
+                models.Event.reason,
             )
             .where(models.Event.job_id == job.id)
             .where(models.Event.kind.like("job.%"))
@@ -34,8 +40,15 @@ async def refresh(session: AsyncSession, job: models.Job, *, step_seconds: float
         )
     ).all()
     events = [
-        JobEvent(epoch(t), kind, src, dst, {k: str(v) for k, v in (attrs or {}).items()})
-        for t, kind, src, dst, attrs in rows
+        JobEvent(
+            epoch(t),
+            kind,
+            src,
+            dst,
+            {k: str(v) for k, v in (attrs or {}).items()},
+            reason,
+        )
+        for t, kind, src, dst, attrs, reason in rows
     ]
     job.goodput = account(events, now=time.time(), step_seconds=step_seconds).to_json()
 
