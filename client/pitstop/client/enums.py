@@ -12,6 +12,8 @@ NODE_ROLES = common_pb2.NodeRole.DESCRIPTOR
 VERDICTS = common_pb2.HealthVerdict.DESCRIPTOR
 XID_SOURCES = common_pb2.XidSource.DESCRIPTOR
 STRAGGLER_ACTIONS = jobs_pb2.StragglerAction.DESCRIPTOR
+INCIDENT_KINDS = jobs_pb2.IncidentKind.DESCRIPTOR
+INCIDENT_OUTCOMES = jobs_pb2.IncidentOutcome.DESCRIPTOR
 
 
 def enum_prefix(enum: EnumDescriptor) -> str:

@@ -9,7 +9,13 @@ from datetime import datetime
 from rich.console import Group, RenderableType
 from rich.table import Table
 
-from pitstop.client.enums import JOB_STATES, STRAGGLER_ACTIONS, enum_word
+from pitstop.client.enums import (
+    INCIDENT_KINDS,
+    INCIDENT_OUTCOMES,
+    JOB_STATES,
+    STRAGGLER_ACTIONS,
+    enum_word,
+)
 from pitstop.client.render import (
     add_row,
     details,
@@ -106,36 +112,79 @@ def checkpoint_policy(policy: jobs_pb2.CheckpointPolicy) -> str:
 
 def goodput_view(goodput: jobs_pb2.Goodput) -> Table:
     """Where the job's GPU time went."""
-    return details(
-        [
-            ("ratio", f"{goodput.ratio:.1%}"),
-            ("productive", format_seconds(goodput.productive_seconds)),
-            ("detect", format_seconds(goodput.detect_seconds)),
-            ("recovery", format_seconds(goodput.recovery_seconds)),
-            ("recompute", format_seconds(goodput.recompute_seconds)),
-            ("recoveries", goodput.recoveries),
-        ],
-        title="goodput",
+    rows: list[tuple[str, object]] = [
+        ("ratio", f"{goodput.ratio:.1%}"),
+        ("productive", format_seconds(goodput.productive_seconds)),
+        ("detect", format_seconds(goodput.detect_seconds)),
+        ("recovery", format_seconds(goodput.recovery_seconds)),
+        ("recompute", format_seconds(goodput.recompute_seconds)),
+        ("recoveries", goodput.recoveries),
+    ]
+    incidents = max(goodput.incident_count, len(goodput.incidents))
+    if incidents:
+        rows.append(("incidents", incidents))
+    return details(rows, title="goodput")
+
+
+def _span(start: float, end: float, seconds: float) -> str:
+    """A span between two epoch times, or "-" when an end is unknown (0)."""
+    return format_seconds(seconds) if start and end else "-"
+
+
+def incident_row(incident: jobs_pb2.GoodputIncident, now: datetime) -> tuple[str, ...]:
+    """KIND, OUTCOME, CAUSE, DETECT, DECIDE, RESUME, TOTAL, STEPS LOST of one incident.
+    An account stored before incidents had a kind shows its spans as they are."""
+    spans = incident.detect_seconds + incident.decide_seconds + incident.resume_seconds
+    if incident.kind == jobs_pb2.INCIDENT_KIND_UNSPECIFIED:
+        outcome = "resumed" if incident.resumed else "in progress"
+        detect = format_seconds(incident.detect_seconds)
+        decide = format_seconds(incident.decide_seconds)
+        resume = format_seconds(incident.resume_seconds) if incident.resumed else "-"
+        total = format_seconds(spans) if incident.resumed else "-"
+    else:
+        outcome = enum_word(INCIDENT_OUTCOMES, incident.outcome).replace("_", " ")
+        detect = _span(incident.failed_at, incident.detected_at, incident.detect_seconds)
+        decide = _span(incident.detected_at, incident.decided_at, incident.decide_seconds)
+        resume = _span(incident.decided_at, incident.resumed_at, incident.resume_seconds)
+        total = _span(incident.failed_at, incident.resumed_at, spans)
+        if incident.outcome == jobs_pb2.INCIDENT_OUTCOME_IN_PROGRESS:
+            if not incident.decided_at:
+                decide = "waiting"
+            else:
+                resume = f"{format_seconds(max(0.0, now.timestamp() - incident.decided_at))} so far"
+    kind = enum_word(INCIDENT_KINDS, incident.kind).replace("_", " ")
+    return (
+        kind if incident.kind != jobs_pb2.INCIDENT_KIND_UNSPECIFIED else "-",
+        outcome,
+        incident.cause,
+        detect,
+        decide,
+        resume,
+        total,
+        str(incident.lost_steps),
     )
 
 
-def incidents_table(goodput: jobs_pb2.Goodput) -> Table:
-    """Each failure: what failed, and how long detection, decision and resumption took."""
-    result = table("CAUSE", "DETECT", "DECIDE", "RESUME", "TOTAL", "STEPS LOST", title="recoveries")
+def incidents_table(goodput: jobs_pb2.Goodput, now: datetime) -> Table:
+    """Every recovery, restart and fallback (the newest the account keeps): what it
+    answered, how it ended, and how long detection, decision and resumption took."""
+    shown = len(goodput.incidents)
+    title = "incidents"
+    if goodput.incident_count > shown:
+        title += f" (newest {shown} of {goodput.incident_count})"
+    result = table(
+        "KIND",
+        "OUTCOME",
+        "CAUSE",
+        "DETECT",
+        "DECIDE",
+        "RESUME",
+        "TOTAL",
+        "STEPS LOST",
+        title=title,
+    )
     for incident in goodput.incidents:
-        total = incident.detect_seconds + incident.decide_seconds + incident.resume_seconds
-        add_row(
-            result,
-            (
-                incident.cause,
-                format_seconds(incident.detect_seconds),
-                format_seconds(incident.decide_seconds),
-                format_seconds(incident.resume_seconds)
-                + ("" if incident.resumed else " (under way)"),
-                format_seconds(total),
-                incident.lost_steps,
-            ),
-        )
+        add_row(result, incident_row(incident, now))
     return result
 
 
@@ -181,7 +230,7 @@ def job_view(job: jobs_pb2.Job, now: datetime) -> RenderableType:
     """Everything ``pitstop job show`` prints, sections left out when empty."""
     parts: list[RenderableType] = [job_summary(job, now), "", goodput_view(job.goodput)]
     if job.goodput.incidents:
-        parts += ["", incidents_table(job.goodput)]
+        parts += ["", incidents_table(job.goodput, now)]
     if job.rank_map.ranks:
         parts += ["", rank_map_table(job)]
     if job.rank_stats:
