@@ -131,6 +131,14 @@ class SchedulerThread:
             AgentStream(self.channel(), node_id, gpus, zone, block, rack, role)
         )
 
+    def open_stream(
+        self, node_id: str, gpus: int = 8, rack: str = "r1", role: str = "worker"
+    ) -> AgentStream:
+        """An agent stream that stays open until the scheduler stops."""
+        stream = AgentStream(self.channel(), node_id, gpus, "z1", "b1", rack, role)
+        self._open_streams.append(stream)
+        return stream
+
     @contextlib.contextmanager
     def agent_stream(
         self,

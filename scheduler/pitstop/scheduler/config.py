@@ -63,9 +63,16 @@ class SchedulerSettings(BaseSettings):
     # Campaign for the leader lease and run the deciding loops (placement, recovery,
     # liveness) when holding it. Off only for a process meant to serve the API alone.
     leader_loops: bool = True
-    # The leader lease: a standby takes over within about one period of the leader dying.
-    leader_lease_seconds: float = Field(default=3.0, gt=0)
+    # The leader lease: a standby takes over within about one period of the leader dying
+    # (two at most). Renewed every third of a period from a thread of its own; decisions
+    # check the fencing token, not the expiry, so a late renewal refuses nothing.
+    leader_lease_seconds: float = Field(default=4.0, gt=0)
     reconcile_tick_seconds: float = Field(default=0.2, gt=0)
+    # An in-place recovery not stepping within this becomes a full restart of every rank;
+    # a full (re)start not stepping within restart_timeout_seconds is restarted again,
+    # counted against the job's max_restarts. Both deadlines are stored with the decision.
+    recovery_timeout_seconds: float = Field(default=30.0, gt=0)
+    restart_timeout_seconds: float = Field(default=120.0, gt=0)
     shutdown_grace_seconds: float = Field(default=10.0, ge=0)
     db_pool_size: int = Field(default=10, ge=1)
     log_level: str = "INFO"

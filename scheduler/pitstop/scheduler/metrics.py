@@ -7,7 +7,10 @@ process holds a node's stream observes its heartbeat lag.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import threading
+import time
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -16,6 +19,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState, NodeState
+
+LOOP_LAG_INTERVAL = 0.05
+LOOP_LAG_WINDOW = 60.0
 
 
 class SchedulerMetrics:
@@ -54,8 +60,46 @@ class SchedulerMetrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0),
             registry=self.registry,
         )
+        self.command_resends = Counter(
+            "pitstop_scheduler_command_resends_total",
+            "Node commands sent again because no acknowledgement came, by action.",
+            ["action"],
+            registry=self.registry,
+        )
+        self.loop_lag_seconds = Histogram(
+            "pitstop_scheduler_event_loop_lag_seconds",
+            "How late the event loop runs a callback due now (sampled every 50 ms).",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=self.registry,
+        )
+        self.loop_lag_quantile = Gauge(
+            "pitstop_scheduler_event_loop_lag_quantile_seconds",
+            "Event-loop lag over the last minute, by quantile (0.5, 0.99).",
+            ["quantile"],
+            registry=self.registry,
+        )
+        self._lags: collections.deque[tuple[float, float]] = collections.deque()
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
+
+    async def watch_loop_lag(self, interval: float = LOOP_LAG_INTERVAL) -> None:
+        """Sample the event loop's lag for as long as it runs: sleep `interval` and see
+        how much later than that the loop woke up."""
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            self.observe_loop_lag(now, max(now - before - interval, 0.0))
+
+    def observe_loop_lag(self, now: float, lag: float) -> None:
+        self.loop_lag_seconds.observe(lag)
+        self._lags.append((now, lag))
+        while self._lags and self._lags[0][0] < now - LOOP_LAG_WINDOW:
+            self._lags.popleft()
+        ordered = sorted(lag for _, lag in self._lags)
+        for quantile in (0.5, 0.99):
+            index = min(int(quantile * len(ordered)), len(ordered) - 1)
+            self.loop_lag_quantile.labels(str(quantile)).set(ordered[index])
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics; returns the bound port (port 0 picks a free one)."""

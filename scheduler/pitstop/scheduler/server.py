@@ -30,7 +30,7 @@ from pitstop.scheduler.interceptors import ErrorMappingInterceptor
 from pitstop.scheduler.leader import LeaderElection
 from pitstop.scheduler.liveness import LivenessMonitor
 from pitstop.scheduler.metrics import SchedulerMetrics
-from pitstop.scheduler.reconcile import Reconciler
+from pitstop.scheduler.reconcile import Reconciler, Timeouts
 from pitstop.scheduler.store import Store
 from pitstop.v1 import (
     agent_pb2,
@@ -184,16 +184,26 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
     scheduler.metrics = metrics
     if settings.metrics_port is not None:
         scheduler.metrics_port = metrics.serve(settings.metrics_host, settings.metrics_port)
-    election = LeaderElection(store, period_seconds=settings.leader_lease_seconds)
+    election = LeaderElection(
+        store, database_url=database_url, period_seconds=settings.leader_lease_seconds
+    )
     metrics.leader.set_function(lambda: 1.0 if election.leading else 0.0)
     await _report_health(health_servicer, engine, hot, store, metrics, election)
+    scheduler._tasks.append(asyncio.create_task(metrics.watch_loop_lag(), name="loop-lag"))
     scheduler._tasks.append(
         asyncio.create_task(
             _health_loop(health_servicer, engine, hot, store, metrics, election), name="health"
         )
     )
     # Every process campaigns; the lease holder runs the loops that decide.
-    reconciler = Reconciler(store, hot, router, election, metrics)
+    reconciler = Reconciler(
+        store,
+        hot,
+        router,
+        election,
+        metrics,
+        timeouts=Timeouts(settings.recovery_timeout_seconds, settings.restart_timeout_seconds),
+    )
     scheduler.election = election
 
     async def lead(token: int) -> None:

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf import json_format
-from sqlalchemy import select
 
 from pitstop.scheduler.convert import NODE_ROLE_TO_PB, NODE_STATE_TO_PB, node_roles_from_pb
-from pitstop.scheduler.db import models
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument
 from pitstop.scheduler.gateway import AgentGateway, CloseStream
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.metrics import SchedulerMetrics
 from pitstop.scheduler.services import health as health_service
+from pitstop.scheduler.services import jobs as job_service
+from pitstop.scheduler.services import node_commands as node_command_service
 from pitstop.scheduler.services import nodes as node_service
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.store import Store
@@ -33,8 +33,8 @@ from pitstop.v1 import agent_pb2, common_pb2
 log = logging.getLogger(__name__)
 
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
-STANDBY_CHECK_SECONDS = 5.0
-"""How often a node reporting standby processes has their jobs looked up."""
+ENDED_CHECK_SECONDS = 5.0
+"""How often the jobs a node reports running processes of are looked up."""
 
 
 @dataclass
@@ -45,8 +45,32 @@ class StreamState:
     seq: int
     verdict: int = common_pb2.HEALTH_VERDICT_UNSPECIFIED
     reasons: tuple[str, ...] = ()
-    commands: set[int] = field(default_factory=set)
-    standby_check_at: float = 0.0
+    # Commands sent down this stream and not yet acknowledged: id -> what an ack means.
+    commands: dict[int, SentCommand | None] = field(default_factory=dict)
+    ended_check_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class SentCommand:
+    """A job command whose acknowledgement is recorded (node_commands)."""
+
+    job_id: str
+    generation: int
+    actions: tuple[node_command_service.NodeAction, ...]
+
+
+def _tracked(message: agent_pb2.SchedulerMessage) -> SentCommand | None:
+    kind = message.WhichOneof("body")
+    if kind == "start_ranks" and not message.start_ranks.standby_gpus:
+        start = message.start_ranks
+        return SentCommand(
+            start.job_id, start.generation, node_command_service.actions_of(kind, False)
+        )
+    if kind == "reconfigure":
+        new = message.reconfigure
+        actions = node_command_service.actions_of(kind, bool(new.adopted_ranks))
+        return SentCommand(new.job_id, new.generation, actions)
+    return None
 
 
 class AgentServicer:
@@ -98,7 +122,7 @@ class AgentServicer:
                     reason = item.reason
                     return
                 assert isinstance(item, agent_pb2.SchedulerMessage)
-                state.commands.add(item.command_id)
+                state.commands[item.command_id] = _tracked(item)
                 yield item
         finally:
             pending = [t for t in (getter, reader) if t is not None and not t.done()]
@@ -225,7 +249,7 @@ class AgentServicer:
             self.metrics.heartbeat_lag_seconds.observe(max(lag.total_seconds(), 0.0))
         health = json_format.MessageToDict(beat.health, preserving_proto_field_name=True)
         await self.hot.record_heartbeat(state.node_id, self.liveness_timeout, health)
-        await self._retire_standbys(state, beat)
+        await self._stop_ended(state, beat)
         reasons = tuple(beat.health.reasons)
         if (beat.health.verdict, reasons) == (state.verdict, state.reasons):
             return
@@ -233,21 +257,20 @@ class AgentServicer:
         async with self.store.write() as session:
             await health_service.apply_health(session, state.node_id, beat.health)
 
-    async def _retire_standbys(self, state: StreamState, beat: agent_pb2.Heartbeat) -> None:
-        """Stop the node's standby processes of jobs that ended: the leader that started
-        them stops them too, but a leader change forgets them. Every few seconds at most."""
-        jobs = {r.job_id for r in beat.running_ranks if r.standby}
+    async def _stop_ended(self, state: StreamState, beat: agent_pb2.Heartbeat) -> None:
+        """Stop the node's processes (ranks and standbys) of jobs that ended: the leader
+        sends StopRanks when a job ends, but that message can be lost (a leader change,
+        a stream that broke), and nothing may run on for a job that is over. Every few
+        seconds at most."""
+        jobs = {r.job_id for r in beat.running_ranks}
         now = asyncio.get_running_loop().time()
-        if not jobs or now < state.standby_check_at:
+        if not jobs or now < state.ended_check_at:
             return
-        state.standby_check_at = now + STANDBY_CHECK_SECONDS
+        state.ended_check_at = now + ENDED_CHECK_SECONDS
         async with self.store.read() as session:
-            rows = await session.execute(
-                select(models.Job.id, models.Job.state).where(models.Job.id.in_(jobs))
-            )
-            ended = {job_id for job_id, job_state in rows.all() if job_state.terminal}
+            ended = await job_service.ended_jobs(session, jobs)
         for job_id in sorted(ended):
-            stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=5, reason="standby: job ended")
+            stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=5, reason="the job ended")
             await self.gateway.forward(state.node_id, agent_pb2.SchedulerMessage(stop_ranks=stop))
 
     async def _ack(self, state: StreamState, ack: agent_pb2.CommandAck) -> None:
@@ -256,7 +279,12 @@ class AgentServicer:
                 "node %s: ack for unknown command %d ignored", state.node_id, ack.command_id
             )
             return
-        state.commands.discard(ack.command_id)
+        sent = state.commands.pop(ack.command_id)
+        if ack.ok and sent is not None:
+            async with self.store.write() as session:
+                await node_command_service.acknowledge(
+                    session, sent.job_id, state.node_id, sent.generation, sent.actions
+                )
         if not ack.ok:
             async with self.store.write() as session:
                 record_event(

@@ -35,6 +35,20 @@ def psycopg_url(url: str) -> str:
     return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
 
 
+def libpq_url(url: str) -> str:
+    """The same URL as plain psycopg (libpq) takes it, without SQLAlchemy's driver name."""
+    return (
+        make_url(psycopg_url(url))
+        .set(drivername="postgresql")
+        .render_as_string(hide_password=False)
+    )
+
+
+IDLE_IN_TRANSACTION_SECONDS = 30
+"""A transaction left open this long (its process frozen: SIGSTOP, a debugger) is ended
+by PostgreSQL, so the locks it holds cannot stall a new leader for ever."""
+
+
 def create_engine_for(url: str, pool_size: int = 10) -> AsyncEngine:
     """An async engine that checks connections before use, so a restarted PostgreSQL heals."""
     return create_async_engine(
@@ -43,7 +57,10 @@ def create_engine_for(url: str, pool_size: int = 10) -> AsyncEngine:
         max_overflow=pool_size,
         pool_pre_ping=True,
         pool_timeout=5,
-        connect_args={"connect_timeout": 3},
+        connect_args={
+            "connect_timeout": 3,
+            "options": f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_SECONDS}s",
+        },
     )
 
 

@@ -127,6 +127,13 @@ class Job(Base):
     current_step: Mapped[int] = mapped_column(BigInteger, default=0)
     committed_step: Mapped[int] = mapped_column(BigInteger, default=0)
     durable_step: Mapped[int] = mapped_column(BigInteger, default=0)
+    # What the current generation restores from (the deciding transaction chose it).
+    restore_step: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # The current generation's commands go out from then on (a restart's backoff).
+    commands_after: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    # When the start or recovery in flight is given up for a full restart: stored with
+    # the decision, so whichever process leads next keeps the same deadline.
+    deadline: Mapped[dt.datetime | None] = mapped_column(nullable=True)
     # Goodput account (seconds by category) and results the ranks reported.
     goodput: Mapped[dict[str, Any]] = mapped_column(default=dict)
     result: Mapped[dict[str, Any]] = mapped_column(default=dict)
@@ -152,6 +159,25 @@ class RankAssignment(Base):
     dp: Mapped[int] = mapped_column(Integer)
     pp: Mapped[int] = mapped_column(Integer)
     tp: Mapped[int] = mapped_column(Integer)
+
+
+class NodeCommand(Base):
+    """Desired state per node of a job: what the node must do to run the job's current
+    generation, and the newest generation it acknowledged. The leader re-sends every
+    command not yet acknowledged, each tick, until the generation changes again."""
+
+    __tablename__ = "node_commands"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    node_id: Mapped[str] = mapped_column(String(253), primary_key=True)
+    generation: Mapped[int] = mapped_column(BigInteger)
+    # start | adopt | reconfigure | leave (see pitstop.scheduler.reconcile.commands)
+    action: Mapped[str] = mapped_column(String(16))
+    acked_generation: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    sends: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    sent_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    # When the decision that wrote this row committed its transaction (PostgreSQL's now()).
+    decided_at: Mapped[dt.datetime] = mapped_column(server_default=func.now())
 
 
 class GpuBooking(Base):

@@ -146,3 +146,11 @@ async def job_nodes(session: AsyncSession, job: models.Job) -> list[str]:
         .order_by(models.RankAssignment.node_id)
     )
     return list(rows.all())
+
+
+async def ended_jobs(session: AsyncSession, job_ids: set[str]) -> set[str]:
+    """Those of `job_ids` that ended."""
+    rows = await session.execute(
+        select(models.Job.id, models.Job.state).where(models.Job.id.in_(sorted(job_ids)))
+    )
+    return {job_id for job_id, state in rows.all() if state.terminal}

@@ -1,0 +1,120 @@
+"""The command fan-out: every node command a decision committed goes out, and goes out
+again each tick until the node's agent acknowledges it. Whichever process leads sends
+what is due, so a decision whose sender died (a refused check, a database error, kill
+-9 between commit and send) is carried out by the next tick or the next leader."""
+
+from __future__ import annotations
+
+import logging
+import zlib
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from pitstop.scheduler.convert import rank_map_to_pb
+from pitstop.scheduler.db import models
+from pitstop.scheduler.reconcile.context import Leader
+from pitstop.scheduler.services import lifecycle
+from pitstop.scheduler.services import node_commands as plan
+from pitstop.scheduler.services.jobs import spec_from_json
+from pitstop.scheduler.services.node_commands import DueCommand, NodeAction
+from pitstop.scheduler.topology import Placement
+from pitstop.v1 import agent_pb2
+
+log = logging.getLogger(__name__)
+
+
+async def send_due(leader: Leader, job_ids: set[str] | None = None) -> int:
+    """Send every due command (of `job_ids`, or of every job); returns how many went."""
+    async with leader.store.write() as session:
+        due = await plan.claim_due(session, job_ids)
+        if not due:
+            return 0
+        jobs = {c.job_id for c in due}
+        messages = {job_id: await _job_messages(session, job_id) for job_id in jobs}
+    for command in due:
+        build = messages[command.job_id]
+        if build is None or build.generation != command.generation:
+            continue  # the job moved on since: its new commands are claimed next tick
+        if command.sends > 1:
+            log.info(
+                "job %s generation %d: sending %s to node %s again (attempt %d)",
+                command.job_id,
+                command.generation,
+                command.action.value,
+                command.node_id,
+                command.sends,
+            )
+            leader.metrics.command_resends.labels(command.action.value).inc()
+        await leader.router.send(command.node_id, build.message(command))
+    return len(due)
+
+
+class JobMessages:
+    """Builds each node's message for one generation of a job."""
+
+    def __init__(self, start: agent_pb2.StartRanks, placement: Placement) -> None:
+        self.start = start
+        self.placement = placement
+        self.generation = start.generation
+
+    def message(self, command: DueCommand) -> agent_pb2.SchedulerMessage:
+        if command.action is NodeAction.START:
+            return agent_pb2.SchedulerMessage(start_ranks=self.start)
+        reconfigure = agent_pb2.Reconfigure(
+            job_id=self.start.job_id,
+            generation=self.start.generation,
+            rank_map=self.start.rank_map,
+            rendezvous_address=self.start.rendezvous_address,
+            restore_step=self.start.restore_step,
+        )
+        if command.action is NodeAction.ADOPT:
+            reconfigure.adopted_ranks.extend(
+                a.rank for a in self.placement.ranks_on(command.node_id)
+            )
+        return agent_pb2.SchedulerMessage(reconfigure=reconfigure)
+
+
+async def _job_messages(session: AsyncSession, job_id: str) -> JobMessages | None:
+    job = await session.get(models.Job, job_id)
+    if job is None or job.state.terminal:
+        return None
+    placement = await lifecycle.rank_map(session, job)
+    hosts = await node_hosts(session, placement)
+    return JobMessages(start_command(job, placement, hosts, job.restore_step), placement)
+
+
+async def node_hosts(session: AsyncSession, placement: Placement) -> dict[str, str]:
+    """Host names of the placement's nodes, by node id."""
+    rows = await session.execute(
+        select(models.Node.id, models.Node.hostname).where(models.Node.id.in_(placement.nodes()))
+    )
+    return {node_id: hostname for node_id, hostname in rows.all()}
+
+
+def start_command(
+    job: models.Job, placement: Placement, hosts: dict[str, str], restore_step: int
+) -> agent_pb2.StartRanks:
+    """StartRanks for the job's current generation. The rendezvous is rank 0's host on a
+    port derived from the job and generation, so a new generation never meets the old."""
+    spec = spec_from_json(job.spec)
+    rank0 = placement.ranks[0].node_id
+    port = 20000 + (zlib.crc32(job.id.encode()) + job.generation) % 20000
+    return agent_pb2.StartRanks(
+        job_id=job.id,
+        generation=job.generation,
+        command=list(spec.command),
+        env=dict(spec.env),
+        working_dir=spec.working_dir,
+        rank_map=rank_map_to_pb(job.generation, placement.ranks),
+        rendezvous_address=f"{hosts.get(rank0) or rank0}:{port}",
+        restore_step=restore_step,
+    )
+
+
+async def stop_everywhere(leader: Leader, job_id: str, nodes: list[str], reason: str) -> None:
+    """StopRanks to each node (a job that ended; best effort: an agent also stops what
+    it runs of an ended job when it next reports it)."""
+    stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=10, reason=reason)
+    for node_id in nodes:
+        await leader.router.send(node_id, agent_pb2.SchedulerMessage(stop_ranks=stop))

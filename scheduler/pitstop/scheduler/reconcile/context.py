@@ -1,0 +1,70 @@
+"""What every part of the leader's loop shares, and the preamble of a deciding
+transaction, written once."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from sqlalchemy import func
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import JobState
+from pitstop.scheduler.gateway import CommandRouter
+from pitstop.scheduler.hotstate import HotState
+from pitstop.scheduler.leader import LeaderElection
+from pitstop.scheduler.metrics import SchedulerMetrics
+from pitstop.scheduler.store import Store
+
+RUNNABLE = (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a decision in flight may take before its fallback (stored as a deadline
+    on the job with the decision)."""
+
+    recovery_seconds: float = 30.0
+    """An in-place recovery not stepping by then becomes a full restart of every rank."""
+    restart_seconds: float = 120.0
+    """A (re)start of every rank not stepping by then is restarted again (a restart counted
+    against max_restarts, so a job that can never start ends FAILED, never stuck)."""
+
+
+@dataclass
+class Leader:
+    """The deciding process's parts."""
+
+    store: Store
+    hot: HotState
+    router: CommandRouter
+    election: LeaderElection
+    metrics: SchedulerMetrics
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    clock: Callable[[], float] = time.monotonic
+
+
+async def locked_job(
+    leader: Leader, session: AsyncSession, job_id: str, states: Collection[JobState] | None = None
+) -> models.Job | None:
+    """Inside a deciding transaction: check the fencing token, lock the job's row; None
+    when the job is gone, ended, or (with `states`) in none of them."""
+    await leader.election.assert_leader(session)
+    job = await session.get(models.Job, job_id, with_for_update=True)
+    if job is None or job.state.terminal:
+        return None
+    if states is not None and job.state not in states:
+        return None
+    return job
+
+
+def set_deadline(job: models.Job, seconds: float | None, *, after: float = 0.0) -> None:
+    """The decision in flight is given up `seconds` from now (PostgreSQL's clock) plus
+    `after` (a backoff); None clears it."""
+    if seconds is None:
+        job.deadline = None
+        return
+    job.deadline = func.now() + dt.timedelta(seconds=after + seconds)

@@ -1,0 +1,97 @@
+"""The leader's loop. Level-triggered: every tick reads the state in PostgreSQL (and the
+step streams in Redis), decides what changed in one transaction per decision, and sends
+every node command that is due — those just decided, and any earlier one that no agent
+acknowledged yet. A new leader simply carries on: nothing it needs is in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from pitstop.scheduler.gateway import CommandRouter
+from pitstop.scheduler.hotstate import HotState
+from pitstop.scheduler.leader import LeaderElection
+from pitstop.scheduler.metrics import SchedulerMetrics
+from pitstop.scheduler.reconcile import commands
+from pitstop.scheduler.reconcile.context import Leader, Timeouts
+from pitstop.scheduler.reconcile.exits import ExitFollower
+from pitstop.scheduler.reconcile.placing import place_pending_jobs
+from pitstop.scheduler.reconcile.recovery import Recovery
+from pitstop.scheduler.reconcile.standbys import StandbyKeeper
+from pitstop.scheduler.reconcile.steps import StepFollower
+from pitstop.scheduler.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class Reconciler:
+    def __init__(
+        self,
+        store: Store,
+        hot: HotState,
+        router: CommandRouter,
+        election: LeaderElection,
+        metrics: SchedulerMetrics,
+        *,
+        timeouts: Timeouts | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.leader = Leader(
+            store, hot, router, election, metrics, timeouts or Timeouts(), clock=clock
+        )
+        self.recovery = Recovery(self.leader)
+        self.steps = StepFollower(self.leader)
+        self.exits = ExitFollower(self.leader, self.recovery, self.steps)
+        self.standbys = StandbyKeeper(self.leader, self.recovery.standby_nodes)
+
+    async def run(self, tick_seconds: float) -> None:
+        """The deciding loop, for as long as this process leads."""
+        while True:
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reconcile tick failed; retrying")
+            await asyncio.sleep(tick_seconds)
+
+    async def tick(self) -> None:
+        # Each step runs even if an earlier one failed, and commands go out last: a
+        # decision is sent in the tick that made it, or re-sent by a later one.
+        for step in (
+            self._place,
+            self._repair,
+            self.steps.follow,
+            self._exits,
+            self._deadlines,
+            self.standbys.keep,
+        ):
+            try:
+                await step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("reconcile step %s failed; the next tick retries", step.__name__)
+        await commands.send_due(self.leader)
+
+    async def _place(self) -> None:
+        await self._send(await place_pending_jobs(self.leader))
+
+    async def _repair(self) -> None:
+        for job_id, nodes in self.steps.swap_requests().items():
+            self.recovery.swap_nodes.setdefault(job_id, set()).update(nodes)
+        await self._send(await self.recovery.repair_failed_nodes())
+
+    async def _exits(self) -> None:
+        await self._send(await self.exits.handle())
+
+    async def _deadlines(self) -> None:
+        await self._send(await self.recovery.deadlines_due())
+
+    async def _send(self, job_ids: set[str]) -> None:
+        """The decisions just committed go out at once (the tick's end re-sends what
+        is still due, of every job)."""
+        if job_ids:
+            await commands.send_due(self.leader, job_ids)

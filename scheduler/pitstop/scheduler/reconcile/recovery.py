@@ -1,0 +1,446 @@
+"""Recovery decisions. Each is one transaction that commits everything the recovery
+needs — the generation's rank map, the restore step, every node's command (adopt,
+start, reconfigure, leave), the deadline and its fallback — and returns the job's id;
+the command fan-out sends what it committed (and re-sends it until acknowledged)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections.abc import Set as AbstractSet
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from pitstop.health.goodput import incident_attributes
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import JobState, NodeState
+from pitstop.scheduler.placement import choose_replacement, replace_node, shrink_by_one_replica
+from pitstop.scheduler.reconcile.commands import stop_everywhere
+from pitstop.scheduler.reconcile.context import (
+    RUNNABLE,
+    Leader,
+    locked_job,
+    set_deadline,
+)
+from pitstop.scheduler.services import catalog, goodput, lifecycle
+from pitstop.scheduler.services import node_commands as plan
+from pitstop.scheduler.services.events import record_event
+from pitstop.scheduler.services.jobs import spec_from_json
+from pitstop.scheduler.services.node_commands import IN_FLIGHT, NodeAction
+from pitstop.scheduler.topology import Placement, Topology
+
+log = logging.getLogger(__name__)
+
+FAILED_NODE_STATES = (NodeState.UNHEALTHY, NodeState.LOST)
+
+
+async def node_actions(
+    session: AsyncSession,
+    job: models.Job,
+    before: Placement,
+    after: Placement,
+    *,
+    fresh: AbstractSet[str] = frozenset(),
+    adopting: AbstractSet[str] = frozenset(),
+) -> dict[str, NodeAction]:
+    """What each node does to reach `after` from `before`. Nodes new to the map start
+    (or adopt, where a standby of the job waits); so do nodes in `fresh` (a rank there
+    died) and nodes whose start of the previous generation may still be under way (its
+    ranks may not have opened their command streams, so a Reconfigure would miss them).
+    Every other node of `after` reconfigures in place; nodes of `before` left out leave
+    (their ranks find themselves absent and leave at the boundary every rank agrees
+    on, so the survivors reach it at once instead of stepping on)."""
+    previous = await plan.plan(session, job.id)
+    in_flight = job.state in (JobState.STARTING, JobState.RECOVERING)
+    actions: dict[str, NodeAction] = {}
+    for node_id in after.nodes():
+        prior = previous.get(node_id)
+        if node_id not in before.nodes():
+            actions[node_id] = NodeAction.ADOPT if node_id in adopting else NodeAction.START
+        elif node_id in fresh or (
+            in_flight and prior is not None and prior.action in (NodeAction.START, NodeAction.ADOPT)
+        ):
+            actions[node_id] = NodeAction.START
+        else:
+            actions[node_id] = NodeAction.RECONFIGURE
+    for node_id in set(before.nodes()) - set(after.nodes()):
+        actions[node_id] = NodeAction.LEAVE
+    return actions
+
+
+class Recovery:
+    """Node failures, rank exits and deadlines, each turned into a committed decision."""
+
+    def __init__(self, leader: Leader) -> None:
+        self.leader = leader
+        # The spares holding a standby process of each job (kept by StandbyKeeper).
+        self.standby_nodes: dict[str, set[str]] = {}
+        # Nodes a straggler finding asked to swap out (StepFollower fills it).
+        self.swap_nodes: dict[str, set[str]] = {}
+
+    # Node failures ---------------------------------------------------------------------
+
+    async def repair_failed_nodes(self) -> set[str]:
+        """Decide a recovery for every job with a rank on a failed (or draining, or
+        straggling) node; the ids of the jobs decided."""
+        async with self.leader.store.read() as session:
+            jobs = await lifecycle.live_jobs(session, (*RUNNABLE, JobState.PAUSED))
+            if not jobs:
+                return set()
+            states = dict((await session.execute(select(models.Node.id, models.Node.state))).all())
+            maps = {job.id: await lifecycle.rank_map(session, job) for job in jobs}
+        decided = set()
+        for job in jobs:
+            swap = self.swap_nodes.get(job.id, set())
+            failed = [
+                n
+                for n in maps[job.id].nodes()
+                if states.get(n) in FAILED_NODE_STATES
+                or n in swap
+                or (states.get(n) is NodeState.DRAINING and job.committed_step > 0)
+            ]
+            if failed and await self.replace(job.id, failed, {n: states.get(n) for n in failed}):
+                decided.add(job.id)
+                swap.difference_update(failed)
+        return decided
+
+    async def replace(
+        self, job_id: str, failed: list[str], states: dict[str, NodeState | None]
+    ) -> bool:
+        leader = self.leader
+        started = time.perf_counter()
+        prefer = self.standby_nodes.get(job_id, set())
+        async with leader.store.write() as session:
+            job = await locked_job(leader, session, job_id)
+            if job is None:
+                return False
+            before = await lifecycle.rank_map(session, job)
+            placement = before
+            nodes, booked = await lifecycle.topology_inputs(session)
+            topology = Topology.build(nodes, booked)
+            spec = spec_from_json(job.spec)
+            moves = []
+            for node_id in failed:
+                new = _repair_one(
+                    topology,
+                    placement,
+                    node_id,
+                    spec.tp,
+                    spec.pp,
+                    spec.min_dp,
+                    must=states.get(node_id) in FAILED_NODE_STATES,
+                    prefer=prefer,
+                )
+                if new is None:
+                    continue
+                placement, how = new
+                moves.append(f"{node_id} ({(states.get(node_id) or NodeState.READY).value}): {how}")
+            if not moves:
+                if any(s in FAILED_NODE_STATES for s in states.values()) and (
+                    job.state is not JobState.RECOVERING
+                ):
+                    lifecycle.transition(
+                        session,
+                        job,
+                        JobState.RECOVERING,
+                        kind="job.recovering",
+                        reason="waiting for capacity: no spare and no shrink left",
+                    )
+                    # Its deadline stands: when it passes with a node of the map still
+                    # failed, fall_back re-arms it (the job waits for capacity, and says
+                    # so); with every node back, it restarts the ranks in place.
+                    if job.deadline is None:
+                        set_deadline(job, leader.timeouts.restart_seconds)
+                return False
+            restore = await catalog.restorable_step(session, job)
+            incident = await goodput.node_incident(session, leader.hot, job, states, restore)
+            added = set(placement.nodes()) - set(before.nodes())
+            actions = await node_actions(session, job, before, placement, adopting=added & prefer)
+            await lifecycle.write_generation(session, job, placement)
+            job.restore_step = restore
+            job.commands_after = None
+            set_deadline(job, leader.timeouts.recovery_seconds)
+            await plan.replace_plan(session, job, actions)
+            if job.state is not JobState.RECOVERING:
+                lifecycle.transition(
+                    session,
+                    job,
+                    JobState.RECOVERING,
+                    kind="job.recovering",
+                    reason="; ".join(moves),
+                    attributes=incident,
+                )
+            else:
+                record_event(
+                    session,
+                    "job.reconfigured",
+                    actor="scheduler",
+                    job_id=job.id,
+                    reason="; ".join(moves),
+                    attributes={"generation": str(job.generation), **incident},
+                )
+        for node_id in added & prefer:
+            prefer.discard(node_id)  # taken: the standby keeper starts another
+        leader.metrics.decision_seconds.labels("recovery").observe(time.perf_counter() - started)
+        leader.metrics.recoveries.labels("node").inc()
+        return True
+
+    # Rank exits ------------------------------------------------------------------------
+
+    async def fail_rank(self, job_id: str, exited: models.Event) -> bool:
+        """A rank of the current generation failed: a new generation in the same places,
+        where every node with a failed rank of this generation starts its ranks anew
+        and the others reconfigure in place — at once for the first restart, after a
+        backoff for a rank that keeps failing — while restarts remain; else the job
+        fails. True when a decision was committed."""
+        leader = self.leader
+        nodes: list[str] = []
+        async with leader.store.write() as session:
+            job = await locked_job(leader, session, job_id)
+            if job is None or int(exited.attributes.get("generation", -1)) != job.generation:
+                return False
+            spec = spec_from_json(job.spec)
+            placement = await lifecycle.rank_map(session, job)
+            if job.restarts >= spec.max_restarts:
+                lifecycle.transition(
+                    session,
+                    job,
+                    JobState.FAILED,
+                    kind="job.failed",
+                    reason=f"{exited.reason}; restarts exhausted ({job.restarts})",
+                )
+                set_deadline(job, None)
+                await lifecycle.release_gpus(session, job.id)
+                nodes = list(placement.nodes())
+            else:
+                job.restarts += 1
+                backoff = 0.0 if job.restarts == 1 else min(2.0 ** (job.restarts - 2), 30.0)
+                reason = (
+                    f"{exited.reason}; restart {job.restarts} of {spec.max_restarts} "
+                    f"in {backoff:.0f}s"
+                )
+                incident = goodput.rank_incident(job, exited)
+                fresh = await _nodes_with_failed_ranks(session, job) | {exited.node_id or ""}
+                actions = await node_actions(session, job, placement, placement, fresh=fresh - {""})
+                await lifecycle.write_generation(session, job, placement)
+                job.restore_step = await catalog.restorable_step(session, job)
+                job.commands_after = (
+                    None if backoff == 0 else func.now() + dt.timedelta(seconds=backoff)
+                )
+                set_deadline(job, leader.timeouts.recovery_seconds, after=backoff)
+                await plan.replace_plan(session, job, actions)
+                if job.state is JobState.RECOVERING:
+                    record_event(
+                        session,
+                        "job.restarting",
+                        actor="scheduler",
+                        job_id=job.id,
+                        reason=reason,
+                        attributes={"generation": str(job.generation), **incident},
+                    )
+                else:
+                    lifecycle.transition(
+                        session,
+                        job,
+                        JobState.RECOVERING,
+                        kind="job.restarting",
+                        reason=reason,
+                        attributes=incident,
+                    )
+        if nodes:
+            await stop_everywhere(leader, job_id, nodes, "job failed")
+            return False
+        leader.metrics.recoveries.labels("rank_exit").inc()
+        return True
+
+    async def stale_exit(self, job_id: str, exited: models.Event) -> bool:
+        """A rank of an older generation ended after the current generation was decided
+        with its node reconfiguring in place: nothing is left there to reconfigure, so
+        the node starts its ranks afresh. Without this the new generation would wait on a
+        rank that is gone (or that finished the run in the old one) until its deadline.
+        Recorded as an event; True when a decision was committed."""
+        leader = self.leader
+        node_id = exited.node_id or ""
+        async with leader.store.write() as session:
+            job = await locked_job(leader, session, job_id, IN_FLIGHT)
+            if job is None or not node_id:
+                return False
+            row = (await plan.plan(session, job_id)).get(node_id)
+            if row is None or row.decided_at >= exited.time:
+                return False  # the decision knew of it, or the node is not in the map
+            if not await plan.restart_node(session, job_id, node_id):
+                return False
+            record_event(
+                session,
+                "job.node_restarted",
+                actor="scheduler",
+                job_id=job_id,
+                node_id=node_id,
+                reason=f"{exited.reason} (generation {exited.attributes.get('generation')}) "
+                f"after generation {job.generation} was decided: node {node_id} starts its "
+                "ranks afresh instead of reconfiguring them",
+                attributes={"generation": str(job.generation)},
+            )
+        return True
+
+    # Deadlines -------------------------------------------------------------------------
+
+    async def deadlines_due(self) -> set[str]:
+        """Fall back for every job whose decision in flight missed its deadline."""
+        async with self.leader.store.read() as session:
+            due = (
+                await session.scalars(
+                    select(models.Job.id)
+                    .where(models.Job.state.in_((JobState.STARTING, JobState.RECOVERING)))
+                    .where(models.Job.deadline.is_not(None))
+                    .where(models.Job.deadline < func.now())
+                )
+            ).all()
+        decided = set()
+        for job_id in due:
+            if await self.fall_back(job_id):
+                decided.add(job_id)
+        return decided
+
+    async def fall_back(self, job_id: str) -> bool:
+        """Restart every rank of the job from its restore step, in the same places (a
+        restart counted against max_restarts: a job that can never get going ends
+        FAILED rather than waiting for ever)."""
+        leader = self.leader
+        nodes: list[str] = []
+        async with leader.store.write() as session:
+            job = await locked_job(leader, session, job_id, IN_FLIGHT)
+            if job is None or job.deadline is None:
+                return False
+            passed = select(models.Job.deadline < func.now()).where(models.Job.id == job_id)
+            if await session.scalar(passed) is not True:
+                return False
+            spec = spec_from_json(job.spec)
+            placement = await lifecycle.rank_map(session, job)
+            if await _failed_nodes(session, placement):
+                # Waiting for capacity to replace a failed node (repair_failed_nodes acts
+                # the moment a spare appears): a restart in place cannot run.
+                set_deadline(job, leader.timeouts.restart_seconds)
+                return False
+            waited = (
+                "the recovery did not resume"
+                if job.state is JobState.RECOVERING
+                else "the ranks did not start stepping"
+            )
+            if job.restarts >= spec.max_restarts:
+                lifecycle.transition(
+                    session,
+                    job,
+                    JobState.FAILED,
+                    kind="job.failed",
+                    reason=f"{waited} before its deadline; restarts exhausted ({job.restarts})",
+                )
+                set_deadline(job, None)
+                await lifecycle.release_gpus(session, job.id)
+                nodes = list(placement.nodes())
+            else:
+                job.restarts += 1
+                await lifecycle.write_generation(session, job, placement)
+                job.restore_step = await catalog.restorable_step(session, job)
+                job.commands_after = None
+                set_deadline(job, leader.timeouts.restart_seconds)
+                await plan.replace_plan(
+                    session, job, dict.fromkeys(placement.nodes(), NodeAction.START)
+                )
+                now = time.time()
+                attributes = {
+                    "generation": str(job.generation),
+                    "fallback": "true",
+                    **incident_attributes(
+                        cause=f"{waited} before its deadline",
+                        failed_at=now,
+                        detected_at=now,
+                        lost_steps=max(job.current_step - job.restore_step, 0),
+                    ),
+                }
+                reason = (
+                    f"{waited} before its deadline: restarting every rank from step "
+                    f"{job.restore_step} (restart {job.restarts} of {spec.max_restarts})"
+                )
+                if job.state is JobState.RECOVERING:
+                    record_event(
+                        session,
+                        "job.restarting",
+                        actor="scheduler",
+                        job_id=job.id,
+                        reason=reason,
+                        attributes=attributes,
+                    )
+                else:
+                    lifecycle.transition(
+                        session,
+                        job,
+                        JobState.RECOVERING,
+                        kind="job.restarting",
+                        reason=reason,
+                        attributes=attributes,
+                    )
+        if nodes:
+            await stop_everywhere(leader, job_id, nodes, "job failed")
+            return False
+        leader.metrics.recoveries.labels("fallback").inc()
+        log.warning("job %s: fell back to a full restart", job_id)
+        return True
+
+
+async def _failed_nodes(session: AsyncSession, placement: Placement) -> list[str]:
+    """The nodes of `placement` that are lost or unhealthy."""
+    rows = await session.scalars(
+        select(models.Node.id)
+        .where(models.Node.id.in_(placement.nodes()))
+        .where(models.Node.state.in_(FAILED_NODE_STATES))
+    )
+    return list(rows)
+
+
+async def _nodes_with_failed_ranks(session: AsyncSession, job: models.Job) -> set[str]:
+    """Nodes where a rank of the job's current generation ended other than cleanly."""
+    rows = await session.execute(
+        select(models.Event.node_id, models.Event.attributes)
+        .where(models.Event.job_id == job.id)
+        .where(models.Event.kind == "rank.exited")
+        .where(models.Event.attributes["generation"].astext == str(job.generation))
+    )
+    return {
+        node_id
+        for node_id, attrs in rows.all()
+        if node_id and not (attrs.get("exit_code") == "0" and attrs.get("signal") == "0")
+    }
+
+
+def _repair_one(
+    topology: Topology,
+    placement: Placement,
+    node_id: str,
+    tp: int,
+    pp: int,
+    min_dp: int,
+    *,
+    must: bool,
+    prefer: set[str],
+) -> tuple[Placement, str] | None:
+    if not placement.ranks_on(node_id):
+        return None
+    spare = choose_replacement(
+        topology, topology.node(node_id), len(placement.ranks_on(node_id)), prefer
+    )
+    if spare is not None:
+        moved = replace_node(placement, node_id, spare, topology)
+        topology.book(Placement(moved.ranks_on(spare)))
+        standby = " (its standby processes take them)" if spare in prefer else ""
+        return moved, f"ranks moved to spare {spare}{standby}"
+    if not must:
+        return None  # a draining or slow node waits for a spare
+    dp = placement.world_size // (tp * pp)
+    if dp > min_dp:
+        shrunk = shrink_by_one_replica(placement, node_id, tp, pp)
+        if shrunk is not None:
+            return shrunk, f"no spare: shrunk to dp={dp - 1}"
+    return None

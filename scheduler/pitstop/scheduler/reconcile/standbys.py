@@ -1,0 +1,96 @@
+"""Standby processes on spares: every RUNNING job that asks for them has one on each GPU
+of the spares its nodes would be replaced by. Kept once a second; what this leader
+started is remembered here, and a new leader simply starts them again (an agent
+starts a standby only on a GPU that has none)."""
+
+from __future__ import annotations
+
+from pitstop.scheduler.domain import JobState
+from pitstop.scheduler.placement import standby_spares
+from pitstop.scheduler.reconcile.context import Leader
+from pitstop.scheduler.services import lifecycle
+from pitstop.scheduler.services.jobs import spec_from_json
+from pitstop.scheduler.topology import Topology
+from pitstop.v1 import agent_pb2
+
+STANDBY_CHECK_SECONDS = 1.0
+"""How often the leader checks that running jobs have their standby processes."""
+
+
+class StandbyKeeper:
+    def __init__(self, leader: Leader, standby_nodes: dict[str, set[str]]) -> None:
+        self.leader = leader
+        # job id -> spare node -> its GPUs running the job's standby processes.
+        self.held: dict[str, dict[str, tuple[int, ...]]] = {}
+        # Shared with the recovery decisions, which prefer a spare holding a standby.
+        self.standby_nodes = standby_nodes
+        self.check_at = 0.0
+
+    async def keep(self) -> None:
+        """Every RUNNING job with standby_processes has a standby process on each GPU of
+        the spares its nodes would be replaced by (`standby_spares`, as many spares as it
+        asks for); those of jobs that ended, and on spares no longer chosen, stop. Once a
+        second at most; a job recovering or paused keeps what it has."""
+        leader = self.leader
+        now = leader.clock()
+        if now < self.check_at:
+            return
+        self.check_at = now + STANDBY_CHECK_SECONDS
+        async with leader.store.read() as session:
+            live = {j.id: j for j in await lifecycle.live_jobs(session)}
+            specs = {j.id: spec_from_json(j.spec) for j in live.values()}
+            wanting = [
+                j
+                for j in live.values()
+                if j.state is JobState.RUNNING
+                and specs[j.id].standby_processes
+                and specs[j.id].spares > 0
+            ]
+            if not wanting and not self.held:
+                return
+            nodes, booked = await lifecycle.topology_inputs(session)
+            maps = {j.id: await lifecycle.rank_map(session, j) for j in wanting}
+        topology = Topology.build(nodes, booked)
+        for job_id in [j for j in self.held if j not in live]:
+            await self._stop(job_id, set(self.held.pop(job_id)), "the job ended")
+            self.standby_nodes.pop(job_id, None)
+        for job in wanting:
+            spec = specs[job.id]
+            # A standby already importing or waiting stays where it is while its spare
+            # still qualifies: moving it for a slightly nearer spare costs a fresh import.
+            ranked = standby_spares(topology, maps[job.id], len(topology.ready_spares()))
+            held = self.held.setdefault(job.id, {})
+            preferred = self.standby_nodes.setdefault(job.id, set())
+            for node_id in [n for n in held if n in maps[job.id].nodes() or n not in preferred]:
+                # Its GPUs run the job's ranks now (or a recovery took it): none is left.
+                del held[node_id]
+            kept = [n for n in ranked if n in held][: spec.spares]
+            kept += [n for n in ranked if n not in held][: spec.spares - len(kept)]
+            wanted = {n: ranked[n] for n in kept}
+            gone = {n for n in held if n not in wanted}
+            await self._stop(job.id, gone, "the spare is no longer held for the job")
+            for node_id in gone:
+                del held[node_id]
+                preferred.discard(node_id)
+            for node_id, gpus in wanted.items():
+                if held.get(node_id) == gpus:
+                    continue
+                command = agent_pb2.StartRanks(
+                    job_id=job.id,
+                    generation=job.generation,
+                    command=list(spec.command),
+                    env=dict(spec.env),
+                    working_dir=spec.working_dir,
+                    standby_gpus=gpus,
+                )
+                sent = await leader.router.send(
+                    node_id, agent_pb2.SchedulerMessage(start_ranks=command)
+                )
+                if sent is not None:  # else Redis is down too: the next check sends again
+                    held[node_id] = gpus
+                    preferred.add(node_id)
+
+    async def _stop(self, job_id: str, nodes: set[str], why: str) -> None:
+        stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=5, reason=f"standby: {why}")
+        for node_id in sorted(nodes):
+            await self.leader.router.send(node_id, agent_pb2.SchedulerMessage(stop_ranks=stop))

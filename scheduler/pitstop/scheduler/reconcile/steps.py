@@ -1,0 +1,173 @@
+"""Following the jobs' steps: the step-time streams in Redis feed each job's straggler
+detector, move a starting or recovering job to RUNNING once its generation steps, and
+keep the goodput account fresh."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from pitstop.health.straggler import StragglerDetector, StragglerFinding, StragglerPolicy
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import JobState
+from pitstop.scheduler.reconcile.context import RUNNABLE, Leader, locked_job, set_deadline
+from pitstop.scheduler.services import goodput, lifecycle
+from pitstop.scheduler.services.events import record_event
+from pitstop.scheduler.services.jobs import spec_from_json
+from pitstop.v1 import agent_pb2
+
+GOODPUT_REFRESH_SECONDS = 1.0
+STEP_HOLD_SECONDS = 5.0
+"""Longest a step sample waits for the job's other ranks before the detector sees it."""
+
+
+@dataclass
+class JobWatch:
+    """What the leader remembers about one live job between ticks: telemetry only,
+    rebuilt from the streams when lost. Decisions live in PostgreSQL."""
+
+    stream_id: str = "0-0"
+    detector: StragglerDetector | None = None
+    detector_generation: int = 0
+    # Samples held back until every rank has reached their step (see release_in_step_order).
+    held: list[tuple[float, agent_pb2.StepSample]] = field(default_factory=list)
+    rank_max: dict[int, int] = field(default_factory=dict)
+    goodput_at: float = 0.0
+    # Straggler findings whose events are not committed yet (the detector reports each
+    # once: a transaction that fails must not lose one).
+    findings: list[StragglerFinding] = field(default_factory=list)
+
+    def release_in_step_order(
+        self, fresh: list[agent_pb2.StepSample], world_size: int, now: float, hold: float
+    ) -> list[agent_pb2.StepSample]:
+        """Node batches arrive at different times, so one node's ranks can be reported far
+        ahead of another's. The detector judges a window once it sees later steps, so it
+        gets the samples in step order: those at or below the step every one of the
+        job's ranks has reached, and any held for ``hold`` seconds (a dead or silent rank
+        must not hold the rest back for longer than it takes to notice it)."""
+        for sample in fresh:
+            self.rank_max[sample.rank] = max(self.rank_max.get(sample.rank, 0), sample.step)
+        self.held.extend((now, sample) for sample in fresh)
+        everyone = min(self.rank_max.values()) if len(self.rank_max) >= world_size else 0
+        overdue = max((s.step for t, s in self.held if t + hold <= now), default=0)
+        frontier = max(everyone, overdue)
+        ready = sorted((s for _, s in self.held if s.step <= frontier), key=lambda x: x.step)
+        self.held = [(t, s) for t, s in self.held if s.step > frontier]
+        return ready
+
+    def step_seconds(self) -> float:
+        """The job's typical step time: the median of its ranks' medians (0 if unknown)."""
+        if self.detector is None:
+            return 0.0
+        medians = sorted(s.p50_seconds for s in self.detector.stats())
+        return medians[len(medians) // 2] if medians else 0.0
+
+
+class StepFollower:
+    def __init__(self, leader: Leader) -> None:
+        self.leader = leader
+        self.watches: dict[str, JobWatch] = {}
+        # Nodes that straggler findings ask to swap out, by job, until the next repair.
+        self.swaps: dict[str, set[str]] = {}
+
+    def watch(self, job_id: str) -> JobWatch:
+        return self.watches.setdefault(job_id, JobWatch())
+
+    def forget(self, job_id: str) -> None:
+        self.watches.pop(job_id, None)
+
+    def swap_requests(self) -> dict[str, set[str]]:
+        """The nodes to swap out found since the last call."""
+        swaps, self.swaps = self.swaps, {}
+        return swaps
+
+    async def follow(self) -> None:
+        async with self.leader.store.read() as session:
+            jobs = {
+                j.id: j for j in await lifecycle.live_jobs(session, (*RUNNABLE, JobState.PAUSED))
+            }
+        for gone in [j for j in self.watches if j not in jobs]:
+            del self.watches[gone]
+        if not jobs:
+            return
+        cursors = {j: self.watch(j).stream_id for j in jobs}
+        samples: dict[str, list[agent_pb2.StepSample]] = {}
+        for job_id, entry_id, batch in await self.leader.hot.read_step_batches(cursors):
+            self.watches[job_id].stream_id = entry_id
+            if batch.generation == jobs[job_id].generation:
+                samples.setdefault(job_id, []).extend(batch.samples)
+        for job_id, fresh in samples.items():
+            newest = max(s.step for s in fresh)
+            await self._observe(jobs[job_id], self.watches[job_id], fresh, newest)
+
+    async def _observe(
+        self, job: models.Job, watch: JobWatch, samples: list[agent_pb2.StepSample], newest: int
+    ) -> None:
+        leader = self.leader
+        spec = spec_from_json(job.spec)
+        if watch.detector is None or watch.detector_generation != job.generation:
+            watch.detector = StragglerDetector(StragglerPolicy.from_proto(spec.straggler))
+            watch.detector_generation = job.generation
+            watch.held, watch.rank_max, watch.findings = [], {}, []
+        detector = watch.detector
+        async with leader.store.write() as session:
+            row = await locked_job(leader, session, job.id)
+            if row is None or row.generation != job.generation:
+                return
+            placement = await lifecycle.rank_map(session, row)
+            released = watch.release_in_step_order(
+                samples, placement.world_size, leader.clock(), STEP_HOLD_SECONDS
+            )
+            watch.findings += detector.observe(released)
+            findings = list(watch.findings)
+            row.current_step = max(row.current_step, newest)
+            changed = False
+            if row.state in (JobState.STARTING, JobState.RECOVERING):
+                kind = "job.running" if row.state is JobState.STARTING else "job.recovered"
+                lifecycle.transition(
+                    session,
+                    row,
+                    JobState.RUNNING,
+                    kind=kind,
+                    reason=f"ranks are stepping (step {newest})",
+                )
+                set_deadline(row, None)
+                changed = True
+            if changed or leader.clock() >= watch.goodput_at:
+                await session.flush()  # the transition's event counts
+                await goodput.refresh(session, row, step_seconds=watch.step_seconds())
+                watch.goodput_at = leader.clock() + GOODPUT_REFRESH_SECONDS
+            for finding in findings:
+                record_event(
+                    session,
+                    "job.straggler" if finding.straggler else "job.straggler_cleared",
+                    actor="scheduler",
+                    job_id=job.id,
+                    reason=finding.reason,
+                    attributes={"rank": str(finding.rank), "slowdown": f"{finding.slowdown:.3f}"},
+                )
+        watch.findings = []  # committed
+        stats = [
+            s.to_proto(placement.ranks[s.rank].node_id if s.rank < placement.world_size else "")
+            for s in detector.stats()
+        ]
+        await leader.hot.redis.set(
+            leader.hot.rank_stats_key(job.id),
+            json.dumps(
+                [
+                    {
+                        "rank": s.rank,
+                        "node_id": s.node_id,
+                        "p50_seconds": s.p50_seconds,
+                        "p99_seconds": s.p99_seconds,
+                        "straggler": s.straggler,
+                    }
+                    for s in stats
+                ]
+            ),
+        )
+        if spec.straggler.action == 2:  # STRAGGLER_ACTION_SWAP
+            for finding in findings:
+                if finding.straggler and finding.rank < placement.world_size:
+                    node_id = placement.ranks[finding.rank].node_id
+                    self.swaps.setdefault(job.id, set()).add(node_id)
