@@ -82,6 +82,10 @@ def test_good_gpus_specs_are_normalised() -> None:
         ("log_level", "LOUD", "DEBUG"),
         ("metrics_port", 70000, "65535"),
         ("heartbeat_interval_seconds", 0, "greater than 0"),
+        ("checkpointd_address", "no-port", "host:port"),
+        ("checkpointd_address", "host:99999", "host:port"),
+        ("checkpointd_command", "pitstop-checkpointd run --node-id 'n1", "quotes"),
+        ("checkpointd_probe_misses", 0, "greater than or equal to 1"),
     ],
 )
 def test_bad_values_name_the_field(field: str, value: object, words: str) -> None:
@@ -137,3 +141,21 @@ def test_run_with_a_missing_config_file_exits_2() -> None:
     result = CliRunner().invoke(app, ["run", "--config", "/no-such.yaml"])
     assert result.exit_code == 2
     assert "config file /no-such.yaml does not exist" in result.stderr
+
+
+def test_an_owned_checkpointd_needs_its_address_and_is_split_like_a_shell() -> None:
+    with pytest.raises(ValidationError, match="without checkpointd_address"):
+        AgentSettings(checkpointd_command="pitstop-checkpointd run")
+    settings = AgentSettings(
+        checkpointd_address="127.0.0.1:7000",
+        checkpointd_command="pitstop-checkpointd run --state-dir '/var/lib/my ckpt' --port 7000",
+    )
+    assert settings.checkpointd_argv == [
+        "pitstop-checkpointd",
+        "run",
+        "--state-dir",
+        "/var/lib/my ckpt",
+        "--port",
+        "7000",
+    ]
+    assert AgentSettings(checkpointd_address="127.0.0.1:7000").checkpointd_argv == []

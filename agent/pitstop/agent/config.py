@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shlex
 import socket
 from pathlib import Path
 from typing import Any, Literal
@@ -64,7 +65,21 @@ class AgentSettings(BaseSettings):
     metrics_port: int = Field(default=9400, ge=0, le=65535)
     """Port of /metrics and /healthz; 0 picks a free one (printed at start)."""
     checkpointd_address: str = ""
-    """host:port of this node's checkpoint daemon, reported in the inventory."""
+    """host:port of this node's checkpoint daemon, reported in the inventory and probed
+    every `checkpointd_probe_seconds`: while it is down the node reports itself degraded."""
+    checkpointd_command: str = ""
+    """Command line that starts this node's checkpoint daemon listening on
+    `checkpointd_address` (split as a shell would; no shell runs it). Given, the agent
+    owns the daemon: starts it, restarts it with backoff when it exits or stops
+    answering, and stops it when the agent stops. Empty: the daemon is someone else's
+    (systemd, the local cluster) and is only probed."""
+    checkpointd_probe_seconds: float = Field(default=1.0, gt=0)
+    """Seconds between probes of the checkpoint daemon."""
+    checkpointd_probe_misses: int = Field(default=3, ge=1)
+    """Probes in a row the checkpoint daemon leaves unanswered before it counts as down."""
+    checkpointd_hang_seconds: float = Field(default=30.0, gt=0)
+    """An owned checkpoint daemon that has not answered for this long while its process
+    lives is hung: the agent kills it and starts it again."""
     advertise_host: str = ""
     """Host name or IP the other nodes reach this node's ranks at: a job whose rank 0
     runs here meets at this host. Default: the host name (set it when the host name
@@ -101,6 +116,43 @@ class AgentSettings(BaseSettings):
         if level not in _LOG_LEVELS:
             raise ValueError(f"log_level {value!r}: use one of {', '.join(_LOG_LEVELS)}")
         return level
+
+    @field_validator("checkpointd_address")
+    @classmethod
+    def _checkpointd_address(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        if value and (not sep or not host or not port.isdecimal() or not 0 < int(port) < 65536):
+            raise ValueError(
+                f"checkpointd_address {value!r}: use host:port, e.g. 127.0.0.1:7000, or leave "
+                "it empty when the node runs no checkpoint daemon"
+            )
+        return value
+
+    @field_validator("checkpointd_command")
+    @classmethod
+    def _checkpointd_command(cls, value: str) -> str:
+        try:
+            shlex.split(value)
+        except ValueError as exc:
+            raise ValueError(
+                f"checkpointd_command {value!r} cannot be split into arguments ({exc}); "
+                "balance its quotes"
+            ) from None
+        return value
+
+    @model_validator(mode="after")
+    def _owned_checkpointd_has_an_address(self) -> AgentSettings:
+        if self.checkpointd_command.strip() and not self.checkpointd_address:
+            raise ValueError(
+                "checkpointd_command is given without checkpointd_address: give the "
+                "host:port the command makes the daemon listen on, so the agent can probe it"
+            )
+        return self
+
+    @property
+    def checkpointd_argv(self) -> list[str]:
+        """`checkpointd_command` split into arguments; empty when the daemon is external."""
+        return shlex.split(self.checkpointd_command)
 
     @field_validator("scheduler")
     @classmethod

@@ -87,8 +87,27 @@ EXAMPLE_CONFIG = """\
 # metrics_host: 127.0.0.1
 # metrics_port: 9400
 
-# host:port of this node's checkpoint daemon, reported to the scheduler.
+# host:port of this node's checkpoint daemon, reported to the scheduler and probed
+# every checkpointd_probe_seconds. While it does not answer the node reports itself
+# degraded (verdict WARNING, a reason naming the daemon): the scheduler drains it.
 # checkpointd_address: ""
+
+# Command line that starts this node's checkpoint daemon listening on
+# checkpointd_address, e.g. "pitstop-checkpointd run --config /etc/pitstop/checkpointd.yaml"
+# (split as a shell would; no shell runs it). Given, the agent owns the daemon: starts
+# it, restarts it with backoff when it exits or hangs, stops it when the agent stops;
+# its output goes to <state_dir>/checkpointd.log. Empty: the daemon runs on its own
+# (its own systemd unit) and is only probed.
+# checkpointd_command: ""
+
+# Seconds between probes of the checkpoint daemon, and unanswered probes in a row that
+# make it down.
+# checkpointd_probe_seconds: 1.0
+# checkpointd_probe_misses: 3
+
+# An owned checkpoint daemon that has not answered for this many seconds while its
+# process lives is killed and started again.
+# checkpointd_hang_seconds: 30.0
 
 # Host name or IP the other nodes reach this node's ranks at (e.g. 10.0.3.17): a job
 # whose rank 0 runs here meets at this host. Empty: the host name. Set it when the host

@@ -24,6 +24,7 @@ import psutil
 from google.protobuf.timestamp_pb2 import Timestamp
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_random_exponential
 
+from pitstop.agent.conditions import ConditionSource, with_conditions
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.gpu import GpuBackend
 from pitstop.agent.metrics import AgentMetrics
@@ -129,8 +130,10 @@ class SchedulerLink:
         metrics: AgentMetrics,
         *,
         clock: Callable[[], float] = time.time,
+        conditions: Collection[ConditionSource] = (),
     ) -> None:
         self._settings = settings
+        self._conditions = tuple(conditions)
         self._backend = backend
         self._supervisor = supervisor
         self._steps = steps
@@ -410,12 +413,19 @@ class SchedulerLink:
             self._previous = {r.index: r for r in readings}
             health = assess_node(assessed)
             self._metrics.observe_health(health.gpus)
+        # Beyond the GPUs: a node daemon that is down (the checkpoint daemon).
+        health = with_conditions(health, [c for s in self._conditions for c in s.conditions()])
         running = self._supervisor.running()
         self._metrics.ranks_running.labels(self._settings.node_id).set(len(running))
         beat = agent_pb2.Heartbeat(
             time=_timestamp(self._clock()), health=health, running_ranks=running
         )
         self._send(heartbeat=beat)
+
+    def beat_soon(self) -> None:
+        """Send a heartbeat now rather than at the next interval (the node's health
+        changed); a no-op while no stream is registered."""
+        self._beat_now.set()
 
     def _flush_steps(self) -> None:
         dropped = self._steps.dropped

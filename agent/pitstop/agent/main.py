@@ -17,6 +17,7 @@ from pydantic import ValidationError
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from pitstop.agent import install as installer
+from pitstop.agent.checkpointd_watch import CheckpointdWatch
 from pitstop.agent.config import AgentSettings, load_settings
 from pitstop.agent.gpu import GpuBackend, GpuBackendError, open_backend
 from pitstop.agent.link import SchedulerLink
@@ -35,7 +36,8 @@ EXIT_CANNOT_START = 1
 
 class NodeAgent:
     """Every part of one agent, wired together: GPU backend, rank supervisor, local
-    endpoint, step batcher, metrics and the scheduler link. It owns `backend`."""
+    endpoint, step batcher, metrics, the checkpoint daemon's watch and the scheduler
+    link. It owns `backend`."""
 
     def __init__(self, settings: AgentSettings, backend: GpuBackend) -> None:
         self.settings = settings
@@ -57,16 +59,31 @@ class NodeAgent:
             checkpointd_address=settings.checkpointd_address,
             allow_fault_injection=settings.allow_fault_injection,
         )
+        self.checkpointd: CheckpointdWatch | None = None
+        if settings.checkpointd_address:
+            self.checkpointd = CheckpointdWatch(
+                settings, self.metrics, on_change=self._node_health_changed
+            )
         self.link = SchedulerLink(
-            settings, backend, self.supervisor, self.local, self.steps, self.metrics
+            settings,
+            backend,
+            self.supervisor,
+            self.local,
+            self.steps,
+            self.metrics,
+            conditions=[self.checkpointd] if self.checkpointd is not None else [],
         )
         self.metrics_server: MetricsServer | None = None
 
     async def _report_rank_exit(self, exited: agent_pb2.RankExited) -> None:
         await self.link.report_rank_exit(exited)
 
+    def _node_health_changed(self) -> None:
+        self.link.beat_soon()
+
     async def start(self) -> None:
-        """Create the state directory, serve the ranks' socket and the metrics."""
+        """Create the state directory, serve the ranks' socket and the metrics, and
+        watch (or start) the checkpoint daemon."""
         state_dir = self.settings.state_dir
         try:
             await asyncio.to_thread(state_dir.mkdir, parents=True, exist_ok=True)
@@ -80,17 +97,21 @@ class NodeAgent:
             self.metrics, self.settings.metrics_host, self.settings.metrics_port
         )
         self.metrics_server.start()
+        if self.checkpointd is not None:
+            self.checkpointd.start()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Talk to the scheduler until `stop` is set."""
         await self.link.run(stop)
 
     async def close(self, grace_seconds: float = 10.0) -> None:
-        """Stop every rank (none survives the agent), then the endpoint, the metrics
-        server and the backend."""
+        """Stop every rank (none survives the agent), then an owned checkpoint daemon
+        (after the ranks that use it), the endpoint, the metrics server and the backend."""
         try:
             await self.supervisor.shutdown(grace_seconds)
         finally:
+            if self.checkpointd is not None:
+                await self.checkpointd.close(grace_seconds)
             await self.local.stop()
             if self.metrics_server is not None:
                 await asyncio.to_thread(self.metrics_server.shutdown)
@@ -127,7 +148,14 @@ def run(
     metrics_host: Annotated[str | None, typer.Option(help="Metrics address")] = None,
     metrics_port: Annotated[int | None, typer.Option(help="Metrics port; 0 picks one")] = None,
     checkpointd_address: Annotated[
-        str | None, typer.Option(help="host:port of this node's checkpointd")
+        str | None, typer.Option(help="host:port of this node's checkpointd (probed)")
+    ] = None,
+    checkpointd_command: Annotated[
+        str | None,
+        typer.Option(
+            help="Command line that starts this node's checkpointd on --checkpointd-address; "
+            "given, the agent starts it, restarts it when it dies and stops it at exit"
+        ),
     ] = None,
     advertise_host: Annotated[
         str | None,
@@ -152,6 +180,7 @@ def run(
             metrics_host=metrics_host,
             metrics_port=metrics_port,
             checkpointd_address=checkpointd_address,
+            checkpointd_command=checkpointd_command,
             advertise_host=advertise_host,
             log_level=log_level,
         )

@@ -116,8 +116,27 @@ class AgentMetrics:
         self.drains = Counter(
             _PREFIX + "drain_requests_total", "Drain commands received.", node, registry=r
         )
+        self.checkpointd_up = Gauge(
+            _PREFIX + "checkpointd_up",
+            "1 while this node's checkpoint daemon answers the agent's probes, 0 while it "
+            "is down; absent until the first probes decide.",
+            ("node", "address"),
+            registry=r,
+        )
+        self.checkpointd_restarts = Counter(
+            _PREFIX + "checkpointd_restarts_total",
+            "Times the agent started this node's checkpoint daemon again (owned daemons only).",
+            node,
+            registry=r,
+        )
         self.scheduler_connected.labels(node_id).set(0)
-        for counter in (self.heartbeats, self.reconnects, self.samples_dropped, self.drains):
+        for counter in (
+            self.heartbeats,
+            self.reconnects,
+            self.samples_dropped,
+            self.drains,
+            self.checkpointd_restarts,
+        ):
             counter.labels(node_id)
 
     @property
