@@ -24,6 +24,8 @@ from pitstop.client.localcluster import (
     STOP_TIMEOUT,
     ClusterError,
     LocalCluster,
+    stop_cluster,
+    tagged_processes,
     wipe_state_dir,
 )
 from pitstop.client.render import add_row, table
@@ -104,6 +106,16 @@ def up(
     timeout: Annotated[
         float, typer.Option("--timeout", min=1.0, help="Seconds to wait for every node.")
     ] = DEFAULT_TIMEOUT,
+    liveness_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--liveness-timeout",
+            help="Seconds without a heartbeat before a node is lost (a hung agent; a dead "
+            "one is seen at once); default 4 (or PITSTOP_LIVENESS_TIMEOUT_INTERVALS beats "
+            "of 0.5 s).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Start a scheduler and each node's daemons, detached; wait until every node is ready."""
     began = time.monotonic()
@@ -118,6 +130,7 @@ def up(
             gpus_per_node=gpus_per_node,
             netns=netns,
             timeout=timeout,
+            liveness_timeout=liveness_timeout,
             progress=lambda message: status.update(message),
         )
         ready = cluster.wait_ready(timeout=timeout)
@@ -125,7 +138,8 @@ def up(
     out = console()
     out.print(
         f"cluster up in {elapsed:.1f} s: scheduler at {cluster.scheduler_address}, "
-        f"{_count(len(ready), 'node')} ready (state and logs in {cluster.state_dir})"
+        f"{_count(len(ready), 'node')} ready (state and logs in {cluster.state_dir}); "
+        f"a silent node is lost after {cluster.liveness_timeout:g} s"
     )
     out.print(nodes_table(ready, datetime.now(UTC)))
     if cluster.network is not None:
@@ -164,17 +178,28 @@ def status(state_dir: StateDirOption = DEFAULT_STATE_DIR, json_out: JsonFlag = F
         cluster = LocalCluster.load(state_dir)
     root = state_dir.expanduser().absolute()
     if cluster is None:
+        # No cluster.json; an `up` killed mid-way may still have left daemons running.
+        strays = [t for t in tagged_processes(root) if t.is_daemon()]
         if json_out:
             print_json(
                 {
                     "state_dir": str(root),
-                    "running": False,
+                    "running": bool(strays),
                     "scheduler_address": None,
-                    "processes": [],
+                    "processes": [
+                        {"name": t.daemon, "pid": t.pid, "alive": True, "recorded": False}
+                        for t in strays
+                    ],
                     "nodes": None,
                     "network": None,
                     "error": None,
                 }
+            )
+        elif strays:
+            pids = ", ".join(f"{t.daemon} (pid {t.pid})" for t in strays)
+            typer.echo(
+                f"no cluster.json in {root}, but daemons of a cluster there run: {pids}; "
+                f"pitstop cluster down --state-dir {root} stops them"
             )
         else:
             typer.echo(f"no cluster runs in {root}")
@@ -195,6 +220,7 @@ def status(state_dir: StateDirOption = DEFAULT_STATE_DIR, json_out: JsonFlag = F
                 "state_dir": str(cluster.state_dir),
                 "running": any(alive.values()),
                 "scheduler_address": cluster.scheduler_address,
+                "liveness_timeout_seconds": cluster.liveness_timeout,
                 "processes": [
                     {
                         "name": p.name,
@@ -222,7 +248,10 @@ def status(state_dir: StateDirOption = DEFAULT_STATE_DIR, json_out: JsonFlag = F
             f"pitstop cluster down --state-dir {cluster.state_dir} cleans up"
         )
     else:
-        out.print(f"cluster in {cluster.state_dir}: scheduler at {cluster.scheduler_address}")
+        out.print(
+            f"cluster in {cluster.state_dir}: scheduler at {cluster.scheduler_address}; "
+            f"a silent node is lost after {cluster.liveness_timeout:g} s"
+        )
     processes = table("NAME", "PID", "ALIVE", "ADDRESS")
     for p in cluster.processes:
         add_row(processes, (p.name, p.pid, "yes" if alive[p.name] else "no", p.address or "-"))
@@ -276,13 +305,13 @@ def down(
         typer.Option("--timeout", min=0.0, help="Seconds after SIGTERM before SIGKILL."),
     ] = STOP_TIMEOUT,
 ) -> None:
-    """Stop the agents, then the checkpoint daemons, then the scheduler."""
+    """Stop the agents, then the checkpoint daemons, then the scheduler, then anything
+    else the cluster started (found by its environment, recorded or not)."""
     root = state_dir.expanduser().absolute()
     with _cluster_errors(), _status_console().status("stopping the cluster"):
-        cluster = LocalCluster.load(root)
-        stopped = [] if cluster is None else cluster.down(timeout=timeout)
+        stopped = stop_cluster(root, timeout=timeout)
         wiped = wipe and wipe_state_dir(root)
-    if cluster is None:
+    if stopped is None:
         typer.echo(f"no cluster runs in {root}")
     else:
         typer.echo(f"stopped {_count(len(stopped), 'process', 'es')} of the cluster in {root}")

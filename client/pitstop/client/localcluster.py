@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -55,16 +56,37 @@ STOP_TIMEOUT = 20.0
 """Seconds each stage of `down` waits after SIGTERM before SIGKILL."""
 KILL_WAIT = 10.0
 """Seconds to wait for processes to vanish after SIGKILL."""
+LOCK_WAIT = 60.0
+"""Seconds `down` waits for another command (an `up`, a node starting) to let go of the
+state dir."""
 STATE_FILE = "cluster.json"
 LOCK_FILE = "cluster.lock"
 CHECKPOINTD_MEMORY_BUDGET_BYTES = 256 << 20
+HEARTBEAT_INTERVAL = 0.5
+"""Seconds between an agent's heartbeats in the local cluster."""
+DEFAULT_LIVENESS_TIMEOUT = 4.0
+"""Seconds without a heartbeat before the scheduler declares a node lost. Only a hung
+agent (stopped, its stream open) waits for it: a dead agent's stream breaks and its node
+is lost at once. 1.25 s (2.5 beats) declared healthy nodes lost while two busy processes
+shared a 2-core machine with the cluster; 8 beats leave room for such stalls."""
+CLUSTER_ENV = "PITSTOP_LOCAL_CLUSTER"
+"""In every daemon's environment: the cluster's state dir. What a daemon starts (ranks,
+embedded stores) inherits it, so `down` finds every process the cluster started, even
+one that cluster.json does not name (an `up` killed between starting it and writing)."""
+DAEMON_ENV = "PITSTOP_LOCAL_CLUSTER_DAEMON"
+"""In every daemon's environment: its name, e.g. ``agent-node-1``."""
 
 # Settings the daemons read from the environment, for a small, quick local cluster.
-# Variables already in the environment win.
+# Variables already in the environment win (the liveness deadline: unless `up` is given
+# one).
+_HEARTBEAT_ENV = "PITSTOP_HEARTBEAT_INTERVAL_SECONDS"
+_LIVENESS_ENV = "PITSTOP_LIVENESS_TIMEOUT_INTERVALS"
 SCHEDULER_ENV = {
-    "PITSTOP_HEARTBEAT_INTERVAL_SECONDS": "0.5",
+    _HEARTBEAT_ENV: f"{HEARTBEAT_INTERVAL:g}",
+    _LIVENESS_ENV: f"{DEFAULT_LIVENESS_TIMEOUT / HEARTBEAT_INTERVAL:g}",
     "PITSTOP_LIVENESS_STARTUP_GRACE_SECONDS": "0",
 }
+_MIN_LIVENESS_INTERVALS = 1.5  # the scheduler's own floor
 CHECKPOINTD_ENV = {
     "PITSTOP_CHECKPOINTD_MEMORY_BUDGET_BYTES": str(CHECKPOINTD_MEMORY_BUDGET_BYTES),
     "PITSTOP_CHECKPOINTD_RETRY_MAX_SECONDS": "0.5",
@@ -317,6 +339,71 @@ def rank_pids(sockets: Mapping[str, str]) -> dict[str, list[int]]:
     return found
 
 
+@dataclass(frozen=True)
+class TaggedProcess:
+    """A live process whose environment names a cluster's state dir (`CLUSTER_ENV`): a
+    daemon the cluster started, or something a daemon started."""
+
+    pid: int
+    daemon: str
+    """The `DAEMON_ENV` it carries: the daemon it is, or the one that started it."""
+    argv: tuple[str, ...]
+    rank: bool
+    """It carries an agent's PITSTOP_AGENT_SOCKET: a rank (or standby) an agent started."""
+    session_leader: bool
+
+    def is_daemon(self) -> bool:
+        """Whether it is the daemon `daemon` names, not something that daemon started:
+        not a rank, and running that daemon's console script."""
+        kind = self.daemon.split("-", 1)[0]
+        script = f"pitstop-{kind}"
+        return not self.rank and any(Path(arg).name == script for arg in self.argv[:8])
+
+    def as_cluster_process(self, log_dir: Path) -> ClusterProcess:
+        """This daemon as cluster.json would have recorded it."""
+        kind, _, node_id = self.daemon.partition("-")
+        if kind not in ("scheduler", "checkpointd", "agent"):
+            raise ValueError(f"{self.daemon!r} names no daemon")
+        return ClusterProcess(
+            name=self.daemon,
+            kind=cast(Kind, kind),
+            pid=self.pid,
+            log=log_dir / f"{self.daemon}.log",
+            node_id=node_id,
+            start_ticks=start_ticks(self.pid),
+        )
+
+
+def tagged_processes(state_dir: Path) -> list[TaggedProcess]:
+    """Every live process started by the cluster in `state_dir` or by one of its daemons,
+    whether cluster.json names it or not (found by `CLUSTER_ENV` in /proc/<pid>/environ;
+    only processes of this user are readable, and those are the ones a cluster starts)."""
+    root = str(state_dir)
+    me = os.getpid()
+    found = []
+    for pid in _proc_pids():
+        if pid == me:
+            continue
+        env = _environ(pid)
+        if env.get(CLUSTER_ENV) != root or not pid_alive(pid):
+            continue
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            leader = os.getsid(pid) == pid
+        except OSError:
+            continue
+        found.append(
+            TaggedProcess(
+                pid=pid,
+                daemon=env.get(DAEMON_ENV, ""),
+                argv=tuple(arg.decode(errors="replace") for arg in argv if arg),
+                rank="PITSTOP_AGENT_SOCKET" in env,
+                session_leader=leader,
+            )
+        )
+    return found
+
+
 def _store_processes(scheduler_dir: Path) -> list[tuple[int, signal.Signals]]:
     """Embedded PostgreSQL and Redis servers left behind by a killed scheduler: the
     top processes named postgres or redis-server working in its state dir."""
@@ -348,18 +435,27 @@ def _wait_gone(pids: Iterable[int], timeout: float, alive: Callable[[int], bool]
 
 
 @contextlib.contextmanager
-def _locked(state_dir: Path) -> Iterator[None]:
-    """Hold the state dir's lock: one `up` or `down` at a time."""
+def _locked(state_dir: Path, wait: float = 0.0) -> Iterator[None]:
+    """Hold the state dir's lock, waiting up to `wait` s for it: one `up`, `down` or node
+    start at a time, across processes and across the threads of one process (each
+    holder opens the file anew, and flock locks conflict between open files)."""
     state_dir.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + wait
     with (state_dir / LOCK_FILE).open("a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            raise ClusterError(
-                f"another pitstop cluster command is busy with {state_dir}; wait for it to end"
-            ) from None
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            if time.monotonic() >= deadline:
+                waited = f" for {wait:.0f} s" if wait else ""
+                raise ClusterError(
+                    f"another pitstop cluster command is busy with {state_dir}{waited}; "
+                    "wait for it to end"
+                ) from None
+            time.sleep(_POLL)
         try:
             yield
         finally:
@@ -390,6 +486,9 @@ class LocalCluster:
     processes: list[ClusterProcess] = field(default_factory=list)
     network: Network | None = None
     """With ``--netns``: each node's network namespace behind one bridge."""
+    liveness_timeout: float = field(default=DEFAULT_LIVENESS_TIMEOUT, compare=False)
+    """Seconds without a heartbeat before the scheduler declares a node lost (what the
+    scheduler was started with)."""
     env: dict[str, str] = field(default_factory=dict, compare=False)
     """Extra environment (over os.environ) for every daemon started from this object;
     not recorded in cluster.json, so a loaded cluster starts nodes without it."""
@@ -399,6 +498,10 @@ class LocalCluster:
     """Popen handles of the daemons this object started, to reap them."""
     _offsets: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
     """Where in each log the current daemon's output begins."""
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    """Guards `processes` and cluster.json against threads starting nodes beside `down`."""
+    _closed: bool = field(default=False, repr=False, compare=False)
+    """`down` has begun: this object starts nothing more and writes no cluster.json."""
 
     # Starting
 
@@ -416,6 +519,7 @@ class LocalCluster:
         netns: bool = False,
         env: Mapping[str, str] | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        liveness_timeout: float | None = None,
         progress: Progress | None = None,
     ) -> Self:
         """Start a scheduler on 127.0.0.1:`port` (0: a free port) with embedded stores
@@ -423,7 +527,9 @@ class LocalCluster:
         workers and `spares` spares; return once every node is ready in the scheduler.
         With `netns` (root, iproute2) each node runs in a network namespace of its own
         behind a bridge whose address the scheduler listens on, so :meth:`cut` can cut
-        one off.
+        one off. `liveness_timeout`: seconds without a heartbeat before a node is lost
+        (default: PITSTOP_LIVENESS_TIMEOUT_INTERVALS from the environment, else
+        DEFAULT_LIVENESS_TIMEOUT); the one used is in :attr:`liveness_timeout`.
 
         Raises ClusterAlreadyRunning when an earlier cluster in `state_dir` still runs,
         ClusterStartError when a daemon fails or `timeout` passes; then nothing that
@@ -431,19 +537,27 @@ class LocalCluster:
         """
         root = Path(state_dir).expanduser().absolute()
         layout = node_layout(nodes, spares, gpus_per_node)
+        if liveness_timeout is not None:
+            _check_liveness(liveness_timeout)
         say = progress or (lambda _message: None)
         if netns:
             _checked(check_supported)
         with _locked(root):
             earlier = cls.load(root)
+            running = [] if earlier is None else earlier.running()
+            recorded = {p.pid for p in running}
+            running += [
+                t.as_cluster_process(root / "logs")
+                for t in tagged_processes(root)
+                if t.is_daemon() and t.pid not in recorded
+            ]
+            if running:
+                first = next((p for p in running if p.kind == "scheduler"), running[0])
+                raise ClusterAlreadyRunning(
+                    f"a cluster is already running in {root} ({first.name} pid {first.pid}); "
+                    f"run pitstop cluster down --state-dir {root} first"
+                )
             if earlier is not None:
-                running = earlier.running()
-                if running:
-                    pid = next((p.pid for p in running if p.kind == "scheduler"), running[0].pid)
-                    raise ClusterAlreadyRunning(
-                        f"a cluster is already running in {root} (scheduler pid {pid}); "
-                        f"run pitstop cluster down --state-dir {root} first"
-                    )
                 earlier._reap_leftovers()
                 (root / STATE_FILE).unlink(missing_ok=True)
             cluster = cls(root, "", layout, env=dict(env or {}))
@@ -456,7 +570,7 @@ class LocalCluster:
                     )
                     cluster._save()
                 say("starting the scheduler")
-                cluster._start_scheduler(port, database_url, redis_url, deadline)
+                cluster._start_scheduler(port, database_url, redis_url, liveness_timeout, deadline)
                 say(f"scheduler at {cluster.scheduler_address}; starting {len(layout)} nodes")
                 cluster._start_nodes(layout, deadline)
                 cluster.wait_ready(timeout=max(deadline - time.monotonic(), 0.0), progress=say)
@@ -489,6 +603,7 @@ class LocalCluster:
                 [NodeSpec.from_json(n) for n in data["nodes"]],
                 [ClusterProcess.from_json(p) for p in data["processes"]],
                 Network.from_json(data["network"]) if data.get("network") else None,
+                float(data.get("liveness_timeout_seconds", DEFAULT_LIVENESS_TIMEOUT)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ClusterError(
@@ -668,18 +783,35 @@ class LocalCluster:
         """Start a fresh checkpointd and agent for `node_id` (stopping whatever of the
         node still runs first, SIGTERM then SIGKILL); with `wait`, return once the
         scheduler sees the node ready from the new agent. Returns the new processes."""
-        spec = self.node(node_id)
         old = self.node_processes(node_id)
         stopping = self.kill_node(node_id, signal.SIGTERM, wait=False)
         if _wait_gone(stopping, STOP_TIMEOUT, self._pid_alive):
             self.kill_node(node_id, signal.SIGKILL)
         self._forget_children([p.pid for p in old])
+        return self.start_node(node_id, wait=wait, timeout=timeout)
+
+    def start_node(
+        self, node_id: str, *, wait: bool = True, timeout: float = DEFAULT_TIMEOUT
+    ) -> list[ClusterProcess]:
+        """Start the checkpointd and agent of `node_id`, whose daemons are not running;
+        with `wait`, return once the scheduler sees the node ready from the new agent.
+        Returns the new processes. ClusterError when one of its daemons runs (never two
+        of a node: :meth:`restart_node` stops them first) or the cluster is down."""
+        spec = self.node(node_id)
         deadline = time.monotonic() + timeout
-        try:
-            new = self._start_nodes([spec], deadline)
-        except BaseException:
-            self._stop_processes([p for p in self.node_processes(node_id) if p not in old])
-            raise
+        with _locked(self.state_dir, wait=timeout):
+            if self._closed or not self.state_file.exists():
+                raise ClusterError(
+                    f"the cluster in {self.state_dir} is down; {node_id} is not started"
+                )
+            before = {p.pid for p in self.node_processes(node_id)}
+            try:
+                new = self._start_nodes([spec], deadline)
+            except BaseException:
+                self._stop_processes(
+                    [p for p in self.node_processes(node_id) if p.pid not in before]
+                )
+                raise
         if wait:
             self.wait_ready([node_id], timeout=max(deadline - time.monotonic(), 0.0))
         return new
@@ -689,18 +821,24 @@ class LocalCluster:
     def down(self, *, timeout: float = STOP_TIMEOUT, wipe: bool = False) -> list[ClusterProcess]:
         """Stop the agents, then the checkpoint daemons, then the scheduler: SIGTERM
         to each process group, SIGKILL after `timeout` s. Ranks left behind and the
-        scheduler's embedded stores go too. Removes cluster.json, and with `wipe` the
-        whole state dir. Returns the processes that were running. ClusterError when a
-        process survives SIGKILL (cluster.json is kept then)."""
-        with _locked(self.state_dir):
+        scheduler's embedded stores go too, and so does any process the cluster started
+        that cluster.json does not name (found by `CLUSTER_ENV`). From then on this object
+        starts nothing (a thread restarting a node is refused). Removes cluster.json, and
+        with `wipe` the whole state dir. Returns the daemons that were running, recorded
+        or not. ClusterError when a process survives SIGKILL (cluster.json is kept then)."""
+        with self._lock:
+            self._closed = True
+        with _locked(self.state_dir, wait=LOCK_WAIT):
             was_running = self.running()
-            self._stop_all(timeout)
+            strays = self._stop_all(timeout)
             self.state_file.unlink(missing_ok=True)
         if wipe:
             wipe_state_dir(self.state_dir)
-        return was_running
+        return was_running + strays
 
-    def _stop_all(self, timeout: float) -> None:
+    def _stop_all(self, timeout: float) -> list[ClusterProcess]:
+        """Stop every recorded process, stage by stage, then the unrecorded ones; returns
+        the unrecorded daemons that were found."""
         sockets = {p.node_id: p.socket for p in self.processes if p.kind == "agent"}
         ranks = [pid for pids in rank_pids(sockets).values() for pid in pids]
         killed_checkpointds: list[ClusterProcess] = []
@@ -716,7 +854,8 @@ class LocalCluster:
                 killed_checkpointds = dead_before + killed
             if kind == "scheduler":
                 self._stop_stores(timeout)
-        self._cleanup_segments(killed_checkpointds)
+        strays = self._stop_strays(timeout)
+        self._cleanup_segments(killed_checkpointds + [p for p in strays if p.kind == "checkpointd"])
         left = [p for p in self.processes if self.is_alive(p)]
         if left or ranks:
             names = [f"{p.name} (pid {p.pid})" for p in left] + [f"rank pid {r}" for r in ranks]
@@ -726,6 +865,36 @@ class LocalCluster:
             )
         self._forget_children(list(self._children))
         self._remove_network()
+        return strays
+
+    def _stop_strays(self, timeout: float) -> list[ClusterProcess]:
+        """Whatever still runs with this cluster's `CLUSTER_ENV`: a daemon cluster.json
+        does not name, and what it started. Session leaders (daemons, ranks) get SIGTERM
+        to their group first, SIGKILL after `timeout`; returns the daemons among them."""
+        found = tagged_processes(self.state_dir)
+        if not found:
+            return []
+        strays = [t.as_cluster_process(self.log_dir) for t in found if t.is_daemon()]
+        leaders = [t.pid for t in found if t.session_leader]
+        for pid in leaders:
+            _signal_group(pid, signal.SIGTERM)
+        _wait_gone(leaders, timeout, pid_alive)
+        left = tagged_processes(self.state_dir)
+        for tagged in left:
+            if tagged.session_leader:
+                _signal_group(tagged.pid, signal.SIGKILL)
+            else:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(tagged.pid, signal.SIGKILL)
+        still = _wait_gone([t.pid for t in left], KILL_WAIT, pid_alive)
+        if still:
+            raise ClusterError(
+                f"pids {', '.join(map(str, still))} of the cluster in {self.state_dir} "
+                "survived SIGKILL (stuck in the kernel?)"
+            )
+        if strays:  # an unrecorded scheduler may have left its embedded stores
+            self._stop_stores(timeout)
+        return strays
 
     def _remove_network(self) -> None:
         """Remove the namespaces and the bridge (once nothing runs in them)."""
@@ -787,11 +956,12 @@ class LocalCluster:
             for pid in pids:
                 _signal_rank(pid, signal.SIGKILL)
         self._stop_stores(KILL_WAIT)
+        self._stop_strays(KILL_WAIT)
         self._remove_network()
 
     # Spawning
 
-    def _daemon_env(self, extra: Mapping[str, str]) -> dict[str, str]:
+    def _daemon_env(self, extra: Mapping[str, str], name: str) -> dict[str, str]:
         env = dict(os.environ)
         # A daemon that dies at start leaves a plain traceback, whose last lines (the
         # ones `up` shows) name the error, rather than a boxed one.
@@ -804,6 +974,8 @@ class LocalCluster:
         env.update(self.env)
         for key, value in extra.items():
             env.setdefault(key, value)
+        env[CLUSTER_ENV] = str(self.state_dir)
+        env[DAEMON_ENV] = name
         return env
 
     def _spawn(
@@ -818,7 +990,41 @@ class LocalCluster:
         socket: str = "",
     ) -> _Starting:
         """Start a daemon detached: its own session, stdin from /dev/null, stdout and
-        stderr appended to logs/<name>.log; record it in cluster.json."""
+        stderr appended to logs/<name>.log; record it in cluster.json at once. Refuses
+        (ClusterError) once `down` has begun, and when a daemon of that name already
+        runs: a node's daemons are never started twice."""
+        with self._lock:
+            if self._closed:
+                raise ClusterError(
+                    f"the cluster in {self.state_dir} is going down; {what} is not started"
+                )
+            self._refuse_second(name, what)
+            return self._spawn_recorded(name, kind, argv, env, what, node_id, socket)
+
+    def _refuse_second(self, name: str, what: str) -> None:
+        """ClusterError when a daemon called `name` runs: one this object or cluster.json
+        records, or one found by its environment."""
+        pids = {p.pid for p in self.processes if p.name == name and self.is_alive(p)}
+        pids |= {p.pid for p in _recorded(self.state_file) if p.name == name and p.alive()}
+        pids |= {
+            t.pid for t in tagged_processes(self.state_dir) if t.daemon == name and t.is_daemon()
+        }
+        if pids:
+            raise ClusterError(
+                f"{what} already runs (pid {', '.join(map(str, sorted(pids)))}); a node's "
+                "daemons are never started twice: stop them first (restart_node does)"
+            )
+
+    def _spawn_recorded(
+        self,
+        name: str,
+        kind: Kind,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        what: str,
+        node_id: str,
+        socket: str,
+    ) -> _Starting:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
         stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -853,11 +1059,19 @@ class LocalCluster:
         return _Starting(proc, popen, offset, what)
 
     def _start_scheduler(
-        self, port: int, database_url: str | None, redis_url: str | None, deadline: float
+        self,
+        port: int,
+        database_url: str | None,
+        redis_url: str | None,
+        liveness_timeout: float | None,
+        deadline: float,
     ) -> None:
-        extra = dict(SCHEDULER_ENV)
+        env = self._daemon_env(SCHEDULER_ENV, "scheduler")
+        if liveness_timeout is not None:
+            env[_HEARTBEAT_ENV] = f"{HEARTBEAT_INTERVAL:g}"
+            env[_LIVENESS_ENV] = f"{liveness_timeout / HEARTBEAT_INTERVAL:g}"
+        self.liveness_timeout = _liveness_of(env)
         # URLs through the environment, not argv: a password stays out of `ps`.
-        env = self._daemon_env(extra)
         if database_url:
             env["PITSTOP_DATABASE_URL"] = database_url
         if redis_url:
@@ -931,7 +1145,7 @@ class LocalCluster:
             f"checkpointd-{spec.node_id}",
             "checkpointd",
             self._in_namespace(spec.node_id, argv),
-            self._daemon_env(CHECKPOINTD_ENV),
+            self._daemon_env(CHECKPOINTD_ENV, f"checkpointd-{spec.node_id}"),
             f"the checkpoint daemon of {spec.node_id}",
             node_id=spec.node_id,
         )
@@ -975,7 +1189,7 @@ class LocalCluster:
             f"agent-{spec.node_id}",
             "agent",
             self._in_namespace(spec.node_id, argv),
-            self._daemon_env(extra),
+            self._daemon_env(extra, f"agent-{spec.node_id}"),
             f"the agent of {spec.node_id}",
             node_id=spec.node_id,
             socket=str(socket),
@@ -1081,11 +1295,15 @@ class LocalCluster:
                 del self._children[pid]
 
     def _update(self, proc: ClusterProcess) -> None:
-        self.processes = [proc if p.name == proc.name else p for p in self.processes]
-        self._save()
+        with self._lock:
+            self.processes = [proc if p.name == proc.name else p for p in self.processes]
+            self._save()
 
     def _save(self) -> None:
-        """Write cluster.json atomically: `down` must find whatever has been started."""
+        """Write cluster.json atomically: `down` must find whatever has been started.
+        Once `down` has begun, nothing: it must not bring the file back."""
+        if self._closed:
+            return
         data = {
             "version": 1,
             "state_dir": str(self.state_dir),
@@ -1093,10 +1311,40 @@ class LocalCluster:
             "nodes": [spec.to_json() for spec in self.nodes],
             "processes": [p.to_json() for p in self.processes],
             "network": None if self.network is None else self.network.to_json(),
+            "liveness_timeout_seconds": self.liveness_timeout,
         }
         tmp = self.state_dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         tmp.replace(self.state_file)
+
+
+def _recorded(state_file: Path) -> list[ClusterProcess]:
+    """The processes a cluster.json records; none when it is missing or unreadable."""
+    try:
+        data = json.loads(state_file.read_text())
+        return [ClusterProcess.from_json(p) for p in data["processes"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _check_liveness(seconds: float) -> None:
+    floor = _MIN_LIVENESS_INTERVALS * HEARTBEAT_INTERVAL
+    if not seconds >= floor:
+        raise ClusterError(
+            f"liveness timeout {seconds:g} s: give at least {floor:g} s "
+            f"({_MIN_LIVENESS_INTERVALS:g} heartbeats of {HEARTBEAT_INTERVAL:g} s)"
+        )
+
+
+def _liveness_of(env: Mapping[str, str]) -> float:
+    """The liveness deadline a scheduler started with `env` uses, in seconds."""
+    try:
+        return float(env[_HEARTBEAT_ENV]) * float(env[_LIVENESS_ENV])
+    except (KeyError, ValueError):
+        raise ClusterError(
+            f"{_HEARTBEAT_ENV}={env.get(_HEARTBEAT_ENV)!r} and "
+            f"{_LIVENESS_ENV}={env.get(_LIVENESS_ENV)!r}: give numbers"
+        ) from None
 
 
 def _checked(action: Callable[[], _T]) -> _T:
@@ -1145,3 +1393,52 @@ def wipe_state_dir(state_dir: Path) -> bool:
         )
     shutil.rmtree(root)
     return True
+
+
+def stop_cluster(
+    state_dir: str | os.PathLike[str] = DEFAULT_STATE_DIR,
+    *,
+    timeout: float = STOP_TIMEOUT,
+    wipe: bool = False,
+) -> list[ClusterProcess] | None:
+    """:meth:`LocalCluster.down` for whatever runs in `state_dir`: the cluster its
+    cluster.json records, and any process a cluster there started without recording it
+    (an `up` killed mid-way). Returns the daemons stopped; None when there was no
+    cluster.json and nothing of a cluster ran. With `wipe`, removes the state dir."""
+    root = Path(state_dir).expanduser().absolute()
+    if not root.exists():
+        return None
+    cluster = LocalCluster.load(root)
+    if cluster is not None:
+        return cluster.down(timeout=timeout, wipe=wipe)
+    with _locked(root, wait=LOCK_WAIT):
+        strays = LocalCluster(root, "", [], _closed=True)._stop_all(timeout)
+    if wipe:
+        wipe_state_dir(root)
+    return strays or None
+
+
+@contextlib.contextmanager
+def running_cluster(
+    state_dir: str | os.PathLike[str] = DEFAULT_STATE_DIR, *, keep: bool = False, **options: Any
+) -> Iterator[LocalCluster]:
+    """A cluster brought :meth:`~LocalCluster.up` (with `options`) for the block and down
+    at its end, whatever ends it: an exception, Ctrl-C, or SIGTERM under
+    `pitstop.client.signals.orderly_exit`. With `keep`, a block that ends by itself or
+    by an Exception leaves the cluster running (for a look at it); an interrupt still
+    brings it down. Whatever `up` started before an interrupt is found and stopped too."""
+    cluster: LocalCluster | None = None
+    leave_running = False
+    try:
+        cluster = LocalCluster.up(state_dir, **options)
+        yield cluster
+        leave_running = keep
+    except Exception:
+        leave_running = keep and cluster is not None
+        raise
+    finally:
+        if not leave_running:
+            if cluster is not None:
+                cluster.down()
+            else:  # interrupted inside up, or between its return and here
+                stop_cluster(state_dir)
