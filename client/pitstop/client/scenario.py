@@ -7,10 +7,17 @@ bus) through the scheduler, ``node_kill`` is kill -9 of the node's agent, checkp
 daemon and ranks, ``agent_hang`` stops the agent (SIGSTOP) so its heartbeats cease while
 its stream stays open, and ``rank_kill`` is kill -9 of one rank. Failed nodes come back
 as hot spares once the job has moved off them, so a long run can fail many times.
+
+Nothing here waits without a deadline. A job that makes no step for `STALL_TIMEOUT` s,
+or is not over by its overall deadline (:func:`run_deadline`), ends the run with
+:class:`JobStuck`, whose message holds the job's recent events: what the scheduler last
+decided and why. The reference run dies with the process that started it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
 import json
 import os
 import random
@@ -23,9 +30,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from types import TracebackType
+from typing import Literal, Self
 
-from pitstop.client.localcluster import LocalCluster
+from pitstop.client.errors import PitstopError
+from pitstop.client.localcluster import DEFAULT_TIMEOUT, STOP_TIMEOUT, ClusterError, LocalCluster
+from pitstop.client.signals import dying_with_parent
 from pitstop.v1 import common_pb2, jobs_pb2
 
 FaultKind = Literal["xid", "node_kill", "agent_hang", "rank_kill"]
@@ -37,6 +47,13 @@ TERMINAL = (
     common_pb2.JOB_STATE_FAILED,
     common_pb2.JOB_STATE_CANCELLED,
 )
+STALL_TIMEOUT = 90.0
+"""Seconds a job may go without a new step before the run gives up on it. Starting the
+ranks (importing torch) and a recovery's fallback restart (30 s) fit well inside."""
+REFERENCE_TIMEOUT = 600.0
+"""Seconds the fault-free reference run may take."""
+EVENTS_SHOWN = 15
+"""How many of the job's newest events a stuck run prints."""
 
 
 @dataclass(frozen=True)
@@ -94,28 +111,96 @@ def example_spec(
     )
 
 
-def reference_hash(steps: int) -> subprocess.Popen[str]:
-    """The example run alone in one process (started now, read with `read_hash`)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-    return subprocess.Popen(
-        [*example_command(steps, 0.0)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+def run_deadline(steps: int, step_seconds: float, faults: int) -> float:
+    """Seconds a run of `steps` steps paced at `step_seconds` with `faults` failures may
+    take in all before it counts as stuck: generous (a loaded 2-core machine steps
+    at about a third of the pace), since the stall deadline catches a job that stops."""
+    return 120.0 + steps * (3 * step_seconds + 0.5) + 60.0 * faults
 
 
-def read_hash(proc: subprocess.Popen[str], timeout: float = 600.0) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the reference run exited {proc.returncode}")
-    return str(json.loads(out.strip().splitlines()[-1])["final_weights_sha256"])
+class ReferenceRun:
+    """The example run alone in one process, started now, beside the cluster: the
+    fault-free final-weights hash a run must end with. A context manager that kills it
+    on exit; it also dies with this process, whatever kills that."""
+
+    def __init__(self, steps: int) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+        self._proc = subprocess.Popen(
+            dying_with_parent(example_command(steps, 0.0)),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def final_hash(self, timeout: float = REFERENCE_TIMEOUT) -> str:
+        """The run's final-weights hash, waiting up to `timeout` s for it to end
+        (RuntimeError when it fails or takes longer; it is killed then)."""
+        try:
+            out, _ = self._proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise RuntimeError(
+                f"the fault-free reference run (pid {self.pid}) did not end within {timeout:.0f} s"
+            ) from None
+        if self._proc.returncode != 0:
+            raise RuntimeError(f"the fault-free reference run exited {self._proc.returncode}")
+        return str(json.loads(out.strip().splitlines()[-1])["final_weights_sha256"])
+
+    def stop(self) -> None:
+        """Kill the run if it still goes; reap it."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.communicate(timeout=STOP_TIMEOUT)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def format_event(event: common_pb2.Event) -> str:
+    """One event as a line: time, kind, what it concerns, state change, reason."""
+    at = dt.datetime.fromtimestamp(event.time.ToMicroseconds() / 1e6).strftime("%H:%M:%S.%f")
+    who = " ".join(filter(None, [event.job_id, event.node_id]))
+    change = f" {event.from_state} -> {event.to_state}" if event.to_state else ""
+    reason = f": {event.reason}" if event.reason else ""
+    return f"{at[:-3]} {event.kind} {who}{change}{reason}"
+
+
+class JobStuck(TimeoutError):
+    """The job stopped stepping, or did not end by its deadline. The message says which
+    and lists the job's recent events (what the scheduler last decided and why)."""
+
+    def __init__(self, what: str, job: jobs_pb2.Job, events: Sequence[str]) -> None:
+        self.job = job
+        self.events = list(events)
+        state = common_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_").lower()
+        lines = [
+            f"{what}: job {job.id} is {state} at step {job.current_step}"
+            + (f" ({job.reason})" if job.reason else "")
+            + "; what the scheduler last decided:",
+            *(f"  {line}" for line in self.events),
+        ]
+        super().__init__("\n".join(lines))
 
 
 class Driver:
     """Submits a job, fails its nodes as its steps reach each fault, restores failed
-    nodes as spares, and returns when the job ends."""
+    nodes as spares, and returns when the job ends. Use it as a context manager (or
+    call :meth:`close`) to close its connections."""
 
     def __init__(
         self,
@@ -124,20 +209,45 @@ class Driver:
         on_step: Callable[[jobs_pb2.Job], None] | None = None,
         on_event: Callable[[common_pb2.Event], None] | None = None,
         on_fault: Callable[[Injected], None] | None = None,
+        on_problem: Callable[[str], None] | None = None,
         seed: int = 0,
         spacing: int = 0,
+        stall_timeout: float = STALL_TIMEOUT,
+        poll: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cluster = cluster
         self.client = cluster.client(timeout=30.0)
         self.on_step = on_step or (lambda _job: None)
         self.on_event = on_event or (lambda _event: None)
         self.on_fault = on_fault or (lambda _injected: None)
+        self.on_problem = on_problem or (lambda _message: None)
         self.random = random.Random(seed)
         self.spacing = spacing
+        self.stall_timeout = stall_timeout
+        self.poll = poll
+        self.clock = clock
         self.failed: list[str] = []  # nodes to bring back as spares once free
+        self.problems: list[str] = []  # what went wrong beside the job (a node not back)
         self._restoring: list[threading.Thread] = []
         self._read: dict[Path, int] = {}
         self._newest = 0
+        self._stepped = False  # a step line was read since the last look
+
+    def close(self) -> None:
+        """Close the scheduler connection (ends the event watch)."""
+        self.client.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def newest_step(self, job_id: str) -> int:
         """The newest step any rank has logged: the ranks' own progress, ahead of what
@@ -150,13 +260,19 @@ class Driver:
             complete = chunk.rfind(b"\n") + 1
             self._read[path] = offset + complete
             for match in STEP_LINE.finditer(chunk[:complete]):
+                self._stepped = True
                 self._newest = max(self._newest, int(match.group(1)))
         return self._newest
 
     def run(
-        self, spec: jobs_pb2.JobSpec, faults: Sequence[Fault], *, timeout: float = 1800.0
+        self, spec: jobs_pb2.JobSpec, faults: Sequence[Fault], *, timeout: float | None = None
     ) -> Run:
-        started = time.monotonic()
+        """Run the job to its end with `faults`. JobStuck when it makes no step for
+        `stall_timeout` s or is not over after `timeout` s (default: :func:`run_deadline`
+        from the spec's --steps and --step-seconds)."""
+        if timeout is None:
+            timeout = run_deadline(*_pace(spec), len(faults))
+        started = self.clock()
         job = self.client.submit_job(spec)
         stop = threading.Event()
         watcher = threading.Thread(target=self._watch, args=(job.id, stop), daemon=True)
@@ -164,19 +280,27 @@ class Driver:
         pending = sorted(faults, key=lambda f: f.at_step)
         run = Run(job)
         last_victim = ""
+        last_step, progressed = -1, started
+        ended = False
         try:
             while True:
                 job = self.client.get_job(job.id)
                 self.on_step(job)
                 if job.state in TERMINAL:
                     break
-                if time.monotonic() - started > timeout:
-                    raise TimeoutError(f"job {job.id} did not end within {timeout:.0f} s")
+                newest = self.newest_step(job.id)
+                now = self.clock()
+                if self._stepped or job.current_step != last_step:
+                    self._stepped, last_step, progressed = False, job.current_step, now
+                if now - progressed > self.stall_timeout:
+                    raise self._stuck(f"no step for {now - progressed:.0f} s", job)
+                if now - started > timeout:
+                    raise self._stuck(f"not over after {timeout:.0f} s", job)
                 stepping = job.state == common_pb2.JOB_STATE_RUNNING
                 due = pending[0].at_step if pending else 0
                 if run.injected:  # never two failures closer than `spacing` steps
                     due = max(due, run.injected[-1].step + self.spacing)
-                if pending and stepping and self.newest_step(job.id) >= due:
+                if pending and stepping and newest >= due:
                     fault = pending.pop(0)
                     nodes = sorted({a.node_id for a in job.rank_map.ranks} - {last_victim})
                     victim = self.random.choice(nodes)
@@ -186,13 +310,37 @@ class Driver:
                     last_victim = victim
                 if stepping:
                     self.restore_spares(job)
-                time.sleep(0.1)  # a poll of the job's step: the condition is the step
+                time.sleep(self.poll)  # a poll of the job's step: the condition is the step
+            ended = True
         finally:
             stop.set()
+            # A run that ended lets the nodes coming back finish (each restart has its
+            # own deadline); one that failed or was interrupted does not wait: bringing
+            # the cluster down stops them.
+            limit = (STOP_TIMEOUT + DEFAULT_TIMEOUT) if ended else 0.0
+            deadline = time.monotonic() + limit
             for worker in self._restoring:
-                worker.join(timeout=120)
-        run.job, run.seconds = job, time.monotonic() - started
+                worker.join(timeout=max(deadline - time.monotonic(), 0.0))
+        run.job, run.seconds = job, self.clock() - started
         return run
+
+    def recent_events(self, job_id: str, limit: int = EVENTS_SHOWN) -> list[str]:
+        """The job's newest events as lines, and those of its nodes; a line saying so
+        when the scheduler does not answer."""
+        try:
+            events = self.client.list_events(job_id=job_id, after_event_id=-1, limit=limit)
+            nodes = [
+                e
+                for e in self.client.list_events(after_event_id=-1, limit=4 * limit)
+                if e.node_id and not e.job_id
+            ][-limit // 2 :]
+        except PitstopError as exc:
+            return [f"(the scheduler did not answer: {exc})"]
+        merged = sorted({e.id: e for e in [*events, *nodes]}.values(), key=lambda e: e.id)
+        return [format_event(e) for e in merged] or ["(no events)"]
+
+    def _stuck(self, what: str, job: jobs_pb2.Job) -> JobStuck:
+        return JobStuck(what, job, self.recent_events(job.id) + self.problems)
 
     def inject(self, job: jobs_pb2.Job, fault: Fault, node_id: str) -> Injected:
         injected = Injected(fault, node_id, time.time(), self.newest_step(job.id))
@@ -201,8 +349,10 @@ class Driver:
         elif fault.kind == "node_kill":
             self.cluster.kill_node(node_id, signal.SIGKILL, wait=False)
         elif fault.kind == "agent_hang":
-            (agent,) = [p for p in self.cluster.node_processes(node_id) if p.kind == "agent"]
-            os.kill(agent.pid, signal.SIGSTOP)
+            agents = [p for p in self.cluster.node_processes(node_id) if p.kind == "agent"]
+            if not agents:
+                raise ClusterError(f"{node_id} has no agent to hang")
+            os.kill(agents[0].pid, signal.SIGSTOP)
         else:
             pids = self.cluster.rank_pids(node_id)
             if pids:
@@ -222,9 +372,15 @@ class Driver:
             self._restoring.append(worker)
 
     def _bring_back(self, node_id: str) -> None:
-        self.cluster.kill_node(node_id, signal.SIGKILL)  # a hung agent is not thawed
-        self.cluster.restart_node(node_id, wait=True)
-        self.client.set_node_role(node_id, common_pb2.NODE_ROLE_SPARE, "back as a spare")
+        try:
+            self.cluster.kill_node(node_id, signal.SIGKILL)  # a hung agent is not thawed
+            self.cluster.restart_node(node_id, wait=True)
+            self.client.set_node_role(node_id, common_pb2.NODE_ROLE_SPARE, "back as a spare")
+        except (ClusterError, PitstopError) as exc:
+            # The run goes on with one spare fewer; the cluster going down ends up here too.
+            message = f"{node_id} did not come back as a spare: {exc}"
+            self.problems.append(message)
+            self.on_problem(message)
 
     def _watch(self, job_id: str, stop: threading.Event) -> None:
         try:
@@ -235,3 +391,16 @@ class Driver:
                     self.on_event(event)
         except Exception:  # the stream ends with the cluster; the run is judged by the job
             return
+
+
+def _pace(spec: jobs_pb2.JobSpec) -> tuple[int, float]:
+    """--steps and --step-seconds of an example command (defaults: 200 steps, unpaced)."""
+    args = list(spec.command)
+
+    def value(flag: str, default: str) -> str:
+        return args[args.index(flag) + 1] if flag in args[:-1] else default
+
+    try:
+        return int(value("--steps", "200")), float(value("--step-seconds", "0"))
+    except ValueError:
+        return 200, 0.0
