@@ -1,13 +1,14 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   create the environment, install, run the main job
 #   make test   create the environment, install, run every check and test
+# The demo on a busy machine: make demo-load, or make demo LOAD=N (N busy processes).
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test install check lint typecheck imports compose-check proto proto-check pytest bench clean
+.PHONY: demo demo-load test install check lint typecheck imports compose-check proto proto-check pytest bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,8 +18,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+LOAD ?=
 demo: $(STAMP)
-	$(BIN)/python scripts/demo.py
+	$(BIN)/python scripts/demo.py $(if $(LOAD),--load $(LOAD))
+
+demo-load: $(STAMP)
+	$(BIN)/python scripts/demo.py --load 2
 
 test: check pytest
 

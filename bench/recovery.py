@@ -28,13 +28,20 @@ Both runs must end with the same final-weights hash as a fault-free run. Run fro
 repository root (about 10 minutes on 2 cores):
 
     .venv/bin/python bench/recovery.py [--failures 20] [--workers 4] [--spares 4]
+        [--liveness-seconds 4] [--load [2]]
 
-Progress goes to stderr; the last line of stdout is one JSON object.
+A hung agent is detected by the local cluster's liveness deadline (--liveness-seconds,
+the local cluster's default; the JSON says which was used): that deadline is most of its
+detect time. Progress goes to stderr; the last line of stdout is one JSON object. A job
+that makes no step for 90 s, or a wait that passes its deadline, ends the benchmark with
+a message and exit code 1; on any end (Ctrl-C, SIGTERM and SIGHUP included) the cluster,
+the torchrun agents, the reference run and the load are stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -51,17 +58,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pitstop.client.localcluster import LocalCluster
+from pitstop.client.cpuload import DEFAULT_PROCS, MAX_SECONDS, cpu_load
+from pitstop.client.errors import PitstopError
+from pitstop.client.localcluster import DEFAULT_LIVENESS_TIMEOUT, ClusterError, running_cluster
 from pitstop.client.scenario import (
     Driver,
     Fault,
     FaultKind,
     Injected,
+    JobStuck,
+    ReferenceRun,
     example_command,
     example_spec,
-    read_hash,
-    reference_hash,
 )
+from pitstop.client.signals import Terminated, dying_with_parent, exit_code, orderly_exit
 from pitstop.v1 import common_pb2, jobs_pb2
 
 RESTORED = re.compile(r"^(\S+ \S+) pitstop\.trainer\.session rank (\d+) restored step (\d+)")
@@ -98,9 +108,17 @@ def log_time(text: str) -> float:
 
 def run_pitstop(args: argparse.Namespace, steps: int, root: Path) -> dict[str, Any]:
     faults = [Fault(args.every * (i + 1), KINDS[i % len(KINDS)]) for i in range(args.failures)]
-    say(f"pitstop: {args.workers} workers + {args.spares} spares, {len(faults)} failures")
-    cluster = LocalCluster.up(root / "cluster", nodes=args.workers, spares=args.spares, port=0)
-    try:
+    say(
+        f"pitstop: {args.workers} workers + {args.spares} spares, {len(faults)} failures, "
+        f"a silent node lost after {args.liveness_seconds:g} s"
+    )
+    with running_cluster(
+        root / "cluster",
+        nodes=args.workers,
+        spares=args.spares,
+        port=0,
+        liveness_timeout=args.liveness_seconds,
+    ) as cluster:
         spec = example_spec(
             "bench-recovery",
             dp=args.workers,
@@ -114,8 +132,10 @@ def run_pitstop(args: argparse.Namespace, steps: int, root: Path) -> dict[str, A
         def on_fault(injected: Injected) -> None:
             say(f"pitstop: {injected.fault.kind} on {injected.node_id} at step {injected.step}")
 
-        driver = Driver(cluster, on_fault=on_fault, seed=args.seed, spacing=args.every)
-        run = driver.run(spec, faults)
+        with Driver(
+            cluster, on_fault=on_fault, on_problem=say, seed=args.seed, spacing=args.every
+        ) as driver:
+            run = driver.run(spec, faults)
         job = run.job
         logs = sorted((cluster.state_dir / "nodes").glob(f"*/agent/ranks/{job.id}/rank-*.log"))
         restores: list[float] = []
@@ -126,8 +146,6 @@ def run_pitstop(args: argparse.Namespace, steps: int, root: Path) -> dict[str, A
                     restores.append(log_time(m.group(1)))
                 elif STEP_LINE.match(line):
                     step_lines += 1
-    finally:
-        cluster.down()
     if job.state != common_pb2.JOB_STATE_SUCCEEDED:
         raise SystemExit(f"pitstop: job ended {common_pb2.JobState.Name(job.state)}: {job.reason}")
     per_failure = split(job.goodput, run.injected, restores)
@@ -252,17 +270,19 @@ def run_torchrun(args: argparse.Namespace, steps: int, root: Path) -> dict[str, 
     for node in range(args.workers):
         agents.append(
             subprocess.Popen(
-                [
-                    str(Path(sys.executable).parent / "torchrun"),
-                    f"--nnodes={args.workers}",
-                    "--nproc-per-node=1",
-                    "--rdzv-backend=c10d",
-                    f"--rdzv-endpoint=127.0.0.1:{port}",
-                    f"--rdzv-id=bench-{port}",
-                    f"--max-restarts={args.failures + 5}",
-                    "--monitor-interval=0.1",
-                    *command[1:],
-                ],
+                dying_with_parent(
+                    [
+                        str(Path(sys.executable).parent / "torchrun"),
+                        f"--nnodes={args.workers}",
+                        "--nproc-per-node=1",
+                        "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint=127.0.0.1:{port}",
+                        f"--rdzv-id=bench-{port}",
+                        f"--max-restarts={args.failures + 5}",
+                        "--monitor-interval=0.1",
+                        *command[1:],
+                    ]
+                ),
                 stdout=subprocess.PIPE if node == 0 else subprocess.DEVNULL,
                 stderr=(root / f"torchrun-{node}.log").open("w"),
                 text=True,
@@ -336,16 +356,53 @@ def main() -> int:
     parser.add_argument(
         "--keep", action="store_true", help="keep the run's directory (logs, rank logs)"
     )
+    parser.add_argument(
+        "--liveness-seconds",
+        type=float,
+        default=DEFAULT_LIVENESS_TIMEOUT,
+        help="a node silent this long is lost: a hung agent's detection deadline",
+    )
+    parser.add_argument(
+        "--load",
+        type=int,
+        nargs="?",
+        const=DEFAULT_PROCS,
+        default=0,
+        metavar="PROCS",
+        help=f"run PROCS busy processes beside the benchmark (default {DEFAULT_PROCS})",
+    )
     args = parser.parse_args()
+    with orderly_exit(notice=say):
+        try:
+            return measure(args)
+        except (KeyboardInterrupt, Terminated) as stop:
+            say(f"{'Ctrl-C' if isinstance(stop, KeyboardInterrupt) else stop}: stopped")
+            return exit_code(stop)
+        except (
+            JobStuck,
+            ClusterError,
+            PitstopError,
+            RuntimeError,
+            subprocess.TimeoutExpired,
+        ) as exc:
+            say(f"error: {exc}")
+            return 1
+
+
+def measure(args: argparse.Namespace) -> int:
     steps = (args.every + 10) * (args.failures + 1)
     root = Path(tempfile.mkdtemp(prefix="pitstop-recovery-"))
     try:
-        reference = reference_hash(steps)
-        expected = read_hash(reference)
-        # torchrun first, on a quiet machine: run after the local cluster, its workers
-        # once hung forming their group (not understood yet; see the README).
-        torchrun = None if args.skip_torchrun else run_torchrun(args, steps, root)
-        pitstop = run_pitstop(args, steps, root)
+        with contextlib.ExitStack() as stack:
+            if args.load:
+                stack.enter_context(cpu_load(args.load, MAX_SECONDS))
+                say(f"CPU load: {args.load} busy processes beside the benchmark")
+            with ReferenceRun(steps) as reference:
+                expected = reference.final_hash()
+            # torchrun first, on a quiet machine: run after the local cluster, its workers
+            # once hung forming their group (not understood yet; see the README).
+            torchrun = None if args.skip_torchrun else run_torchrun(args, steps, root)
+            pitstop = run_pitstop(args, steps, root)
     finally:
         if args.keep:
             say(f"kept {root}")
@@ -358,6 +415,8 @@ def main() -> int:
         "nodes": args.workers + args.spares,
         "steps": steps,
         "step_seconds": args.step_seconds,
+        "liveness_timeout_seconds": args.liveness_seconds,
+        "cpu_load_procs": args.load,
         "pitstop": {
             "failures": len(rows),
             "by_kind": {k: sum(1 for r in rows if KINDS[int(r["kind_index"])] == k) for k in KINDS},

@@ -4,31 +4,50 @@ it, a fatal Xid hits one node and another node is killed with kill -9 mid-run; t
 goes on. The summary shows each failure's detect -> resume time, the steps lost, the
 goodput, and the final-weights hash next to the fault-free reference.
 
-    .venv/bin/python scripts/demo.py [--steps 150] [--step-seconds 0.1] [--keep]
+    .venv/bin/python scripts/demo.py [--steps 150] [--step-seconds 0.1] [--keep] [--load [2]]
+
+It never hangs: a job that makes no step for --stall-seconds (90), or is not over by a
+deadline from its steps and pace, ends the demo with the job's recent events (what the
+scheduler last decided and why) and exit code 1. Nothing outlives it: on its end, an
+error, Ctrl-C, SIGTERM or SIGHUP the cluster goes down (SIGKILL of the demo leaves it to
+the next run, or `pitstop cluster down --state-dir .state/demo`), and the reference run
+and the CPU load of --load die with it whatever kills it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import shutil
 import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.rule import Rule
 from rich.table import Table
 
-from pitstop.client.localcluster import LocalCluster
+from pitstop.client.cpuload import DEFAULT_PROCS, MAX_SECONDS, cpu_load
+from pitstop.client.errors import PitstopError
+from pitstop.client.localcluster import (
+    DEFAULT_LIVENESS_TIMEOUT,
+    ClusterError,
+    running_cluster,
+    stop_cluster,
+)
 from pitstop.client.scenario import (
+    STALL_TIMEOUT,
     Driver,
     Fault,
     Injected,
+    JobStuck,
+    ReferenceRun,
     example_spec,
-    read_hash,
-    reference_hash,
+    run_deadline,
 )
+from pitstop.client.signals import Terminated, exit_code, orderly_exit
 from pitstop.v1 import common_pb2, jobs_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,8 +73,42 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--step-seconds", type=float, default=0.1)
-    parser.add_argument("--keep", action="store_true", help="leave the cluster running")
-    return parser.parse_args()
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave the cluster running when the demo ends (Ctrl-C still stops it)",
+    )
+    parser.add_argument(
+        "--load",
+        type=int,
+        nargs="?",
+        const=DEFAULT_PROCS,
+        default=0,
+        metavar="PROCS",
+        help=f"run PROCS busy processes beside the demo (default {DEFAULT_PROCS})",
+    )
+    parser.add_argument("--workers", type=int, default=4, help="worker nodes (the job's dp)")
+    parser.add_argument("--spares", type=int, default=2, help="hot spares")
+    parser.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=STALL_TIMEOUT,
+        help="give up when the job makes no step for this long",
+    )
+    parser.add_argument(
+        "--liveness-seconds",
+        type=float,
+        default=DEFAULT_LIVENESS_TIMEOUT,
+        help="a node silent this long is lost (a hung agent; a dead one is seen at once)",
+    )
+    parser.add_argument("--state-dir", type=Path, default=STATE_DIR, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.workers < 2 or args.spares < 1 or args.steps < 6:
+        parser.error(
+            "the demo fails two nodes: give --workers 2 or more, --spares 1 or more, "
+            "--steps 6 or more"
+        )
+    return args
 
 
 def show_event(event: common_pb2.Event) -> None:
@@ -122,55 +175,113 @@ def summary(
 
 def main() -> int:
     args = parse_args()
+    with orderly_exit(notice=lambda line: console.print(f"[yellow]{line}[/yellow]")):
+        try:
+            return run_demo(args)
+        except (KeyboardInterrupt, Terminated) as stop:
+            what = "Ctrl-C" if isinstance(stop, KeyboardInterrupt) else str(stop)
+            console.print(f"[bold red]{what}: the demo stopped, and so did its cluster[/bold red]")
+            return exit_code(stop)
+        except (ClusterError, PitstopError, RuntimeError) as exc:
+            console.print(f"[bold red]error:[/bold red] {escape(str(exc))}")
+            return 1
+
+
+def run_demo(args: argparse.Namespace) -> int:
     console.print(Rule("pitstop demo: training that survives failures"))
-    reference = reference_hash(args.steps)  # the fault-free run, alongside
-    console.print("starting a local cluster: 4 workers and 2 hot spares (simulated GPUs)")
-    earlier = LocalCluster.load(STATE_DIR)
-    if earlier is not None:
-        earlier.down()
-    shutil.rmtree(STATE_DIR, ignore_errors=True)  # a fresh cluster: no job of an earlier run
-    cluster = LocalCluster.up(
-        STATE_DIR, nodes=4, spares=2, port=0, progress=lambda m: console.print(f"  {m}")
-    )
+    third = args.steps // 3
+    faults = [Fault(third, "xid"), Fault(2 * third, "node_kill")]
+    deadline = run_deadline(args.steps, args.step_seconds, len(faults))
     ok = False
-    try:
-        console.print(f"scheduler at {cluster.scheduler_address}; nodes ready")
-        third = args.steps // 3
-        faults = [Fault(third, "xid"), Fault(2 * third, "node_kill")]
-        spec = example_spec(
-            "demo-gpt", dp=4, steps=args.steps, step_seconds=args.step_seconds, spares=2
+    with contextlib.ExitStack() as stack:
+        if args.load:
+            load = stack.enter_context(cpu_load(args.load, min(MAX_SECONDS, deadline + 600)))
+            console.print(
+                f"CPU load: {args.load} busy processes beside the demo "
+                f"(pids {', '.join(map(str, load.pids))})"
+            )
+        reference = stack.enter_context(ReferenceRun(args.steps))  # the fault-free run
+        console.print(
+            f"starting a local cluster: {args.workers} workers and {args.spares} hot spares "
+            "(simulated GPUs)"
         )
-        with Progress(
-            TextColumn("[bold]training[/bold]"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[state]}"),
-            TimeElapsedColumn(),
-            console=console,
-        ) as bar:
-            task = bar.add_task("steps", total=args.steps, state="")
+        # An earlier demo's cluster, recorded in its cluster.json or not, and its job.
+        stop_cluster(args.state_dir)
+        shutil.rmtree(args.state_dir, ignore_errors=True)
+        cluster = stack.enter_context(
+            running_cluster(
+                args.state_dir,
+                keep=args.keep,
+                nodes=args.workers,
+                spares=args.spares,
+                port=0,
+                liveness_timeout=args.liveness_seconds,
+                progress=lambda m: console.print(f"  {m}"),
+            )
+        )
+        console.print(
+            f"scheduler at {cluster.scheduler_address}; nodes ready; a silent node is lost "
+            f"after {cluster.liveness_timeout:g} s; the run gives up after "
+            f"{args.stall_seconds:.0f} s without a step or {deadline:.0f} s in all"
+        )
+        spec = example_spec(
+            "demo-gpt",
+            dp=args.workers,
+            steps=args.steps,
+            step_seconds=args.step_seconds,
+            spares=args.spares,
+        )
+        bar = stack.enter_context(
+            Progress(
+                TextColumn("[bold]training[/bold]"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[state]}"),
+                TimeElapsedColumn(),
+                console=console,
+            )
+        )
+        task = bar.add_task("steps", total=args.steps, state="")
 
-            def on_step(job: jobs_pb2.Job) -> None:
-                state = common_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_").lower()
-                bar.update(task, completed=job.current_step, state=state)
+        def on_step(job: jobs_pb2.Job) -> None:
+            state = common_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_").lower()
+            bar.update(task, completed=job.current_step, state=state)
 
-            def on_fault(injected: Injected) -> None:
-                what = {"xid": "fatal Xid 79 injected on", "node_kill": "kill -9 of"}
-                console.print(
-                    f"[bold red]>>> {what.get(injected.fault.kind, injected.fault.kind)} "
-                    f"{injected.node_id} at step {injected.step}[/bold red]"
-                )
+        def on_fault(injected: Injected) -> None:
+            what = {"xid": "fatal Xid 79 injected on", "node_kill": "kill -9 of"}
+            console.print(
+                f"[bold red]>>> {what.get(injected.fault.kind, injected.fault.kind)} "
+                f"{injected.node_id} at step {injected.step}[/bold red]"
+            )
 
-            driver = Driver(cluster, on_step=on_step, on_event=show_event, on_fault=on_fault)
-            run = driver.run(spec, faults)
-        console.print(Rule("summary"))
-        ok = summary(run.job, run.injected, read_hash(reference), run.seconds)
-    finally:
-        if args.keep:
-            console.print(f"cluster left running: pitstop cluster down --state-dir {STATE_DIR}")
+        def on_problem(message: str) -> None:
+            console.print(f"[yellow]{escape(message)}[/yellow]")
+
+        driver = stack.enter_context(
+            Driver(
+                cluster,
+                on_step=on_step,
+                on_event=show_event,
+                on_fault=on_fault,
+                on_problem=on_problem,
+                stall_timeout=args.stall_seconds,
+            )
+        )
+        try:
+            run = driver.run(spec, faults, timeout=deadline)
+        except JobStuck as stuck:
+            bar.stop()
+            console.print(Rule("[bold red]the job is stuck[/bold red]"))
+            console.print(str(stuck), markup=False, highlight=False)
+            console.print(f"daemon logs: {cluster.log_dir}; rank logs: {cluster.state_dir}/nodes")
         else:
-            cluster.down()
-            console.print("cluster stopped: nothing left running")
+            bar.stop()
+            console.print(Rule("summary"))
+            ok = summary(run.job, run.injected, reference.final_hash(), run.seconds)
+    if args.keep:
+        console.print(f"cluster left running: pitstop cluster down --state-dir {args.state_dir}")
+    else:
+        console.print("cluster stopped: nothing left running")
     return 0 if ok else 1
 
 
