@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import mmap
+import os
+import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
+from pitstop.checkpointd.instances import MARKER_SUFFIX
 from pitstop.checkpointd.slots import (
     SHM_DIR,
     MemoryBudgetFull,
@@ -30,7 +35,36 @@ def prefix() -> Iterator[str]:
 
 
 def segments(prefix: str) -> list[str]:
-    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
+    """Segments under `prefix` in /dev/shm, the instances' markers left out."""
+    return sorted(
+        p.name
+        for p in SHM_DIR.iterdir()
+        if p.name.startswith(prefix) and not p.name.endswith(MARKER_SUFFIX)
+    )
+
+
+def markers(prefix: str) -> list[str]:
+    return sorted(
+        p.name
+        for p in SHM_DIR.iterdir()
+        if p.name.startswith(prefix) and p.name.endswith(MARKER_SUFFIX)
+    )
+
+
+def pool_in_a_child(prefix: str, count: int) -> subprocess.Popen[str]:
+    """Another process whose SlotPool holds `count` segments under `prefix`; it prints
+    their names on one line, then waits for stdin to close (or to be killed)."""
+    code = (
+        "import sys\n"
+        "from pitstop.checkpointd.slots import SlotPool\n"
+        f"pool = SlotPool({prefix!r}, 1 << 20)\n"
+        f"names = [pool.allocate(1, ('job', 0)).name for _ in range({count})]\n"
+        "print(' '.join(names), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
 
 def test_prefix_is_stable_per_node_and_safe() -> None:
@@ -146,13 +180,78 @@ def test_a_write_that_may_not_create_takes_only_a_free_segment(prefix: str) -> N
     pool.close()
 
 
-def test_stale_segments_of_a_killed_daemon_are_removed(prefix: str) -> None:
-    left = SlotPool(prefix, 1 << 20)
-    names = {left.allocate(PAGE, OWNER).name, left.allocate(PAGE, OWNER).name}
-    # The daemon dies without closing its pool: its segments stay in /dev/shm.
-    assert set(segments(prefix)) == names
+def test_segments_are_named_after_their_instance(prefix: str) -> None:
+    first, second = SlotPool(prefix, 1 << 20), SlotPool(prefix, 1 << 20)
+    assert first.instance != second.instance
+    assert first.allocate(PAGE, OWNER).name.startswith(f"{prefix}{first.instance}-")
+    assert markers(prefix) == sorted(
+        f"{prefix}{pool.instance}{MARKER_SUFFIX}" for pool in (first, second)
+    )
+    first.close()
+    second.close()
+    assert markers(prefix) == []
+
+
+def test_segments_of_a_killed_instance_are_removed(prefix: str) -> None:
+    child = pool_in_a_child(prefix, 2)
+    assert child.stdout is not None
+    names = child.stdout.readline().split()
+    child.send_signal(signal.SIGKILL)  # dies without closing its pool
+    child.wait()
+    assert segments(prefix) == sorted(names)
     assert remove_stale_segments(prefix) == sorted(names)
     assert segments(prefix) == []
+    assert markers(prefix) == []
+
+
+def test_a_live_instance_keeps_its_segments_whoever_cleans_up(prefix: str) -> None:
+    # Two daemons with the same node id (two local clusters on one host): one in
+    # another process, one here. Neither cleanup touches the other's segments.
+    child = pool_in_a_child(prefix, 2)
+    assert child.stdout is not None
+    theirs = child.stdout.readline().split()
+    try:
+        mine = SlotPool(prefix, 1 << 20)
+        ours = mine.allocate(PAGE, OWNER).name
+        assert remove_stale_segments(prefix) == []
+        assert segments(prefix) == sorted([*theirs, ours])
+        mine.close()  # a graceful stop removes only its own
+        assert segments(prefix) == sorted(theirs)
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()  # the child exits without closing its pool
+        child.wait()
+    assert remove_stale_segments(prefix) == sorted(theirs)
+
+
+def test_segments_without_a_marker_are_a_dead_instances(prefix: str) -> None:
+    pool = SlotPool(prefix, 1 << 20)
+    name = pool.allocate(PAGE, OWNER).name
+    os.unlink(SHM_DIR / f"{prefix}{pool.instance}{MARKER_SUFFIX}")
+    assert remove_stale_segments(prefix) == [name]
+    pool.close()
+
+
+def test_names_of_another_shape_are_left_alone(prefix: str) -> None:
+    other = SHM_DIR / f"{prefix}abc123-0"  # not an instance id: not ours to judge
+    other.write_bytes(b"x")
+    try:
+        assert remove_stale_segments(prefix) == []
+        assert other.exists()
+    finally:
+        other.unlink()
+
+
+def test_a_free_segment_that_vanished_is_not_handed_out(prefix: str) -> None:
+    pool = SlotPool(prefix, 2 * PAGE)
+    gone = pool.allocate(PAGE, OWNER)
+    pool.unref(gone)
+    os.unlink(SHM_DIR / gone.name)
+    again = pool.allocate(PAGE, OWNER)
+    assert again is not gone
+    assert segments(prefix) == [again.name]
+    assert pool.used_bytes == PAGE
+    pool.close()
 
 
 def test_slots_unsealed_for_long_are_reclaimed_when_memory_is_needed(prefix: str) -> None:

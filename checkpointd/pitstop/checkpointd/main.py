@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from pitstop.checkpointd.config import CheckpointdSettings, load_settings
 from pitstop.checkpointd.daemon import CheckpointDaemon
-from pitstop.checkpointd.slots import SHM_DIR, remove_stale_segments, segment_prefix
+from pitstop.checkpointd.instances import SHM_DIR, remove_stale_segments, segment_prefix
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="The pitstop checkpoint daemon.")
 log = logging.getLogger("pitstop.checkpointd")
@@ -109,7 +109,9 @@ async def _serve(settings: CheckpointdSettings) -> None:
 def cleanup(
     node_id: Annotated[str, typer.Option(help="Node id of the daemon that left them")],
 ) -> None:
-    """Remove the shared-memory segments a killed daemon of NODE_ID left in /dev/shm."""
+    """Remove the shared-memory segments that killed daemons of NODE_ID left in
+    /dev/shm. Those of a daemon still running (of this node id, in any cluster on this
+    host) are never touched."""
     removed = remove_stale_segments(segment_prefix(node_id), SHM_DIR)
     typer.echo(f"removed {len(removed)} segments")
 

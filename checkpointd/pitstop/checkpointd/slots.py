@@ -1,40 +1,42 @@
 """Shared-memory slots: the segments ranks snapshot into, under one memory budget.
 
-Every segment is a file in /dev/shm named with the daemon's prefix, so a restarted
-daemon (or a test) finds and removes what a killed one left behind. Segments are opened
-from /dev/shm directly rather than through multiprocessing.shared_memory: before Python
-3.13 that class registers every segment it opens with a resource tracker that unlinks
-it when the opening process exits, which would let a rank's exit destroy the daemon's
-snapshots. Each segment is fully allocated when created (posix_fallocate), so a full
-/dev/shm is a refused slot here, never a SIGBUS in a rank.
+Every segment is a file in /dev/shm, named after its node and its daemon instance (see
+instances.py). Segments are opened from /dev/shm directly rather than through
+multiprocessing.shared_memory: before Python 3.13 that class registers every segment it
+opens with a resource tracker that unlinks it when the opening process exits, which
+would let a rank's exit destroy the daemon's snapshots. Each segment is fully allocated
+when created (posix_fallocate), so a full /dev/shm is a refused slot here, never a
+SIGBUS in a rank.
 
 A segment is referenced by its holder (a writing rank, or a stored shard) and pinned
 by readers (replication, flush, a restore stream); it returns to the free list only when
 nothing references it, so a snapshot that is being written never lands in a segment
 that still holds the last complete one (double buffering), and free segments are reused
-so that a rank's mapping stays warm from step to step.
+so that a rank's mapping stays warm from step to step. A free segment whose file has
+vanished from /dev/shm (removed by hand) is dropped rather than handed to a rank.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import itertools
 import logging
 import mmap
 import os
-import re
-import secrets
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from pitstop.checkpointd.errors import FailedPrecondition, ResourceExhausted
+from pitstop.checkpointd.instances import SHM_DIR as SHM_DIR
+from pitstop.checkpointd.instances import InstanceMarker
+from pitstop.checkpointd.instances import remove_stale_segments as remove_stale_segments
+from pitstop.checkpointd.instances import segment_prefix as segment_prefix
+
 log = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
-SEGMENT_PREFIX = "pitstop-ckpt-"
 _LARGE = 64 << 20
 STALE_WRITE_SECONDS = 600.0
 """A slot unsealed this long is reclaimed when the budget needs its memory."""
@@ -44,30 +46,12 @@ Owner = tuple[str, int]
 """(job id, rank) a segment was last written for."""
 
 
-class MemoryBudgetFull(Exception):
+class MemoryBudgetFull(ResourceExhausted):
     """No slot fits the memory budget: the snapshot (or replica) is skipped."""
 
 
-class SlotMismatch(Exception):
+class SlotMismatch(FailedPrecondition):
     """A rank sealed a slot it was not given."""
-
-
-def segment_prefix(node_id: str) -> str:
-    """The name prefix of every segment of the daemon of `node_id`."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", node_id)[:48]
-    digest = hashlib.sha256(node_id.encode()).hexdigest()[:8]
-    return f"{SEGMENT_PREFIX}{safe}-{digest}-"
-
-
-def remove_stale_segments(prefix: str, shm_dir: Path = SHM_DIR) -> list[str]:
-    """Unlink every segment in `shm_dir` whose name starts with `prefix`; their names."""
-    removed = []
-    with contextlib.suppress(FileNotFoundError):
-        for path in shm_dir.iterdir():
-            if path.name.startswith(prefix):
-                path.unlink(missing_ok=True)
-                removed.append(path.name)
-    return sorted(removed)
 
 
 def slot_size(size_bytes: int) -> int:
@@ -117,8 +101,9 @@ class Segment:
 
 
 class SlotPool:
-    """Every segment of one daemon and the memory budget they share. Thread-safe:
-    segments are created in worker threads."""
+    """Every segment of one daemon instance and the memory budget they share. Creating
+    a pool claims a new instance (its marker); `close` unlinks every segment and then
+    the marker. Thread-safe: segments are created in worker threads."""
 
     def __init__(
         self,
@@ -137,7 +122,9 @@ class SlotPool:
         self._writing: dict[Owner, tuple[Segment, float]] = {}
         self._reserved = 0
         self._names = itertools.count()
-        self._run = secrets.token_hex(3)
+        self._marker = InstanceMarker.claim(prefix, shm_dir)
+        self.instance = self._marker.instance
+        """This pool's instance id: every segment it creates is named after it."""
 
     @property
     def used_bytes(self) -> int:
@@ -165,7 +152,7 @@ class SlotPool:
                 self._reserved += need
         if segment is not None:
             return segment
-        path = self.shm_dir / f"{self.prefix}{self._run}-{next(self._names)}"
+        path = self.shm_dir / f"{self.prefix}{self.instance}-{next(self._names)}"
         try:
             segment = Segment.create(path, need)
         except OSError as exc:
@@ -240,7 +227,7 @@ class SlotPool:
             self.unref(segment)
 
     def close(self) -> None:
-        """Unlink every segment."""
+        """Unlink every segment, then the instance's marker."""
         with self._lock:
             segments = list(self._segments.values())
             self._segments.clear()
@@ -248,6 +235,7 @@ class SlotPool:
             self._writing.clear()
         for segment in segments:
             segment.destroy()
+        self._marker.release()
 
     def _reclaim_stale_writes(self) -> None:
         # A slot taken long ago and never sealed belongs to a rank that died or finished
@@ -263,12 +251,17 @@ class SlotPool:
 
     def _take_free(self, need: int, owner: Owner) -> Segment | None:
         fits = [s for s in self._free if need <= s.size <= max(2 * need, need + _LARGE_GRANULE)]
-        if not fits:
-            return None
-        segment = min(fits, key=lambda s: (s.owner != owner, s.size))
-        self._free.remove(segment)
-        segment.refs, segment.owner = 1, owner
-        return segment
+        for segment in sorted(fits, key=lambda s: (s.owner != owner, s.size)):
+            self._free.remove(segment)
+            if not segment.path.exists():
+                # Removed from /dev/shm behind our back: a rank could not open it.
+                log.warning("free segment %s vanished from %s: dropped", segment.name, self.shm_dir)
+                del self._segments[segment.name]
+                segment.destroy()
+                continue
+            segment.refs, segment.owner = 1, owner
+            return segment
+        return None
 
     def _used(self) -> int:
         return self._reserved + sum(s.size for s in self._segments.values())
