@@ -1026,3 +1026,85 @@ def test_a_node_cut_off_by_its_network_namespace_is_replaced(
     restored = restored_steps(cluster, done)
     assert restored, cluster.logs(job.id)
     assert min(restored) > 0, restored
+
+
+def dropping_first_sends(generation: int) -> tuple[Any, list[str]]:
+    """A CommandRouter.send that loses the first StartRanks or Reconfigure of
+    `generation` to each node, as if the leader died (or its send failed) right after
+    committing the decision; the dropped commands' nodes are listed."""
+    from pitstop.scheduler.gateway import CommandRouter
+
+    real = CommandRouter.send
+    dropped: list[str] = []
+
+    async def send(self: CommandRouter, node_id: str, message: Any) -> int | None:
+        kind = message.WhichOneof("body")
+        body = getattr(message, kind)
+        if (
+            kind in ("start_ranks", "reconfigure")
+            and body.generation == generation
+            and not (kind == "start_ranks" and body.standby_gpus)
+            and node_id not in dropped
+        ):
+            dropped.append(node_id)
+            return 0
+        return await real(self, node_id, message)
+
+    return send, dropped
+
+
+def test_a_recovery_whose_commands_were_lost_after_the_decision_still_recovers(
+    cluster: Cluster, standalone_hash: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decision commits, and then not one of its commands arrives. Nothing waits for
+    the deadline: the next tick re-sends what no agent acknowledged."""
+    from pitstop.scheduler.gateway import CommandRouter
+
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    send, dropped = dropping_first_sends(job.generation + 1)
+    monkeypatch.setattr(CommandRouter, "send", send)
+    wait_until(lambda: cluster.rank_pids(SPARE) != [], "a standby process on the spare")
+    victim = cluster.node_of(job, 1)
+    cluster.wait_for_step(job, 1, random.randint(8, STEPS // 2))
+    cluster.inject(victim.node_id, common_pb2.Fault(gpu_index=0, xid=79))
+    recovering = cluster.job_event(job.id, "job.recovering")
+    recovered = cluster.job_event(job.id, "job.recovered", "job.failed")
+    assert recovered.kind == "job.recovered", (recovered, cluster.logs(job.id))
+    # Every node of the new generation lost its first command, and got it again.
+    new_map = {a.node_id for a in cluster.get(job.id).rank_map.ranks}
+    assert set(dropped) >= new_map, dropped
+    took = recovered.time.ToDatetime() - recovering.time.ToDatetime()
+    # No fallback: the recovery was carried out by the re-sends, well within its deadline
+    # (ranks that stepped on meanwhile may cost a restart in place, never the deadline).
+    log = cluster.event_api.List(nodes_pb2.ListEventsRequest(job_id=job.id, limit=1000))
+    assert not [e for e in log.events if e.attributes.get("fallback") == "true"], log
+    assert took.total_seconds() < 30, took
+    done = cluster.finish(job.id)
+    check_result(done, standalone_hash)
+    for rank in range(4):
+        assert all_steps_logged(cluster, done, rank) == set(range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("standbys", [1])
+def test_the_leader_killed_in_the_middle_of_a_recovery_the_new_leader_finishes_it(
+    process_cluster: ProcessCluster, standalone_hash: str
+) -> None:
+    """kill -9 of the leader the moment it committed a recovery (its commands may or
+    may not have gone out): the standby takes the lease, finds the recovery in
+    PostgreSQL and carries it on."""
+    cluster = process_cluster.cluster
+    leader, standby = process_cluster.schedulers
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    wait_until(lambda: cluster.rank_pids(SPARE) != [], "a standby process on the spare")
+    victim = cluster.node_of(job, 2)
+    cluster.wait_for_step(job, 2, random.randint(8, STEPS // 2))
+    cluster.inject(victim.node_id, common_pb2.Fault(gpu_index=0, xid=79))
+    cluster.job_event(job.id, "job.recovering")
+    leader.kill()
+    took_over = cluster.wait(lambda e: e.kind == "scheduler.leader")
+    assert standby.leading(), took_over
+    done = cluster.finish(job.id)
+    check_result(done, standalone_hash)
+    assert victim.node_id not in {a.node_id for a in done.rank_map.ranks}
+    for rank in range(4):
+        assert all_steps_logged(cluster, done, rank) == set(range(1, STEPS + 1))

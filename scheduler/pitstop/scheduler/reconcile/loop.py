@@ -41,8 +41,8 @@ class Reconciler:
         self.leader = Leader(
             store, hot, router, election, metrics, timeouts or Timeouts(), clock=clock
         )
-        self.recovery = Recovery(self.leader)
         self.steps = StepFollower(self.leader)
+        self.recovery = Recovery(self.leader, self.steps.step_seconds)
         self.exits = ExitFollower(self.leader, self.recovery, self.steps)
         self.standbys = StandbyKeeper(self.leader, self.recovery.standby_nodes)
 

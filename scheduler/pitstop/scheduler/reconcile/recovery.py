@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
 from sqlalchemy import func, select
@@ -73,8 +74,10 @@ async def node_actions(
 class Recovery:
     """Node failures, rank exits and deadlines, each turned into a committed decision."""
 
-    def __init__(self, leader: Leader) -> None:
+    def __init__(self, leader: Leader, step_seconds: Callable[[str], float]) -> None:
         self.leader = leader
+        # The job's typical step time (what a redone step costs the goodput account).
+        self.step_seconds = step_seconds
         # The spares holding a standby process of each job (kept by StandbyKeeper).
         self.standby_nodes: dict[str, set[str]] = {}
         # Nodes a straggler finding asked to swap out (StepFollower fills it).
@@ -181,11 +184,18 @@ class Recovery:
                     reason="; ".join(moves),
                     attributes={"generation": str(job.generation), **incident},
                 )
+            await self._account(session, job)
         for node_id in added & prefer:
             prefer.discard(node_id)  # taken: the standby keeper starts another
         leader.metrics.decision_seconds.labels("recovery").observe(time.perf_counter() - started)
         leader.metrics.recoveries.labels("node").inc()
         return True
+
+    async def _account(self, session: AsyncSession, job: models.Job) -> None:
+        """Refresh the job's goodput account in the deciding transaction, so every
+        decision (and a job that failed) shows in it at once."""
+        await session.flush()
+        await goodput.refresh(session, job, step_seconds=self.step_seconds(job.id))
 
     # Rank exits ------------------------------------------------------------------------
 
@@ -249,6 +259,7 @@ class Recovery:
                         reason=reason,
                         attributes=incident,
                     )
+            await self._account(session, job)
         if nodes:
             await stop_everywhere(leader, job_id, nodes, "job failed")
             return False
@@ -382,6 +393,7 @@ class Recovery:
                         reason=reason,
                         attributes=attributes,
                     )
+            await self._account(session, job)
         if nodes:
             await stop_everywhere(leader, job_id, nodes, "job failed")
             return False

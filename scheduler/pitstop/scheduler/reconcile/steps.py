@@ -76,6 +76,11 @@ class StepFollower:
     def forget(self, job_id: str) -> None:
         self.watches.pop(job_id, None)
 
+    def step_seconds(self, job_id: str) -> float:
+        """The job's typical step time as far as seen (0 if unknown)."""
+        watch = self.watches.get(job_id)
+        return watch.step_seconds() if watch is not None else 0.0
+
     def swap_requests(self) -> dict[str, set[str]]:
         """The nodes to swap out found since the last call."""
         swaps, self.swaps = self.swaps, {}

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState
 
-RESEND_SECONDS = 1.0
+RESEND_SECONDS = 0.5
 """An unacknowledged command goes out again after this long."""
 IN_FLIGHT = (JobState.STARTING, JobState.RECOVERING)
 """States in which a job's commands are re-sent until acknowledged."""
