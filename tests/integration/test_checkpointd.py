@@ -364,11 +364,12 @@ def test_a_full_buddy_refuses_the_push(
         header = stub(node.address).Restore(
             checkpoint_pb2.RestoreRequest(key=key("job-full", 0, 1))
         )
-        response = stub(buddy.address).PushShard(
-            iter([checkpoint_pb2.ShardChunk(header=header.header, data=b"x")])
-        )
-        assert not response.stored
-        assert "memory budget full" in response.error
+        with pytest.raises(grpc.RpcError) as refused:
+            stub(buddy.address).PushShard(
+                iter([checkpoint_pb2.ShardChunk(header=header.header, data=b"x")])
+            )
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "memory budget full" in refused.value.details()
     finally:
         writer.close()
 

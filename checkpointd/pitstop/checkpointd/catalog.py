@@ -175,6 +175,10 @@ class CatalogClient:
         self._buddy = Buddy(response.buddy_node_id, address) if address else None
         return self._buddy
 
+    def known_buddy(self) -> Buddy | None:
+        """The buddy as last known, without asking the scheduler."""
+        return self._static_buddy or self._buddy
+
     def forget_buddy(self) -> None:
         """Ask the scheduler again next time (the buddy stopped answering)."""
         self._buddy_at = -float("inf")

@@ -18,8 +18,11 @@ import grpc
 from pitstop.checkpointd.catalog import CatalogClient
 from pitstop.checkpointd.config import CheckpointdSettings
 from pitstop.checkpointd.durable import DurableStore
+from pitstop.checkpointd.errors import InvalidArgument, Unavailable
 from pitstop.checkpointd.flusher import DurableFlusher, durable_info
 from pitstop.checkpointd.format import ShardFormatError, read_layout
+from pitstop.checkpointd.instances import SHM_DIR, remove_stale_segments, segment_prefix
+from pitstop.checkpointd.interceptors import ErrorInterceptor, TokenInterceptor
 from pitstop.checkpointd.replication import (
     CHANNEL_OPTIONS,
     Replicator,
@@ -27,15 +30,8 @@ from pitstop.checkpointd.replication import (
     shard_chunks,
 )
 from pitstop.checkpointd.restore import RestoreSources, ShardNotFound
-from pitstop.checkpointd.service import CheckpointServicer, TokenInterceptor
-from pitstop.checkpointd.slots import (
-    SHM_DIR,
-    MemoryBudgetFull,
-    Segment,
-    SlotPool,
-    remove_stale_segments,
-    segment_prefix,
-)
+from pitstop.checkpointd.service import CheckpointServicer
+from pitstop.checkpointd.slots import MemoryBudgetFull, Segment, SlotPool
 from pitstop.checkpointd.store import ShardId, ShardRecord, ShardStore, Tier, shard_checksum
 from pitstop.v1 import checkpoint_pb2
 
@@ -100,11 +96,14 @@ class CheckpointDaemon:
         return f"{host}:{self.port}"
 
     async def start(self) -> None:
-        """Remove segments a killed predecessor left, then serve."""
+        """Remove segments that killed predecessors left (never those of a live daemon
+        with this node id), then serve."""
         stale = remove_stale_segments(self.prefix, self.shm_dir)
         if stale:
-            log.warning("removed %d shared-memory segments left by a previous run", len(stale))
-        interceptors = [TokenInterceptor(self.settings.token)] if self.settings.token else []
+            log.warning("removed %d shared-memory segments left by a dead daemon", len(stale))
+        interceptors: list[grpc.aio.ServerInterceptor] = [ErrorInterceptor()]
+        if self.settings.token:
+            interceptors.append(TokenInterceptor(self.settings.token))
         server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         CheckpointServicer(self).attach(server)
         self.port = server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
@@ -135,16 +134,17 @@ class CheckpointDaemon:
 
     # The rank path.
 
-    async def acquire_slot(self, shard: ShardId, size_bytes: int) -> Segment | str:
-        """A slot for the rank's snapshot, or why it is refused (the snapshot is skipped)."""
+    async def acquire_slot(self, shard: ShardId, size_bytes: int) -> Segment:
+        """A slot for the rank's snapshot. MemoryBudgetFull when there is no room (the
+        rank skips the snapshot); Unavailable while the daemon stops."""
+        if self._stop.is_set():
+            raise Unavailable(f"checkpointd {self.node_id} is stopping; the snapshot is skipped")
         owner = (shard.job_id, shard.rank)
         try:
             # A free segment is the steady state: taken without leaving the event loop.
             segment = self.pool.begin_write(owner, size_bytes, may_create=False)
             if segment is None:
                 segment = await asyncio.to_thread(self.pool.begin_write, owner, size_bytes)
-            assert segment is not None
-            return segment
         except MemoryBudgetFull as exc:
             self.skipped_snapshots += 1
             log.warning(
@@ -153,7 +153,9 @@ class CheckpointDaemon:
                 shard.rank,
                 exc,
             )
-            return str(exc)
+            raise
+        assert segment is not None
+        return segment
 
     def seal_slot(self, shard: ShardId, generation: int, shm_name: str, size_bytes: int) -> None:
         """The rank wrote its slot: hold it as the newest local snapshot; checksum,
@@ -164,11 +166,20 @@ class CheckpointDaemon:
             read_layout(segment.view, size_bytes)
         except ShardFormatError as exc:
             self.pool.unref(segment)
-            raise ShardFormatError(f"sealed slot {shm_name} holds no valid shard: {exc}") from None
+            raise InvalidArgument(
+                f"sealed slot {shm_name} holds no valid shard: {exc}; write the whole "
+                "shard before sealing"
+            ) from None
         record = ShardRecord(shard, generation, Tier.LOCAL, segment, size_bytes, self.node_id)
         self._hold(record)
         self.flusher.observe_seal(shard.job_id, shard.step)
         self._sealed.put_nowait(record)
+
+    def other_sources(self) -> tuple[str, str]:
+        """(catalog, buddy) host:port, each "" when unknown: where a rank of this node can
+        still find its state should this daemon be gone."""
+        buddy = self.catalog.known_buddy()
+        return self.settings.scheduler, buddy.address if buddy else ""
 
     async def _checksum_sealed(self) -> None:
         while True:
@@ -186,19 +197,15 @@ class CheckpointDaemon:
 
     # The buddy path.
 
-    async def receive_replica(
-        self, chunks: AsyncIterator[checkpoint_pb2.ShardChunk]
-    ) -> checkpoint_pb2.PushShardResponse:
-        """Hold a shard a buddy pushes, once its checksum verifies."""
+    async def receive_replica(self, chunks: AsyncIterator[checkpoint_pb2.ShardChunk]) -> None:
+        """Hold a shard a buddy pushes, once its checksum verifies. MemoryBudgetFull when
+        there is no room; InvalidArgument when the stream or the checksum is wrong."""
 
         async def allocate(header: checkpoint_pb2.ShardHeader) -> Segment:
             owner = (header.key.job_id, header.key.rank)
             return await asyncio.to_thread(self.pool.allocate, header.size_bytes, owner)
 
-        try:
-            header, segment = await receive_chunks(chunks, allocate, self.pool.unref)
-        except MemoryBudgetFull as exc:
-            return checkpoint_pb2.PushShardResponse(stored=False, error=str(exc))
+        header, segment = await receive_chunks(chunks, allocate, self.pool.unref)
         key = header.key
         record = ShardRecord(
             ShardId(key.job_id, key.rank, key.step),
@@ -214,9 +221,8 @@ class CheckpointDaemon:
             self.pool.unref(segment)
             error = f"checksum {actual} of {record.shard} does not match {header.checksum}"
             log.warning("pushed shard refused: %s", error)
-            return checkpoint_pb2.PushShardResponse(stored=False, error=error)
+            raise InvalidArgument(f"{error}: the bytes changed on the way; push it again")
         self._keep_replica(record)
-        return checkpoint_pb2.PushShardResponse(stored=True)
 
     async def pull_chunks(self, shard: ShardId) -> AsyncIterator[checkpoint_pb2.ShardChunk]:
         """The chunks of a shard held in memory (step 0: the newest); the puller

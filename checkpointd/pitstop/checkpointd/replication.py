@@ -24,6 +24,7 @@ from tenacity import (
 )
 
 from pitstop.checkpointd.catalog import CatalogClient
+from pitstop.checkpointd.errors import InvalidArgument
 from pitstop.checkpointd.slots import Segment, SlotPool
 from pitstop.checkpointd.store import ShardRecord
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
@@ -46,7 +47,11 @@ class PushRefused(Exception):
     """The buddy answered but did not store the shard (e.g. its memory budget is full)."""
 
 
-class ShardStreamError(Exception):
+_REFUSALS = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT})
+"""How a buddy that is up refuses a push: full, or the bytes did not add up."""
+
+
+class ShardStreamError(InvalidArgument):
     """A peer's stream of chunks did not add up to the shard its header announced."""
 
 
@@ -220,6 +225,9 @@ class Replicator:
                 self.stub(buddy.address), record.header(), record.data(), self._metadata
             )
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in _REFUSALS:
+                log.warning("buddy %s refused %s: %s", buddy.address, record.shard, exc.details())
+                raise PushRefused(exc.details()) from None
             log.warning(
                 "push of %s to %s failed: %s %s",
                 record.shard,
@@ -229,9 +237,9 @@ class Replicator:
             )
             self._catalog.forget_buddy()
             raise
-        if not response.stored:
-            log.warning("buddy %s refused %s: %s", buddy.address, record.shard, response.error)
-            raise PushRefused(response.error)
+        if not response.stored:  # a buddy from before refusals were status codes
+            log.warning("buddy %s refused %s", buddy.address, record.shard)
+            raise PushRefused(f"buddy {buddy.address} did not store {record.shard}")
         self._warned_no_buddy = False
         self.pushed_bytes += record.size
         self.pushed_shards += 1

@@ -13,6 +13,7 @@ import grpc
 
 from pitstop.checkpointd.catalog import CatalogClient
 from pitstop.checkpointd.durable import DurableStore
+from pitstop.checkpointd.errors import NotFound
 from pitstop.checkpointd.replication import Replicator, ShardStreamError, receive_chunks
 from pitstop.checkpointd.slots import Segment, SlotPool
 from pitstop.checkpointd.store import ShardId, ShardRecord, ShardStore, Tier, shard_checksum
@@ -21,7 +22,7 @@ from pitstop.v1 import checkpoint_pb2
 log = logging.getLogger(__name__)
 
 
-class ShardNotFound(Exception):
+class ShardNotFound(NotFound):
     """No source holds a good copy of the shard."""
 
 

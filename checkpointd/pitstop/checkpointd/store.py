@@ -41,6 +41,9 @@ class ShardId:
     rank: int
     step: int
 
+    def __str__(self) -> str:
+        return f"job {self.job_id} rank {self.rank} step {self.step}"
+
 
 @dataclass(eq=False)
 class ShardRecord:

@@ -123,8 +123,12 @@ class SealSlotRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class SealSlotResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("catalog_address", "buddy_address")
+    CATALOG_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BUDDY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    catalog_address: str
+    buddy_address: str
+    def __init__(self, catalog_address: _Optional[str] = ..., buddy_address: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("key",)

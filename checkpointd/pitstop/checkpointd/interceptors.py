@@ -1,0 +1,148 @@
+"""checkpointd's server interceptors: the one place its errors become gRPC status codes,
+and the bearer-token check.
+
+INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, RESOURCE_EXHAUSTED and UNAVAILABLE
+for the domain errors (errors.py), with their message; anything else is INTERNAL with
+the traceback logged and a generic message. The scheduler has its own version of this;
+checkpointd may not import the scheduler.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from pitstop.checkpointd import errors
+
+log = logging.getLogger(__name__)
+
+_DOMAIN_CODES: list[tuple[type[errors.CheckpointdError], grpc.StatusCode]] = [
+    (errors.InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.NotFound, grpc.StatusCode.NOT_FOUND),
+    (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
+]
+INTERNAL_MESSAGE = "internal error in checkpointd; see its log"
+
+OnError = Callable[[Exception, grpc.aio.ServicerContext], Awaitable[None]]
+
+
+def status_for(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a call that raised `exc` ends with."""
+    for kind, code in _DOMAIN_CODES:
+        if isinstance(exc, kind):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Ends every call whose handler raised with the status code `status_for` gives."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method = details.method
+
+        async def on_error(exc: Exception, context: grpc.aio.ServicerContext) -> None:
+            code, message = status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.error("%s failed", method, exc_info=exc)
+            await context.abort(code, message)
+
+        return _wrapped(handler, on_error)
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses, UNAUTHENTICATED, every call without `authorization: Bearer <token>`."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if handler is None or hmac.compare_digest(str(given).encode(), self._expected):
+            return handler
+        return _refusing(handler)
+
+
+def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    message = "checkpointd needs authorization: Bearer <token> (the agent token)"
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield None  # pragma: no cover - abort raises
+
+    return _handler_like(handler, unary, streaming)
+
+
+def _wrapped(handler: grpc.RpcMethodHandler, on_error: OnError) -> grpc.RpcMethodHandler:
+    """`handler`, with `on_error` (which aborts the call) run on whatever it raises."""
+
+    async def guard(exc: Exception, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(exc, grpc.aio.AbortError):
+            raise exc  # the handler ended the call itself
+        await on_error(exc, context)
+        raise exc  # on_error aborts; if it did not, the error still surfaces
+
+    def unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await behavior(request, context)
+            except Exception as exc:
+                await guard(exc, context)
+
+        return call
+
+    def streaming(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for item in behavior(request, context):
+                    yield item
+            except Exception as exc:
+                await guard(exc, context)
+
+        return call
+
+    return _handler_like(
+        handler,
+        unary(handler.unary_unary or handler.stream_unary),
+        streaming(handler.unary_stream or handler.stream_stream),
+    )
+
+
+def _handler_like(
+    handler: grpc.RpcMethodHandler,
+    unary: Callable[..., Awaitable[Any]],
+    streaming: Callable[..., AsyncIterator[Any]],
+) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s kind and (de)serializers, calling `unary` when it
+    answers with one message, `streaming` when it answers with a stream."""
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)
