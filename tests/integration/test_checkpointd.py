@@ -6,158 +6,39 @@ daemons report, and wait on those reports (never on a sleep)."""
 
 from __future__ import annotations
 
-import array
-import asyncio
-import ctypes
 import mmap
-import os
-import queue
-import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
-from concurrent import futures
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from checkpointd_harness import (
+    DURABLE,
+    LOCAL,
+    REPLICA,
+    TIMEOUT,
+    DaemonProcess,
+    DaemonThread,
+    FakeCatalog,
+    Report,
+    added,
+    as_bytes,
+    key,
+    make_state,
+    node_segments,
+    restored_bytes,
+    stub,
+)
 
 from pitstop.checkpointd.config import CheckpointdSettings
-from pitstop.checkpointd.daemon import CheckpointDaemon
 from pitstop.checkpointd.slots import SHM_DIR, remove_stale_segments, segment_prefix
-from pitstop.checkpointd.writer import SnapshotWriter
-from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
-
-TIMEOUT = 15.0
-LOCAL, REPLICA, DURABLE = (
-    checkpoint_pb2.SHARD_TIER_LOCAL,
-    checkpoint_pb2.SHARD_TIER_REPLICA,
-    checkpoint_pb2.SHARD_TIER_DURABLE,
-)
-Report = checkpoint_pb2.ReportShardsRequest
-
-
-class FakeCatalog(checkpoint_pb2_grpc.CheckpointCatalogServiceServicer):
-    """The scheduler's CheckpointCatalogService, recording every report."""
-
-    def __init__(self) -> None:
-        self.reports: list[Report] = []
-        self._changed = threading.Condition()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        checkpoint_pb2_grpc.add_CheckpointCatalogServiceServicer_to_server(self, self.server)
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-        self.server.start()
-
-    def ReportShards(self, request: Report, context: Any) -> Any:  # noqa: N802
-        with self._changed:
-            self.reports.append(request)
-            self._changed.notify_all()
-        return checkpoint_pb2.ReportShardsResponse()
-
-    def GetBuddy(self, request: Any, context: Any) -> Any:  # noqa: N802
-        return checkpoint_pb2.GetBuddyResponse()
-
-    def GetRestorePoint(self, request: Any, context: Any) -> Any:  # noqa: N802
-        return checkpoint_pb2.GetRestorePointResponse()
-
-    def wait_for(self, holds: Callable[[list[Report]], bool], timeout: float = TIMEOUT) -> None:
-        """Until `holds` for the reports received so far."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while not holds(self.reports):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"no such reports in {timeout}s: {self.reports}")
-                self._changed.wait(left)
-
-
-def added(
-    node: str, job: str, step: int, tier: int, ranks: set[int]
-) -> Callable[[list[Report]], bool]:
-    """Whether `node` has reported holding `ranks` of (job, step) in `tier`."""
-
-    def holds(reports: list[Report]) -> bool:
-        got = {
-            s.header.key.rank
-            for report in reports
-            if report.node_id == node
-            for s in report.added
-            if s.tier == tier and s.header.key.job_id == job and s.header.key.step == step
-        }
-        return ranks <= got
-
-    return holds
-
-
-class DaemonThread:
-    """A real CheckpointDaemon on its own event loop in a thread."""
-
-    def __init__(self, settings: CheckpointdSettings) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-        async def start() -> CheckpointDaemon:
-            daemon = CheckpointDaemon(settings)
-            await daemon.start()
-            return daemon
-
-        self.daemon: CheckpointDaemon = self.call(start())
-
-    def call(self, work: Coroutine[Any, Any, Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(work, self.loop).result(TIMEOUT)
-
-    @property
-    def address(self) -> str:
-        return self.daemon.address
-
-    def stop(self) -> None:
-        self.call(self.daemon.stop(grace=0.5))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(TIMEOUT)
-        self.loop.close()
-
-
-class DaemonProcess:
-    """`python -m pitstop.checkpointd.main run` as a child process, for kill -9."""
-
-    def __init__(self, node_id: str, state_dir: Path, *args: str, **env: str) -> None:
-        self.node_id = node_id
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-        environ.update({f"PITSTOP_CHECKPOINTD_{k.upper()}": v for k, v in env.items()})
-        command = [sys.executable, "-m", "pitstop.checkpointd.main", "run"]
-        command += ["--node-id", node_id, "--host", "127.0.0.1", "--port", "0"]
-        command += ["--scheduler", "", "--state-dir", str(state_dir), *args]
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.address = self.wait_for_line("listening on").split("listening on ")[1].split()[0]
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.put(line.rstrip())
-
-    def wait_for_line(self, text: str, timeout: float = TIMEOUT) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"{self.node_id} never printed {text!r}") from None
-            if text in line:
-                return line
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(TIMEOUT)
+from pitstop.checkpointd.writer import ShardUnavailable, SnapshotWriter
+from pitstop.v1 import checkpoint_pb2
 
 
 @pytest.fixture
@@ -195,43 +76,6 @@ def daemons(tmp_path: Path) -> Iterator[Callable[..., DaemonThread]]:
         daemon.stop()
     for node_id in node_ids:
         remove_stale_segments(segment_prefix(node_id))
-
-
-def make_state(rank: int, step: int) -> dict[str, Any]:
-    """A rank's whole state without torch: weights, two Adam moments, RNG bytes."""
-    n = 50_000
-    return {
-        "model.weight": array.array("f", (float(rank * 7 + step + i % 97) for i in range(n))),
-        "optim.exp_avg": array.array("f", (0.5 * step + i % 13 for i in range(n))),
-        "optim.exp_avg_sq": array.array("d", (0.25 * step + i % 5 for i in range(n // 2))),
-        "optim.step": array.array("q", [step]),
-        "rng.python": bytes(range(rank, rank + 200)),
-    }
-
-
-def as_bytes(state: dict[str, Any]) -> dict[str, bytes]:
-    return {name: bytes(memoryview(value).cast("B")) for name, value in state.items()}
-
-
-def restored_bytes(writer: SnapshotWriter, step: int = 0) -> tuple[dict[str, bytes], Any]:
-    """The restored state as raw bytes per tensor, and the RestoredState."""
-    restored = writer.restore(step)
-    return {name: tensor_bytes(v) for name, v in restored.tensors.items()}, restored
-
-
-def tensor_bytes(value: Any) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    value = value.contiguous()
-    return ctypes.string_at(value.data_ptr(), value.numel() * value.element_size())
-
-
-def stub(address: str) -> Any:
-    return checkpoint_pb2_grpc.CheckpointServiceStub(grpc.insecure_channel(address))
-
-
-def key(job: str, rank: int, step: int) -> checkpoint_pb2.ShardKey:
-    return checkpoint_pb2.ShardKey(job_id=job, rank=rank, step=step)
 
 
 def test_snapshot_restores_bitwise_from_local_memory(
@@ -561,5 +405,135 @@ def test_an_unreachable_daemon_skips_the_snapshot(tmp_path: Path) -> None:
     try:
         result = writer.snapshot(1, make_state(0, 1))
         assert result.skipped.startswith("checkpointd unreachable: UNAVAILABLE")
+    finally:
+        writer.close()
+
+
+def test_errors_are_status_codes_and_internal_ones_say_nothing(
+    daemons: Callable[..., DaemonThread],
+) -> None:
+    node = daemons("a")
+    daemon = stub(node.address)
+
+    def code_of(call: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as failed:
+            call()
+        return failed.value.code(), failed.value.details()
+
+    no_job = checkpoint_pb2.AcquireSlotRequest(key=key("", 0, 1), size_bytes=100)
+    assert code_of(lambda: daemon.AcquireSlot(no_job))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    unknown = checkpoint_pb2.SealSlotRequest(key=key("job-e", 0, 1), shm_name="nope", size_bytes=8)
+    assert code_of(lambda: daemon.SealSlot(unknown))[0] == grpc.StatusCode.FAILED_PRECONDITION
+    missing = checkpoint_pb2.PullShardRequest(key=key("job-e", 0, 7))
+    code, details = code_of(lambda: list(daemon.PullShard(missing)))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert "not in the memory of node" in details
+
+    async def broken(job_id: str) -> list[Any]:
+        raise RuntimeError("a secret the caller must not see")
+
+    node.daemon.list_shards = broken  # type: ignore[method-assign]
+    code, details = code_of(lambda: daemon.ListShards(checkpoint_pb2.ListShardsRequest()))
+    assert code == grpc.StatusCode.INTERNAL
+    assert "secret" not in details
+    assert "see its log" in details
+
+
+def test_two_daemons_with_one_node_id_never_touch_each_others_memory(tmp_path: Path) -> None:
+    # Two local clusters on one host, each with a node called the same.
+    node_id = f"same-{uuid.uuid4().hex[:6]}"
+    first = DaemonProcess(node_id, tmp_path / "first")
+    second: DaemonProcess | None = None
+    writer = SnapshotWriter(first.address, "job-twin", 0)
+    try:
+        writer.snapshot(1, make_state(0, 1))
+        writer.wait()
+        held = node_segments(node_id)
+        assert held
+        second = DaemonProcess(node_id, tmp_path / "second")  # its start cleans up
+        assert set(held) <= set(node_segments(node_id))
+        cleanup = subprocess.run(
+            [sys.executable, "-m", "pitstop.checkpointd.main", "cleanup", "--node-id", node_id],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            check=True,
+        )
+        assert cleanup.stdout.strip() == "removed 0 segments"
+        assert restored_bytes(writer, 1)[0] == as_bytes(make_state(0, 1))
+        other = SnapshotWriter(second.address, "job-twin", 0)
+        other.snapshot(5, make_state(0, 5))
+        other.close()
+        first.kill()  # now its segments are a dead daemon's
+        assert remove_stale_segments(segment_prefix(node_id)) == sorted(p.name for p in held)
+        assert node_segments(node_id)  # the second daemon's are still there
+        reader = SnapshotWriter(second.address, "job-twin", 0)
+        assert restored_bytes(reader, 5)[0] == as_bytes(make_state(0, 5))
+        reader.close()
+    finally:
+        writer.close()
+        first.stop()
+        if second is not None:
+            second.stop()
+        remove_stale_segments(segment_prefix(node_id))
+
+
+def test_a_rank_whose_daemon_is_gone_restores_from_the_holders_the_catalog_names(
+    daemons: Callable[..., DaemonThread], catalog: FakeCatalog, tmp_path: Path
+) -> None:
+    job = "job-gone"
+    buddy = daemons("b", scheduler=catalog.address)
+    node_id = f"a-{uuid.uuid4().hex[:6]}"
+    node = DaemonProcess(
+        node_id, tmp_path / "a", "--buddy", buddy.address, scheduler=catalog.address
+    )
+    catalog.addresses = {node_id: node.address, buddy.daemon.node_id: buddy.address}
+    writer = SnapshotWriter(node.address, job, 0)
+    try:
+        for step in (1, 2, 3):
+            assert not writer.snapshot(step, make_state(0, step)).skipped
+        writer.wait()
+        # Every seal's answer says where else the state can be found.
+        assert (writer.catalog_address, writer.buddy_address) == (catalog.address, buddy.address)
+        catalog.wait_for(added(buddy.daemon.node_id, job, 3, REPLICA, {0}))
+        node.kill()
+        # A rank started afresh knows only the catalog (PITSTOP_SCHEDULER): it names
+        # the dead node and the buddy; the dead one refuses the connection.
+        fresh = SnapshotWriter(node.address, job, 0, catalog_address=catalog.address)
+        got, restored = restored_bytes(fresh, 3)
+        fresh.close()
+        assert (restored.step, restored.source) == (3, "replica")
+        assert got == as_bytes(make_state(0, 3))
+        # Without a catalog, the buddy its seals named; step 0: the newest it holds.
+        catalog.server.stop(None)
+        got, restored = restored_bytes(writer)
+        assert (restored.step, restored.source) == (3, "replica")
+        assert got == as_bytes(make_state(0, 3))
+        # Nobody holds step 9: the error says what was tried.
+        with pytest.raises(ShardUnavailable, match=f"tried: {buddy.address}"):
+            writer.restore(9)
+    finally:
+        writer.close()
+        node.stop()
+        remove_stale_segments(segment_prefix(node_id))
+
+
+def test_a_vanished_segment_costs_one_snapshot_and_no_restore(
+    daemons: Callable[..., DaemonThread],
+) -> None:
+    node = daemons("a")
+    writer = SnapshotWriter(node.address, "job-vanish", 0)
+    try:
+        writer.snapshot(1, make_state(0, 1))
+        writer.wait()  # sealed, and the slot for step 2 taken ahead
+        for path in node_segments(node.daemon.node_id):
+            path.unlink()  # someone removes the daemon's memory from /dev/shm
+        # The daemon still has step 1 mapped: the restore pulls it through the daemon.
+        got, restored = restored_bytes(writer, 1)
+        assert (restored.step, restored.source) == (1, "local")
+        assert got == as_bytes(make_state(0, 1))
+        assert "vanished" in writer.snapshot(2, make_state(0, 2)).skipped
+        assert not writer.snapshot(3, make_state(0, 3)).skipped
+        assert restored_bytes(writer, 3)[0] == as_bytes(make_state(0, 3))
     finally:
         writer.close()

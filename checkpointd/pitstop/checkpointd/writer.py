@@ -15,6 +15,13 @@ path needs a GPU to run.
 torch is imported only when a torch tensor is given or a restore returns tensors, so
 the daemon and torch-free callers never import it. Slot mappings are kept from snapshot
 to snapshot: the daemon reuses slots, so their pages stay mapped.
+
+Training outlives the daemon: a daemon that is down, refuses, or whose slot vanished
+from /dev/shm costs a skipped snapshot (`SnapshotResult.skipped`), and a seal that
+failed costs that snapshot (`lost_seals`), never the next one. A restore whose daemon
+is unreachable, or whose segment vanished, pulls the shard from the other holders
+instead (peers.py): those the catalog names, else the buddy. Each seal's answer says
+where the catalog and the buddy are, so a rank knows them before it needs them.
 """
 
 from __future__ import annotations
@@ -31,8 +38,9 @@ from typing import Any
 
 import grpc
 
-from pitstop.checkpointd.format import plan_shard, read_layout, write_header
-from pitstop.checkpointd.slots import SHM_DIR
+from pitstop.checkpointd.format import ShardLayout, plan_shard, read_layout, write_header
+from pitstop.checkpointd.instances import SHM_DIR
+from pitstop.checkpointd.peers import PulledShardError, catalog_holders, pull_shard
 from pitstop.checkpointd.tensorcopy import (
     Copier,
     CudaStager,
@@ -48,13 +56,9 @@ from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 log = logging.getLogger(__name__)
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 16 << 20)]
-_OUTAGES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-    }
-)
+_GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""The daemon is down or hung: a snapshot is skipped, a restore goes to other holders."""
+_OUTAGES = _GONE | {grpc.StatusCode.RESOURCE_EXHAUSTED}
 """Errors that skip a snapshot instead of failing the rank: training outlives the daemon."""
 _SOURCES = {
     checkpoint_pb2.SHARD_TIER_LOCAL: "local",
@@ -63,10 +67,14 @@ _SOURCES = {
 }
 
 
+class ShardUnavailable(Exception):
+    """Neither the local daemon nor any other holder could give the shard back."""
+
+
 @dataclass(frozen=True)
 class SnapshotResult:
-    """How a snapshot went. `skipped`: why there was no slot (memory budget full, or
-    the daemon unreachable); the state was not saved and training goes on."""
+    """How a snapshot went. `skipped`: why it was not saved (the daemon unreachable,
+    its memory budget full, its slot vanished); training goes on."""
 
     step: int
     size_bytes: int
@@ -88,7 +96,9 @@ class RestoredState:
 
 
 class SnapshotWriter:
-    """Snapshots and restores one rank's state through the local checkpointd."""
+    """Snapshots and restores one rank's state through the local checkpointd.
+    `catalog_address` (the scheduler) and `buddy_address` are where a restore looks when
+    that daemon cannot serve; each seal's answer updates them."""
 
     def __init__(
         self,
@@ -102,8 +112,13 @@ class SnapshotWriter:
         shm_dir: Path = SHM_DIR,
         keep_mappings: int = 4,
         copy_threads: int | None = None,
+        catalog_address: str = "",
+        buddy_address: str = "",
     ) -> None:
         self.job_id, self.rank, self.generation = job_id, rank, generation
+        self.address = address
+        self.catalog_address = catalog_address
+        self.buddy_address = buddy_address
         self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = checkpoint_pb2_grpc.CheckpointServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -114,10 +129,13 @@ class SnapshotWriter:
         self._copier = Copier(copy_threads or min(4, os.cpu_count() or 1))
         self._background = ThreadPoolExecutor(1, "pitstop-seal")
         self._finishing: Future[None] | None = None
+        self._finishing_step = 0
         self._next_slot: checkpoint_pb2.AcquireSlotResponse | None = None
         self._cuda: CudaStager | None = None
         self.sealed_seconds = 0.0
         """From the start of the last snapshot to the daemon's acknowledgement of its seal."""
+        self.lost_seals = 0
+        """Snapshots taken whose seal failed (each logged): they are not in memory."""
 
     def snapshot(
         self, step: int, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None
@@ -125,12 +143,7 @@ class SnapshotWriter:
         """Copy `tensors` (name -> torch tensor, numpy array or bytes-like) and `metadata`
         into a slot; it is sealed as (job, rank, step) in the background."""
         started = time.perf_counter()
-        try:
-            self.wait()
-        except grpc.RpcError as exc:
-            if exc.code() not in _OUTAGES:
-                raise
-            log.warning("the previous snapshot was not sealed (it is lost): %s", exc.details())
+        self.settle()
         meta = {
             **(metadata or {}),
             "format": "pt",
@@ -148,11 +161,19 @@ class SnapshotWriter:
             except grpc.RpcError as exc:
                 if exc.code() not in _OUTAGES:
                     raise
-                reason = f"checkpointd unreachable: {exc.code().name} {exc.details()}"
+                what = "unreachable" if exc.code() in _GONE else "refused the slot"
+                reason = f"checkpointd {what}: {exc.code().name} {exc.details()}"
+                if exc.code() in _GONE:
+                    self._reconnect()
                 return SnapshotResult(step, layout.size, time.perf_counter() - started, reason)
-        if slot.refused:
-            return SnapshotResult(step, layout.size, time.perf_counter() - started, slot.refused)
-        mapped = self._mapped(slot.shm_name, slot.size_bytes)
+        try:
+            mapped = self._mapped(slot.shm_name, slot.size_bytes)
+        except FileNotFoundError:
+            reason = (
+                f"slot {slot.shm_name} vanished from {self._shm_dir} (checkpointd restarted, "
+                "or its memory was removed)"
+            )
+            return SnapshotResult(step, layout.size, time.perf_counter() - started, reason)
         write_header(layout, mapped.view)
         on_gpu, moves = {}, []
         for name, value in tensors.items():
@@ -174,6 +195,7 @@ class SnapshotWriter:
             key=key, shm_name=slot.shm_name, size_bytes=layout.size
         )
         self._finishing = self._background.submit(self._finish, seal, complete, started)
+        self._finishing_step = step
         return SnapshotResult(step, layout.size, time.perf_counter() - started)
 
     def wait(self) -> None:
@@ -182,36 +204,104 @@ class SnapshotWriter:
         if finishing is not None:
             finishing.result()
 
+    def settle(self) -> None:
+        """Block until the last snapshot is sealed; a seal that failed costs that
+        snapshot only, logged and counted in `lost_seals`."""
+        try:
+            self.wait()
+        except Exception as exc:
+            self.lost_seals += 1
+            self._next_slot = None
+            log.warning(
+                "rank %d: the snapshot of step %d was not sealed (it is lost): %s",
+                self.rank,
+                self._finishing_step,
+                _said(exc),
+            )
+
     def restore(self, step: int = 0, into: Mapping[str, Any] | None = None) -> RestoredState:
         """The state at `step` (0: the newest committed), from wherever the daemon finds
-        it. Tensors named in `into` are copied into those tensors in place."""
-        self.wait()
-        response = self._stub.Restore(
-            checkpoint_pb2.RestoreRequest(key=self._key(step)),
-            timeout=self._timeout,
-            metadata=self._metadata,
-        )
-        header = response.header
-        path = self._shm_dir / response.shm_name
-        slot = MappedSlot.open(path, header.size_bytes, writable=False)
+        it, or from another holder when the daemon is unreachable or its segment
+        vanished. Tensors named in `into` are copied into those tensors in place. Raises
+        grpc.RpcError when the daemon refuses (e.g. NOT_FOUND: no copy anywhere), and
+        ShardUnavailable when no holder could serve."""
+        self.settle()
         try:
-            layout = read_layout(slot.view, header.size_bytes)
-            tensors = {e.name: read_tensor(slot.view, layout, e.name, into) for e in layout.entries}
+            response = self._stub.Restore(
+                checkpoint_pb2.RestoreRequest(key=self._key(step)),
+                timeout=self._timeout,
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as exc:
+            if exc.code() not in _GONE:
+                raise
+            self._reconnect()
+            reason = f"checkpointd {self.address} unreachable: {_said(exc)}"
+            return self._restore_elsewhere(step, into, reason, local_answers=False)
+        header = response.header
+        try:
+            slot = MappedSlot.open(self._shm_dir / response.shm_name, header.size_bytes, False)
+        except FileNotFoundError:
+            reason = f"segment {response.shm_name} vanished from {self._shm_dir}"
+            return self._restore_elsewhere(int(header.key.step), into, reason, local_answers=True)
+        try:
+            return _decoded(header, slot.view, _SOURCES.get(response.source, "unknown"), into)
         finally:
             slot.close()
-        return RestoredState(
-            header.key.step,
-            header.key.generation,
-            tensors,
-            dict(layout.metadata),
-            _SOURCES.get(response.source, "unknown"),
-            header.checksum,
+
+    def _restore_elsewhere(
+        self, step: int, into: Mapping[str, Any] | None, reason: str, local_answers: bool
+    ) -> RestoredState:
+        """Pull the shard from another holder: the local daemon itself when it answers
+        (it still has the bytes mapped), those the catalog names, the buddy."""
+        log.warning("rank %d: %s; restoring step %d from another holder", self.rank, reason, step)
+        candidates = [self.address] if local_answers else []
+        if self.catalog_address:
+            try:
+                step, named = catalog_holders(
+                    self.catalog_address,
+                    self.job_id,
+                    self.rank,
+                    step,
+                    timeout=self._timeout,
+                    metadata=self._metadata,
+                )
+                candidates += named
+            except grpc.RpcError as exc:
+                log.warning("catalog %s unreachable: %s", self.catalog_address, _said(exc))
+        candidates.append(self.buddy_address)
+        key = checkpoint_pb2.ShardKey(job_id=self.job_id, rank=self.rank, step=step)
+        tried = []
+        for address in dict.fromkeys(candidates):
+            if not address or (address == self.address and not local_answers):
+                continue
+            try:
+                header, data = pull_shard(address, key, metadata=self._metadata)
+            except (grpc.RpcError, PulledShardError) as exc:
+                log.warning(
+                    "rank %d: pull of step %d from %s failed: %s",
+                    self.rank,
+                    step,
+                    address,
+                    _said(exc),
+                )
+                tried.append(address)
+                continue
+            source = "local" if address == self.address else "replica"
+            log.info("rank %d: step %d pulled from %s", self.rank, header.key.step, address)
+            return _decoded(header, memoryview(data), source, into)
+        raise ShardUnavailable(
+            f"rank {self.rank} of job {self.job_id} cannot restore step {step}: {reason}, and "
+            f"no other holder served it (tried: {', '.join(tried) or 'none known'}; catalog: "
+            f"{self.catalog_address or 'unknown'}). Restart this node's checkpointd, or set "
+            "PITSTOP_SCHEDULER so the rank can ask the catalog who holds it"
         )
 
     def close(self) -> None:
-        """Finish the pending seal, unmap the slots, close the channel."""
+        """Finish the pending seal (one that fails is logged and counted), unmap the
+        slots, close the channel."""
         try:
-            self.wait()
+            self.settle()
         finally:
             self._background.shutdown()
             for slot in self._slots.values():
@@ -219,6 +309,13 @@ class SnapshotWriter:
             self._slots.clear()
             self._copier.close()
             self._channel.close()
+
+    def _reconnect(self) -> None:
+        """A fresh channel, so the next call tries the daemon at once: the old one
+        would wait out its reconnect backoff (up to minutes) after a daemon restart."""
+        self._channel.close()
+        self._channel = grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+        self._stub = checkpoint_pb2_grpc.CheckpointServiceStub(self._channel)
 
     def _key(self, step: int) -> checkpoint_pb2.ShardKey:
         return checkpoint_pb2.ShardKey(
@@ -240,8 +337,10 @@ class SnapshotWriter:
     ) -> None:
         if complete is not None:
             complete()
-        self._stub.SealSlot(seal, timeout=self._timeout, metadata=self._metadata)
+        sealed = self._stub.SealSlot(seal, timeout=self._timeout, metadata=self._metadata)
         self.sealed_seconds = time.perf_counter() - started
+        self.catalog_address = sealed.catalog_address or self.catalog_address
+        self.buddy_address = sealed.buddy_address or self.buddy_address
         # Only after the seal: an acquire that overtook it would reclaim the slot.
         try:
             self._next_slot = self._acquire(self._key(seal.key.step + 1), seal.size_bytes)
@@ -249,12 +348,37 @@ class SnapshotWriter:
             log.debug("acquiring the next slot ahead failed: %s", exc)
 
     def _mapped(self, name: str, size: int) -> MappedSlot:
-        slot = self._slots.get(name)
-        if slot is None or len(slot.mapping) != size:
-            if slot is not None:
-                slot.close()
-            slot = self._slots[name] = MappedSlot.open(self._shm_dir / name, size, writable=True)
-        self._slots.move_to_end(name)
+        slot = self._slots.pop(name, None)
+        if slot is not None and len(slot.mapping) != size:
+            slot.close()
+            slot = None
+        if slot is None:
+            slot = MappedSlot.open(self._shm_dir / name, size, writable=True)
+        self._slots[name] = slot
         while len(self._slots) > self._keep:
             self._slots.popitem(last=False)[1].close()
         return slot
+
+
+def _decoded(
+    header: checkpoint_pb2.ShardHeader,
+    view: memoryview,
+    source: str,
+    into: Mapping[str, Any] | None,
+) -> RestoredState:
+    layout: ShardLayout = read_layout(view, header.size_bytes)
+    tensors = {e.name: read_tensor(view, layout, e.name, into) for e in layout.entries}
+    return RestoredState(
+        header.key.step,
+        header.key.generation,
+        tensors,
+        dict(layout.metadata),
+        source,
+        header.checksum,
+    )
+
+
+def _said(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name} {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"

@@ -34,6 +34,10 @@ class RankConfig:
     """PITSTOP_AGENT_SOCKET; empty off-cluster: no commands, no reports."""
     checkpointd: str = ""
     """host:port of the node's checkpoint daemon; empty: no snapshots."""
+    scheduler: str = ""
+    """PITSTOP_SCHEDULER: host:port of the scheduler, whose checkpoint catalog names
+    the other nodes holding this rank's state when its own daemon is gone. Optional: a
+    rank also learns it from its daemon with every snapshot it seals."""
     restore_step: int = 0
     """Step to restore at start; 0 starts fresh."""
     distributed: bool = False
@@ -83,6 +87,7 @@ class RankConfig:
             gpu_index=int(visible) if visible.isdecimal() else None,
             agent_socket=env.get("PITSTOP_AGENT_SOCKET", ""),
             checkpointd=env.get("PITSTOP_CHECKPOINTD", ""),
+            scheduler=env.get("PITSTOP_SCHEDULER", ""),
             restore_step=_integer(env, "PITSTOP_RESTORE_STEP", 0),
             distributed="WORLD_SIZE" in env and not standby,
             standby=standby,

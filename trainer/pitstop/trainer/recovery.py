@@ -158,6 +158,7 @@ class Recovery:
                 session.config.job_id,
                 assignment.rank,
                 copy_threads=session.config.copy_threads or None,
+                catalog_address=session.config.scheduler,
             )
         session.start_commands()
         state = default()

@@ -17,9 +17,14 @@ Off-cluster (no PITSTOP_AGENT_SOCKET) the session does nothing but run the loop 
 when RANK/WORLD_SIZE are set (torchrun), form the process group; with PITSTOP_CHECKPOINTD
 and PITSTOP_JOB_ID it also snapshots and restores. On-cluster it attaches to the agent,
 reports every step from a background thread, snapshots every PITSTOP_SNAPSHOT_EVERY
-steps into the node's checkpointd (the copy is the only stall; a daemon that is down or
-refuses costs a log line, never the run) and obeys commands at step boundaries only
-(see commands.py for how all ranks pick the same boundary).
+steps into the node's checkpointd (the copy is the only stall) and obeys commands at
+step boundaries only (see commands.py for how all ranks pick the same boundary).
+
+Training outlives its checkpoint daemon: whatever goes wrong on the snapshot path (the
+daemon down, refusing, restarted, its memory removed) costs a log line and a count in
+`snapshot_failures`, never the run, and the next snapshot tries again. A restore whose
+daemon is gone pulls the state from another node that holds it (the catalog's holders,
+the buddy; see SnapshotWriter.restore).
 
 Recovery, both paths bitwise identical because both continue from the same snapshot:
 - restart: the scheduler starts a new generation with PITSTOP_RESTORE_STEP; `restore`
@@ -53,7 +58,7 @@ import grpc
 import torch
 
 from pitstop.agent.rankclient import RankControlClient
-from pitstop.checkpointd.writer import SnapshotResult, SnapshotWriter
+from pitstop.checkpointd.writer import ShardUnavailable, SnapshotResult, SnapshotWriter
 from pitstop.trainer import group
 from pitstop.trainer.boundary import at_boundary
 from pitstop.trainer.commands import Inbox, StepReporter
@@ -97,6 +102,8 @@ class Session:
         """A Stop (or a Reconfigure without this rank) ended the loop early."""
         self.last_snapshot: SnapshotResult | None = None
         self._capture = Capturer()
+        self._failed_snapshots = 0
+        self._failing_since = 0  # failures in a row, for the log
 
     @classmethod
     def from_env(cls) -> Session:
@@ -140,6 +147,7 @@ class Session:
                 config.rank,
                 generation=config.generation,
                 copy_threads=config.copy_threads or None,
+                catalog_address=config.scheduler,
             )
         elif checkpointd and not config.job_id:
             log.warning("PITSTOP_CHECKPOINTD is set but PITSTOP_JOB_ID is not: no snapshots")
@@ -200,6 +208,8 @@ class Session:
                 f"rank {self.rank}: restoring step {step} of job {self.config.job_id} failed: "
                 f"{exc.code().name} {exc.details()}"
             ) from exc
+        except ShardUnavailable as exc:
+            raise RuntimeError(str(exc)) from exc
         apply(state, restored.tensors, restored.metadata)
         log.info("rank %d restored step %d from %s", self.rank, step, restored.source)
 
@@ -278,8 +288,16 @@ class Session:
             # statistics (with a snapshot every step, excluding them would exclude all).
             self._reporter.put(step, seconds, loss, tokens)
 
+    @property
+    def snapshot_failures(self) -> int:
+        """Snapshots due that were not saved: skipped, refused, failed, or lost in their
+        seal. Each is logged; none stops training."""
+        lost = self.writer.lost_seals if self.writer is not None else 0
+        return self._failed_snapshots + lost
+
     def snapshot(self, state: TrainState) -> bool:
-        """Snapshot `state` now; False (logged) when checkpointd skipped or refused it."""
+        """Snapshot `state` now; False when it was not saved. Whatever went wrong is
+        logged and counted in `snapshot_failures`; the next snapshot tries again."""
         if self.writer is None:
             return False
         tensors, metadata = self._capture(state)
@@ -289,14 +307,39 @@ class Session:
                 # The copies run on a side stream; the next optimizer step must not
                 # overwrite the tensors before they land.
                 self.writer.wait()
-        except grpc.RpcError as exc:
-            log.warning("snapshot of step %d failed: %s %s", state.step, exc.code().name, exc)
-            return False
+        except Exception as exc:  # the daemon's trouble must never end the run
+            if isinstance(exc, grpc.RpcError):
+                return self._snapshot_failed(state.step, f"{exc.code().name} {exc.details()}")
+            return self._snapshot_failed(state.step, f"{type(exc).__name__}: {exc}")
         if result.skipped:
-            log.warning("snapshot of step %d skipped: %s", state.step, result.skipped)
-            return False
+            return self._snapshot_failed(state.step, f"skipped: {result.skipped}")
+        if self._failing_since:
+            log.info(
+                "rank %d: snapshots work again at step %d after %d failed in a row",
+                self.rank,
+                state.step,
+                self._failing_since,
+            )
+            self._failing_since = 0
         self.last_snapshot = result
         return True
+
+    def _snapshot_failed(self, step: int, why: str) -> bool:
+        self._failed_snapshots += 1
+        self._failing_since += 1
+        # Every failure is counted; the log says the first of a run of them, then every
+        # tenth and hundredth, so a daemon down for hours does not flood it.
+        if self._failing_since in (1, 10) or self._failing_since % 100 == 0:
+            log.warning(
+                "rank %d: snapshot of step %d not saved (%d in a row, %d in all), "
+                "training goes on: %s",
+                self.rank,
+                step,
+                self._failing_since,
+                self.snapshot_failures,
+                why,
+            )
+        return False
 
     def report_result(self, result: Mapping[str, str]) -> None:
         """Report this rank's final result to the agent (no-op off-cluster)."""
@@ -310,10 +353,7 @@ class Session:
     def stop(self, state: TrainState, command: rank_pb2.RankCommand | None = None) -> None:
         """End the loop at this boundary (acknowledging `command`), the last snapshot sealed."""
         if self.writer is not None:
-            try:
-                self.writer.wait()  # the last snapshot sealed before we go
-            except grpc.RpcError as exc:
-                log.warning("the last snapshot was not sealed: %s", exc.code().name)
+            self.writer.settle()  # the last snapshot sealed before we go (or logged lost)
         if command is not None and self.inbox is not None:
             self.inbox.acknowledge(command, ok=True, step=state.step)
         log.info("rank %d stopping after step %d", self.rank, state.step)
@@ -331,10 +371,7 @@ class Session:
             if self.inbox is not None:
                 self.inbox.join()
             if self.writer is not None:
-                try:
-                    self.writer.close()
-                except grpc.RpcError as exc:
-                    log.warning("the last snapshot was not sealed: %s", exc.code().name)
+                self.writer.close()  # a last seal that fails is logged there
         finally:
             group.drop()
 
