@@ -50,6 +50,7 @@ class NodeAgent:
             settings.state_dir / "ranks",
             on_exit=self._report_rank_exit,
             checkpointd_address=settings.checkpointd_address,
+            scheduler_address=settings.scheduler,
         )
         self.local = LocalEndpoint(
             settings.socket_path,

@@ -76,8 +76,12 @@ class RankSupervisor:
         log_dir: Path,
         on_exit: ExitCallback,
         checkpointd_address: str = "",
+        scheduler_address: str = "",
     ) -> None:
         self.node_id = node_id
+        # Ranks ask the scheduler's catalog where else their shards live when this
+        # node's checkpoint daemon is gone.
+        self.scheduler_address = scheduler_address
         self.socket_path = Path(socket_path)
         self.log_dir = Path(log_dir)
         self.checkpointd_address = checkpointd_address
@@ -345,6 +349,7 @@ class RankSupervisor:
             PITSTOP_NODE_ID=self.node_id,
             PITSTOP_AGENT_SOCKET=str(self.socket_path),
             PITSTOP_CHECKPOINTD=self.checkpointd_address,
+            PITSTOP_SCHEDULER=self.scheduler_address,
             PITSTOP_AGENT_PID=str(os.getpid()),  # it dies with the agent (see the trainer)
         )
         return env
