@@ -24,12 +24,12 @@ import pytest
 from conftest import StoreUrls, unique
 from test_cluster_cli import cluster_cli, processes_under, running, status_json
 
-from pitstop.client import localcluster
 from pitstop.client.localcluster import (
     CLUSTER_ENV,
     DAEMON_ENV,
     ClusterError,
     LocalCluster,
+    spawning,
     stop_cluster,
     tagged_processes,
 )
@@ -129,7 +129,7 @@ def test_an_up_interrupted_before_it_records_a_daemon_leaves_nothing(
 ) -> None:
     """Ctrl-C lands after the checkpoint daemon is started and before cluster.json names
     it: `up` stops it all the same."""
-    real = localcluster.start_ticks
+    real = spawning.start_ticks
     started: list[int] = []
 
     def interrupted(pid: int) -> int | None:
@@ -138,7 +138,7 @@ def test_an_up_interrupted_before_it_records_a_daemon_leaves_nothing(
             raise KeyboardInterrupt
         return real(pid)
 
-    monkeypatch.setattr(localcluster, "start_ticks", interrupted)
+    monkeypatch.setattr(spawning, "start_ticks", interrupted)
     with pytest.raises(KeyboardInterrupt):
         up(stores, state_dir)
     checkpointd = started[1]

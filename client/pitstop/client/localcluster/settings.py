@@ -1,0 +1,73 @@
+"""The local cluster's defaults: timeouts, the hung-node deadline, the environment its
+daemons get, and the tags that let `down` find every process a cluster started."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from pitstop.client.localcluster.errors import ClusterError
+
+DEFAULT_STATE_DIR = Path(".state/cluster")
+DEFAULT_PORT = 50051
+DEFAULT_TIMEOUT = 120.0
+"""Seconds `up` (and `restart_node`) waits for every node to be ready."""
+STOP_TIMEOUT = 20.0
+"""Seconds each stage of `down` waits after SIGTERM before SIGKILL."""
+KILL_WAIT = 10.0
+"""Seconds to wait for processes to vanish after SIGKILL."""
+LOCK_WAIT = 60.0
+"""Seconds `down` waits for another command (an `up`, a node starting) to let go of the
+state dir."""
+STATE_FILE = "cluster.json"
+LOCK_FILE = "cluster.lock"
+CHECKPOINTD_MEMORY_BUDGET_BYTES = 256 << 20
+HEARTBEAT_INTERVAL = 0.5
+"""Seconds between an agent's heartbeats in the local cluster."""
+DEFAULT_LIVENESS_TIMEOUT = 4.0
+"""Seconds without a heartbeat before the scheduler declares a node lost. Only a hung
+agent (stopped, its stream open) waits for it: a dead agent's stream breaks and its node
+is lost at once. 1.25 s (2.5 beats) declared healthy nodes lost while two busy processes
+shared a 2-core machine with the cluster; 8 beats leave room for such stalls."""
+CLUSTER_ENV = "PITSTOP_LOCAL_CLUSTER"
+"""In every daemon's environment: the cluster's state dir. What a daemon starts (ranks,
+embedded stores) inherits it, so `down` finds every process the cluster started, even
+one that cluster.json does not name (an `up` killed between starting it and writing)."""
+DAEMON_ENV = "PITSTOP_LOCAL_CLUSTER_DAEMON"
+"""In every daemon's environment: its name, e.g. ``agent-node-1``."""
+
+# Settings the daemons read from the environment, for a small, quick local cluster.
+# Variables already in the environment win (the liveness deadline: unless `up` is given
+# one).
+HEARTBEAT_ENV = "PITSTOP_HEARTBEAT_INTERVAL_SECONDS"
+LIVENESS_ENV = "PITSTOP_LIVENESS_TIMEOUT_INTERVALS"
+SCHEDULER_ENV = {
+    HEARTBEAT_ENV: f"{HEARTBEAT_INTERVAL:g}",
+    LIVENESS_ENV: f"{DEFAULT_LIVENESS_TIMEOUT / HEARTBEAT_INTERVAL:g}",
+    "PITSTOP_LIVENESS_STARTUP_GRACE_SECONDS": "0",
+}
+MIN_LIVENESS_INTERVALS = 1.5  # the scheduler's own floor
+CHECKPOINTD_ENV = {
+    "PITSTOP_CHECKPOINTD_MEMORY_BUDGET_BYTES": str(CHECKPOINTD_MEMORY_BUDGET_BYTES),
+    "PITSTOP_CHECKPOINTD_RETRY_MAX_SECONDS": "0.5",
+}
+
+
+def check_liveness(seconds: float) -> None:
+    floor = MIN_LIVENESS_INTERVALS * HEARTBEAT_INTERVAL
+    if not seconds >= floor:
+        raise ClusterError(
+            f"liveness timeout {seconds:g} s: give at least {floor:g} s "
+            f"({MIN_LIVENESS_INTERVALS:g} heartbeats of {HEARTBEAT_INTERVAL:g} s)"
+        )
+
+
+def liveness_of(env: Mapping[str, str]) -> float:
+    """The liveness deadline a scheduler started with `env` uses, in seconds."""
+    try:
+        return float(env[HEARTBEAT_ENV]) * float(env[LIVENESS_ENV])
+    except (KeyError, ValueError):
+        raise ClusterError(
+            f"{HEARTBEAT_ENV}={env.get(HEARTBEAT_ENV)!r} and "
+            f"{LIVENESS_ENV}={env.get(LIVENESS_ENV)!r}: give numbers"
+        ) from None

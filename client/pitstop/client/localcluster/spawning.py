@@ -1,0 +1,366 @@
+"""Starting a local cluster's daemons: each detached (a session of its own, its output
+in ``logs/<name>.log``), tagged with the cluster in its environment, recorded in
+cluster.json as soon as it is started, and never two of one name; then waiting for the
+line each prints once it serves."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pitstop.client.localcluster.errors import ClusterError, ClusterStartError, log_tail
+from pitstop.client.localcluster.processes import POLL, start_ticks, tagged_processes
+from pitstop.client.localcluster.settings import (
+    CHECKPOINTD_ENV,
+    CLUSTER_ENV,
+    DAEMON_ENV,
+    HEARTBEAT_ENV,
+    HEARTBEAT_INTERVAL,
+    LIVENESS_ENV,
+    SCHEDULER_ENV,
+    liveness_of,
+)
+from pitstop.client.localcluster.statefile import (
+    ClusterProcess,
+    ClusterState,
+    Kind,
+    NodeSpec,
+    recorded,
+)
+from pitstop.client.netns import IFACE
+
+# The line each daemon prints once it serves (only at the start of a line: a traceback
+# quoting the print call must not match).
+_SCHEDULER_LINE = re.compile(r"^pitstop-scheduler listening on (\S+:\d+)\s*$")
+_CHECKPOINTD_LINE = re.compile(r"^pitstop-checkpointd \S+ listening on (\S+:\d+)\s")
+# AF_UNIX paths hold 108 bytes with the terminating NUL.
+_MAX_SOCKET_PATH = 100
+
+
+def binary(name: str) -> str:
+    """A pitstop console script: next to the running python first, then on PATH."""
+    beside = Path(sys.executable).parent / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise ClusterError(
+            f"cannot find {name} next to {sys.executable} or on PATH; "
+            "install pitstop (pip install pitstop) in this environment"
+        )
+    return found
+
+
+@dataclass
+class _Starting:
+    """A daemon just spawned, and where in its log its own output begins."""
+
+    process: ClusterProcess
+    popen: subprocess.Popen[bytes]
+    offset: int
+    what: str
+
+
+class ClusterSpawning(ClusterState):
+    """Starting daemons, a part of `LocalCluster`."""
+
+    def _daemon_env(self, extra: Mapping[str, str], name: str) -> dict[str, str]:
+        env = dict(os.environ)
+        # A daemon that dies at start leaves a plain traceback, whose last lines (the
+        # ones `up` shows) name the error, rather than a boxed one.
+        env.setdefault("_TYPER_STANDARD_TRACEBACK", "1")
+        # Jobs say `python`: let it be this environment's, where pitstop is installed.
+        here = str(Path(sys.executable).parent)
+        path = env.get("PATH", os.defpath)
+        if path.split(os.pathsep)[0] != here:
+            env["PATH"] = here + os.pathsep + path
+        env.update(self.env)
+        for key, value in extra.items():
+            env.setdefault(key, value)
+        env[CLUSTER_ENV] = str(self.state_dir)
+        env[DAEMON_ENV] = name
+        return env
+
+    def _spawn(
+        self,
+        name: str,
+        kind: Kind,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        what: str,
+        *,
+        node_id: str = "",
+        socket: str = "",
+    ) -> _Starting:
+        """Start a daemon detached: its own session, stdin from /dev/null, stdout and
+        stderr appended to logs/<name>.log; record it in cluster.json at once. Refuses
+        (ClusterError) once `down` has begun, and when a daemon of that name already
+        runs: a node's daemons are never started twice."""
+        with self._lock:
+            if self._closed:
+                raise ClusterError(
+                    f"the cluster in {self.state_dir} is going down; {what} is not started"
+                )
+            self._refuse_second(name, what)
+            return self._spawnrecorded(name, kind, argv, env, what, node_id, socket)
+
+    def _refuse_second(self, name: str, what: str) -> None:
+        """ClusterError when a daemon called `name` runs: one this object or cluster.json
+        records, or one found by its environment."""
+        pids = {p.pid for p in self.processes if p.name == name and self.is_alive(p)}
+        pids |= {p.pid for p in recorded(self.state_file) if p.name == name and p.alive()}
+        pids |= {
+            t.pid for t in tagged_processes(self.state_dir) if t.daemon == name and t.is_daemon()
+        }
+        if pids:
+            raise ClusterError(
+                f"{what} already runs (pid {', '.join(map(str, sorted(pids)))}); a node's "
+                "daemons are never started twice: stop them first (restart_node does)"
+            )
+
+    def _spawnrecorded(
+        self,
+        name: str,
+        kind: Kind,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        what: str,
+        node_id: str,
+        socket: str,
+    ) -> _Starting:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"{name}.log"
+        stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        with log.open("ab") as out:
+            out.write(f"--- pitstop cluster: starting {what} at {stamp} ---\n".encode())
+            out.flush()
+            offset = out.tell()
+            try:
+                popen = subprocess.Popen(
+                    list(argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=dict(env),
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise ClusterStartError(f"cannot run {argv[0]}: {exc.strerror or exc}") from exc
+        self._children[popen.pid] = popen
+        self._offsets[name] = offset
+        proc = ClusterProcess(
+            name=name,
+            kind=kind,
+            pid=popen.pid,
+            log=log,
+            node_id=node_id,
+            socket=socket,
+            start_ticks=start_ticks(popen.pid),
+        )
+        self.processes = [p for p in self.processes if p.name != name] + [proc]
+        self._save()
+        return _Starting(proc, popen, offset, what)
+
+    def _start_scheduler(
+        self,
+        port: int,
+        database_url: str | None,
+        redis_url: str | None,
+        liveness_timeout: float | None,
+        deadline: float,
+    ) -> None:
+        env = self._daemon_env(SCHEDULER_ENV, "scheduler")
+        if liveness_timeout is not None:
+            env[HEARTBEAT_ENV] = f"{HEARTBEAT_INTERVAL:g}"
+            env[LIVENESS_ENV] = f"{liveness_timeout / HEARTBEAT_INTERVAL:g}"
+        self.liveness_timeout = liveness_of(env)
+        # URLs through the environment, not argv: a password stays out of `ps`.
+        if database_url:
+            env["PITSTOP_DATABASE_URL"] = database_url
+        if redis_url:
+            env["PITSTOP_REDIS_URL"] = redis_url
+        host = "127.0.0.1" if self.network is None else self.network.gateway
+        argv = [
+            binary("pitstop-scheduler"),
+            "--state-dir",
+            str(self.state_dir / "scheduler"),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--metrics-port",
+            "0",
+        ]
+        starting = self._spawn("scheduler", "scheduler", argv, env, "the scheduler")
+        try:
+            (self.scheduler_address,) = self._await_lines([starting], _SCHEDULER_LINE, deadline)
+        except ClusterStartError as exc:
+            if port and "Failed to bind" in log_tail(starting.process.log, starting.offset):
+                raise ClusterStartError(
+                    f"the scheduler cannot listen on {host}:{port}: is another cluster or "
+                    "scheduler using it? Give another --port (0 picks a free one)"
+                ) from exc
+            raise
+        self._update(replace(starting.process, address=self.scheduler_address))
+
+    def _start_nodes(self, specs: Sequence[NodeSpec], deadline: float) -> list[ClusterProcess]:
+        """Checkpoint daemons for `specs` together, then, once each listens, the agents."""
+        checkpointds = [self._spawn_checkpointd(spec) for spec in specs]
+        addresses = self._await_lines(checkpointds, _CHECKPOINTD_LINE, deadline)
+        started: list[ClusterProcess] = []
+        for starting, address in zip(checkpointds, addresses, strict=True):
+            proc = replace(starting.process, address=address)
+            self._update(proc)
+            started.append(proc)
+        agents = [
+            self._spawn_agent(spec, proc.address) for spec, proc in zip(specs, started, strict=True)
+        ]
+        return started + [a.process for a in agents]
+
+    def _in_namespace(self, node_id: str, argv: list[str]) -> list[str]:
+        """`argv` run in the node's network namespace, if it has one."""
+        return argv if self.network is None else [*self.network.exec_prefix(node_id), *argv]
+
+    def _node_host(self, node_id: str) -> str:
+        """The address the node's daemons listen on and its ranks are reached at."""
+        return "127.0.0.1" if self.network is None else self.network.link(node_id).address
+
+    def _spawn_checkpointd(self, spec: NodeSpec) -> _Starting:
+        argv = [
+            binary("pitstop-checkpointd"),
+            "run",
+            "--node-id",
+            spec.node_id,
+            "--host",
+            self._node_host(spec.node_id),
+            "--port",
+            "0",
+            "--scheduler",
+            self.scheduler_address,
+            "--state-dir",
+            str(self.state_dir / "nodes" / spec.node_id / "checkpointd"),
+            # One durable store for the whole cluster, as a shared bucket would be: a
+            # spare restores what a dead node flushed.
+            "--durable-url",
+            (self.state_dir / "durable").as_uri(),
+        ]
+        return self._spawn(
+            f"checkpointd-{spec.node_id}",
+            "checkpointd",
+            self._in_namespace(spec.node_id, argv),
+            self._daemon_env(CHECKPOINTD_ENV, f"checkpointd-{spec.node_id}"),
+            f"the checkpoint daemon of {spec.node_id}",
+            node_id=spec.node_id,
+        )
+
+    def _spawn_agent(self, spec: NodeSpec, checkpointd_address: str) -> _Starting:
+        agent_dir = self.state_dir / "nodes" / spec.node_id / "agent"
+        socket = self._socket_path(agent_dir, spec.node_id)
+        argv = [
+            binary("pitstop-agent"),
+            "run",
+            "--node-id",
+            spec.node_id,
+            "--scheduler",
+            self.scheduler_address,
+            "--gpus",
+            f"sim:{spec.gpus}",
+            "--zone",
+            "z1",
+            "--block",
+            "b1",
+            "--rack",
+            spec.rack,
+            "--role",
+            spec.role,
+            "--state-dir",
+            str(agent_dir),
+            "--socket-path",
+            str(socket),
+            "--checkpointd-address",
+            checkpointd_address,
+            "--metrics-port",
+            "0",
+        ]
+        extra = {}
+        if self.network is not None:
+            argv += ["--advertise-host", self._node_host(spec.node_id)]
+            # Gloo would pick the address the host name resolves to, loopback here;
+            # the ranks inherit the agent's environment.
+            extra["GLOO_SOCKET_IFNAME"] = IFACE
+        return self._spawn(
+            f"agent-{spec.node_id}",
+            "agent",
+            self._in_namespace(spec.node_id, argv),
+            self._daemon_env(extra, f"agent-{spec.node_id}"),
+            f"the agent of {spec.node_id}",
+            node_id=spec.node_id,
+            socket=str(socket),
+        )
+
+    def _socket_path(self, agent_dir: Path, node_id: str) -> Path:
+        """The agent's socket in its state dir, or, when that path is too long for a
+        Unix socket, in a private folder under the temp dir named for this cluster."""
+        socket = agent_dir / "agent.sock"
+        if len(str(socket)) <= _MAX_SOCKET_PATH:
+            return socket
+        digest = hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:12]
+        folder = Path(tempfile.gettempdir()) / f"pitstop-{digest}"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        return folder / f"{node_id}.sock"
+
+    def _await_lines(
+        self, starting: Sequence[_Starting], pattern: re.Pattern[str], deadline: float
+    ) -> list[str]:
+        """The address each daemon printed on the line `pattern` matches, read from its
+        log (no pipe stays open to a daemon). ClusterStartError when one exits first or
+        `deadline` passes."""
+        found: dict[int, str] = {}
+        while True:
+            for index, item in enumerate(starting):
+                if index in found:
+                    continue
+                # Poll before reading: a daemon that printed and then exited is found.
+                code = item.popen.poll()
+                address = _find_address(item.process.log, item.offset, pattern)
+                if address is not None:
+                    found[index] = address
+                elif code is not None:
+                    raise ClusterStartError(
+                        f"{item.what} exited with code {code} before it was listening",
+                        item.process.log,
+                        item.offset,
+                    )
+            if len(found) == len(starting):
+                return [found[i] for i in range(len(starting))]
+            if time.monotonic() >= deadline:
+                late = next(s for i, s in enumerate(starting) if i not in found)
+                raise ClusterStartError(
+                    f"{late.what} was not listening in time", late.process.log, late.offset
+                )
+            time.sleep(POLL)
+
+
+def _find_address(log: Path, offset: int, pattern: re.Pattern[str]) -> str | None:
+    """The address in the first complete line after `offset` that `pattern` matches."""
+    try:
+        with log.open("rb") as out:
+            out.seek(offset)
+            text = out.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines(keepends=True):
+        match = pattern.match(line)
+        if match and line.endswith("\n"):
+            return match.group(1)
+    return None
