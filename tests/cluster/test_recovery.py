@@ -43,6 +43,7 @@ from typer.testing import CliRunner
 from pitstop.agent.config import SOCKET_NAME
 from pitstop.checkpointd.slots import segment_prefix
 from pitstop.client.cli import app
+from pitstop.client.cpuload import cpu_load_from_env
 from pitstop.client.localcluster import rank_pids
 from pitstop.client.netns import IFACE, Network
 from pitstop.client.netns import create as create_network
@@ -58,6 +59,14 @@ from pitstop.v1 import (
 )
 
 pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_load() -> Iterator[None]:
+    """PITSTOP_TEST_CPU_LOAD=2 runs the fault matrix beside two busy processes, as on a
+    user's loaded machine (see pitstop.client.cpuload); unset, nothing runs beside it."""
+    with cpu_load_from_env():
+        yield
 
 STEPS = 45
 STEP_SECONDS = 0.07  # each step's work paced (the exchange and snapshot come on top), so a

@@ -79,7 +79,7 @@ class CommandRouter:
     def __init__(self, gateway: AgentGateway, hot: HotState) -> None:
         self.gateway = gateway
         self.hot = hot
-        self.channel = f"{hot.prefix}node-commands"
+        self.channel = hot.commands_channel
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:

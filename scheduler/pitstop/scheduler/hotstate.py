@@ -73,6 +73,24 @@ class HotState:
     def rank_stats_key(self, job_id: str) -> str:
         return f"{self.prefix}job:{job_id}:rank-stats"
 
+    @property
+    def commands_channel(self) -> str:
+        """Pub/sub channel of commands for the process holding a node's stream."""
+        return f"{self.prefix}node-commands"
+
+    async def node_health(self, node_id: str) -> dict[str, Any] | None:
+        """The node's live health as its last heartbeat reported it (with received_at)."""
+        raw = await self.redis.get(self.node_health_key(node_id))
+        return None if raw is None else dict(json.loads(raw))
+
+    async def rank_stats(self, job_id: str) -> list[dict[str, Any]]:
+        """The job's per-rank step-time statistics, as the leader last computed them."""
+        raw = await self.redis.get(self.rank_stats_key(job_id))
+        return [] if raw is None else list(json.loads(raw))
+
+    async def set_rank_stats(self, job_id: str, stats: list[dict[str, Any]]) -> None:
+        await self.redis.set(self.rank_stats_key(job_id), json.dumps(stats))
+
     def steps_key(self, job_id: str) -> str:
         return f"{self.prefix}steps:{job_id}"
 

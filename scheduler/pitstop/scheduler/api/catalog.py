@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import grpc
-from sqlalchemy import select
 
-from pitstop.scheduler.db import models
 from pitstop.scheduler.jobspec import check_text
 from pitstop.scheduler.services import catalog as catalog_service
 from pitstop.scheduler.services import jobs as job_service
-from pitstop.scheduler.services import nodes as node_service
 from pitstop.scheduler.store import Store
 from pitstop.v1 import checkpoint_pb2
 
@@ -30,9 +27,7 @@ class CatalogServicer:
         self, request: checkpoint_pb2.GetBuddyRequest, context: grpc.aio.ServicerContext
     ) -> checkpoint_pb2.GetBuddyResponse:
         async with self.store.read() as session:
-            node = await node_service.get_node(session, request.node_id)
-            candidates = (await session.scalars(select(models.Node))).all()
-        buddy = catalog_service.choose_buddy(node, candidates)
+            buddy = await catalog_service.buddy_of(session, request.node_id)
         if buddy is None:
             return checkpoint_pb2.GetBuddyResponse()
         return checkpoint_pb2.GetBuddyResponse(

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 
 import grpc
-from sqlalchemy import select
 
 from pitstop.scheduler.api.watch import follow_events
 from pitstop.scheduler.auth import current_caller
 from pitstop.scheduler.convert import event_to_pb, job_states_from_pb, job_to_pb
-from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import TERMINAL_JOB_STATES
 from pitstop.scheduler.gateway import CommandRouter
 from pitstop.scheduler.hotstate import HotState
@@ -46,18 +43,10 @@ class JobServicer:
     ) -> jobs_pb2.Job:
         async with self.store.read() as session:
             job = await job_service.get_job(session, request.job_id)
-            ranks = (
-                await session.scalars(
-                    select(models.RankAssignment)
-                    .where(models.RankAssignment.job_id == job.id)
-                    .where(models.RankAssignment.generation == job.generation)
-                    .order_by(models.RankAssignment.rank)
-                )
-            ).all()
+            ranks = await job_service.current_ranks(session, job)
         message = job_to_pb(job, ranks)
-        raw = await self.hot.redis.get(self.hot.rank_stats_key(job.id))
-        if raw is not None:
-            message.rank_stats.extend(jobs_pb2.RankStepStats(**s) for s in json.loads(raw))
+        stats = await self.hot.rank_stats(job.id)
+        message.rank_stats.extend(jobs_pb2.RankStepStats(**s) for s in stats)
         return message
 
     async def List(  # noqa: N802

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,8 +32,7 @@ class NodeServicer:
         self.router = router
 
     async def _live_health(self, node_id: str) -> dict[str, Any] | None:
-        raw = await self.hot.redis.get(self.hot.node_health_key(node_id))
-        return None if raw is None else dict(json.loads(raw))
+        return await self.hot.node_health(node_id)
 
     async def List(  # noqa: N802 (gRPC method names)
         self, request: nodes_pb2.ListNodesRequest, context: grpc.aio.ServicerContext

@@ -4,7 +4,6 @@ keep the goodput account fresh."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from pitstop.health.straggler import StragglerDetector, StragglerFinding, StragglerPolicy
@@ -156,20 +155,18 @@ class StepFollower:
             s.to_proto(placement.ranks[s.rank].node_id if s.rank < placement.world_size else "")
             for s in detector.stats()
         ]
-        await leader.hot.redis.set(
-            leader.hot.rank_stats_key(job.id),
-            json.dumps(
-                [
-                    {
-                        "rank": s.rank,
-                        "node_id": s.node_id,
-                        "p50_seconds": s.p50_seconds,
-                        "p99_seconds": s.p99_seconds,
-                        "straggler": s.straggler,
-                    }
-                    for s in stats
-                ]
-            ),
+        await leader.hot.set_rank_stats(
+            job.id,
+            [
+                {
+                    "rank": s.rank,
+                    "node_id": s.node_id,
+                    "p50_seconds": s.p50_seconds,
+                    "p99_seconds": s.p99_seconds,
+                    "straggler": s.straggler,
+                }
+                for s in stats
+            ],
         )
         if spec.straggler.action == 2:  # STRAGGLER_ACTION_SWAP
             for finding in findings:

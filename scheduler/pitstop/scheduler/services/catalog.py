@@ -19,6 +19,7 @@ from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState, NodeState
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.jobs import spec_from_json
+from pitstop.scheduler.services.nodes import get_node
 from pitstop.v1 import checkpoint_pb2
 
 log = logging.getLogger(__name__)
@@ -263,3 +264,10 @@ async def forget_node(session: AsyncSession, node_id: str) -> None:
     await session.execute(
         delete(models.CheckpointShard).where(models.CheckpointShard.node_id == node_id)
     )
+
+
+async def buddy_of(session: AsyncSession, node_id: str) -> models.Node | None:
+    """The node whose checkpoint daemon keeps `node_id`'s replicas (None: none fits)."""
+    node = await get_node(session, node_id)
+    candidates = (await session.scalars(select(models.Node))).all()
+    return choose_buddy(node, candidates)

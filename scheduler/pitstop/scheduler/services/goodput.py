@@ -8,7 +8,6 @@ the job's failure or cancellation ended, is on the row when someone looks."""
 
 from __future__ import annotations
 
-import json
 import time
 
 from sqlalchemy import select
@@ -79,9 +78,9 @@ async def node_incident(
         seen = epoch(noticed) if noticed is not None else now
         began = seen
         if state is NodeState.LOST:
-            live = await hot.redis.get(hot.node_health_key(node_id))
+            live = await hot.node_health(node_id)
             if live is not None:
-                began = min(seen, float(json.loads(live).get("received_at", seen)))
+                began = min(seen, float(live.get("received_at", seen)))
         failed_at, detected_at = min(failed_at, began), min(detected_at, seen)
         causes.append(f"{node_id} {state.value}")
     return incident_attributes(

@@ -154,3 +154,14 @@ async def ended_jobs(session: AsyncSession, job_ids: set[str]) -> set[str]:
         select(models.Job.id, models.Job.state).where(models.Job.id.in_(sorted(job_ids)))
     )
     return {job_id for job_id, state in rows.all() if state.terminal}
+
+
+async def current_ranks(session: AsyncSession, job: models.Job) -> list[models.RankAssignment]:
+    """The rank assignments of the job's current generation, by rank."""
+    rows = await session.scalars(
+        select(models.RankAssignment)
+        .where(models.RankAssignment.job_id == job.id)
+        .where(models.RankAssignment.generation == job.generation)
+        .order_by(models.RankAssignment.rank)
+    )
+    return list(rows)
