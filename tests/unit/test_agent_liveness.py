@@ -45,7 +45,7 @@ def run(events: list[tuple[float, str]], misses: int = 3, grace: float = 10.0) -
         (
             [(t, "miss") for t in (1, 2, 3, 11)],
             DOWN,
-            "no answer in 11 s since it started: UNAVAILABLE: Connection refused",
+            "never answered in 11 s of probes: UNAVAILABLE: Connection refused",
         ),
         # Once up, a miss or two is no outage; three in a row are.
         ([(1, "ok"), (2, "miss"), (3, "miss")], UP, ""),
@@ -74,7 +74,11 @@ def run(events: list[tuple[float, str]], misses: int = 3, grace: float = 10.0) -
         ([(1, "start"), (2, "ok"), (3, "exit"), (4, "start"), (5, "ok")], UP, ""),
         # The grace counts from the owned process's start.
         ([(1, "miss"), (8, "start"), (9, "miss"), (10, "miss"), (12, "miss")], UNKNOWN, ""),
-        ([(8, "start"), *[(t, "miss") for t in (9, 10, 18)]], DOWN, "no answer in 10 s"),
+        (
+            [(8, "start"), *[(t, "miss") for t in (9, 10, 18)]],
+            DOWN,
+            "never answered in 10 s since the agent started it",
+        ),
     ],
 )
 def test_liveness_follows_the_probes_and_the_process(
@@ -98,6 +102,21 @@ def test_changes_are_reported_once() -> None:
     assert live.answered(7) is True
 
 
+def test_every_outage_is_reported_at_least_once() -> None:
+    live = DaemonLiveness(1, 0.0, watching_since=0.0)
+    live.answered(1)
+    assert live.report() == ""
+    live.missed(2, "gone")
+    assert live.report() == live.report() == "1 probes in a row unanswered: gone"  # while down
+    live.answered(3)
+    assert live.report() == ""
+    # Down and back between two reports: the next report still tells, once.
+    live.exited(4, "its process exited with code 1")
+    live.answered(5)
+    assert live.report() == "its process exited with code 1"
+    assert live.report() == ""
+
+
 def test_silence_counts_from_the_last_answer_or_start() -> None:
     live = DaemonLiveness(3, 10.0, watching_since=0.0)
     assert live.silent_for(5.0) == 0.0
@@ -107,6 +126,29 @@ def test_silence_counts_from_the_last_answer_or_start() -> None:
     assert live.silent_for(34.0) == 30.0
     live.started(40.0)
     assert live.silent_for(41.0) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("events", "now", "hung"),
+    [
+        ([], 100.0, False),  # the agent runs no process: never its to kill
+        ([(0, "ok")], 100.0, False),
+        # Answered since its start, then silent: hung after hang_seconds (30).
+        ([(0, "start"), (1, "ok")], 30.9, False),
+        ([(0, "start"), (1, "ok")], 31.0, True),
+        ([(0, "start"), (1, "ok"), (20, "miss")], 31.0, True),
+        # Never answered since its start: a slow start gets start_seconds (60).
+        ([(0, "start")], 59.0, False),
+        ([(0, "start")], 60.0, True),
+        # An answer before the latest start does not count for it.
+        ([(0, "start"), (1, "ok"), (2, "exit"), (3, "start")], 40.0, False),
+        ([(0, "start"), (1, "ok"), (2, "exit"), (3, "start")], 63.0, True),
+    ],
+)
+def test_a_started_process_is_hung_after_its_silence_or_a_start_too_slow(
+    events: list[tuple[float, str]], now: float, hung: bool
+) -> None:
+    assert run(events).hung(now, hang_seconds=30.0, start_seconds=60.0) is hung
 
 
 def test_a_threshold_below_one_is_refused() -> None:

@@ -9,10 +9,11 @@ milder one that the scheduler acts on): without it, snapshots and restores on th
 fail, so the node must not be trusted with a recovery. An outage that ends between two
 heartbeats is still reported, once, in the next.
 
-With `checkpointd_command` the agent owns the daemon: it starts it (unless one already
-answers at the address), starts it again with backoff when its process exits, kills and
-restarts it when it has not answered for `checkpointd_hang_seconds`, and stops it when
-the agent stops. Its output goes to <state_dir>/checkpointd.log. Without a command the
+With `checkpointd_command` the agent owns the daemon: it starts it where nothing listens
+at the address (a daemon left by an earlier agent is probed, never doubled: two would
+share the port), starts it again with backoff when its process exits, kills and
+restarts it when it has not answered for `checkpointd_hang_seconds` (or, still starting,
+for START_TIMEOUT_SECONDS), and stops it when the agent stops. Its output goes to <state_dir>/checkpointd.log. Without a command the
 daemon belongs to systemd or the local cluster: it is only probed.
 """
 
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 PROBE_DEADLINE_SECONDS = 0.5
 START_GRACE_SECONDS = 15.0
 """How long a daemon that never answered yet may take to start before it counts as down."""
+START_TIMEOUT_SECONDS = 60.0
+"""How long a daemon the agent started may take to answer before it is killed as hung."""
 STOP_GRACE_SECONDS = 5.0
 KILL_WAIT_SECONDS = 10.0
 DOWN_VERDICT = common_pb2.HEALTH_VERDICT_WARNING
@@ -71,7 +74,7 @@ class CheckpointdWatch:
         self.address = settings.checkpointd_address
         self._argv = settings.checkpointd_argv
         self._interval = settings.checkpointd_probe_seconds
-        self._deadline = min(PROBE_DEADLINE_SECONDS, settings.checkpointd_probe_seconds)
+        self._deadline = PROBE_DEADLINE_SECONDS
         self._misses_to_down = settings.checkpointd_probe_misses
         self._hang_seconds = settings.checkpointd_hang_seconds
         self._metadata = (
@@ -91,7 +94,6 @@ class CheckpointdWatch:
         self._exit_watcher: asyncio.Task[None] | None = None
         self._next_start_at = 0.0
         self._down_since: float | None = None
-        self._unreported = ""
         self._closing = False
         self._channel: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -133,9 +135,11 @@ class CheckpointdWatch:
 
     def conditions(self) -> list[NodeCondition]:
         """The daemon's condition for this heartbeat: down now, or down since the last."""
-        reason = self._reason() if self.liveness.state is Liveness.DOWN else self._unreported
-        self._unreported = ""
-        return [NodeCondition(DOWN_VERDICT, reason)] if reason else []
+        cause = self.liveness.report()
+        if not cause:
+            return []
+        reason = f"checkpoint daemon at {self.address} is down: {cause}"
+        return [NodeCondition(DOWN_VERDICT, reason)]
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Whether `predicate` holds, looked at after every change, within `timeout` s."""
@@ -148,9 +152,6 @@ class CheckpointdWatch:
                 await asyncio.wait_for(self._changed.wait(), left)
         return True
 
-    def _reason(self) -> str:
-        return f"checkpoint daemon at {self.address} is down: {self.liveness.cause}"
-
     async def _run(self) -> None:
         while True:
             try:
@@ -160,7 +161,7 @@ class CheckpointdWatch:
             await self._pause()
 
     async def _tick(self) -> None:
-        why = await self._probe()
+        why, unreachable = await self._probe()
         now = self._clock()
         if why is None:
             changed = self.liveness.answered(now)
@@ -178,10 +179,18 @@ class CheckpointdWatch:
             self._announce(now)
         if not self.owned or self._closing:
             return
+        if changed and why is not None and not unreachable and self._process is None:
+            log.warning(
+                "something listens at %s but does not answer (a hung checkpoint daemon this "
+                "agent did not start?): the agent starts its own only once nothing listens "
+                "there, since two would share the port",
+                self.address,
+            )
         if self._process is not None:
-            silent = self.liveness.silent_for(now)
-            if silent >= self._hang_seconds and self._killed != self._process.pid:
+            hung = self.liveness.hung(now, self._hang_seconds, START_TIMEOUT_SECONDS)
+            if hung and self._killed != self._process.pid:
                 self._killed = self._process.pid
+                silent = self.liveness.silent_for(now)
                 log.error(
                     "checkpoint daemon at %s (pid %d) has not answered for %.0f s: killing it "
                     "to start it again",
@@ -192,7 +201,7 @@ class CheckpointdWatch:
                 # SIGKILL at once: a hung daemon would not act on SIGTERM, and the next
                 # one removes the shared memory this one leaves. Its exit is seen as any.
                 _signal_group(self._process.pid, signal.SIGKILL)
-        elif why is not None and now >= self._next_start_at:
+        elif unreachable and now >= self._next_start_at:
             await self._start_process(now)
 
     async def _pause(self) -> None:
@@ -204,8 +213,9 @@ class CheckpointdWatch:
             await asyncio.wait_for(self._wake.wait(), timeout)
         self._wake.clear()
 
-    async def _probe(self) -> str | None:
-        """None when the daemon answered; why not, in words, otherwise."""
+    async def _probe(self) -> tuple[str | None, bool]:
+        """(None when the daemon answered, else why not in words; whether nothing could
+        be reached at the address at all, so that a daemon may be started there)."""
         if self._channel is None:
             self._channel = grpc.aio.insecure_channel(self.address)
         stub = health_pb2_grpc.HealthStub(self._channel)
@@ -215,16 +225,18 @@ class CheckpointdWatch:
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return None  # its server answered; it serves no health service
+                return None, False  # its server answered; it serves no health service
             why = self._describe(exc)
+            unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE
         else:
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return None
+                return None, False
             why = f"it reports {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+            unreachable = False
         # The next probe gets a fresh channel: it connects at once instead of waiting out
         # the old channel's reconnect backoff, so a daemon that is back is seen at once.
         await self._close_channel()
-        return why
+        return why, unreachable
 
     def _describe(self, exc: grpc.aio.AioRpcError) -> str:
         code = exc.code()
@@ -244,7 +256,6 @@ class CheckpointdWatch:
         if self.liveness.state is Liveness.DOWN:
             gauge.set(0)
             self._down_since = now
-            self._unreported = self._reason()
             log.warning(
                 "checkpoint daemon at %s is down: %s; the node reports itself degraded until "
                 "it answers again",

@@ -79,7 +79,8 @@ class AgentSettings(BaseSettings):
     """Probes in a row the checkpoint daemon leaves unanswered before it counts as down."""
     checkpointd_hang_seconds: float = Field(default=30.0, gt=0)
     """An owned checkpoint daemon that has not answered for this long while its process
-    lives is hung: the agent kills it and starts it again."""
+    lives is hung: the agent kills it and starts it again (one still starting gets at
+    least 60 s)."""
     advertise_host: str = ""
     """Host name or IP the other nodes reach this node's ranks at: a job whose rank 0
     runs here meets at this host. Default: the host name (set it when the host name

@@ -106,7 +106,7 @@ EXAMPLE_CONFIG = """\
 # checkpointd_probe_misses: 3
 
 # An owned checkpoint daemon that has not answered for this many seconds while its
-# process lives is killed and started again.
+# process lives is killed and started again (one still starting gets at least 60 s).
 # checkpointd_hang_seconds: 30.0
 
 # Host name or IP the other nodes reach this node's ranks at (e.g. 10.0.3.17): a job

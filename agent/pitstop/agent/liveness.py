@@ -39,6 +39,8 @@ class DaemonLiveness:
     last_answer: float | None = None
     last_start: float | None = None
     """When the agent last started the daemon's process (None: the agent runs none)."""
+    unreported: str = ""
+    """The cause of an outage not yet taken by `report`."""
 
     def __post_init__(self) -> None:
         if self.misses_to_down < 1:
@@ -59,8 +61,9 @@ class DaemonLiveness:
             since = self.last_start if self.last_start is not None else self.watching_since
             if now - since < self.start_grace_seconds:
                 return False
+            began = "since the agent started it" if self.last_start is not None else "of probes"
             return self._become(
-                Liveness.DOWN, f"no answer in {now - since:.0f} s since it started: {why}", now
+                Liveness.DOWN, f"never answered in {now - since:.0f} s {began}: {why}", now
             )
         return self._become(Liveness.DOWN, f"{self.misses} probes in a row unanswered: {why}", now)
 
@@ -74,6 +77,24 @@ class DaemonLiveness:
         """The daemon's process, run by the agent, ended at `now` (`why`: how)."""
         return self._become(Liveness.DOWN, why, now)
 
+    def report(self) -> str:
+        """The cause to report now: that of the outage under way, else that of one that
+        began and ended since the last report (so every outage is reported at least
+        once); "" when there is none."""
+        cause = self.cause if self.state is Liveness.DOWN else self.unreported
+        self.unreported = ""
+        return cause
+
+    def hung(self, now: float, hang_seconds: float, start_seconds: float) -> bool:
+        """Whether the process the agent started should be killed as hung: it answered
+        since its start and has been silent `hang_seconds` since, or it never answered
+        in `start_seconds` (at least `hang_seconds`), which a slow start may need."""
+        if self.last_start is None:
+            return False
+        if self.last_answer is not None and self.last_answer >= self.last_start:
+            return now - self.last_answer >= hang_seconds
+        return now - self.last_start >= max(hang_seconds, start_seconds)
+
     def silent_for(self, now: float) -> float:
         """Seconds since the daemon last answered or was last started, whichever is later;
         0 when neither happened."""
@@ -86,6 +107,8 @@ class DaemonLiveness:
         self.state = state
         self.cause = cause
         self.down_since = now if state is Liveness.DOWN else None
+        if state is Liveness.DOWN:
+            self.unreported = cause
         return True
 
 
