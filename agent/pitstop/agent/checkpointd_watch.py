@@ -13,8 +13,9 @@ With `checkpointd_command` the agent owns the daemon: it starts it where nothing
 at the address (a daemon left by an earlier agent is probed, never doubled: two would
 share the port), starts it again with backoff when its process exits, kills and
 restarts it when it has not answered for `checkpointd_hang_seconds` (or, still starting,
-for START_TIMEOUT_SECONDS), and stops it when the agent stops. Its output goes to <state_dir>/checkpointd.log. Without a command the
-daemon belongs to systemd or the local cluster: it is only probed.
+for START_TIMEOUT_SECONDS), and stops it when the agent stops. Its output goes to
+<state_dir>/checkpointd.log. Without a command the daemon belongs to systemd or the
+local cluster: it is only probed.
 """
 
 from __future__ import annotations
