@@ -102,6 +102,17 @@ class LinkDown(Exception):
         self.stable = stable
 
 
+def _generation_command(message: agent_pb2.SchedulerMessage, kind: str) -> tuple[int, str] | None:
+    """(generation, what) of a command that moves a job's ranks to a generation; None
+    for any other command (standbys, stops, pauses, node-wide commands)."""
+    if kind == "start_ranks" and not message.start_ranks.standby_gpus:
+        return message.start_ranks.generation, "start"
+    if kind == "reconfigure":
+        adopting = bool(message.reconfigure.adopted_ranks)
+        return message.reconfigure.generation, "adopt" if adopting else "reconfigure"
+    return None
+
+
 def agent_version() -> str:
     """The installed pitstop version."""
     try:
@@ -146,6 +157,11 @@ class SchedulerLink:
         self._local = local
         self._command_tasks: set[asyncio.Task[None]] = set()
         self._job_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # Per job, the (generation, command) pairs carried out, and the newest generation:
+        # the scheduler re-sends a command until its ack arrives, and a repeat (or a
+        # command of an older generation) must change nothing.
+        self._carried_out: defaultdict[str, set[tuple[int, str]]] = defaultdict(set)
+        self._newest: defaultdict[str, int] = defaultdict(int)
         self._rank_command_ids = itertools.count(1)
         self._xid_inbox: asyncio.Queue[common_pb2.XidEvent] = asyncio.Queue()
         self._recent_xids: defaultdict[int, list[int]] = defaultdict(list)
@@ -508,7 +524,14 @@ class SchedulerLink:
         lock = self._job_locks[job_id] if job_id else contextlib.nullcontext()
         async with lock:
             try:
-                error = await self._command(message, kind)
+                key = _generation_command(message, kind)
+                if key is not None and self._already(job_id, key, message.command_id):
+                    error = ""
+                else:
+                    error = await self._command(message, kind)
+                    if key is not None and not error:
+                        self._carried_out[job_id].add(key)
+                        self._newest[job_id] = max(self._newest[job_id], key[0])
             except Exception as exc:
                 log.exception("command %d (%s) failed", message.command_id, kind)
                 error = (
@@ -520,6 +543,24 @@ class SchedulerLink:
         self._send(ack=ack)
         result = "error" if error else "ok"
         self._metrics.commands.labels(self._settings.node_id, kind, result).inc()
+
+    def _already(self, job_id: str, key: tuple[int, str], command_id: int) -> bool:
+        """True for a command to skip: carried out before, or of an older generation."""
+        generation, what = key
+        if key in self._carried_out[job_id]:
+            log.debug("command %d: %s of generation %d repeated", command_id, what, generation)
+            return True
+        if generation < self._newest[job_id]:
+            log.info(
+                "command %d: %s of job %s generation %d ignored: generation %d runs here",
+                command_id,
+                what,
+                job_id,
+                generation,
+                self._newest[job_id],
+            )
+            return True
+        return False
 
     async def _command(self, message: agent_pb2.SchedulerMessage, kind: str) -> str:
         """Carry out one command; the error in words, or "" when done."""
