@@ -200,25 +200,27 @@ def _health(verdict: common_pb2.HealthVerdict, *reasons: str) -> common_pb2.Node
     return common_pb2.NodeHealth(verdict=verdict, reasons=reasons, gpus=[gpu])
 
 
-DAEMON_DOWN = NodeCondition(WARNING, "checkpoint daemon at 127.0.0.1:7000 is down: gone")
+DEGRADED = common_pb2.HEALTH_VERDICT_DEGRADED
+DAEMON_DOWN = NodeCondition(DEGRADED, "checkpoint daemon at 127.0.0.1:7000 is down: gone")
 
 
 @pytest.mark.parametrize(
     ("gpus", "conditions", "verdict", "reasons"),
     [
         (_health(HEALTHY), [], HEALTHY, []),
-        (_health(HEALTHY), [DAEMON_DOWN], WARNING, [DAEMON_DOWN.reason]),
+        (_health(HEALTHY), [DAEMON_DOWN], DEGRADED, [DAEMON_DOWN.reason]),
+        # A down daemon is less severe than a failed rank: APPLICATION stays.
         (
             _health(APPLICATION, "GPU 0: Xid 13"),
             [DAEMON_DOWN],
-            WARNING,
+            APPLICATION,
             ["GPU 0: Xid 13", DAEMON_DOWN.reason],
         ),
         # A worse GPU verdict stays; the reason is added all the same.
         (_health(FATAL, "GPU 0: lost"), [DAEMON_DOWN], FATAL, ["GPU 0: lost", DAEMON_DOWN.reason]),
         (
             _health(HEALTHY),
-            [DAEMON_DOWN, NodeCondition(APPLICATION, "other")],
+            [DAEMON_DOWN, NodeCondition(WARNING, "other")],
             WARNING,
             [DAEMON_DOWN.reason, "other"],
         ),

@@ -50,7 +50,7 @@ START_TIMEOUT_SECONDS = 60.0
 """How long a daemon the agent started may take to answer before it is killed as hung."""
 STOP_GRACE_SECONDS = 5.0
 KILL_WAIT_SECONDS = 10.0
-DOWN_VERDICT = common_pb2.HEALTH_VERDICT_WARNING
+DOWN_VERDICT = common_pb2.HEALTH_VERDICT_DEGRADED
 LOG_NAME = "checkpointd.log"
 
 

@@ -30,6 +30,7 @@ VERDICT_VALUES = {
     common_pb2.HEALTH_VERDICT_APPLICATION: 1,
     common_pb2.HEALTH_VERDICT_WARNING: 2,
     common_pb2.HEALTH_VERDICT_FATAL: 3,
+    common_pb2.HEALTH_VERDICT_DEGRADED: 0,  # a node's daemon, never a GPU's verdict
 }
 """Value of the GPU verdict gauge: 0 healthy, 1 application, 2 warning, 3 fatal."""
 

@@ -67,6 +67,7 @@ _NVLINK_COUNTERS = (
 _SEVERITY = {
     common_pb2.HEALTH_VERDICT_UNSPECIFIED: 0,
     _HEALTHY: 1,
+    common_pb2.HEALTH_VERDICT_DEGRADED: 1.5,
     _APPLICATION: 2,
     _WARNING: 3,
     _FATAL: 4,
@@ -104,7 +105,8 @@ class HealthThresholds:
 
 
 def worst_verdict(verdicts: Iterable[common_pb2.HealthVerdict]) -> common_pb2.HealthVerdict:
-    """Return the worst of `verdicts`: FATAL > WARNING > APPLICATION > HEALTHY; HEALTHY if none."""
+    """Return the worst of `verdicts`: FATAL > WARNING > APPLICATION > DEGRADED > HEALTHY;
+    HEALTHY if none."""
     worst = _HEALTHY
     for verdict in verdicts:
         if _SEVERITY.get(verdict, 0) > _SEVERITY[worst]:

@@ -55,6 +55,7 @@ class HealthVerdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HEALTH_VERDICT_APPLICATION: _ClassVar[HealthVerdict]
     HEALTH_VERDICT_WARNING: _ClassVar[HealthVerdict]
     HEALTH_VERDICT_FATAL: _ClassVar[HealthVerdict]
+    HEALTH_VERDICT_DEGRADED: _ClassVar[HealthVerdict]
 
 class RecoveryAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -102,6 +103,7 @@ HEALTH_VERDICT_HEALTHY: HealthVerdict
 HEALTH_VERDICT_APPLICATION: HealthVerdict
 HEALTH_VERDICT_WARNING: HealthVerdict
 HEALTH_VERDICT_FATAL: HealthVerdict
+HEALTH_VERDICT_DEGRADED: HealthVerdict
 RECOVERY_ACTION_UNSPECIFIED: RecoveryAction
 RECOVERY_ACTION_NOT_SUPPORTED: RecoveryAction
 RECOVERY_ACTION_NONE: RecoveryAction

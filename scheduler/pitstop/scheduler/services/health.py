@@ -108,6 +108,7 @@ async def apply_health(
     node = await _locked_node(session, node_id)
     if node is None:
         return None
+    was_degraded = health_verdict(node.health) == common_pb2.HEALTH_VERDICT_DEGRADED
     node.health = json_format.MessageToDict(health, preserving_proto_field_name=True)
     reason = "; ".join(health.reasons) or _VERDICT_NAMES.get(health.verdict, "unknown")
     actor = f"agent:{node_id}"
@@ -125,6 +126,17 @@ async def apply_health(
             session, node, NodeState.DRAINING, kind="node.draining", reason=reason, actor=actor
         )
         return node.state
+    degraded = health.verdict == common_pb2.HEALTH_VERDICT_DEGRADED
+    if degraded or was_degraded:
+        # The node keeps its state and its work; the event log says what is wrong, and
+        # when it is over.
+        record_event(
+            session,
+            "node.degraded" if degraded else "node.degraded_cleared",
+            actor=actor,
+            node_id=node_id,
+            reason=reason if degraded else "every node daemon answers again",
+        )
     return None
 
 
