@@ -42,6 +42,7 @@ from typing import Any
 
 import grpc
 
+from pitstop.client.cpuload import MAX_SECONDS, cpu_load
 from pitstop.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
 
 BIN = Path(sys.executable).parent
@@ -268,7 +269,22 @@ def main() -> int:
     parser.add_argument("--heartbeat", type=float, default=1.0, help="seconds")
     parser.add_argument("--database-url", default="")
     parser.add_argument("--redis-url", default="")
+    parser.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        help="busy processes beside the benchmark (pitstop.client.cpuload), as on a "
+        "loaded machine; 0: none",
+    )
     args = parser.parse_args()
+    with contextlib.ExitStack() as stack:
+        if args.load:
+            stack.enter_context(cpu_load(args.load, MAX_SECONDS))
+            log(f"CPU load: {args.load} busy processes beside the benchmark")
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     with running_cluster(args) as cluster:
         channel = grpc.insecure_channel(cluster.address)
         feed = EventFeed(channel)
@@ -293,6 +309,7 @@ def main() -> int:
         "agents": args.agents,
         "gpus": gpus,
         "heartbeat_s": args.heartbeat,
+        "cpu_load_procs": args.load,
         "xid": summary("InjectFault(Xid 79) -> node.unhealthy", xid, 1.0, 0.99),
         "kill9": summary("SIGKILL of the agent -> node.lost", killed, window, 1.0),
         "sigstop": summary("SIGSTOP of the agent -> node.lost", stopped, window, 1.0),

@@ -25,6 +25,9 @@ from pitstop.scheduler.store import Store
 
 log = logging.getLogger(__name__)
 
+MIN_TICK_GAP_SECONDS = 0.02
+"""Ticks woken by events come no closer than this (a burst of events is one tick)."""
+
 
 class Reconciler:
     def __init__(
@@ -47,15 +50,20 @@ class Reconciler:
         self.standbys = StandbyKeeper(self.leader, self.recovery.standby_nodes)
 
     async def run(self, tick_seconds: float) -> None:
-        """The deciding loop, for as long as this process leads."""
+        """The deciding loop, for as long as this process leads: a tick every
+        `tick_seconds`, and at once when the event log grows (a node failed, a rank
+        exited: a decision waits for no timer)."""
+        bus = self.leader.store.bus
         while True:
+            seen = bus.version
             try:
                 await self.tick()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("reconcile tick failed; retrying")
-            await asyncio.sleep(tick_seconds)
+            await bus.wait(seen, tick_seconds)
+            await asyncio.sleep(MIN_TICK_GAP_SECONDS)
 
     async def tick(self) -> None:
         # Each step runs even if an earlier one failed, and commands go out last: a
