@@ -35,6 +35,9 @@ from pitstop.scheduler.topology import Placement, Topology
 log = logging.getLogger(__name__)
 
 FAILED_NODE_STATES = (NodeState.UNHEALTHY, NodeState.LOST)
+UNSEEN_EXIT_WINDOW = dt.timedelta(seconds=2)
+"""How long before a decision an exit may have been recorded and still gone unseen by
+it (its transaction began before the decision's and committed after)."""
 
 
 async def node_actions(
@@ -279,8 +282,12 @@ class Recovery:
             if job is None or not node_id:
                 return False
             row = (await plan.plan(session, job_id)).get(node_id)
-            if row is None or row.decided_at >= exited.time:
-                return False  # the decision knew of it, or the node is not in the map
+            # An exit recorded well before the decision was known to it (a new leader
+            # reads every exit again); one close to it may have committed unseen by it,
+            # and restarting a node that only had to reconfigure costs a fresh start,
+            # while waiting on a rank that is gone costs the whole deadline.
+            if row is None or exited.time < row.decided_at - UNSEEN_EXIT_WINDOW:
+                return False
             if not await plan.restart_node(session, job_id, node_id):
                 return False
             record_event(
