@@ -60,6 +60,12 @@ class SchedulerMetrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0),
             registry=self.registry,
         )
+        self.tick_seconds = Histogram(
+            "pitstop_scheduler_reconcile_tick_seconds",
+            "Time the leader takes for one pass of its reconcile loop.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=self.registry,
+        )
         self.command_resends = Counter(
             "pitstop_scheduler_command_resends_total",
             "Node commands sent again because no acknowledgement came, by action.",

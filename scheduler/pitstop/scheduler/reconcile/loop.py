@@ -56,12 +56,14 @@ class Reconciler:
         bus = self.leader.store.bus
         while True:
             seen = bus.version
+            started = time.perf_counter()
             try:
                 await self.tick()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("reconcile tick failed; retrying")
+            self.leader.metrics.tick_seconds.observe(time.perf_counter() - started)
             await bus.wait(seen, tick_seconds)
             await asyncio.sleep(MIN_TICK_GAP_SECONDS)
 
@@ -83,6 +85,7 @@ class Reconciler:
             except Exception:
                 log.exception("reconcile step %s failed; the next tick retries", step.__name__)
         await commands.send_due(self.leader)
+        await self.recovery.refresh_accounts()
 
     async def _place(self) -> None:
         await self._send(await place_pending_jobs(self.leader))

@@ -81,6 +81,8 @@ class Recovery:
         self.leader = leader
         # The job's typical step time (what a redone step costs the goodput account).
         self.step_seconds = step_seconds
+        # Jobs whose goodput account a decision changed (see refresh_accounts).
+        self.accounts_due: set[str] = set()
         # The spares holding a standby process of each job (kept by StandbyKeeper).
         self.standby_nodes: dict[str, set[str]] = {}
         # Nodes a straggler finding asked to swap out (StepFollower fills it).
@@ -187,18 +189,23 @@ class Recovery:
                     reason="; ".join(moves),
                     attributes={"generation": str(job.generation), **incident},
                 )
-            await self._account(session, job)
+            self.accounts_due.add(job.id)
         for node_id in added & prefer:
             prefer.discard(node_id)  # taken: the standby keeper starts another
         leader.metrics.decision_seconds.labels("recovery").observe(time.perf_counter() - started)
         leader.metrics.recoveries.labels("node").inc()
         return True
 
-    async def _account(self, session: AsyncSession, job: models.Job) -> None:
-        """Refresh the job's goodput account in the deciding transaction, so every
-        decision (and a job that failed) shows in it at once."""
-        await session.flush()
-        await goodput.refresh(session, job, step_seconds=self.step_seconds(job.id))
+    async def refresh_accounts(self) -> None:
+        """Refresh the goodput account of every job a decision changed, so each decision
+        (and a job that failed) shows in it at once. Telemetry: after the commands went
+        out, never inside the deciding transaction (it only adds to the recovery)."""
+        due, self.accounts_due = self.accounts_due, set()
+        for job_id in sorted(due):
+            async with self.leader.store.write() as session:
+                job = await session.get(models.Job, job_id, with_for_update=True)
+                if job is not None:
+                    await goodput.refresh(session, job, step_seconds=self.step_seconds(job_id))
 
     # Rank exits ------------------------------------------------------------------------
 
@@ -262,7 +269,7 @@ class Recovery:
                         reason=reason,
                         attributes=incident,
                     )
-            await self._account(session, job)
+            self.accounts_due.add(job.id)
         if nodes:
             await stop_everywhere(leader, job_id, nodes, "job failed")
             return False
@@ -400,7 +407,7 @@ class Recovery:
                         reason=reason,
                         attributes=attributes,
                     )
-            await self._account(session, job)
+            self.accounts_due.add(job.id)
         if nodes:
             await stop_everywhere(leader, job_id, nodes, "job failed")
             return False
