@@ -171,24 +171,14 @@ class Recovery:
             job.commands_after = None
             set_deadline(job, leader.timeouts.recovery_seconds)
             await plan.replace_plan(session, job, actions)
-            if job.state is not JobState.RECOVERING:
-                lifecycle.transition(
-                    session,
-                    job,
-                    JobState.RECOVERING,
-                    kind="job.recovering",
-                    reason="; ".join(moves),
-                    attributes=incident,
-                )
-            else:
-                record_event(
-                    session,
-                    "job.reconfigured",
-                    actor="scheduler",
-                    job_id=job.id,
-                    reason="; ".join(moves),
-                    attributes={"generation": str(job.generation), **incident},
-                )
+            recovering(
+                session,
+                job,
+                kind="job.recovering",
+                again="job.reconfigured",
+                reason="; ".join(moves),
+                attributes=incident,
+            )
             self.accounts_due.add(job.id)
         for node_id in added & prefer:
             prefer.discard(node_id)  # taken: the standby keeper starts another
@@ -251,24 +241,14 @@ class Recovery:
                 )
                 set_deadline(job, leader.timeouts.recovery_seconds, after=backoff)
                 await plan.replace_plan(session, job, actions)
-                if job.state is JobState.RECOVERING:
-                    record_event(
-                        session,
-                        "job.restarting",
-                        actor="scheduler",
-                        job_id=job.id,
-                        reason=reason,
-                        attributes={"generation": str(job.generation), **incident},
-                    )
-                else:
-                    lifecycle.transition(
-                        session,
-                        job,
-                        JobState.RECOVERING,
-                        kind="job.restarting",
-                        reason=reason,
-                        attributes=incident,
-                    )
+                recovering(
+                    session,
+                    job,
+                    kind="job.restarting",
+                    again="job.restarting",
+                    reason=reason,
+                    attributes=incident,
+                )
             self.accounts_due.add(job.id)
         if nodes:
             await stop_everywhere(leader, job_id, nodes, "job failed")
@@ -389,24 +369,14 @@ class Recovery:
                     f"{waited} before its deadline: restarting every rank from step "
                     f"{job.restore_step} (restart {job.restarts} of {spec.max_restarts})"
                 )
-                if job.state is JobState.RECOVERING:
-                    record_event(
-                        session,
-                        "job.restarting",
-                        actor="scheduler",
-                        job_id=job.id,
-                        reason=reason,
-                        attributes=attributes,
-                    )
-                else:
-                    lifecycle.transition(
-                        session,
-                        job,
-                        JobState.RECOVERING,
-                        kind="job.restarting",
-                        reason=reason,
-                        attributes=attributes,
-                    )
+                recovering(
+                    session,
+                    job,
+                    kind="job.restarting",
+                    again="job.restarting",
+                    reason=reason,
+                    attributes=attributes,
+                )
             self.accounts_due.add(job.id)
         if nodes:
             await stop_everywhere(leader, job_id, nodes, "job failed")
@@ -414,6 +384,33 @@ class Recovery:
         leader.metrics.recoveries.labels("fallback").inc()
         log.warning("job %s: fell back to a full restart", job_id)
         return True
+
+
+def recovering(
+    session: AsyncSession,
+    job: models.Job,
+    *,
+    kind: str,
+    again: str,
+    reason: str,
+    attributes: dict[str, str],
+) -> None:
+    """The job goes RECOVERING with event `kind`; one already recovering stays so, and
+    the decision is recorded as `again` (a further decision within the same incident
+    or a new one of its own; the goodput account tells them apart)."""
+    if job.state is not JobState.RECOVERING:
+        lifecycle.transition(
+            session, job, JobState.RECOVERING, kind=kind, reason=reason, attributes=attributes
+        )
+        return
+    record_event(
+        session,
+        again,
+        actor="scheduler",
+        job_id=job.id,
+        reason=reason,
+        attributes={"generation": str(job.generation), **attributes},
+    )
 
 
 async def _failed_nodes(session: AsyncSession, placement: Placement) -> list[str]:
