@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
+import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -22,6 +24,7 @@ from pitstop.client.localcluster.errors import (
     checked,
 )
 from pitstop.client.localcluster.processes import (
+    signal_group,
     tagged_processes,
     wait_gone,
 )
@@ -29,6 +32,7 @@ from pitstop.client.localcluster.settings import (
     DEFAULT_PORT,
     DEFAULT_STATE_DIR,
     DEFAULT_TIMEOUT,
+    KILL_WAIT,
     LOCK_WAIT,
     STATE_FILE,
     STOP_TIMEOUT,
@@ -47,6 +51,7 @@ from pitstop.client.netns import create as create_network
 from pitstop.v1 import common_pb2, nodes_pb2
 
 Progress = Callable[[str], None]
+_LEADING = re.compile(r"^pitstop_scheduler_leader 1(\.0)?$", re.MULTILINE)
 _READY_POLL = 0.2
 _UP_STATES = (
     common_pb2.NODE_STATE_READY,
@@ -80,6 +85,8 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
         timeout: float = DEFAULT_TIMEOUT,
         liveness_timeout: float | None = None,
         progress: Progress | None = None,
+        schedulers: int = 1,
+        agent_owns_checkpointd: bool = False,
     ) -> Self:
         """Start a scheduler on 127.0.0.1:`port` (0: a free port) with embedded stores
         unless URLs are given, then a checkpointd and an agent for each of `nodes`
@@ -89,6 +96,10 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
         one off. `liveness_timeout`: seconds without a heartbeat before a node is lost
         (default: PITSTOP_LIVENESS_TIMEOUT_INTERVALS from the environment, else
         DEFAULT_LIVENESS_TIMEOUT); the one used is in :attr:`liveness_timeout`.
+        `schedulers` > 1 starts more scheduler processes (``scheduler-2``, ...) on free
+        ports beside the first, on the same stores (give both URLs): one leads, the others
+        stand by, and the nodes reach whichever answers (:attr:`scheduler_target`).
+        `agent_owns_checkpointd`: see the attribute of that name.
 
         Raises ClusterAlreadyRunning when an earlier cluster in `state_dir` still runs,
         ClusterStartError when a daemon fails or `timeout` passes; then nothing that
@@ -98,6 +109,13 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
         layout = node_layout(nodes, spares, gpus_per_node)
         if liveness_timeout is not None:
             check_liveness(liveness_timeout)
+        if schedulers < 1:
+            raise ClusterError(f"schedulers={schedulers}: a cluster needs at least one")
+        if schedulers > 1 and not (database_url and redis_url):
+            raise ClusterError(
+                f"schedulers={schedulers}: several schedulers share one PostgreSQL and one "
+                "Redis; give database_url and redis_url (embedded stores are per process)"
+            )
         say = progress or (lambda _message: None)
         if netns:
             checked(check_supported)
@@ -119,7 +137,10 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
             if earlier is not None:
                 earlier._reap_leftovers()
                 (root / STATE_FILE).unlink(missing_ok=True)
-            cluster = cls(root, "", layout, env=dict(env or {}))
+            cluster = cls(
+                root, "", layout, env=dict(env or {}), agent_owns_checkpointd=agent_owns_checkpointd
+            )
+            cluster._scheduler_options = (database_url, redis_url, liveness_timeout)
             deadline = time.monotonic() + timeout
             try:
                 if netns:
@@ -130,7 +151,16 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
                     cluster._save()
                 say("starting the scheduler")
                 cluster._start_scheduler(port, database_url, redis_url, liveness_timeout, deadline)
-                say(f"scheduler at {cluster.scheduler_address}; starting {len(layout)} nodes")
+                for number in range(2, schedulers + 1):
+                    cluster._start_scheduler(
+                        0,
+                        database_url,
+                        redis_url,
+                        liveness_timeout,
+                        deadline,
+                        f"scheduler-{number}",
+                    )
+                say(f"scheduler at {cluster.scheduler_target}; starting {len(layout)} nodes")
                 cluster._start_nodes(layout, deadline)
                 cluster.wait_ready(timeout=max(deadline - time.monotonic(), 0.0), progress=say)
             except BaseException:
@@ -155,13 +185,80 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
         self.down()
 
     def client(self, timeout: float = 10.0) -> PitstopClient:
-        """A client for the cluster's scheduler; use it in a ``with`` block."""
-        return PitstopClient(self.scheduler_address, timeout=timeout)
+        """A client for the cluster's schedulers; use it in a ``with`` block."""
+        return PitstopClient(self.scheduler_target, timeout=timeout)
 
     def list_nodes(self, timeout: float = 5.0) -> list[nodes_pb2.Node]:
         """The scheduler's nodes (PitstopError when it cannot be reached)."""
-        with PitstopClient(self.scheduler_address, timeout=timeout, max_attempts=1) as client:
+        with PitstopClient(self.scheduler_target, timeout=timeout, max_attempts=1) as client:
             return client.list_nodes()
+
+    # Schedulers
+
+    def start_scheduler(self, name: str, *, timeout: float = DEFAULT_TIMEOUT) -> ClusterProcess:
+        """Start the scheduler `name` again (after :meth:`kill_scheduler`, or a crash) on
+        the port it had, with the stores it had; return it once it listens. Only from
+        the object that brought the cluster up (it alone knows the store URLs);
+        ClusterError when it runs or the cluster is down."""
+        port = int(self.process(name).address.rsplit(":", 1)[1])
+        if self._scheduler_options is None:
+            raise ClusterError(
+                f"cannot restart {name}: only the process that brought the cluster up knows "
+                "its store URLs"
+            )
+        database_url, redis_url, liveness_timeout = self._scheduler_options
+        with locked(self.state_dir, wait=timeout):
+            if self._closed or not self.state_file.exists():
+                raise ClusterError(
+                    f"the cluster in {self.state_dir} is down; {name} is not started"
+                )
+            return self._start_scheduler(
+                port,
+                database_url,
+                redis_url,
+                liveness_timeout,
+                time.monotonic() + timeout,
+                name,
+            )
+
+    def kill_scheduler(
+        self, name: str, sig: signal.Signals = signal.SIGKILL, *, wait: bool = True
+    ) -> None:
+        """Signal the scheduler `name` (its process group); with `wait`, return once it
+        is gone (ClusterError if it outlives KILL_WAIT s, or STOP_TIMEOUT s after
+        another signal than SIGKILL)."""
+        proc = self.process(name)
+        if not self.is_alive(proc):
+            return
+        signal_group(proc.pid, sig)
+        if wait:
+            limit = KILL_WAIT if sig == signal.SIGKILL else STOP_TIMEOUT
+            if wait_gone([proc.pid], limit, self._pid_alive):
+                raise ClusterError(f"{name} (pid {proc.pid}) outlived {sig.name} by {limit:.0f} s")
+        self._forget_children([proc.pid])
+
+    def scheduler_metrics(self, name: str, timeout: float = 2.0) -> str:
+        """The text of the scheduler's /metrics (ClusterError when it does not answer)."""
+        proc = self.process(name)
+        if not proc.metrics:
+            raise ClusterError(f"{name} did not say where its metrics are (read {proc.log})")
+        url = f"http://{proc.metrics}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as reply:
+                return str(reply.read().decode())
+        except OSError as exc:
+            raise ClusterError(f"{name}: {url} did not answer: {exc}") from exc
+
+    def leader(self, timeout: float = 2.0) -> str | None:
+        """The name of the scheduler that holds the leader lease now, by its metrics
+        (``pitstop_scheduler_leader 1.0``); None when no live one says so."""
+        for proc in self.schedulers:
+            if not self.is_alive(proc):
+                continue
+            with contextlib.suppress(ClusterError):
+                if _LEADING.search(self.scheduler_metrics(proc.name, timeout)):
+                    return proc.name
+        return None
 
     def wait_ready(
         self,
@@ -182,7 +279,7 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
         seen: dict[str, nodes_pb2.Node] = {}
         last_error = ""
         shown = ""
-        with PitstopClient(self.scheduler_address, timeout=2.0, max_attempts=1) as client:
+        with PitstopClient(self.scheduler_target, timeout=2.0, max_attempts=1) as client:
             while True:
                 self._check_alive(wanted)
                 try:
@@ -270,8 +367,11 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
         return new
 
     def _check_alive(self, node_ids: Sequence[str]) -> None:
+        # With several schedulers, one may be down (killed on purpose) while another serves.
+        schedulers_down = not any(self.is_alive(p) for p in self.schedulers)
         for proc in self.processes:
-            if (proc.kind == "scheduler" or proc.node_id in node_ids) and not self.is_alive(proc):
+            watched = schedulers_down if proc.kind == "scheduler" else proc.node_id in node_ids
+            if watched and not self.is_alive(proc):
                 child = self._children.get(proc.pid)
                 code = "" if child is None else f" with code {child.returncode}"
                 raise ClusterStartError(

@@ -5,10 +5,13 @@ line each prints once it serves."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +46,7 @@ from pitstop.client.netns import IFACE
 # quoting the print call must not match).
 _SCHEDULER_LINE = re.compile(r"^pitstop-scheduler listening on (\S+:\d+)\s*$")
 _CHECKPOINTD_LINE = re.compile(r"^pitstop-checkpointd \S+ listening on (\S+:\d+)\s")
+_METRICS_LINE = re.compile(r"^\S+ \S+ INFO \S+: metrics on http://(\S+:\d+)/metrics\s*$")
 # AF_UNIX paths hold 108 bytes with the terminating NUL.
 _MAX_SOCKET_PATH = 100
 
@@ -178,8 +182,11 @@ class ClusterSpawning(ClusterState):
         redis_url: str | None,
         liveness_timeout: float | None,
         deadline: float,
-    ) -> None:
-        env = self._daemon_env(SCHEDULER_ENV, "scheduler")
+        name: str = "scheduler",
+    ) -> ClusterProcess:
+        """Start the scheduler `name` (``scheduler``, or ``scheduler-2``... beside it) and
+        return it once it listens (and says where its /metrics are)."""
+        env = self._daemon_env(SCHEDULER_ENV, name)
         if liveness_timeout is not None:
             env[HEARTBEAT_ENV] = f"{HEARTBEAT_INTERVAL:g}"
             env[LIVENESS_ENV] = f"{liveness_timeout / HEARTBEAT_INTERVAL:g}"
@@ -193,7 +200,7 @@ class ClusterSpawning(ClusterState):
         argv = [
             binary("pitstop-scheduler"),
             "--state-dir",
-            str(self.state_dir / "scheduler"),
+            str(self.state_dir / name),
             "--host",
             host,
             "--port",
@@ -201,9 +208,17 @@ class ClusterSpawning(ClusterState):
             "--metrics-port",
             "0",
         ]
-        starting = self._spawn("scheduler", "scheduler", argv, env, "the scheduler")
+        what = "the scheduler" if name == "scheduler" else f"the scheduler {name}"
+        starting = self._spawn(name, "scheduler", argv, env, what)
         try:
-            (self.scheduler_address,) = self._await_lines([starting], _SCHEDULER_LINE, deadline)
+            (address,) = self._await_lines([starting], _SCHEDULER_LINE, deadline)
+            # Logged right after the line above; a scheduler without it still serves.
+            metrics = _find_address(starting.process.log, starting.offset, _METRICS_LINE)
+            if metrics is None:
+                with contextlib.suppress(ClusterStartError):
+                    (metrics,) = self._await_lines(
+                        [starting], _METRICS_LINE, min(deadline, time.monotonic() + 5.0)
+                    )
         except ClusterStartError as exc:
             if port and "Failed to bind" in log_tail(starting.process.log, starting.offset):
                 raise ClusterStartError(
@@ -211,7 +226,11 @@ class ClusterSpawning(ClusterState):
                     "scheduler using it? Give another --port (0 picks a free one)"
                 ) from exc
             raise
-        self._update(replace(starting.process, address=self.scheduler_address))
+        if name == "scheduler":
+            self.scheduler_address = address
+        proc = replace(starting.process, address=address, metrics=metrics or "")
+        self._update(proc)
+        return proc
 
     def _start_nodes(self, specs: Sequence[NodeSpec], deadline: float) -> list[ClusterProcess]:
         """Checkpoint daemons for `specs` together, then, once each listens, the agents."""
@@ -235,8 +254,8 @@ class ClusterSpawning(ClusterState):
         """The address the node's daemons listen on and its ranks are reached at."""
         return "127.0.0.1" if self.network is None else self.network.link(node_id).address
 
-    def _spawn_checkpointd(self, spec: NodeSpec) -> _Starting:
-        argv = [
+    def _checkpointd_argv(self, spec: NodeSpec, port: int) -> list[str]:
+        return [
             binary("pitstop-checkpointd"),
             "run",
             "--node-id",
@@ -244,9 +263,9 @@ class ClusterSpawning(ClusterState):
             "--host",
             self._node_host(spec.node_id),
             "--port",
-            "0",
+            str(port),
             "--scheduler",
-            self.scheduler_address,
+            self.scheduler_target,
             "--state-dir",
             str(self.state_dir / "nodes" / spec.node_id / "checkpointd"),
             # One durable store for the whole cluster, as a shared bucket would be: a
@@ -254,6 +273,11 @@ class ClusterSpawning(ClusterState):
             "--durable-url",
             (self.state_dir / "durable").as_uri(),
         ]
+
+    def _spawn_checkpointd(self, spec: NodeSpec) -> _Starting:
+        # A daemon its agent starts again must come back at the same address: a fixed port.
+        port = free_port(self._node_host(spec.node_id)) if self.agent_owns_checkpointd else 0
+        argv = self._checkpointd_argv(spec, port)
         return self._spawn(
             f"checkpointd-{spec.node_id}",
             "checkpointd",
@@ -272,7 +296,7 @@ class ClusterSpawning(ClusterState):
             "--node-id",
             spec.node_id,
             "--scheduler",
-            self.scheduler_address,
+            self.scheduler_target,
             "--gpus",
             f"sim:{spec.gpus}",
             "--zone",
@@ -293,6 +317,11 @@ class ClusterSpawning(ClusterState):
             "0",
         ]
         extra = {}
+        if self.agent_owns_checkpointd:
+            argv += [
+                "--checkpointd-command",
+                self._owned_checkpointd_command(spec, checkpointd_address),
+            ]
         if self.network is not None:
             argv += ["--advertise-host", self._node_host(spec.node_id)]
             # Gloo would pick the address the host name resolves to, loopback here;
@@ -306,6 +335,18 @@ class ClusterSpawning(ClusterState):
             f"the agent of {spec.node_id}",
             node_id=spec.node_id,
             socket=str(socket),
+        )
+
+    def _owned_checkpointd_command(self, spec: NodeSpec, address: str) -> str:
+        """The command the agent starts its checkpoint daemon with: the one the cluster
+        started, on the same port, with the daemon's own environment and name (so that
+        `down`, `kill_node` and the never-twice check find it as the node's daemon)."""
+        name = f"checkpointd-{spec.node_id}"
+        daemon_env = self._daemon_env(CHECKPOINTD_ENV, name)
+        settings = [f"{key}={daemon_env[key]}" for key in CHECKPOINTD_ENV]
+        port = int(address.rsplit(":", 1)[1])
+        return shlex.join(
+            ["env", f"{DAEMON_ENV}={name}", *settings, *self._checkpointd_argv(spec, port)]
         )
 
     def _socket_path(self, agent_dir: Path, node_id: str) -> Path:
@@ -349,6 +390,13 @@ class ClusterSpawning(ClusterState):
                     f"{late.what} was not listening in time", late.process.log, late.offset
                 )
             time.sleep(POLL)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (bound once and let go)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 def _find_address(log: Path, offset: int, pattern: re.Pattern[str]) -> str | None:

@@ -10,6 +10,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -26,6 +27,7 @@ from pitstop.client.localcluster.processes import (
     pid_alive,
     rank_pids,
     start_ticks,
+    tagged_processes,
 )
 from pitstop.client.localcluster.settings import (
     DEFAULT_LIVENESS_TIMEOUT,
@@ -38,6 +40,8 @@ from pitstop.client.netns import Network
 Kind = Literal["scheduler", "checkpointd", "agent"]
 Role = Literal["worker", "spare"]
 _OWN_ENTRIES = {STATE_FILE, STATE_FILE + ".tmp", LOCK_FILE, "logs", "scheduler", "nodes", "durable"}
+_MORE_SCHEDULERS = re.compile(r"scheduler-\d+")
+"""The state dirs (and names) of the schedulers beside the first: scheduler-2, ..."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,8 @@ class ClusterProcess:
     start_ticks: int | None = None
     """Start time from /proc (clock ticks since boot), so a reused pid is not mistaken
     for the daemon; None where /proc is missing."""
+    metrics: str = ""
+    """host:port of its /metrics (a scheduler's); empty when unknown."""
 
     def alive(self) -> bool:
         """Whether the daemon still runs (a zombie or a reused pid does not count)."""
@@ -92,6 +98,7 @@ class ClusterProcess:
             "address": self.address,
             "socket": self.socket,
             "start_ticks": self.start_ticks,
+            "metrics": self.metrics,
         }
 
     @classmethod
@@ -109,6 +116,7 @@ class ClusterProcess:
             address=str(data.get("address") or ""),
             socket=str(data.get("socket") or ""),
             start_ticks=None if ticks is None else int(ticks),
+            metrics=str(data.get("metrics") or ""),
         )
 
     @classmethod
@@ -117,6 +125,8 @@ class ClusterProcess:
         kind, _, node_id = tagged.daemon.partition("-")
         if kind not in ("scheduler", "checkpointd", "agent"):
             raise ValueError(f"{tagged.daemon!r} names no daemon")
+        if kind == "scheduler":
+            node_id = ""  # scheduler-2 is the second scheduler, not a node's
         return cls(
             name=tagged.daemon,
             kind=cast(Kind, kind),
@@ -191,7 +201,11 @@ def wipe_state_dir(state_dir: Path) -> bool:
     root = Path(state_dir).expanduser().absolute()
     if not root.exists():
         return False
-    foreign = sorted(entry.name for entry in root.iterdir() if entry.name not in _OWN_ENTRIES)
+    foreign = sorted(
+        entry.name
+        for entry in root.iterdir()
+        if entry.name not in _OWN_ENTRIES and not _MORE_SCHEDULERS.fullmatch(entry.name)
+    )
     if foreign:
         raise ClusterError(
             f"{root} holds files a pitstop cluster does not write ({', '.join(foreign[:5])}); "
@@ -216,6 +230,10 @@ class ClusterState:
     liveness_timeout: float = field(default=DEFAULT_LIVENESS_TIMEOUT, compare=False)
     """Seconds without a heartbeat before the scheduler declares a node lost (what the
     scheduler was started with)."""
+    agent_owns_checkpointd: bool = field(default=False, compare=False)
+    """Each agent is given its checkpoint daemon's command and address (a fixed port) and
+    starts the daemon again when it dies, as ``--checkpointd-command`` does in
+    production; otherwise a dead checkpoint daemon stays dead until its node restarts."""
     env: dict[str, str] = field(default_factory=dict, compare=False)
     """Extra environment (over os.environ) for every daemon started from this object;
     not recorded in cluster.json, so a loaded cluster starts nodes without it."""
@@ -229,6 +247,12 @@ class ClusterState:
     """Guards `processes` and cluster.json against threads starting nodes beside `down`."""
     _closed: bool = field(default=False, repr=False, compare=False)
     """`down` has begun: this object starts nothing more and writes no cluster.json."""
+    _scheduler_options: tuple[str | None, str | None, float | None] | None = field(
+        default=None, repr=False, compare=False
+    )
+    """(database URL, Redis URL, liveness timeout) the schedulers were started with, to
+    start one again; only the object that brought the cluster up has them (URLs may hold
+    passwords: they are never written down)."""
 
     @classmethod
     def load(cls, state_dir: str | os.PathLike[str] = DEFAULT_STATE_DIR) -> Self | None:
@@ -250,6 +274,7 @@ class ClusterState:
                 [ClusterProcess.from_json(p) for p in data["processes"]],
                 Network.from_json(data["network"]) if data.get("network") else None,
                 float(data.get("liveness_timeout_seconds", DEFAULT_LIVENESS_TIMEOUT)),
+                bool(data.get("agent_owns_checkpointd", False)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ClusterError(
@@ -263,6 +288,22 @@ class ClusterState:
     @property
     def log_dir(self) -> Path:
         return self.state_dir / "logs"
+
+    @property
+    def schedulers(self) -> list[ClusterProcess]:
+        """The scheduler processes, the first (``scheduler``) first."""
+        return [p for p in self.processes if p.kind == "scheduler"]
+
+    @property
+    def scheduler_target(self) -> str:
+        """The gRPC target the nodes (and a client) reach the schedulers at: the one
+        scheduler's host:port, or, with several, ``ipv4:a:p1,a:p2``, which gRPC's
+        channel tries in turn, so a node whose scheduler died talks to another at once,
+        as it would through a load balancer."""
+        addresses = [p.address for p in self.schedulers if p.address]
+        if len(addresses) < 2:
+            return self.scheduler_address
+        return "ipv4:" + ",".join(addresses)
 
     def node(self, node_id: str) -> NodeSpec:
         """The spec of one node; ClusterError when the cluster has no such node."""
@@ -288,6 +329,19 @@ class ClusterState:
             for p in self.processes
             if p.node_id == node_id and p.kind == kind
         ]
+
+    def daemon_pids(self, node_id: str, kind: Kind) -> list[int]:
+        """Live pids of the node's daemon of `kind` (agent or checkpointd): the one
+        recorded, and one its agent started again (found by its name in its environment)."""
+        self.node(node_id)
+        name = f"{kind}-{node_id}"
+        pids = [p.pid for p in self.processes if p.name == name and self.is_alive(p)]
+        pids += [
+            t.pid
+            for t in tagged_processes(self.state_dir)
+            if t.daemon == name and t.is_daemon() and t.pid not in pids
+        ]
+        return pids
 
     def is_alive(self, proc: ClusterProcess) -> bool:
         """Whether `proc` runs; reaps it when this object started it."""
@@ -342,6 +396,7 @@ class ClusterState:
             "processes": [p.to_json() for p in self.processes],
             "network": None if self.network is None else self.network.to_json(),
             "liveness_timeout_seconds": self.liveness_timeout,
+            "agent_owns_checkpointd": self.agent_owns_checkpointd,
         }
         tmp = self.state_dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")

@@ -42,12 +42,13 @@ class ClusterStopping(ClusterState):
         return only once they are gone (ClusterError if they outlive KILL_WAIT s after
         SIGKILL; after another signal, wait for them to exit on their own)."""
         ranks = self.rank_pids(node_id)
-        daemons = [p for p in self.node_processes(node_id) if self.is_alive(p)]
-        for proc in daemons:
-            signal_group(proc.pid, sig)
+        # The recorded daemons, and a checkpoint daemon its agent started again.
+        daemons = self.daemon_pids(node_id, "agent") + self.daemon_pids(node_id, "checkpointd")
+        for pid in daemons:
+            signal_group(pid, sig)
         for pid in ranks:
             signal_rank(pid, sig)
-        pids = [p.pid for p in daemons] + ranks
+        pids = daemons + ranks
         if wait:
             limit = KILL_WAIT if sig == signal.SIGKILL else STOP_TIMEOUT
             left = wait_gone(pids, limit, self._pid_alive)
