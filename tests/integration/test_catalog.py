@@ -73,6 +73,26 @@ def test_a_step_commits_when_every_rank_is_on_two_nodes(
     assert jobs.Get(jobs_pb2.GetJobRequest(job_id=job_id)).committed_step == 5
 
 
+def test_while_a_recovery_is_in_flight_daemons_are_told_to_keep_its_restore_step(
+    catalog: Any, job_id: str, db: Any
+) -> None:
+    """The old generation's ranks step on until their Reconfigure arrives and commit newer
+    steps; a daemon keeps the newest snapshot at or below the step it is told, so it is
+    told the restore step until the recovery is over."""
+    both = (shard(job_id, 0, 5, L), shard(job_id, 1, 5, L))
+    assert report(catalog, "a", *both) == {job_id: 0}
+    assert report(catalog, "b", shard(job_id, 0, 5, R), shard(job_id, 1, 5, R)) == {job_id: 5}
+    # The recovery restores step 7: newer than the committed step, whole on live nodes.
+    db.execute("UPDATE jobs SET state = 'recovering', restore_step = 7 WHERE id = %s", (job_id,))
+    newer = (shard(job_id, 0, 30, L), shard(job_id, 1, 30, L))
+    assert report(catalog, "a", *newer) == {job_id: 7}
+    assert report(catalog, "b", shard(job_id, 0, 30, R), shard(job_id, 1, 30, R)) == {job_id: 7}
+    db.execute("UPDATE jobs SET state = 'running' WHERE id = %s", (job_id,))
+    later = (shard(job_id, 0, 31, L), shard(job_id, 1, 31, L))
+    assert report(catalog, "a", *later) == {job_id: 5}
+    assert report(catalog, "b", shard(job_id, 0, 31, R), shard(job_id, 1, 31, R)) == {job_id: 31}
+
+
 def test_durable_needs_every_rank_and_removed_shards_uncommit_nothing_retroactively(
     catalog: Any, job_id: str
 ) -> None:

@@ -118,8 +118,20 @@ async def report_shards(
         assert job is not None
         for step in sorted(steps):
             await _settle_step(session, job, step)
-        committed[job_id] = job.committed_step
+        committed[job_id] = retained_step(job)
     return committed
+
+
+def retained_step(job: models.Job) -> int:
+    """The step a daemon must keep in memory for the job (it keeps the newest snapshot at
+    or below the step it is told, besides the newest few above it): the committed step,
+    but the restore step while a start or recovery is in flight. The old generation's
+    ranks step on until their Reconfigure arrives; a restore step newer than the
+    committed one (survivors' own snapshots) would otherwise fall out of the newest few
+    before the ranks act on it."""
+    if job.state in (JobState.STARTING, JobState.RECOVERING) and job.restore_step > 0:
+        return job.restore_step
+    return job.committed_step
 
 
 async def _settle_step(session: AsyncSession, job: models.Job, step: int) -> None:
