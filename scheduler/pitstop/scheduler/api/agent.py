@@ -249,7 +249,7 @@ class AgentServicer:
             self.metrics.heartbeat_lag_seconds.observe(max(lag.total_seconds(), 0.0))
         health = json_format.MessageToDict(beat.health, preserving_proto_field_name=True)
         await self.hot.record_heartbeat(state.node_id, self.liveness_timeout, health)
-        await self._stop_ended(state, beat)
+        await self._stop_stale(state, beat)
         reasons = tuple(beat.health.reasons)
         if (beat.health.verdict, reasons) == (state.verdict, state.reasons):
             return
@@ -257,20 +257,25 @@ class AgentServicer:
         async with self.store.write() as session:
             await health_service.apply_health(session, state.node_id, beat.health)
 
-    async def _stop_ended(self, state: StreamState, beat: agent_pb2.Heartbeat) -> None:
-        """Stop the node's processes (ranks and standbys) of jobs that ended: the leader
-        sends StopRanks when a job ends, but that message can be lost (a leader change,
-        a stream that broke), and nothing may run on for a job that is over. Every few
-        seconds at most."""
-        jobs = {r.job_id for r in beat.running_ranks}
+    async def _stop_stale(self, state: StreamState, beat: agent_pb2.Heartbeat) -> None:
+        """Stop the node's processes of jobs that ended, and its ranks left behind in an
+        older generation of a job that runs on without them. The leader tells a node
+        when a job ends or leaves it, but that message can be lost (a leader change, a
+        node cut off or frozen meanwhile), and nothing may run on — or hold a GPU —
+        for nothing. Every few seconds at most."""
+        running = [(r.job_id, r.generation, r.rank, r.standby) for r in beat.running_ranks]
         now = asyncio.get_running_loop().time()
-        if not jobs or now < state.ended_check_at:
+        if not running or now < state.ended_check_at:
             return
         state.ended_check_at = now + ENDED_CHECK_SECONDS
         async with self.store.read() as session:
-            ended = await job_service.ended_jobs(session, jobs)
-        for job_id in sorted(ended):
-            stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=5, reason="the job ended")
+            stale = await job_service.stale_processes(session, state.node_id, running)
+        for job_id, ranks in sorted(stale.items()):
+            why = "the job ended" if not ranks else "its job runs on in a newer generation"
+            stop = agent_pb2.StopRanks(job_id=job_id, ranks=ranks, grace_seconds=5, reason=why)
+            log.info(
+                "node %s: stopping %s of job %s: %s", state.node_id, ranks or "all", job_id, why
+            )
             await self.gateway.forward(state.node_id, agent_pb2.SchedulerMessage(stop_ranks=stop))
 
     async def _ack(self, state: StreamState, ack: agent_pb2.CommandAck) -> None:

@@ -226,7 +226,7 @@ class Recovery:
                 nodes = list(placement.nodes())
             else:
                 job.restarts += 1
-                backoff = 0.0 if job.restarts == 1 else min(2.0 ** (job.restarts - 2), 30.0)
+                backoff = restart_backoff(await _recent_restarts(session, job.id))
                 reason = (
                     f"{exited.reason}; restart {job.restarts} of {spec.max_restarts} "
                     f"in {backoff:.0f}s"
@@ -410,6 +410,30 @@ def recovering(
         job_id=job.id,
         reason=reason,
         attributes={"generation": str(job.generation), **attributes},
+    )
+
+
+RESTART_WINDOW = dt.timedelta(minutes=5)
+"""Rank restarts further back than this no longer lengthen the next one's backoff."""
+
+
+def restart_backoff(recent: int) -> float:
+    """Seconds before a rank restart, given how many restarts the job had within
+    RESTART_WINDOW: the first at once, then 1, 2, 4 … up to 30 s for a rank that keeps
+    failing. A job that fails now and then over weeks restarts at once every time."""
+    return 0.0 if recent == 0 else min(2.0 ** (recent - 1), 30.0)
+
+
+async def _recent_restarts(session: AsyncSession, job_id: str) -> int:
+    return int(
+        await session.scalar(
+            select(func.count())
+            .select_from(models.Event)
+            .where(models.Event.job_id == job_id)
+            .where(models.Event.kind == "job.restarting")
+            .where(models.Event.time > func.now() - RESTART_WINDOW)
+        )
+        or 0
     )
 
 

@@ -15,6 +15,9 @@ from pitstop.v1 import agent_pb2
 
 STANDBY_CHECK_SECONDS = 1.0
 """How often the leader checks that running jobs have their standby processes."""
+STANDBY_RESEND_SECONDS = 5.0
+"""How often a standby's start goes out again (an agent starts one only on a GPU that
+has none, so a start that was lost, or a standby that died, is made good)."""
 
 
 class StandbyKeeper:
@@ -25,6 +28,7 @@ class StandbyKeeper:
         # Shared with the recovery decisions, which prefer a spare holding a standby.
         self.standby_nodes = standby_nodes
         self.check_at = 0.0
+        self.sent_at: dict[tuple[str, str], float] = {}
 
     async def keep(self) -> None:
         """Every RUNNING job with standby_processes has a standby process on each GPU of
@@ -54,6 +58,7 @@ class StandbyKeeper:
         for job_id in [j for j in self.held if j not in live]:
             await self._stop(job_id, set(self.held.pop(job_id)), "the job ended")
             self.standby_nodes.pop(job_id, None)
+            self.sent_at = {k: v for k, v in self.sent_at.items() if k[0] != job_id}
         for job in wanting:
             spec = specs[job.id]
             # A standby already importing or waiting stays where it is while its spare
@@ -73,7 +78,8 @@ class StandbyKeeper:
                 del held[node_id]
                 preferred.discard(node_id)
             for node_id, gpus in wanted.items():
-                if held.get(node_id) == gpus:
+                sent = self.sent_at.get((job.id, node_id), 0.0)
+                if held.get(node_id) == gpus and now < sent + STANDBY_RESEND_SECONDS:
                     continue
                 command = agent_pb2.StartRanks(
                     job_id=job.id,
@@ -83,12 +89,13 @@ class StandbyKeeper:
                     working_dir=spec.working_dir,
                     standby_gpus=gpus,
                 )
-                sent = await leader.router.send(
+                routed = await leader.router.send(
                     node_id, agent_pb2.SchedulerMessage(start_ranks=command)
                 )
-                if sent is not None:  # else Redis is down too: the next check sends again
+                if routed is not None:  # else Redis is down too: the next check sends again
                     held[node_id] = gpus
                     preferred.add(node_id)
+                    self.sent_at[(job.id, node_id)] = now
 
     async def _stop(self, job_id: str, nodes: set[str], why: str) -> None:
         stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=5, reason=f"standby: {why}")

@@ -148,12 +148,47 @@ async def job_nodes(session: AsyncSession, job: models.Job) -> list[str]:
     return list(rows.all())
 
 
-async def ended_jobs(session: AsyncSession, job_ids: set[str]) -> set[str]:
-    """Those of `job_ids` that ended."""
+async def stale_processes(
+    session: AsyncSession, node_id: str, running: Sequence[tuple[str, int, int, bool]]
+) -> dict[str, list[int]]:
+    """Of the processes node `node_id` reports, (job id, generation, rank, standby),
+    those to stop, by job: every one of a job that ended (an empty list: all of the
+    job's), and ranks of an older generation of a job that runs on without this node (it
+    was cut off or frozen while its job recovered elsewhere). A job still starting or
+    recovering keeps them: they are about to reconfigure or leave; and a node in the
+    job's current rank map keeps its ranks (they may not have reported their new
+    generation yet)."""
+    ids = sorted({job_id for job_id, *_ in running})
+    if not ids:
+        return {}
     rows = await session.execute(
-        select(models.Job.id, models.Job.state).where(models.Job.id.in_(sorted(job_ids)))
+        select(models.Job.id, models.Job.state, models.Job.generation).where(models.Job.id.in_(ids))
     )
-    return {job_id for job_id, state in rows.all() if state.terminal}
+    jobs = {job_id: (state, generation) for job_id, state, generation in rows.all()}
+    placed_here = set(
+        await session.scalars(
+            select(models.RankAssignment.job_id)
+            .join(models.Job, models.Job.id == models.RankAssignment.job_id)
+            .where(models.RankAssignment.job_id.in_(ids))
+            .where(models.RankAssignment.node_id == node_id)
+            .where(models.RankAssignment.generation == models.Job.generation)
+        )
+    )
+    stale: dict[str, list[int]] = {}
+    for job_id, generation, rank, standby in running:
+        if job_id not in jobs:
+            continue
+        state, current = jobs[job_id]
+        if state.terminal:
+            stale[job_id] = []
+        elif (
+            state in (JobState.RUNNING, JobState.PAUSED)
+            and not standby
+            and generation < current
+            and job_id not in placed_here
+        ):
+            stale.setdefault(job_id, []).append(rank)
+    return stale
 
 
 async def current_ranks(session: AsyncSession, job: models.Job) -> list[models.RankAssignment]:
