@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from pitstop.scheduler.gateway import CommandRouter
 from pitstop.scheduler.hotstate import HotState
@@ -50,42 +50,54 @@ class Reconciler:
         self.standbys = StandbyKeeper(self.leader, self.recovery.standby_nodes)
 
     async def run(self, tick_seconds: float) -> None:
-        """The deciding loop, for as long as this process leads: a tick every
-        `tick_seconds`, and at once when the event log grows (a node failed, a rank
-        exited: a decision waits for no timer)."""
+        """The leader's two loops, for as long as this process leads. Deciding runs every
+        `tick_seconds` and at once when the event log grows (a node failed, a rank
+        exited: a decision waits for no timer, nor for the telemetry of every job);
+        following the steps and keeping standbys runs beside it at its own pace."""
+        async with asyncio.TaskGroup() as loops:
+            loops.create_task(self._loop("decide", self.decide, tick_seconds, woken=True))
+            loops.create_task(self._loop("follow", self.follow, tick_seconds, woken=False))
+
+    async def _loop(
+        self, name: str, body: Callable[[], Awaitable[None]], tick: float, *, woken: bool
+    ) -> None:
         bus = self.leader.store.bus
         while True:
             seen = bus.version
             started = time.perf_counter()
             try:
-                await self.tick()
+                await body()
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("reconcile tick failed; retrying")
-            self.leader.metrics.tick_seconds.observe(time.perf_counter() - started)
-            await bus.wait(seen, tick_seconds)
-            await asyncio.sleep(MIN_TICK_GAP_SECONDS)
+                log.exception("reconcile loop %s failed; the next pass retries", name)
+            self.leader.metrics.tick_seconds.labels(name).observe(time.perf_counter() - started)
+            if woken:
+                await bus.wait(seen, tick)
+                await asyncio.sleep(MIN_TICK_GAP_SECONDS)
+            else:
+                await asyncio.sleep(tick)
 
-    async def tick(self) -> None:
-        # Each step runs even if an earlier one failed, and commands go out last: a
-        # decision is sent in the tick that made it, or re-sent by a later one.
-        for step in (
-            self._place,
-            self._repair,
-            self.steps.follow,
-            self._exits,
-            self._deadlines,
-            self.standbys.keep,
-        ):
+    async def decide(self) -> None:
+        """One pass of the deciding loop. Each step runs even if an earlier one failed,
+        and commands go out last: a decision is sent in the pass that made it, or
+        re-sent by a later one."""
+        for step in (self._place, self._repair, self._exits, self._deadlines):
             try:
                 await step()
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("reconcile step %s failed; the next tick retries", step.__name__)
+                log.exception("reconcile step %s failed; the next pass retries", step.__name__)
         await commands.send_due(self.leader)
         await self.recovery.refresh_accounts()
+
+    async def follow(self) -> None:
+        """One pass of the following loop: step times and stragglers, then standbys."""
+        try:
+            await self.steps.follow()
+        finally:
+            await self.standbys.keep()
 
     async def _place(self) -> None:
         await self._send(await place_pending_jobs(self.leader))

@@ -4,6 +4,7 @@ keep the goodput account fresh."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from pitstop.health.straggler import StragglerDetector, StragglerFinding, StragglerPolicy
@@ -68,6 +69,8 @@ class StepFollower:
         self.watches: dict[str, JobWatch] = {}
         # Nodes that straggler findings ask to swap out, by job, until the next repair.
         self.swaps: dict[str, set[str]] = {}
+        # One reader of the streams at a time (the exits read them too, before a finish).
+        self._reading = asyncio.Lock()
 
     def watch(self, job_id: str) -> JobWatch:
         return self.watches.setdefault(job_id, JobWatch())
@@ -86,6 +89,10 @@ class StepFollower:
         return swaps
 
     async def follow(self) -> None:
+        async with self._reading:
+            await self._follow()
+
+    async def _follow(self) -> None:
         async with self.leader.store.read() as session:
             jobs = {
                 j.id: j for j in await lifecycle.live_jobs(session, (*RUNNABLE, JobState.PAUSED))
