@@ -68,6 +68,7 @@ def cpu_load() -> Iterator[None]:
     with cpu_load_from_env():
         yield
 
+
 STEPS = 45
 STEP_SECONDS = 0.07  # each step's work paced (the exchange and snapshot come on top), so a
 # fault lands mid-run
