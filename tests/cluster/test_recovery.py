@@ -700,9 +700,11 @@ def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
     goodput = done.goodput
     assert goodput.recoveries >= 1, goodput
     assert 0 < goodput.ratio < 1, goodput
-    first = goodput.incidents[0]
-    assert first.resumed, goodput
-    assert first.resume_seconds > 0, goodput
+    first, last = goodput.incidents[0], goodput.incidents[-1]
+    # Under load a first decision can be superseded by a second (its own incident, not
+    # resumed); the last one resumed the job.
+    assert last.resumed, goodput
+    assert last.resume_seconds > 0, goodput
     if fault not in IN_PLACE:
         assert victim.node_id in first.cause, goodput
     shown = CliRunner().invoke(
