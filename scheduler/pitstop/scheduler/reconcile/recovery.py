@@ -214,16 +214,7 @@ class Recovery:
             spec = spec_from_json(job.spec)
             placement = await lifecycle.rank_map(session, job)
             if job.restarts >= spec.max_restarts:
-                lifecycle.transition(
-                    session,
-                    job,
-                    JobState.FAILED,
-                    kind="job.failed",
-                    reason=f"{exited.reason}; restarts exhausted ({job.restarts})",
-                )
-                set_deadline(job, None)
-                await lifecycle.release_gpus(session, job.id)
-                nodes = list(placement.nodes())
+                nodes = await _fail(session, job, placement, exited.reason)
             else:
                 job.restarts += 1
                 backoff = restart_backoff(await _recent_restarts(session, job.id))
@@ -335,16 +326,7 @@ class Recovery:
                 else "the ranks did not start stepping"
             )
             if job.restarts >= spec.max_restarts:
-                lifecycle.transition(
-                    session,
-                    job,
-                    JobState.FAILED,
-                    kind="job.failed",
-                    reason=f"{waited} before its deadline; restarts exhausted ({job.restarts})",
-                )
-                set_deadline(job, None)
-                await lifecycle.release_gpus(session, job.id)
-                nodes = list(placement.nodes())
+                nodes = await _fail(session, job, placement, f"{waited} before its deadline")
             else:
                 job.restarts += 1
                 await lifecycle.write_generation(session, job, placement)
@@ -435,6 +417,23 @@ async def _recent_restarts(session: AsyncSession, job_id: str) -> int:
         )
         or 0
     )
+
+
+async def _fail(
+    session: AsyncSession, job: models.Job, placement: Placement, why: str
+) -> list[str]:
+    """The job FAILED, its restarts exhausted: no deadline, its GPUs free; the nodes
+    whose ranks are to be stopped."""
+    lifecycle.transition(
+        session,
+        job,
+        JobState.FAILED,
+        kind="job.failed",
+        reason=f"{why}; restarts exhausted ({job.restarts})",
+    )
+    set_deadline(job, None)
+    await lifecycle.release_gpus(session, job.id)
+    return list(placement.nodes())
 
 
 async def _failed_nodes(session: AsyncSession, placement: Placement) -> list[str]:
