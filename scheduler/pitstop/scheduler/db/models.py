@@ -53,6 +53,14 @@ def _enum(cls: type[Any], name: str) -> Enum:
     )
 
 
+NO_KEY_UPDATE: dict[str, Any] = {"key_share": True}
+"""How a transaction locks a row it will change (``session.get(..., with_for_update=
+NO_KEY_UPDATE)``): FOR NO KEY UPDATE. Inserting a row that references it (a shard of a
+job, a command to a node) takes FOR KEY SHARE for the inserting transaction's whole
+life; FOR UPDATE would queue a decision behind every such telemetry transaction in
+flight, and them behind it. No transaction here changes a key."""
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     # Fetch server-side timestamps with RETURNING, so rows stay readable after commit.

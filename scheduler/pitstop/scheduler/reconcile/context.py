@@ -53,7 +53,7 @@ async def locked_job(
     """Inside a deciding transaction: check the fencing token, lock the job's row; None
     when the job is gone, ended, or (with `states`) in none of them."""
     await leader.election.assert_leader(session)
-    job = await session.get(models.Job, job_id, with_for_update=True)
+    job = await session.get(models.Job, job_id, with_for_update=models.NO_KEY_UPDATE)
     if job is None or job.state.terminal:
         return None
     if states is not None and job.state not in states:

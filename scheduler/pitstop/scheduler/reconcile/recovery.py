@@ -193,7 +193,7 @@ class Recovery:
         due, self.accounts_due = self.accounts_due, set()
         for job_id in sorted(due):
             async with self.leader.store.write() as session:
-                job = await session.get(models.Job, job_id, with_for_update=True)
+                job = await session.get(models.Job, job_id, with_for_update=models.NO_KEY_UPDATE)
                 if job is not None:
                     await goodput.refresh(session, job, step_seconds=self.step_seconds(job_id))
 

@@ -37,7 +37,7 @@ _LIVE = (NodeState.READY, NodeState.CORDONED, NodeState.DRAINING)
 
 async def _locked_node(session: AsyncSession, node_id: str) -> models.Node | None:
     return await session.scalar(
-        select(models.Node).where(models.Node.id == node_id).with_for_update()
+        select(models.Node).where(models.Node.id == node_id).with_for_update(key_share=True)
     )
 
 

@@ -80,7 +80,7 @@ async def get_job(session: AsyncSession, job_id: str, *, for_update: bool = Fals
         raise InvalidArgument("job_id", job_id, "give a job id such as j-4f1c2a9b0d3e")
     query = select(models.Job).where(models.Job.id == job_id)
     if for_update:
-        query = query.with_for_update()
+        query = query.with_for_update(key_share=True)
     job = await session.scalar(query)
     if job is None:
         raise NotFound("job", job_id, "list jobs with `pitstop job list`")

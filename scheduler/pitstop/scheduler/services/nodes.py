@@ -29,7 +29,7 @@ async def get_node(session: AsyncSession, node_id: str, *, for_update: bool = Fa
         select(models.Node).where(models.Node.id == node_id).options(selectinload(models.Node.gpus))
     )
     if for_update:
-        query = query.with_for_update()
+        query = query.with_for_update(key_share=True)
     node = await session.scalar(query)
     if node is None:
         raise NotFound("node", node_id, "list nodes with `pitstop node list`")
@@ -242,7 +242,7 @@ async def register_node(
         select(models.Node)
         .where(models.Node.id == reg.node_id)
         .options(selectinload(models.Node.gpus))
-        .with_for_update()
+        .with_for_update(key_share=True)
     )
     if node is not None and connected_elsewhere:
         known = sorted(g.uuid for g in node.gpus)
@@ -303,7 +303,7 @@ async def register_node(
 
 
 async def mark_disconnected(session: AsyncSession, node_id: str) -> None:
-    node = await session.get(models.Node, node_id, with_for_update=True)
+    node = await session.get(models.Node, node_id, with_for_update=models.NO_KEY_UPDATE)
     if node is not None and node.connected:
         node.connected = False
         record_event(
