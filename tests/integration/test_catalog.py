@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
-from conftest import AgentSpec, SchedulerThread, follow_events, run_agents, unique, wait_for
+from conftest import (
+    AgentSpec,
+    SchedulerThread,
+    StoreUrls,
+    follow_events,
+    run_agents,
+    unique,
+    wait_for,
+)
 
 from pitstop.scheduler.db import models
 from pitstop.scheduler.db.engine import session_factory
@@ -71,6 +81,75 @@ def test_a_step_commits_when_every_rank_is_on_two_nodes(
     }
     jobs = jobs_pb2_grpc.JobServiceStub(scheduler.channel())
     assert jobs.Get(jobs_pb2.GetJobRequest(job_id=job_id)).committed_step == 5
+
+
+def test_a_report_never_waits_for_a_job_row_a_decision_holds(
+    scheduler: SchedulerThread, catalog: Any, job_id: str, stores: StoreUrls
+) -> None:
+    """Reports are telemetry: a deciding transaction holding the job's row must not make
+    them queue (nor queue behind them). The step is committed on record at once; the
+    job's pointer moves with the next report after the row is free."""
+    jobs = jobs_pb2_grpc.JobServiceStub(scheduler.channel())
+    with psycopg.connect(stores.database_url) as decision:
+        decision.execute("SELECT id FROM jobs WHERE id = %s FOR NO KEY UPDATE", (job_id,))
+        both = (shard(job_id, 0, 5, L), shard(job_id, 1, 5, L))
+        request = checkpoint_pb2.ReportShardsRequest(node_id="a", added=both)
+        catalog.ReportShards(request, timeout=10)
+        replicas = (shard(job_id, 0, 5, R), shard(job_id, 1, 5, R))
+        request = checkpoint_pb2.ReportShardsRequest(node_id="b", added=replicas)
+        assert dict(catalog.ReportShards(request, timeout=10).committed_steps) == {job_id: 0}
+        asked = checkpoint_pb2.GetRestorePointRequest(job_id=job_id, step=5)
+        point = catalog.GetRestorePoint(asked)
+        assert {r: sorted(v.node_ids) for r, v in point.locations.items()} == {
+            0: ["a", "b"],
+            1: ["a", "b"],
+        }
+        decision.rollback()
+    assert jobs.Get(jobs_pb2.GetJobRequest(job_id=job_id)).committed_step == 0
+    assert report(catalog, "a", shard(job_id, 0, 6, L), shard(job_id, 1, 6, L)) == {job_id: 0}
+    assert report(catalog, "b", shard(job_id, 0, 6, R), shard(job_id, 1, 6, R)) == {job_id: 6}
+    assert jobs.Get(jobs_pb2.GetJobRequest(job_id=job_id)).committed_step == 6
+
+
+def test_reports_of_one_step_from_every_holder_at_once_commit_it(catalog: Any, job_id: str) -> None:
+    """Concurrent reports are serialised by the step's checkpoint row: whichever lands
+    last counts the others' shards, so every step commits."""
+    holders = {"a": L, "b": R, "c": R}
+
+    def one(step: int, node: str) -> None:
+        report(
+            catalog,
+            node,
+            shard(job_id, 0, step, holders[node]),
+            shard(job_id, 1, step, holders[node]),
+        )
+
+    with ThreadPoolExecutor(len(holders)) as pool:
+        for step in range(1, 21):
+            list(pool.map(lambda node: one(step, node), holders))  # noqa: B023 (waited for here)
+    assert report(catalog, "a") == {}
+    point = catalog.GetRestorePoint(checkpoint_pb2.GetRestorePointRequest(job_id=job_id))
+    assert point.committed_step == 20
+    assert sorted(point.locations[0].node_ids) == ["a", "b", "c"]
+
+
+def test_a_daemons_backlog_lands_in_one_report(catalog: Any, job_id: str) -> None:
+    """A daemon whose reports failed for a while sends everything since in one report
+    (here 1,200 shards from each of two nodes): it lands whole, within the daemon's
+    deadline, and commits every step it completes."""
+    steps = range(1, 601)
+    for node, tier in (("a", L), ("b", R)):
+        backlog = [shard(job_id, rank, step, tier) for step in steps for rank in (0, 1)]
+        request = checkpoint_pb2.ReportShardsRequest(node_id=node, added=backlog)
+        reply = catalog.ReportShards(request, timeout=10)
+    assert dict(reply.committed_steps) == {job_id: 600}
+    for step in (1, 300, 600):
+        asked = checkpoint_pb2.GetRestorePointRequest(job_id=job_id, step=step)
+        point = catalog.GetRestorePoint(asked)
+        assert {r: sorted(v.node_ids) for r, v in point.locations.items()} == {
+            0: ["a", "b"],
+            1: ["a", "b"],
+        }
 
 
 def test_while_a_recovery_is_in_flight_daemons_are_told_to_keep_its_restore_step(

@@ -20,7 +20,9 @@ class CatalogServicer:
     ) -> checkpoint_pb2.ReportShardsResponse:
         check_text("node_id", request.node_id, max_len=253)
         async with self.store.write() as session:
-            committed = await catalog_service.report_shards(session, request)
+            settled = await catalog_service.report_shards(session, request)
+        async with self.store.write() as session:  # the jobs' rows: briefly, on their own
+            committed = await catalog_service.advance_jobs(session, settled)
         return checkpoint_pb2.ReportShardsResponse(committed_steps=committed)
 
     async def GetBuddy(  # noqa: N802

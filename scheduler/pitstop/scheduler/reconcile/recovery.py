@@ -176,7 +176,7 @@ class Recovery:
                 job,
                 kind="job.recovering",
                 again="job.reconfigured",
-                reason="; ".join(moves),
+                reason=f"{'; '.join(moves)}; restoring step {restore}",
                 attributes=incident,
             )
             self.accounts_due.add(job.id)

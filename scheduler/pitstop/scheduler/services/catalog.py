@@ -8,10 +8,11 @@ they gain and drop; the restore path asks for the newest committed step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, tuple_, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -49,30 +50,37 @@ async def world_size(session: AsyncSession, job: models.Job, generation: int) ->
 
 async def report_shards(
     session: AsyncSession, request: checkpoint_pb2.ReportShardsRequest
-) -> dict[str, int]:
-    """Apply one daemon's report; returns the newest committed step of each job touched."""
+) -> dict[str, Settled]:
+    """Apply one daemon's report; returns, per job touched, the newest steps it made
+    committed or durable (`advance_jobs` moves the jobs' pointers, in a transaction of
+    its own).
+
+    A handful of statements whatever the report's size: a daemon whose reports failed
+    sends everything since in one, and a report that took a round trip per shard would
+    outlast its deadline on a busy machine, fail, and come back bigger. The job's row is
+    never locked here: a report is telemetry, and a deciding transaction (which locks the
+    row) must not queue behind reports. Concurrent reports of one step are serialised by
+    the step's checkpoint row instead (`_settle`)."""
     node_id = request.node_id
-    touched: dict[str, set[int]] = {}
-    jobs: dict[str, models.Job | None] = {}
     if request.fresh_start:
         await forget_node(session, node_id)  # a new daemon: its memory starts empty
+    named = sorted({info.header.key.job_id for info in request.added})
+    jobs = {
+        job.id: job
+        for job in await session.scalars(select(models.Job).where(models.Job.id.in_(named)))
+    }
+    for job_id in sorted(set(named) - set(jobs)):
+        log.warning("node %s reported a shard of unknown job %s", node_id, job_id)
+    steps: dict[tuple[str, int], int] = {}
+    shards: dict[tuple[str, int, int, str], dict[str, Any]] = {}
     for info in request.added:
         key = info.header.key
         if key.job_id not in jobs:
-            # The job row first: concurrent reports of one job then queue here instead
-            # of deadlocking over its checkpoint rows in _settle_step.
-            jobs[key.job_id] = await session.get(models.Job, key.job_id, with_for_update=True)
-        if jobs[key.job_id] is None:
-            log.warning("node %s reported a shard of unknown job %s", node_id, key.job_id)
             continue
+        steps.setdefault((key.job_id, key.step), key.generation)
         tier = _TIERS.get(info.tier, "local")
-        await session.execute(
-            insert(models.Checkpoint)
-            .values(job_id=key.job_id, step=key.step, generation=key.generation)
-            .on_conflict_do_nothing()
-        )
         holder = DURABLE_NODE if tier == "durable" else node_id
-        values = {
+        shards[(key.job_id, key.step, key.rank, holder)] = {
             "job_id": key.job_id,
             "step": key.step,
             "rank": key.rank,
@@ -81,28 +89,33 @@ async def report_shards(
             "checksum": info.header.checksum,
             "size_bytes": info.header.size_bytes,
         }
+    # Rows in one order everywhere: two reports never wait on each other crosswise.
+    for chunk in _chunks(sorted(steps.items())):
         await session.execute(
-            insert(models.CheckpointShard)
-            .values(**values)
-            .on_conflict_do_update(
+            insert(models.Checkpoint)
+            .values([{"job_id": j, "step": st, "generation": g} for (j, st), g in chunk])
+            .on_conflict_do_nothing()
+        )
+    for rows in _chunks([shards[k] for k in sorted(shards)]):
+        upsert = insert(models.CheckpointShard).values(rows)
+        await session.execute(
+            upsert.on_conflict_do_update(
                 index_elements=["job_id", "step", "rank", "node_id"],
                 set_={
-                    "tier": tier,
-                    "checksum": values["checksum"],
-                    "size_bytes": values["size_bytes"],
+                    "tier": upsert.excluded.tier,
+                    "checksum": upsert.excluded.checksum,
+                    "size_bytes": upsert.excluded.size_bytes,
                 },
             )
         )
-        touched.setdefault(key.job_id, set()).add(key.step)
-    removals = [(key, node_id) for key in request.removed]
-    removals += [(key, DURABLE_NODE) for key in request.removed_durable]
-    for key, holder in removals:
+    gone = [(k.job_id, k.step, k.rank, node_id) for k in request.removed]
+    gone += [(k.job_id, k.step, k.rank, DURABLE_NODE) for k in request.removed_durable]
+    shard = models.CheckpointShard
+    for chunk in _chunks(sorted(set(gone))):
         await session.execute(
-            delete(models.CheckpointShard)
-            .where(models.CheckpointShard.job_id == key.job_id)
-            .where(models.CheckpointShard.step == key.step)
-            .where(models.CheckpointShard.rank == key.rank)
-            .where(models.CheckpointShard.node_id == holder)
+            delete(shard).where(
+                tuple_(shard.job_id, shard.step, shard.rank, shard.node_id).in_(chunk)
+            )
         )
     for error in request.flush_errors:
         record_event(
@@ -112,14 +125,62 @@ async def report_shards(
             node_id=node_id,
             reason=error[:1000],
         )
-    committed: dict[str, int] = {}
-    for job_id, steps in touched.items():
-        job = jobs[job_id]
-        assert job is not None
-        for step in sorted(steps):
-            await _settle_step(session, job, step)
-        committed[job_id] = retained_step(job)
-    return committed
+    touched: dict[str, list[int]] = {}
+    for job_id, step in sorted(steps):
+        touched.setdefault(job_id, []).append(step)
+    return {
+        job_id: await _settle(session, jobs[job_id], found) for job_id, found in touched.items()
+    }
+
+
+def _chunks(rows: list[Any], size: int = 1000) -> Iterator[list[Any]]:
+    """Rows in statements of at most `size` (PostgreSQL takes 65,535 parameters)."""
+    for start in range(0, len(rows), size):
+        yield rows[start : start + size]
+
+
+@dataclass
+class Settled:
+    """The newest steps of one job that a report made committed and durable (0: none)."""
+
+    committed: int = 0
+    durable: int = 0
+
+
+async def advance_jobs(session: AsyncSession, settled: dict[str, Settled]) -> dict[str, int]:
+    """Move each job's committed and durable steps forward to what a report settled,
+    never backwards, and the committed step not while the job recovers (daemons keep the
+    committed step in memory, and the restore point a recovery chose must outlive the
+    steps the survivors take and commit before they reach the Reconfigure). A job whose
+    row another transaction holds (a decision) is skipped, not waited for: the next
+    report moves it on. Returns the step each job's daemons must keep (`retained_step`)."""
+    for job_id, found in sorted(settled.items()):
+        await _advance(session, job_id, models.Job.committed_step, found.committed)
+        await _advance(session, job_id, models.Job.durable_step, found.durable)
+    if not settled:
+        return {}
+    rows = await session.scalars(
+        select(models.Job)
+        .where(models.Job.id.in_(sorted(settled)))
+        .execution_options(populate_existing=True)
+    )
+    return {job.id: retained_step(job) for job in rows}
+
+
+async def _advance(session: AsyncSession, job_id: str, column: Any, step: int) -> None:
+    if not step:
+        return
+    free = (
+        select(models.Job.id)
+        .where(models.Job.id == job_id)
+        .where(column < step)
+        .with_for_update(key_share=True, skip_locked=True)
+    )
+    if column is models.Job.committed_step:
+        free = free.where(models.Job.state != JobState.RECOVERING)
+    await session.execute(
+        update(models.Job).where(models.Job.id == free.scalar_subquery()).values({column: step})
+    )
 
 
 def retained_step(job: models.Job) -> int:
@@ -134,38 +195,79 @@ def retained_step(job: models.Job) -> int:
     return job.committed_step
 
 
-async def _settle_step(session: AsyncSession, job: models.Job, step: int) -> None:
-    """Mark the step committed/durable if it now is, and move the job's pointers."""
-    checkpoint = await session.get(models.Checkpoint, (job.id, step), with_for_update=True)
-    if checkpoint is None:
-        return
-    ranks = await world_size(session, job, checkpoint.generation)
-    in_memory = (
-        select(models.CheckpointShard.rank)
-        .where(models.CheckpointShard.job_id == job.id)
-        .where(models.CheckpointShard.step == step)
-        .where(models.CheckpointShard.node_id != DURABLE_NODE)
-        .group_by(models.CheckpointShard.rank)
-        .having(func.count(func.distinct(models.CheckpointShard.node_id)) >= 2)
+async def _settle(session: AsyncSession, job: models.Job, steps: list[int]) -> Settled:
+    """Mark the job's `steps` committed/durable where they now are; returns the newest of
+    each. The steps' checkpoint rows are locked (in step order): a second report of a
+    step waits here, then counts this one's shards too."""
+    shard = models.CheckpointShard
+    locked = (
+        await session.scalars(
+            select(models.Checkpoint)
+            .where(models.Checkpoint.job_id == job.id)
+            .where(models.Checkpoint.step.in_(steps))
+            .order_by(models.Checkpoint.step)
+            .with_for_update(key_share=True)
+        )
+    ).all()
+    twice_held = (
+        select(shard.step, shard.rank)
+        .where(shard.job_id == job.id)
+        .where(shard.step.in_(steps))
+        .where(shard.node_id != DURABLE_NODE)
+        .group_by(shard.step, shard.rank)
+        .having(func.count(func.distinct(shard.node_id)) >= 2)
+        .subquery()
     )
-    twice = len((await session.scalars(in_memory)).all())
-    durable = await session.scalar(
-        select(func.count(func.distinct(models.CheckpointShard.rank)))
-        .where(models.CheckpointShard.job_id == job.id)
-        .where(models.CheckpointShard.step == step)
-        .where(models.CheckpointShard.node_id == DURABLE_NODE)
+    twice: dict[int, int] = dict(
+        (
+            await session.execute(
+                select(twice_held.c.step, func.count()).group_by(twice_held.c.step)
+            )
+        ).all()
     )
-    if twice >= ranks and not checkpoint.committed:
-        checkpoint.committed = True
-        # Not while recovering: checkpoint daemons keep the committed step in memory,
-        # and the restore point a recovery chose must outlive the steps the survivors
-        # take (and commit) before they reach the Reconfigure.
-        if step > job.committed_step and job.state is not JobState.RECOVERING:
-            job.committed_step = step
-    if (durable or 0) >= ranks and not checkpoint.durable:
-        checkpoint.durable = True
-        if step > job.durable_step:
-            job.durable_step = step
+    durable: dict[int, int] = dict(
+        (
+            await session.execute(
+                select(shard.step, func.count(func.distinct(shard.rank)))
+                .where(shard.job_id == job.id)
+                .where(shard.step.in_(steps))
+                .where(shard.node_id == DURABLE_NODE)
+                .group_by(shard.step)
+            )
+        ).all()
+    )
+    sizes = await _world_sizes(session, job, {c.generation for c in locked})
+    found = Settled()
+    for checkpoint in locked:
+        ranks = sizes[checkpoint.generation]
+        if twice.get(checkpoint.step, 0) >= ranks:
+            checkpoint.committed = True
+        if durable.get(checkpoint.step, 0) >= ranks:
+            checkpoint.durable = True
+        if checkpoint.committed:
+            found.committed = max(found.committed, checkpoint.step)
+        if checkpoint.durable:
+            found.durable = max(found.durable, checkpoint.step)
+    return found
+
+
+async def _world_sizes(
+    session: AsyncSession, job: models.Job, generations: set[int]
+) -> dict[int, int]:
+    """Ranks of each generation (`world_size`), in one query."""
+    placed = dict(
+        (
+            await session.execute(
+                select(models.RankAssignment.generation, func.count())
+                .where(models.RankAssignment.job_id == job.id)
+                .where(models.RankAssignment.generation.in_(generations))
+                .group_by(models.RankAssignment.generation)
+            )
+        ).all()
+    )
+    shape = spec_from_json(job.spec)
+    planned = max(shape.tp, 1) * max(shape.pp, 1) * max(shape.dp, 1)
+    return {g: int(placed.get(g) or planned) for g in generations}
 
 
 async def restore_point(
@@ -217,10 +319,6 @@ def choose_buddy(node: models.Node, candidates: Sequence[models.Node]) -> models
     return ordered[0]
 
 
-RESTORE_CANDIDATES = 64
-"""How many of the newest held steps a recovery considers (a daemon keeps about 20)."""
-
-
 async def restorable_step(session: AsyncSession, job: models.Job) -> int:
     """The step a recovery restores: the newest step of which every rank of its
     generation still has a copy on a node that is not lost or unhealthy (its own
@@ -231,41 +329,60 @@ async def restorable_step(session: AsyncSession, job: models.Job) -> int:
     When a node and its buddy fail together, both copies of some rank's newest steps
     are gone: the recovery goes back to the newest step still whole (an older one in
     memory, then the durable store), and to step 0 when there is none, rather than
-    asking for a shard nobody holds."""
+    asking for a shard nobody holds. Going back past the committed step is logged with
+    the ranks that lack a copy."""
     alive = select(models.Node.id).where(
         models.Node.state.not_in((NodeState.LOST, NodeState.UNHEALTHY))
     )
-    durable = models.CheckpointShard.node_id == DURABLE_NODE
-    held = durable | models.CheckpointShard.node_id.in_(alive)
-    newest = await _newest_whole(session, job, held, RESTORE_CANDIDATES)
-    if newest is None:
-        # Older than every candidate: the newest step whose durable copies are all
-        # still on record (a daemon prunes its old durable copies and reports it, so
-        # the job's durable step may no longer be whole). 0 when none: start over.
-        newest = await _newest_whole(session, job, durable, None)
-    return newest or 0
-
-
-async def _newest_whole(
-    session: AsyncSession, job: models.Job, where: Any, limit: int | None
-) -> int | None:
-    """The newest step (of the `limit` newest, None: all) of which the job's shards
-    matching `where` hold every rank of the step's generation."""
-    rows = await session.execute(
-        select(models.CheckpointShard.step, func.count(func.distinct(models.CheckpointShard.rank)))
-        .where(models.CheckpointShard.job_id == job.id)
-        .where(where)
-        .group_by(models.CheckpointShard.step)
-        .order_by(models.CheckpointShard.step.desc())
-        .limit(limit)
+    held = (models.CheckpointShard.node_id == DURABLE_NODE) | models.CheckpointShard.node_id.in_(
+        alive
     )
-    for step, ranks in rows.all():
-        checkpoint = await session.get(models.Checkpoint, (job.id, step))
-        if checkpoint is not None and ranks >= await world_size(
-            session, job, checkpoint.generation
-        ):
-            return int(step)
-    return None
+    newest = await _newest_whole(session, job, held)
+    if newest < job.committed_step:
+        have = await session.scalars(
+            select(func.distinct(models.CheckpointShard.rank))
+            .where(models.CheckpointShard.job_id == job.id)
+            .where(models.CheckpointShard.step == job.committed_step)
+            .where(held)
+        )
+        missing = sorted(set(range(await world_size(session, job, job.generation))) - set(have))
+        log.warning(
+            "job %s: restoring step %d, older than its committed step %d: ranks %s have no "
+            "copy of it left on a live node (a node and its buddy lost together?)",
+            job.id,
+            newest,
+            job.committed_step,
+            missing,
+        )
+    return newest
+
+
+async def _newest_whole(session: AsyncSession, job: models.Job, where: Any) -> int:
+    """The newest step (0: none) of which the job's shards matching `where` hold every
+    rank of the step's generation, in one query."""
+    shape = spec_from_json(job.spec)
+    planned = max(shape.tp, 1) * max(shape.pp, 1) * max(shape.dp, 1)
+    shard, checkpoint = models.CheckpointShard, models.Checkpoint
+    ranks = (
+        select(func.count())
+        .select_from(models.RankAssignment)
+        .where(models.RankAssignment.job_id == job.id)
+        .where(models.RankAssignment.generation == checkpoint.generation)
+        .scalar_subquery()
+    )
+    step = await session.scalar(
+        select(shard.step)
+        .join(checkpoint, (checkpoint.job_id == shard.job_id) & (checkpoint.step == shard.step))
+        .where(shard.job_id == job.id)
+        .where(where)
+        .group_by(shard.step, checkpoint.generation)
+        .having(
+            func.count(func.distinct(shard.rank)) >= func.coalesce(func.nullif(ranks, 0), planned)
+        )
+        .order_by(shard.step.desc())
+        .limit(1)
+    )
+    return int(step or 0)
 
 
 async def forget_node(session: AsyncSession, node_id: str) -> None:
