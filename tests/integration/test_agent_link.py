@@ -293,6 +293,32 @@ async def test_start_ranks_runs_the_rank_and_its_exit_is_reported(
         assert exited.attributes["exit_code"] == "3"
 
 
+async def test_a_fatal_xid_ends_the_ranks_on_that_gpu_and_no_other(
+    scheduler: SchedulerThread, short_dir: Path, notices: RankNotices
+) -> None:
+    """A GPU fallen off the bus takes its ranks with it at once: they must not step on
+    (their peers would run the job ahead of the scheduler's decision, on a broken GPU)."""
+    settings = agent_settings(scheduler.address, short_dir, gpus="sim:2")
+    job_id = unique("job")
+    ranks = ((0, settings.node_id, 0), (1, settings.node_id, 1))
+    start = start_command(job_id, notices, "--hold", ranks=ranks)
+    async with (
+        running_agent(settings) as agent,
+        node_events(scheduler.address, settings.node_id) as events,
+    ):
+        await agent.link.wait_registered(timeout=TIMEOUT)
+        await agent.supervisor.start_ranks(start)
+        pids = {rank: (await notices.next(rank))["pid"] for rank in (0, 1)}
+        fault = common_pb2.Fault(gpu_index=1, xid=79)
+        await asyncio.to_thread(send_command, scheduler, settings.node_id, inject_fault=fault)
+        await events.next("node.unhealthy")
+        exited = await events.next("rank.exited")
+        assert (exited.job_id, exited.attributes["rank"]) == (job_id, "1")
+        await wait_gone([pids[1]])
+        assert [r.pid for r in agent.supervisor.running()] == [pids[0]]
+        os.kill(pids[0], 0)  # the rank on the healthy GPU runs on
+
+
 async def test_pause_is_relayed_to_the_jobs_ranks(
     scheduler: SchedulerThread, short_dir: Path, notices: RankNotices
 ) -> None:

@@ -490,10 +490,13 @@ class SchedulerLink:
                 info.name,
                 common_pb2.HealthVerdict.Name(xid.verdict),
             )
-            if info.xid_class is XidClass.APPLICATION:
-                # The GPU is fine but the contexts on it are not: the ranks there would
-                # crash or hang in their next kernel. End them now, so the scheduler
-                # restarts them in place instead of waiting on a collective timeout.
+            if info.xid_class in (XidClass.APPLICATION, XidClass.FATAL):
+                # The contexts on the GPU are broken (application), or the GPU itself
+                # (fatal): the ranks there would crash or hang in their next kernel, or
+                # worse, step on with a GPU that computes wrong numbers. End them now:
+                # their peers stop at the next collective and wait for the scheduler's
+                # decision (restart in place; a replacement for a fatal Xid) instead of
+                # waiting on a collective timeout or training on without the decision.
                 self._supervisor.kill_gpu(xid.gpu_index, f"Xid {xid.xid} ({info.name})")
         self._send(xid=xid)
 

@@ -304,10 +304,11 @@ class RankSupervisor:
         return moved
 
     def kill_gpu(self, gpu_index: int, reason: str) -> list[tuple[str, int]]:
-        """SIGKILL the process group of every rank on GPU `gpu_index`: an application Xid
-        left their CUDA contexts broken, so they can neither finish the step nor save
-        anything worth keeping. Each exit is reported as usual (the scheduler restarts
-        the rank in place). Returns the (job id, rank) pairs killed."""
+        """SIGKILL the process group of every rank on GPU `gpu_index`: an application or
+        fatal Xid left their CUDA contexts (or the GPU) broken, so they can neither finish
+        the step nor save anything worth keeping. Each exit is reported as usual (the
+        scheduler restarts the rank in place, or has moved it off a failed node). Returns
+        the (job id, rank) pairs killed."""
         killed = []
         for (job_id, rank), entry in sorted(self._ranks.items()):
             if entry.gpu_index == gpu_index:
