@@ -19,6 +19,9 @@ from pitstop.scheduler.store import Store
 
 log = logging.getLogger(__name__)
 
+STALL_SECONDS = 1.0
+"""A scan this much later than its tick means the scheduler itself stalled."""
+
 
 class LivenessMonitor:
     def __init__(
@@ -60,6 +63,7 @@ class LivenessMonitor:
     async def run(self) -> None:
         await self.hot.extend_deadlines(self.clock() + self.grace)
         while True:
+            started = self.clock()
             try:
                 await self.scan_once()
             except asyncio.CancelledError:
@@ -68,3 +72,21 @@ class LivenessMonitor:
                 # A store outage must not end the loop; the next tick retries.
                 log.warning("liveness scan failed; retrying", exc_info=True)
             await asyncio.sleep(self.tick)
+            await self._forgive_stall(self.clock() - started - self.tick)
+
+    async def _forgive_stall(self, late: float) -> None:
+        """This process was not looking for `late` seconds (a starved CPU, a pause): the
+        heartbeats that came meanwhile are unread, not missing, and a deadline that
+        passed while they queued says nothing about the node. Every node gets at least
+        that long again before the next scan may declare it lost."""
+        if late < STALL_SECONDS:
+            return
+        log.warning(
+            "the liveness scan ran %.1fs late (this process was starved or paused); "
+            "every node's heartbeat deadline is pushed back as long",
+            late,
+        )
+        try:
+            await self.hot.extend_deadlines(self.clock() + late)
+        except Exception:
+            log.warning("could not push back the heartbeat deadlines", exc_info=True)
