@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import logging
 import threading
@@ -255,9 +256,7 @@ class LeaderElection:
                     log.warning("%s lost the leader lease", self.holder)
                     self.token = None
                     self.became_leader.clear()
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                    await _cancelled(task)
                     task = None
                 if token is not None:
                     self.token = token
@@ -285,3 +284,31 @@ class LeaderElection:
         keeper.stop()
         await asyncio.to_thread(keeper.join, 5.0)
         await asyncio.to_thread(keeper.release)
+
+
+_LOOP_CODE = ("/pitstop/scheduler/reconcile/", "/pitstop/scheduler/liveness.py")
+STUCK_LOOPS_SECONDS = 10.0
+"""Leader loops still running this long after their cancel are logged with their stack."""
+
+
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    """Cancel the leader loops and wait until they end. While they have not (an await
+    that ignores cancellation), this process cannot lead again: say where they are."""
+    task.cancel()
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=STUCK_LOOPS_SECONDS)
+        if done:
+            with contextlib.suppress(asyncio.CancelledError):
+                task.result()
+            return
+        where = io.StringIO()
+        for other in asyncio.all_tasks():  # the loops' own tasks, under the task group
+            frames = other.get_stack()
+            if other is task or any(c in f.f_code.co_filename for f in frames for c in _LOOP_CODE):
+                other.print_stack(file=where)
+        log.error(
+            "the leader loops have not stopped %.0fs after losing the lease; this process "
+            "cannot lead again until they do. They wait in:\n%s",
+            STUCK_LOOPS_SECONDS,
+            where.getvalue(),
+        )
