@@ -58,8 +58,10 @@ class SchedulerSettings(BaseSettings):
     # liveness_tick_seconds, so detection takes at most (intervals * beat + tick).
     liveness_timeout_intervals: float = Field(default=2.5, ge=1.5)
     liveness_tick_seconds: float = Field(default=0.1, gt=0)
-    # After a (re)start, agents get this long to reconnect before deadlines count.
-    liveness_startup_grace_seconds: float = Field(default=5.0, ge=0)
+    # After a (re)start, agents get this long to reconnect before deadlines count: they
+    # back off up to 2 s between attempts, and a fleet registering at once on a busy
+    # machine takes seconds more (5 s declared live nodes lost beside a CPU load).
+    liveness_startup_grace_seconds: float = Field(default=15.0, ge=0)
     # Campaign for the leader lease and run the deciding loops (placement, recovery,
     # liveness) when holding it. Off only for a process meant to serve the API alone.
     leader_loops: bool = True
