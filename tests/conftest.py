@@ -161,9 +161,22 @@ class SchedulerThread:
             stream.close()
         for channel in self._channels:
             channel.close()
+        # What the server left (a Watch handler still streaming, say) ends on this loop
+        # now: a coroutine collected later, on another thread, fails its test.
+        self._call(_cancel_leftover_tasks(), timeout=30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
+
+
+async def _cancel_leftover_tasks() -> None:
+    """Cancel every task of the running loop but this one, wait for them to end, and
+    close the async generators left open."""
+    leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in leftover:
+        task.cancel()
+    await asyncio.gather(*leftover, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()  # a Watch's generator, say
 
 
 class AgentStream:
@@ -438,9 +451,15 @@ class SchedulerProcess:
         self.proc.wait(10)
 
     def stop(self) -> None:
+        """SIGTERM, and SIGKILL after 30 s: a scheduler that will not stop is not left
+        running after the test."""
         if self.proc.poll() is None:
             self.proc.terminate()
-            self.proc.wait(30)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
         for channel in self._channels:
             channel.close()
 
