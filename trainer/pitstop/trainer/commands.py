@@ -3,7 +3,9 @@
 The agent relays every command of a job to every rank of the job on its node, each copy
 with its own id to acknowledge. Each rank therefore keeps an `Inbox`: one thread reads
 the rank's Commands stream (joined at `close`: closing the client cancels the stream).
-The inbox only collects; nothing is acted on from that thread.
+The inbox only collects; nothing is acted on from that thread, with one exception: a
+Reconfigure to a newer generation abandons the collective in flight (`group.abandon`),
+so the ranks reach the boundary that acts on it at once.
 
 Deciding is Determined's `_preempt` pattern: one decision, broadcast, acted on only at
 a step boundary, then acknowledged. At every boundary each rank contributes, per kind
@@ -34,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from pitstop.agent.rankclient import RankControlClient
+from pitstop.trainer import group
 from pitstop.v1 import rank_pb2
 
 log = logging.getLogger(__name__)
@@ -104,6 +107,10 @@ class Inbox:
 
     def _arrived(self, command: rank_pb2.RankCommand) -> None:
         kind = command.WhichOneof("body") or ""
+        if kind == RECONFIGURE:
+            # A newer generation means the current one is over: end the collective in
+            # flight now (a peer may be gone), not at the next boundary or its timeout.
+            group.abandon(older_than=command.reconfigure.generation)
         with self._changed:
             owed = self._owed.get(kind, [])
             acted_at = owed.pop(0) if owed else None

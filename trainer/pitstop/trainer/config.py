@@ -50,7 +50,8 @@ class RankConfig:
     """PITSTOP_SNAPSHOT_COPY_THREADS: threads copying a snapshot into shared memory;
     0: the writer's default. 1 suits small states of many tensors."""
     collective_timeout: float = 30.0
-    """PITSTOP_COLLECTIVE_TIMEOUT seconds: a collective with a dead peer errors after it."""
+    """PITSTOP_COLLECTIVE_TIMEOUT seconds: the backstop for a collective whose peer
+    hangs; one whose peer is gone or left is abandoned at once (`group.abandon`)."""
     reconfigure_timeout: float = 60.0
     """PITSTOP_RECONFIGURE_TIMEOUT seconds: how long a rank that lost a peer waits for a
     Reconfigure before it exits non-zero (and is restarted from the committed step)."""

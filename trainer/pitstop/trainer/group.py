@@ -5,12 +5,26 @@ instead of hanging.
 gloo on CPU, NCCL when CUDA is available. The first group forms over env://
 (MASTER_ADDR/MASTER_PORT, as the agent and torchrun set them); a re-formed group over
 tcp://<rendezvous_address>, where the new rank 0 serves the store.
+
+Abandoning a collective. A rank blocked in a collective whose peer is gone must not
+wait out the collective timeout. gloo has no abort (`ProcessGroupGloo.abort()` and
+`shutdown()` do nothing for a pending operation), and a rank waiting on a *live*
+neighbour that has itself left the collective never sees an error at all. So the group
+remembers the connections it opened (the sockets that appeared while it formed) and
+`abandon()` shuts them down: the blocked operation here fails at once, and every peer
+on the other end of those connections fails too, abandons in turn, and the error goes
+round the group in milliseconds. A rank abandons when its collective fails (a peer
+lost), and its command reader abandons the moment a newer generation's Reconfigure
+arrives, so no rank needs the failed peer to be its neighbour to hear of it. On NCCL,
+the communicator's own abort does the same. Nothing of this runs on the step's path.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -48,6 +62,78 @@ def device_for(local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+class _Connections:
+    """The sockets the formed group opened, and the generation it was formed for."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.generation = -1
+        self.sockets: list[tuple[int, str]] = []  # (descriptor, "socket:[inode]")
+
+
+_group = _Connections()
+
+
+def _open_sockets() -> dict[int, str]:
+    """This process's socket descriptors, each with the kernel's name for it (which
+    changes when the descriptor is closed and reused)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no procfs: nothing to remember, abandon then does nothing
+        return {}
+    found = {}
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found[int(name)] = target
+    return found
+
+
+def _remember(before: dict[int, str], generation: int) -> None:
+    """Keep the sockets that appeared since `before` as the formed group's."""
+    opened = [(fd, name) for fd, name in _open_sockets().items() if before.get(fd) != name]
+    with _group.lock:
+        _group.generation, _group.sockets = generation, opened
+    log.debug("process group of generation %d holds %d connections", generation, len(opened))
+
+
+def abandon(older_than: int | None = None) -> int:
+    """End the collective in flight on this rank's group now, from any thread: shut
+    down the group's connections (gloo) or abort its communicator (NCCL). Its peers'
+    collectives fail as the connections close. With `older_than`, only a group formed
+    for an older generation is abandoned (a command for a generation already joined
+    changes nothing). Returns how many connections were shut down."""
+    with _group.lock:
+        if older_than is not None and _group.generation >= older_than:
+            return 0
+        sockets = list(_group.sockets)
+    if backend() == "nccl" and dist.is_initialized():
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception as exc:  # already destroyed, or aborted by its watchdog
+            log.debug("aborting the NCCL communicator: %s", exc)
+    shut = 0
+    for fd, name in sockets:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != name:
+                continue  # closed (and reused for something else): not ours any more
+            with socket.socket(fileno=os.dup(fd)) as connection:
+                # Never the group's listener: gloo's accept thread dies on an error there
+                # and takes the process down (std::terminate).
+                if connection.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue
+                connection.shutdown(socket.SHUT_RDWR)
+            shut += 1
+        except OSError:  # closed meanwhile
+            continue
+    if shut:
+        log.info("abandoned the process group: %d connections shut down", shut)
+    return shut
+
+
 class Superseded(Exception):
     """A newer generation was decided while this rank waited for its group to form."""
 
@@ -67,20 +153,25 @@ def form(
     device: torch.device | None = None,
     wait: timedelta | None = None,
     superseded: Callable[[], bool] | None = None,
+    generation: int = 0,
 ) -> None:
     """Form the default process group at `rendezvous_address` (else MASTER_ADDR and
     MASTER_PORT). Collectives time out after `timeout`; forming first waits up to
     `wait` for every rank to arrive at the store (a replacement may still be
     starting), so the collective timeout can be short. While it waits it asks
     `superseded()` and raises Superseded when a newer generation makes
-    this one moot: its peers will never come. Under torchrun the group forms over
+    this one moot: its peers will never come. The group is remembered as `generation`'s,
+    for `abandon`. Under torchrun the group forms over
     env://, on the store its agent serves. A group the script formed itself is kept (and
     dropped on a Reconfigure)."""
     if dist.is_initialized():
         log.info("process group already formed by the script: using it")
         return
+    with _group.lock:  # a command for this generation, arriving meanwhile, is no news
+        _group.generation, _group.sockets = generation, []
     device_id = device if device is not None and device.type == "cuda" else None
     if not rendezvous_address and os.environ.get("TORCHELASTIC_RUN_ID"):
+        before = _open_sockets()
         dist.init_process_group(
             backend(),
             init_method="env://",
@@ -89,6 +180,7 @@ def form(
             timeout=timeout,
             device_id=device_id,
         )
+        _remember(before, generation)
         log.info("process group formed: rank %d of %d via torchrun's store", rank, world_size)
         return
     host, _, port = rendezvous_address.rpartition(":")
@@ -100,6 +192,7 @@ def form(
             "ranks through the pitstop agent or torchrun, or set them"
         )
     store = _arrive(rank, world_size, host, int(port), max(wait or timeout, timeout), superseded)
+    before = _open_sockets()
     dist.init_process_group(
         backend(),
         store=store,
@@ -108,6 +201,7 @@ def form(
         timeout=timeout,
         device_id=device_id,
     )
+    _remember(before, generation)
     log.info("process group formed: rank %d of %d via %s:%s", rank, world_size, host, port)
 
 
@@ -160,7 +254,10 @@ def _arrive(
 
 
 def drop() -> None:
-    """Destroy the default process group, whatever state its peers are in."""
+    """Destroy the default process group, whatever state its peers are in (its
+    connections close as they would; `abandon` first to fail peers still waiting)."""
+    with _group.lock:
+        _group.generation, _group.sockets = -1, []
     if not dist.is_initialized():
         return
     try:

@@ -52,6 +52,7 @@ class Recovery:
         """A collective failed: drop the group and wait for the Reconfigure that
         recovers, or raise PeerLostError when none comes in time."""
         session = self._session
+        group.abandon()  # peers still waiting on this rank hear of it now
         group.drop()
         inbox = session.inbox
         if inbox is None:
@@ -198,6 +199,7 @@ class Recovery:
             device=session.device,
             wait=timedelta(seconds=session.config.reconfigure_timeout),
             superseded=self._superseded_by(new.generation),
+            generation=session.generation,
         )
 
     def _superseded_by(self, generation: int) -> Callable[[], bool] | None:

@@ -161,6 +161,7 @@ class Session:
                 config.timeout,
                 device=self.device,
                 wait=timedelta(seconds=config.reconfigure_timeout),
+                generation=config.generation,
             )
         elif not config.standby:
             self.device = group.device_for(0)
@@ -248,6 +249,7 @@ class Session:
         except Exception as exc:
             if self.inbox is None or not group.is_peer_loss(exc):
                 raise
+            group.abandon()  # peers still waiting on this rank hear of it now
             log.warning("rank %d: step lost a peer: %s", self.rank, exc)
             self._aborted = exc
 

@@ -1,0 +1,91 @@
+"""Abandoning a collective: no rank waits out a timeout for a peer that is gone.
+
+Four real processes in a real gloo group (pitstop's `group.form`, collective timeout
+60 s) all-reduce in a loop. Killed: the last rank dies with SIGKILL inside its loop;
+every other rank must be out of its collective within 0.5 s. Reconfigured: every rank
+is told of a new generation from another thread, as its command reader is when a
+Reconfigure arrives (the last rank first, the others 0.1 s apart), and stays alive;
+each must be out within 0.5 s of being told, or earlier, when a peer that left before
+it ends its collective. Without `group.abandon` such ranks wait out the 60 s.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+
+pytest.importorskip("torch")
+
+RANK = Path(__file__).with_name("abandon_rank.py")
+WORLD = 4
+OUT_WITHIN = 0.5  # seconds from the fault, or from being told, to out of the collective
+WAIT = 60.0  # for the processes to start, form the group and report
+
+
+def run_ranks(fault: str, out: Path) -> dict[int, dict[str, object]]:
+    """Start the ranks, wait for every report of a rank that was not killed."""
+    common = ["--world", str(WORLD), "--rendezvous", f"127.0.0.1:{free_port()}"]
+    common += ["--out", str(out), "--fault", fault]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(RANK), "--rank", str(rank), *common],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(WORLD)
+    ]
+    reporting = range(WORLD - 1) if fault == "kill" else range(WORLD)
+    try:
+        deadline = time.monotonic() + WAIT
+        while not all((out / f"rank-{rank}.json").exists() for rank in reporting):
+            failed = [ranks[r] for r in reporting if ranks[r].poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                pytest.fail(f"ranks never all reported: {_outputs(ranks)}")
+            time.sleep(0.05)
+        for rank in ranks:
+            rank.wait(WAIT)
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    return {rank: json.loads((out / f"rank-{rank}.json").read_text()) for rank in reporting}
+
+
+def test_every_survivor_is_out_of_its_collective_within_half_a_second_of_a_kill(
+    tmp_path: Path,
+) -> None:
+    reports = run_ranks("kill", tmp_path)
+    killed_at = json.loads((tmp_path / "left.json").read_text())["at"]
+    took = {rank: float(str(r["at"])) - killed_at for rank, r in reports.items()}
+    assert max(took.values()) < OUT_WITHIN, (took, reports)
+
+
+def test_every_rank_told_of_a_new_generation_is_out_of_its_collective_at_once(
+    tmp_path: Path,
+) -> None:
+    reports = run_ranks("reconfigure", tmp_path)
+    first = reports[WORLD - 1]["told"]
+    assert first is not None, reports  # told first: nobody left before it
+    took = {}
+    for rank, report in reports.items():
+        assert report["same_generation_shut"] in (0, -1), report  # its own generation: no-op
+        if report["told"] is not None:
+            took[rank] = float(str(report["at"])) - float(str(report["told"]))
+        # else: out before it was told, a peer's abandon having ended its collective
+    assert max(took.values()) < OUT_WITHIN, (took, reports)
+
+
+def _outputs(ranks: list[subprocess.Popen[bytes]]) -> str:
+    texts = []
+    for number, rank in enumerate(ranks):
+        if rank.poll() is None:
+            rank.kill()
+        output = rank.communicate()[0].decode(errors="replace")
+        texts.append(f"rank {number} (exit {rank.returncode}):\n{output[-2000:]}")
+    return "\n".join(texts)
