@@ -92,6 +92,18 @@ async def node_hosts(session: AsyncSession, placement: Placement) -> dict[str, s
     return {node_id: hostname for node_id, hostname in rows.all()}
 
 
+RENDEZVOUS_PORT_BASE, RENDEZVOUS_PORTS = 20000, 12000
+"""Rendezvous ports: 20000-31999, below Linux's ephemeral range (32768-60999), so an
+outgoing connection of the node never holds the port rank 0 must listen on (it did
+under load: EADDRINUSE, and a restart)."""
+
+
+def rendezvous_port(job_id: str, generation: int) -> int:
+    """The port rank 0 serves generation `generation`'s store on: the next generation's
+    is the next port, so a new group never meets the old one's store."""
+    return RENDEZVOUS_PORT_BASE + (zlib.crc32(job_id.encode()) + generation) % RENDEZVOUS_PORTS
+
+
 def start_command(
     job: models.Job, placement: Placement, hosts: dict[str, str], restore_step: int
 ) -> agent_pb2.StartRanks:
@@ -99,7 +111,7 @@ def start_command(
     port derived from the job and generation, so a new generation never meets the old."""
     spec = spec_from_json(job.spec)
     rank0 = placement.ranks[0].node_id
-    port = 20000 + (zlib.crc32(job.id.encode()) + job.generation) % 20000
+    port = rendezvous_port(job.id, job.generation)
     return agent_pb2.StartRanks(
         job_id=job.id,
         generation=job.generation,
