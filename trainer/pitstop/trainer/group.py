@@ -11,12 +11,13 @@ wait out the collective timeout. gloo has no abort (`ProcessGroupGloo.abort()` a
 `shutdown()` do nothing for a pending operation), and a rank waiting on a *live*
 neighbour that has itself left the collective never sees an error at all. So the group
 remembers the connections it opened (the sockets that appeared while it formed) and
-`abandon()` shuts them down: the blocked operation here fails at once, and every peer
-on the other end of those connections fails too, abandons in turn, and the error goes
-round the group in milliseconds. A rank abandons when its collective fails (a peer
-lost), and its command reader abandons the moment a newer generation's Reconfigure
-arrives, so no rank needs the failed peer to be its neighbour to hear of it. On NCCL,
-the communicator's own abort does the same. Nothing of this runs on the step's path.
+`abandon()` shuts them down: the blocked operation here fails at once, and so does that
+of every peer waiting on this rank at the other end, which abandons in turn. A rank
+abandons when its collective fails (a peer lost), and its command reader abandons the
+moment a newer generation's Reconfigure arrives: every rank of the job is told, so two
+ranks blocked on each other, which no closed connection reaches (gloo fails only the
+pair it reads), are freed by their own Reconfigure. On NCCL, the communicator's own
+abort does the same. Nothing of this runs on the step's path.
 """
 
 from __future__ import annotations
@@ -115,23 +116,35 @@ def abandon(older_than: int | None = None) -> int:
             dist.distributed_c10d._abort_process_group()
         except Exception as exc:  # already destroyed, or aborted by its watchdog
             log.debug("aborting the NCCL communicator: %s", exc)
-    shut = 0
-    for fd, name in sockets:
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}") != name:
-                continue  # closed (and reused for something else): not ours any more
-            with socket.socket(fileno=os.dup(fd)) as connection:
-                # Never the group's listener: gloo's accept thread dies on an error there
-                # and takes the process down (std::terminate).
-                if connection.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                    continue
-                connection.shutdown(socket.SHUT_RDWR)
-            shut += 1
-        except OSError:  # closed meanwhile
-            continue
+    shut = sum(_shut_down(fd, name) for fd, name in sockets)
     if shut:
         log.info("abandoned the process group: %d connections shut down", shut)
     return shut
+
+
+def _shut_down(fd: int, name: str) -> bool:
+    """Shut down the connection on descriptor `fd` if it is still the socket `name`
+    (checked on a duplicate, so a descriptor closed and reused meanwhile is never
+    touched) and not a listener: gloo's accept thread dies on an error there and takes
+    the process down (std::terminate)."""
+    try:
+        copy = os.dup(fd)
+    except OSError:  # closed meanwhile
+        return False
+    try:
+        if os.readlink(f"/proc/self/fd/{copy}") != name:
+            return False
+        with socket.socket(fileno=copy) as connection:
+            copy = -1  # closed with the socket object
+            if connection.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return False
+            connection.shutdown(socket.SHUT_RDWR)
+            return True
+    except OSError:  # not a socket any more, or not connected
+        return False
+    finally:
+        if copy >= 0:
+            os.close(copy)
 
 
 class Superseded(Exception):
