@@ -175,6 +175,13 @@ class CatalogClient:
         self._buddy = Buddy(response.buddy_node_id, address) if address else None
         return self._buddy
 
+    def last_committed(self, job_id: str) -> int | None:
+        """The job's committed step as of the last report's answer (0 before any); None
+        without a scheduler, where nothing ever commits a step."""
+        if self._stub is None:
+            return None
+        return self.committed_steps.get(job_id, 0)
+
     def known_buddy(self) -> Buddy | None:
         """The buddy as last known, without asking the scheduler."""
         return self._static_buddy or self._buddy

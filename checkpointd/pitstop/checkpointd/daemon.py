@@ -260,7 +260,10 @@ class CheckpointDaemon:
         self.catalog.shard_added(record.info(), Tier.REPLICA)
 
     def _hold(self, record: ShardRecord) -> None:
-        committed = self.catalog.committed_steps.get(record.shard.job_id, 0)
+        # Without a scheduler no step is ever committed: keeping the snapshots that
+        # await a commit would hold keep_in_memory + PENDING_COMMIT of them per rank
+        # and take a fresh segment for every snapshot instead of reusing one.
+        committed = self.catalog.last_committed(record.shard.job_id)
         for old in self.store.put(record, committed):
             if old.checksum is not None:
                 self.catalog.shard_removed(old.shard, old.generation, old.tier)
