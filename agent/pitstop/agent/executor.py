@@ -1,0 +1,347 @@
+"""The scheduler's commands, carried out on this node and acknowledged.
+
+Every command the link receives runs as a task of its own and ends in exactly one
+CommandAck: ok, or the error in words. Commands of one job run in arrival order (a stop
+before the next start); other jobs and node-wide commands do not wait behind a slow
+stop. The scheduler re-sends a command until its ack arrives, so a command that moves a
+job's ranks to a generation (`_generation_command`) is done once: a repeat, or one of an
+older generation, is acked without being done again.
+
+To add a command kind: write a handler `async def _<kind>(self, message) -> str` that
+returns "" when done or the error in words (the scheduler logs it: name the thing, the
+value and what to do), and add one entry to the table in `CommandExecutor.__init__`,
+keyed by the name of the SchedulerMessage oneof field. The ack, the commands metric and
+the ordering come with the table (a body with a `job_id` field waits behind that job's
+earlier commands). Only a command that moves a job's ranks to a generation needs more:
+name it in `_generation_command` too, so that a re-sent copy is not carried out twice.
+A kind missing from the table is acked with an error that asks for an agent upgrade.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Collection
+from typing import Protocol
+
+from pitstop.agent.config import AgentSettings
+from pitstop.agent.gpu import GpuBackend
+from pitstop.agent.metrics import AgentMetrics
+from pitstop.v1 import agent_pb2, common_pb2, rank_pb2
+
+log = logging.getLogger(__name__)
+
+STANDBY_WAIT_SECONDS = 60.0
+"""How long a rank handed to a standby process still importing waits for it before it
+starts afresh instead (a cold start takes as long as the import it would wait for)."""
+
+CommandHandler = Callable[[agent_pb2.SchedulerMessage], Awaitable[str]]
+"""Carries out one command kind; returns "" when done, or the error in words."""
+
+
+class RankSupervision(Protocol):
+    """What the link needs of the rank supervisor: for the commands, the registration
+    and (`kill_gpu`) the Xid handling."""
+
+    async def start_ranks(
+        self, command: agent_pb2.StartRanks, only: Collection[int] | None = None
+    ) -> list[int]: ...
+    async def stop_ranks(self, command: agent_pb2.StopRanks) -> list[int]: ...
+    def running(self) -> list[agent_pb2.RunningRank]: ...
+    def renumber(self, job_id: str, rank_map: common_pb2.RankMap) -> dict[int, int]: ...
+    def kill_gpu(self, gpu_index: int, reason: str) -> list[tuple[str, int]]: ...
+    async def start_standbys(self, command: agent_pb2.StartRanks) -> list[int]: ...
+    def standby_pid(self, job_id: str, gpu_index: int) -> int | None: ...
+    def standby_command(self, job_id: str) -> agent_pb2.StartRanks | None: ...
+    def adopt(self, job_id: str, gpu_index: int, rank: int, generation: int) -> int | None: ...
+
+
+class RankChannel(Protocol):
+    """What the commands need of the local endpoint: commands to ranks, generations."""
+
+    async def send_command(self, job_id: str, rank: int, command: rank_pb2.RankCommand) -> bool: ...
+    def set_generation(self, job_id: str, generation: int, restore_step: int) -> None: ...
+    async def assign_standby(
+        self, job_id: str, assignment: rank_pb2.StandbyAssignment, pid: int | None = None
+    ) -> bool: ...
+    async def wait_standby_process(
+        self, job_id: str, pid: int, timeout: float, alive: Callable[[], bool]
+    ) -> bool: ...
+
+
+def _generation_command(message: agent_pb2.SchedulerMessage, kind: str) -> tuple[int, str] | None:
+    """(generation, what) of a command that moves a job's ranks to a generation; None
+    for any other command (standbys, stops, pauses, node-wide commands)."""
+    if kind == "start_ranks" and not message.start_ranks.standby_gpus:
+        return message.start_ranks.generation, "start"
+    if kind == "reconfigure":
+        adopting = bool(message.reconfigure.adopted_ranks)
+        return message.reconfigure.generation, "adopt" if adopting else "reconfigure"
+    return None
+
+
+class CommandExecutor:
+    """Carries out the scheduler's commands and sends an ack for each through `send`
+    (the link's outbox). `beat_soon` asks for a heartbeat at once."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        backend: GpuBackend,
+        supervisor: RankSupervision,
+        local: RankChannel,
+        metrics: AgentMetrics,
+        *,
+        send: Callable[..., None],
+        beat_soon: Callable[[], None],
+    ) -> None:
+        self._settings = settings
+        self._backend = backend
+        self._supervisor = supervisor
+        self._local = local
+        self._metrics = metrics
+        self._send = send
+        self._beat_soon = beat_soon
+        # The dispatch table: SchedulerMessage oneof field -> its handler.
+        self._handlers: dict[str, CommandHandler] = {
+            "start_ranks": self._start_ranks,
+            "stop_ranks": self._stop_ranks,
+            "reconfigure": self._reconfigure,
+            "pause": self._pause,
+            "resume": self._resume,
+            "drain": self._drain,
+            "inject_fault": self._inject_fault,
+        }
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._job_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # Per job, the (generation, command) pairs carried out, and the newest generation:
+        # the scheduler re-sends a command until its ack arrives, and a repeat (or a
+        # command of an older generation) must change nothing.
+        self._carried_out: defaultdict[str, set[tuple[int, str]]] = defaultdict(set)
+        self._newest: defaultdict[str, int] = defaultdict(int)
+        self._rank_command_ids = itertools.count(1)
+
+    @property
+    def kinds(self) -> frozenset[str]:
+        """The command kinds (SchedulerMessage oneof fields) this agent carries out."""
+        return frozenset(self._handlers)
+
+    @property
+    def in_flight(self) -> list[asyncio.Task[None]]:
+        """The commands being carried out now, as tasks (the link cancels them at stop)."""
+        return list(self._tasks)
+
+    def submit(self, message: agent_pb2.SchedulerMessage) -> None:
+        """Carry out `message` in a task of its own, then ack it."""
+        kind = message.WhichOneof("body")
+        task = asyncio.create_task(self._carry_out(message, kind or "empty"))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _carry_out(self, message: agent_pb2.SchedulerMessage, kind: str) -> None:
+        job_id = getattr(getattr(message, kind), "job_id", "") if kind != "empty" else ""
+        lock = self._job_locks[job_id] if job_id else contextlib.nullcontext()
+        async with lock:
+            try:
+                key = _generation_command(message, kind)
+                if key is not None and self._already(job_id, key, message.command_id):
+                    error = ""
+                else:
+                    error = await self._command(message, kind)
+                    if key is not None and not error:
+                        self._carried_out[job_id].add(key)
+                        self._newest[job_id] = max(self._newest[job_id], key[0])
+            except Exception as exc:
+                log.exception("command %d (%s) failed", message.command_id, kind)
+                error = (
+                    f"{kind} failed on node {self._settings.node_id}: {type(exc).__name__}: {exc}"
+                )
+        if error:
+            log.warning("command %d (%s) not carried out: %s", message.command_id, kind, error)
+        ack = agent_pb2.CommandAck(command_id=message.command_id, ok=not error, error=error)
+        self._send(ack=ack)
+        result = "error" if error else "ok"
+        self._metrics.commands.labels(self._settings.node_id, kind, result).inc()
+
+    def _already(self, job_id: str, key: tuple[int, str], command_id: int) -> bool:
+        """True for a command to skip: carried out before, or of an older generation."""
+        generation, what = key
+        if key in self._carried_out[job_id]:
+            log.debug("command %d: %s of generation %d repeated", command_id, what, generation)
+            return True
+        if generation < self._newest[job_id]:
+            log.info(
+                "command %d: %s of job %s generation %d ignored: generation %d runs here",
+                command_id,
+                what,
+                job_id,
+                generation,
+                self._newest[job_id],
+            )
+            return True
+        return False
+
+    async def _command(self, message: agent_pb2.SchedulerMessage, kind: str) -> str:
+        """Carry out one command; the error in words, or "" when done."""
+        handler = self._handlers.get(kind)
+        if handler is None:
+            node_id = self._settings.node_id
+            return f"command {kind!r} is unknown to the agent on node {node_id}; upgrade the agent"
+        return await handler(message)
+
+    # The handlers, one per entry of the table
+
+    async def _start_ranks(self, message: agent_pb2.SchedulerMessage) -> str:
+        start = message.start_ranks
+        if start.standby_gpus:
+            gpus = await self._supervisor.start_standbys(start)
+            log.info("job %s: standby processes on GPUs %s", start.job_id, gpus)
+            self._beat_soon()  # the heartbeat lists them: the scheduler sees them at once
+            return ""
+        # Before the start, so a rank that attaches at once sees its generation.
+        self._local.set_generation(start.job_id, start.generation, start.restore_step)
+        started = await self._supervisor.start_ranks(start)
+        log.info("job %s generation %d: started ranks %s", start.job_id, start.generation, started)
+        return ""
+
+    async def _stop_ranks(self, message: agent_pb2.SchedulerMessage) -> str:
+        stopped = await self._supervisor.stop_ranks(message.stop_ranks)
+        log.info(
+            "job %s: stopped ranks %s (%s)",
+            message.stop_ranks.job_id,
+            stopped,
+            message.stop_ranks.reason or "no reason given",
+        )
+        return ""
+
+    async def _reconfigure(self, message: agent_pb2.SchedulerMessage) -> str:
+        new = message.reconfigure
+        self._local.set_generation(new.job_id, new.generation, new.restore_step)
+        adopted = await self._hand_to_standbys(new)
+        # The ranks taken over here join the new generation on their own.
+        relayed = await self._relay(
+            new.job_id, rank_pb2.RankCommand(reconfigure=new), skip=set(new.adopted_ranks)
+        )
+        moved = self._supervisor.renumber(new.job_id, new.rank_map)
+        if moved:
+            log.info("job %s: ranks renumbered %s", new.job_id, moved)
+        return "; ".join(error for error in (adopted, relayed) if error)
+
+    async def _pause(self, message: agent_pb2.SchedulerMessage) -> str:
+        return await self._relay(message.pause.job_id, rank_pb2.RankCommand(pause=message.pause))
+
+    async def _resume(self, message: agent_pb2.SchedulerMessage) -> str:
+        resume = rank_pb2.RankCommand(resume=message.resume)
+        return await self._relay(message.resume.job_id, resume)
+
+    async def _drain(self, message: agent_pb2.SchedulerMessage) -> str:
+        node_id = self._settings.node_id
+        log.warning("node %s is draining: %s", node_id, message.drain.reason or "no reason given")
+        self._metrics.drains.labels(node_id).inc()
+        return ""
+
+    async def _inject_fault(self, message: agent_pb2.SchedulerMessage) -> str:
+        if not self._settings.allow_fault_injection:
+            return (
+                f"fault injection is disabled on node {self._settings.node_id}; "
+                "set allow_fault_injection: true in its agent config to allow drills"
+            )
+        await asyncio.to_thread(self._backend.inject_fault, message.inject_fault)
+        log.warning("injected fault: %s", message.inject_fault)
+        self._beat_soon()  # an extra heartbeat now, so the fault is seen at once
+        return ""
+
+    # What the handlers share
+
+    async def _relay(
+        self, job_id: str, command: rank_pb2.RankCommand, skip: set[int] | None = None
+    ) -> str:
+        """Queue `command` for every rank of the job running here (but those in `skip`).
+        Done when queued: the ranks act on it at their next step boundary."""
+        ranks = [
+            r.rank
+            for r in self._supervisor.running()
+            if r.job_id == job_id and not r.standby and r.rank not in (skip or set())
+        ]
+        missed = []
+        for rank in ranks:
+            # Each rank acks its copy by id, so every copy gets an id of its own.
+            copy = rank_pb2.RankCommand(command_id=next(self._rank_command_ids))
+            copy.MergeFrom(command)
+            if not await self._local.send_command(job_id, rank, copy):
+                missed.append(rank)
+        if missed:
+            return (
+                f"job {job_id}: ranks {missed} on node {self._settings.node_id} "
+                "have no open command stream; they may have exited"
+            )
+        return ""
+
+    # The standby hand-over (Reconfigure with adopted ranks)
+
+    async def _hand_to_standbys(self, new: agent_pb2.Reconfigure) -> str:
+        """Give each rank this node adopts to the job's standby process on the rank's GPU.
+        One still importing is waited for; where none is left (it died, or was never
+        started here), the rank starts as a fresh process from the standby's command."""
+        job_id, node_id = new.job_id, self._settings.node_id
+        placed = {a.rank: a for a in new.rank_map.ranks if a.node_id == node_id}
+        missed, fresh = [], []
+        for rank in new.adopted_ranks:
+            where = placed.get(rank)
+            if where is None:
+                missed.append(rank)
+                continue
+            if not await self._adopt(new, where):
+                fresh.append(rank)
+        if fresh:
+            spec = self._supervisor.standby_command(job_id)
+            if spec is None:
+                missed += fresh
+            else:
+                log.warning(
+                    "job %s: no standby process waits for ranks %s here: starting them afresh",
+                    job_id,
+                    fresh,
+                )
+                start = agent_pb2.StartRanks(
+                    job_id=job_id,
+                    generation=new.generation,
+                    command=spec.command,
+                    env=spec.env,
+                    working_dir=spec.working_dir,
+                    rank_map=new.rank_map,
+                    rendezvous_address=new.rendezvous_address,
+                    restore_step=new.restore_step,
+                )
+                await self._supervisor.start_ranks(start, only=fresh)
+        if missed:
+            return (
+                f"job {job_id}: node {node_id} cannot take ranks {missed}: not placed here in "
+                "the rank map, or no standby process of the job was ever started here"
+            )
+        return ""
+
+    async def _adopt(self, new: agent_pb2.Reconfigure, where: common_pb2.RankAssignment) -> bool:
+        """Hand rank `where` to the job's standby process on its GPU, once that process
+        waits (at most STANDBY_WAIT_SECONDS); False when there is none to hand it to."""
+        job_id, gpu = new.job_id, where.gpu_index
+        pid = self._supervisor.standby_pid(job_id, gpu)
+        if pid is None:
+            return False
+
+        def alive() -> bool:
+            return self._supervisor.standby_pid(job_id, gpu) == pid
+
+        # True: the process waits now, and no await comes before the hand-over, so it
+        # cannot stop waiting in between.
+        if not await self._local.wait_standby_process(job_id, pid, STANDBY_WAIT_SECONDS, alive):
+            return False
+        if self._supervisor.adopt(job_id, gpu, where.rank, new.generation) != pid:
+            return False
+        assignment = rank_pb2.StandbyAssignment(
+            reconfigure=new, rank=where.rank, local_rank=where.local_rank, gpu_index=gpu
+        )
+        return await self._local.assign_standby(job_id, assignment, pid=pid)

@@ -1,0 +1,217 @@
+"""What the agent reports to the scheduler on its own: heartbeats with the node's health,
+step times, and Xids as the driver raises them.
+
+A heartbeat loop runs while a stream is registered (the link starts one per stream);
+Xids are pumped for the agent's whole life, and those of the kernel log are sent once,
+after the first registration. Everything goes out through the link's `send`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Collection
+from typing import Protocol
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from pitstop.agent.conditions import ConditionSource, with_conditions
+from pitstop.agent.config import AgentSettings
+from pitstop.agent.gpu import GpuBackend
+from pitstop.agent.metrics import AgentMetrics
+from pitstop.health.verdict import assess_gpu, assess_node
+from pitstop.health.xid import XidClass, classify_xid, verdict_for
+from pitstop.v1 import agent_pb2, common_pb2
+
+log = logging.getLogger(__name__)
+
+STEP_FLUSH_SAMPLES = 1024
+"""Buffered step samples that trigger a batch before the next heartbeat."""
+STEP_POLL_SECONDS = 0.1
+
+
+class StepSource(Protocol):
+    """What the heartbeats need of the step batcher."""
+
+    def drain(self) -> list[agent_pb2.StepTimes]: ...
+    @property
+    def pending(self) -> int: ...
+    @property
+    def dropped(self) -> int: ...
+
+
+class RunningRanks(Protocol):
+    """What the heartbeats need of the rank supervisor."""
+
+    def running(self) -> list[agent_pb2.RunningRank]: ...
+    def kill_gpu(self, gpu_index: int, reason: str) -> list[tuple[str, int]]: ...
+
+
+def timestamp(seconds: float) -> Timestamp:
+    """`seconds` since the epoch as a protobuf Timestamp."""
+    stamp = Timestamp()
+    stamp.FromNanoseconds(int(seconds * 1e9))
+    return stamp
+
+
+class Heartbeats:
+    """The node's health, step times and Xids, sent through `send` (the link's outbox)."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        backend: GpuBackend,
+        supervisor: RunningRanks,
+        steps: StepSource,
+        metrics: AgentMetrics,
+        *,
+        send: Callable[..., None],
+        clock: Callable[[], float],
+        conditions: Collection[ConditionSource] = (),
+    ) -> None:
+        self._settings = settings
+        self._backend = backend
+        self._supervisor = supervisor
+        self._steps = steps
+        self._metrics = metrics
+        self._send = send
+        self._clock = clock
+        self._conditions = tuple(conditions)
+        self._xid_inbox: asyncio.Queue[common_pb2.XidEvent] = asyncio.Queue()
+        self._recent_xids: defaultdict[int, list[int]] = defaultdict(list)
+        self._previous: dict[int, common_pb2.GpuHealth] = {}
+        self._beat_now = asyncio.Event()
+        self._dropped_seen = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # Heartbeats and step times
+
+    async def run(self, interval: float) -> None:
+        """Beat every `interval` seconds (sooner after `beat_soon`) until cancelled,
+        sending step times with each beat, and between beats once enough wait."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self._beat_now.clear()
+            try:
+                await self._beat()
+                self.flush_steps()
+            except Exception:  # a bad beat must not end the heartbeats: liveness hangs on them
+                log.exception("building a heartbeat failed")
+            deadline = loop.time() + interval
+            while (remaining := deadline - loop.time()) > 0:
+                try:
+                    await asyncio.wait_for(self._beat_now.wait(), min(remaining, STEP_POLL_SECONDS))
+                    break
+                except TimeoutError:
+                    if self._steps.pending >= STEP_FLUSH_SAMPLES:
+                        self.flush_steps()
+
+    async def _beat(self) -> None:
+        try:
+            readings = await asyncio.to_thread(self._backend.read_health)
+        except Exception as exc:
+            log.exception("reading GPU health failed")
+            health = common_pb2.NodeHealth(
+                verdict=common_pb2.HEALTH_VERDICT_WARNING,
+                reasons=[f"reading GPU health failed: {type(exc).__name__}: {exc}"],
+            )
+        else:
+            self._drain_xid_inbox()
+            recent, self._recent_xids = self._recent_xids, defaultdict(list)
+            assessed = [
+                assess_gpu(r, previous=self._previous.get(r.index), xids=recent.get(r.index, ()))
+                for r in readings
+            ]
+            self._previous = {r.index: r for r in readings}
+            health = assess_node(assessed)
+            self._metrics.observe_health(health.gpus)
+        # Beyond the GPUs: a node daemon that is down (the checkpoint daemon).
+        health = with_conditions(health, [c for s in self._conditions for c in s.conditions()])
+        running = self._supervisor.running()
+        self._metrics.ranks_running.labels(self._settings.node_id).set(len(running))
+        beat = agent_pb2.Heartbeat(
+            time=timestamp(self._clock()), health=health, running_ranks=running
+        )
+        self._send(heartbeat=beat)
+
+    def beat_soon(self) -> None:
+        """Send a heartbeat now rather than at the next interval (the node's health
+        changed); a no-op while no stream is registered."""
+        self._beat_now.set()
+
+    def flush_steps(self) -> None:
+        """Send the step times waiting in the batcher, and count the samples it dropped."""
+        dropped = self._steps.dropped
+        if dropped > self._dropped_seen:
+            self._metrics.samples_dropped.labels(self._settings.node_id).inc(
+                dropped - self._dropped_seen
+            )
+            self._dropped_seen = dropped
+        for batch in self._steps.drain():
+            self._send(step_times=batch)
+            self._metrics.steps_reported.labels(self._settings.node_id, batch.job_id).inc(
+                len(batch.samples)
+            )
+
+    # Xids
+
+    def watch_xids(self) -> None:
+        """Have the backend report Xids from now on; call on the agent's event loop, then
+        run `pump_xids` there."""
+        self._loop = asyncio.get_running_loop()
+        self._backend.start_xid_watch(self._xid_from_driver)
+
+    def _xid_from_driver(self, event: common_pb2.XidEvent) -> None:
+        # Called on the backend's watch thread (or inline by the simulator).
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: the agent is stopping
+                loop.call_soon_threadsafe(self._xid_inbox.put_nowait, event)
+
+    async def pump_xids(self) -> None:
+        """Judge and send each Xid the driver raises, until cancelled."""
+        while True:
+            self._accept_xid(await self._xid_inbox.get())
+
+    def _drain_xid_inbox(self) -> None:
+        while not self._xid_inbox.empty():
+            self._accept_xid(self._xid_inbox.get_nowait())
+
+    def _accept_xid(self, event: common_pb2.XidEvent, *, live: bool = True) -> None:
+        xid = common_pb2.XidEvent()
+        xid.CopyFrom(event)
+        info = classify_xid(xid.xid)
+        xid.verdict = verdict_for(info.xid_class)
+        if live:
+            # Kernel-log Xids are history: sent for the record, not judged again.
+            self._recent_xids[xid.gpu_index].append(xid.xid)
+            self._metrics.observe_xid(xid)
+            log.warning(
+                "GPU %d (%s): Xid %d (%s): %s",
+                xid.gpu_index,
+                xid.gpu_uuid,
+                xid.xid,
+                info.name,
+                common_pb2.HealthVerdict.Name(xid.verdict),
+            )
+            if info.xid_class in (XidClass.APPLICATION, XidClass.FATAL):
+                # The contexts on the GPU are broken (application), or the GPU itself
+                # (fatal): the ranks there would crash or hang in their next kernel, or
+                # worse, step on with a GPU that computes wrong numbers. End them now:
+                # their peers stop at the next collective and wait for the scheduler's
+                # decision (restart in place; a replacement for a fatal Xid) instead of
+                # waiting on a collective timeout or training on without the decision.
+                self._supervisor.kill_gpu(xid.gpu_index, f"Xid {xid.xid} ({info.name})")
+        self._send(xid=xid)
+
+    async def send_kernel_log_xids(self) -> None:
+        """Send the Xids the kernel log holds from before the agent started, unjudged."""
+        try:
+            events = await asyncio.to_thread(self._backend.kernel_log_xids)
+        except Exception:
+            log.exception("reading Xids from the kernel log failed")
+            return
+        for event in events:
+            self._accept_xid(event, live=False)
