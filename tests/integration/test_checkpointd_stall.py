@@ -4,6 +4,10 @@ real gRPC, real shared memory; a rank killed mid-copy is a real process."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import textwrap
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,6 +16,7 @@ from typing import Any
 import pytest
 from checkpointd_harness import (
     LOCAL,
+    TIMEOUT,
     DaemonThread,
     as_bytes,
     make_state,
@@ -70,5 +75,119 @@ def test_without_a_scheduler_the_newest_k_are_kept_in_the_same_segments(
         assert len(node_segments(node.daemon.node_id)) == 3
         assert restored_bytes(writer)[0] == as_bytes(make_state(0, 8))
         assert restored_bytes(writer, 7)[0] == as_bytes(make_state(0, 7))
+    finally:
+        writer.close()
+
+
+# A rank that snapshots step 1, then dies (SIGKILL) halfway through copying step 2.
+_RANK_KILLED_MID_COPY = """
+import os, signal, sys
+import torch
+from pitstop.checkpointd import tensorcopy
+from pitstop.checkpointd.writer import SnapshotWriter
+
+def state(step):
+    return {f"layer{i}": torch.full((64, 1024), float(step * 10 + i)) for i in range(8)}
+
+def half_then_die(self, moves):
+    for target, source, size in moves[: len(moves) // 2]:
+        tensorcopy.ctypes.memmove(target, source, size)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+writer = SnapshotWriter(sys.argv[1], "job-midcopy", 0)
+assert not writer.snapshot(1, state(1)).skipped
+writer.wait()
+tensorcopy.Copier.move = half_then_die
+writer.snapshot(2, state(2))
+"""
+
+
+def test_a_rank_killed_mid_copy_leaves_the_previous_snapshot_the_newest(
+    daemons: Callable[..., DaemonThread],
+) -> None:
+    torch = pytest.importorskip("torch")
+    node = daemons("a")
+    rank = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_RANK_KILLED_MID_COPY), node.address],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT * 4,
+    )
+    assert rank.returncode == -signal.SIGKILL, rank.stderr
+    listed = stub(node.address).ListShards(checkpoint_pb2.ListShardsRequest(job_id="job-midcopy"))
+    assert [s.header.key.step for s in listed.shards] == [1]
+    # The restarted rank restores step 1 bit for bit, and goes on snapshotting.
+    writer = SnapshotWriter(node.address, "job-midcopy", 0)
+    try:
+        restored = writer.restore()
+        assert restored.step == 1
+        for i in range(8):
+            assert torch.equal(restored.tensors[f"layer{i}"], torch.full((64, 1024), 10.0 + i))
+        step2 = {f"layer{i}": torch.full((64, 1024), 20.0 + i) for i in range(8)}
+        assert not writer.snapshot(2, step2).skipped
+        again = writer.restore()
+        assert again.step == 2
+        assert all(torch.equal(again.tensors[k], v) for k, v in step2.items())
+    finally:
+        writer.close()
+
+
+def test_snapshots_of_changing_shapes_read_back_bit_exact_from_reused_slots(
+    daemons: Callable[..., DaemonThread],
+) -> None:
+    """The writer plans a loop's layout once: a tensor that grows, shrinks or changes
+    dtype is planned again, and every sealed snapshot reads back exactly."""
+    torch = pytest.importorskip("torch")
+    node = daemons("a", keep_in_memory=2)
+    writer = SnapshotWriter(node.address, "job-shapes", 0)
+    shapes = [(100,), (100,), (300,), (300,), (50,), (50, 2), (50, 2)]
+    dtypes = [torch.float32] * 6 + [torch.float64]
+    taken = {}
+    try:
+        for step, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True), start=1):
+            generator = torch.Generator().manual_seed(step)
+            state = {
+                "w": torch.rand(shape, generator=generator).to(dtype),
+                "b": torch.arange(step, dtype=torch.int64),
+            }
+            assert not writer.snapshot(step, state, {"step": str(step)}).skipped
+            taken[step] = state
+            writer.wait()
+            for back in (step - 1, step):
+                if back in taken:
+                    restored = writer.restore(back)
+                    assert restored.metadata["step"] == str(back)
+                    for name, tensor in taken[back].items():
+                        assert restored.tensors[name].dtype == tensor.dtype
+                        assert torch.equal(restored.tensors[name], tensor), (back, name)
+    finally:
+        writer.close()
+
+
+def _deleted_mappings(prefix: str) -> list[str]:
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if prefix in line and "(deleted)" in line]
+
+
+def test_a_segment_the_daemon_drops_is_unmapped_by_the_writer(
+    daemons: Callable[..., DaemonThread],
+) -> None:
+    """The writer keeps its slots mapped from snapshot to snapshot, but not one the
+    daemon removed to make room: that mapping alone would keep the memory in use."""
+    torch = pytest.importorskip("torch")
+    node = daemons("a", keep_in_memory=1, memory_budget_bytes=7 << 20)
+    prefix = segment_prefix(node.daemon.node_id)
+    writer = SnapshotWriter(node.address, "job-drop", 0)
+    try:
+        small = {"w": torch.zeros((1 << 20) // 4 - 1024)}  # a 1 MB slot
+        assert not writer.snapshot(1, small).skipped
+        writer.wait()
+        big = {"w": torch.ones(3 * (1 << 20) // 4 - 1024)}  # a 3 MB slot
+        assert not writer.snapshot(2, big).skipped
+        # Leasing a second 3 MB slot ahead made the daemon drop a 1 MB one.
+        writer.wait()
+        assert len(node_segments(node.daemon.node_id)) == 3
+        assert _deleted_mappings(prefix) == []
+        assert torch.equal(writer.restore().tensors["w"], big["w"])
     finally:
         writer.close()

@@ -18,6 +18,7 @@ from pitstop.checkpointd.format import (
     ShardFormatError,
     TensorSpec,
     plan_shard,
+    plan_tensors,
     read_layout,
     write_header,
 )
@@ -119,6 +120,29 @@ def test_round_trip_keeps_entries_and_metadata() -> None:
     assert parsed.entries == planned.entries
     assert parsed.metadata == METADATA
     assert parsed.size == len(shard)
+
+
+@pytest.mark.parametrize(
+    "metadata", [{}, METADATA, {"pitstop.step": "8", "user.note": 'quote " and \u00e9'}]
+)
+def test_one_tensor_plan_serves_every_step_s_metadata(metadata: dict[str, str]) -> None:
+    """A loop plans its tensors once; each step's shard is the one safetensors would
+    write for that step's metadata."""
+    plan = plan_tensors(SPECS)
+    layout = plan.shard(metadata)
+    assert layout.header == plan_shard(SPECS, metadata).header
+    doc = {"__metadata__": metadata} if metadata else {}
+    doc |= {
+        e.name: {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
+        for e in layout.entries
+    }
+    assert layout.header.rstrip(b" ") == json.dumps(doc, separators=(",", ":")).encode()
+    buffer = bytearray(layout.size)
+    write_header(layout, memoryview(buffer))
+    parsed = read_layout(bytes(buffer))
+    assert parsed.entries == layout.entries
+    assert parsed.metadata == metadata
+    assert dict(safetensors.deserialize(bytes(buffer))).keys() == {s.name for s in SPECS}
 
 
 def test_a_shard_in_a_larger_slot_reads_with_its_size() -> None:

@@ -6,7 +6,9 @@ The header maps each tensor name to {"dtype", "shape", "data_offsets": [begin, e
 (offsets relative to the start of the raw bytes) plus "__metadata__": {str: str}. The
 padding makes the raw bytes start 8-byte aligned; tensors are laid out largest element
 first, so each starts aligned to its own element size with no gaps between them (the
-safetensors reader rejects gaps). Nothing is ever pickled. Pure: no torch, no I/O.
+safetensors reader rejects gaps). `plan_tensors` lays the tensors out once for a
+training loop, and `TensorPlan.shard` adds each step's metadata to it. Nothing is ever
+pickled. Pure: no torch, no I/O.
 """
 
 from __future__ import annotations
@@ -103,40 +105,70 @@ class ShardLayout:
         raise KeyError(name)
 
 
-def plan_shard(tensors: Iterable[TensorSpec], metadata: Mapping[str, str]) -> ShardLayout:
-    """Lay out `tensors` and `metadata` as one shard."""
+@dataclass(frozen=True)
+class TensorPlan:
+    """Where every tensor of a shard goes, apart from the metadata: computed once for a
+    training loop's tensors (their names, dtypes and shapes do not change from step to
+    step) and turned into each step's layout by `shard`, which only encodes the
+    metadata."""
+
+    entries: tuple[TensorEntry, ...]
+    entries_json: str
+    """The header's tensor entries as JSON members, without the enclosing braces."""
+
+    def shard(self, metadata: Mapping[str, str]) -> ShardLayout:
+        """The layout of a shard of these tensors and `metadata`: the same bytes as
+        `plan_shard` gives."""
+        for key, value in metadata.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise ShardFormatError(f"metadata {key!r}: keys and values must be str")
+        members = [self.entries_json] if self.entries_json else []
+        if metadata:
+            members.insert(0, f'"{METADATA_KEY}":{_compact(dict(metadata))}')
+        header = ("{" + ",".join(members) + "}").encode()
+        header += b" " * (-(len(header) + _LENGTH.size) % _ALIGN)
+        if len(header) > MAX_HEADER_BYTES:
+            raise ShardFormatError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+        return ShardLayout(header, self.entries, dict(metadata))
+
+
+def plan_tensors(tensors: Iterable[TensorSpec]) -> TensorPlan:
+    """Lay out `tensors`: largest element first, then by name, with no gaps."""
     specs = list(tensors)
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise ShardFormatError("tensor names must be unique; a name appears twice")
     for spec in specs:
         _check_spec(spec.name, spec.dtype, spec.shape)
-    for key, value in metadata.items():
-        if not isinstance(key, str) or not isinstance(value, str):
-            raise ShardFormatError(f"metadata {key!r}: keys and values must be str")
     entries: list[TensorEntry] = []
     offset = 0
     for spec in sorted(specs, key=lambda s: (-DTYPE_SIZES[s.dtype], s.name)):
         entries.append(TensorEntry(spec.name, spec.dtype, spec.shape, offset, offset + spec.nbytes))
         offset += spec.nbytes
-    doc: dict[str, object] = {METADATA_KEY: dict(metadata)} if metadata else {}
-    for entry in entries:
-        doc[entry.name] = {
+    doc = {
+        entry.name: {
             "dtype": entry.dtype,
             "shape": list(entry.shape),
             "data_offsets": [entry.begin, entry.end],
         }
-    header = json.dumps(doc, separators=(",", ":")).encode()
-    header += b" " * (-(len(header) + _LENGTH.size) % _ALIGN)
-    if len(header) > MAX_HEADER_BYTES:
-        raise ShardFormatError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
-    return ShardLayout(header, tuple(entries), dict(metadata))
+        for entry in entries
+    }
+    return TensorPlan(tuple(entries), _compact(doc)[1:-1])
+
+
+def plan_shard(tensors: Iterable[TensorSpec], metadata: Mapping[str, str]) -> ShardLayout:
+    """Lay out `tensors` and `metadata` as one shard."""
+    return plan_tensors(tensors).shard(metadata)
 
 
 def write_header(layout: ShardLayout, buffer: memoryview) -> None:
     """Write the length prefix and the header of `layout` at the start of `buffer`."""
     _LENGTH.pack_into(buffer, 0, len(layout.header))
     buffer[_LENGTH.size : layout.data_start] = layout.header
+
+
+def _compact(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 def read_layout(buffer: bytes | memoryview, size: int | None = None) -> ShardLayout:

@@ -1,10 +1,28 @@
 """The rank's side: snapshot a flat state into a checkpointd slot, and restore it.
 
-`snapshot` lays the tensors out (format.py), copies every tensor straight into a slot's
-shared memory and hands the seal to a background thread: the copy is the rank's only
-stall. The background thread seals the slot and at once acquires the slot for the next
-snapshot, so that neither round trip to the daemon, nor the allocation of a new
-segment, falls inside the stall. Checksums, replication and flushes happen in the daemon.
+`snapshot` copies every tensor straight into a slot's shared memory and hands the seal
+to a background thread: the copy is the rank's only stall. Everything else is done
+ahead, once, or off the rank's path:
+
+* the layout: planned once for a loop's tensors (format.plan_tensors) and planned again
+  only when a tensor's name, dtype or shape changes; each step only encodes its
+  metadata into the header;
+* the slot: the background thread seals the slot and at once leases the slot for the
+  next snapshot (AcquireSlot), so neither round trip, nor the allocation of a new
+  segment, falls inside the stall;
+* the page faults: the background thread also maps that next slot with its pages
+  populated, and mappings are kept from snapshot to snapshot. The daemon hands a rank
+  back the segments its evicted snapshots gave up, so in steady state every snapshot
+  lands in memory this process has already mapped and faulted in. A kept mapping
+  whose segment the daemon dropped is unmapped at the next seal, so that it does not
+  keep the memory alive.
+
+The rank never waits for the seal's answer, yet a snapshot is readable only once the
+daemon has sealed it: until then its slot is leased, no reader is given it, and the
+snapshots the daemon holds sit in other segments, so a rank killed mid-copy leaves the
+previous snapshot the newest. The next snapshot waits for the previous seal first (it
+has long arrived unless steps are shorter than a round trip). Checksums, replication
+and flushes happen in the daemon.
 
 CUDA tensors are copied into pinned host memory on a side stream with a CUDA event
 marking completion (tensorcopy.CudaStager); `snapshot` returns once the copies are
@@ -13,8 +31,7 @@ before anything overwrites a snapshotted CUDA tensor (the next optimizer step). 
 path needs a GPU to run.
 
 torch is imported only when a torch tensor is given or a restore returns tensors, so
-the daemon and torch-free callers never import it. Slot mappings are kept from snapshot
-to snapshot: the daemon reuses slots, so their pages stay mapped.
+the daemon and torch-free callers never import it.
 
 Training outlives the daemon: a daemon that is down, refuses, or whose slot vanished
 from /dev/shm costs a skipped snapshot (`SnapshotResult.skipped`), and a seal that
@@ -38,7 +55,13 @@ from typing import Any
 
 import grpc
 
-from pitstop.checkpointd.format import ShardLayout, plan_shard, read_layout, write_header
+from pitstop.checkpointd.format import (
+    ShardLayout,
+    TensorPlan,
+    plan_tensors,
+    read_layout,
+    write_header,
+)
 from pitstop.checkpointd.instances import SHM_DIR
 from pitstop.checkpointd.peers import PulledShardError, catalog_holders, pull_shard
 from pitstop.checkpointd.tensorcopy import (
@@ -50,6 +73,7 @@ from pitstop.checkpointd.tensorcopy import (
     is_cuda,
     is_plain_cpu_tensor,
     read_tensor,
+    signature,
 )
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
@@ -98,7 +122,9 @@ class RestoredState:
 class SnapshotWriter:
     """Snapshots and restores one rank's state through the local checkpointd.
     `catalog_address` (the scheduler) and `buddy_address` are where a restore looks when
-    that daemon cannot serve; each seal's answer updates them."""
+    that daemon cannot serve; each seal's answer updates them. `keep_mappings`: the most
+    slot mappings kept (the least recently used beyond it are unmapped); `copy_threads`:
+    threads that copy a large state (default: up to 4, one per CPU)."""
 
     def __init__(
         self,
@@ -110,7 +136,7 @@ class SnapshotWriter:
         token: str = "",
         timeout_s: float = 30.0,
         shm_dir: Path = SHM_DIR,
-        keep_mappings: int = 4,
+        keep_mappings: int = 32,
         copy_threads: int | None = None,
         catalog_address: str = "",
         buddy_address: str = "",
@@ -131,6 +157,8 @@ class SnapshotWriter:
         self._finishing: Future[None] | None = None
         self._finishing_step = 0
         self._next_slot: checkpoint_pb2.AcquireSlotResponse | None = None
+        self._plan: tuple[list[tuple[str, object]], TensorPlan, list[tuple[int, int]]] | None
+        self._plan = None
         self._cuda: CudaStager | None = None
         self.sealed_seconds = 0.0
         """From the start of the last snapshot to the daemon's acknowledgement of its seal."""
@@ -152,7 +180,8 @@ class SnapshotWriter:
             "pitstop.step": str(step),
             "pitstop.generation": str(self.generation),
         }
-        layout = plan_shard([describe(name, value) for name, value in tensors.items()], meta)
+        plan, spans = self._planned(tensors)
+        layout = plan.shard(meta)
         key = self._key(step)
         slot, self._next_slot = self._next_slot, None
         if slot is None or slot.size_bytes < layout.size:
@@ -168,6 +197,11 @@ class SnapshotWriter:
                 return SnapshotResult(step, layout.size, time.perf_counter() - started, reason)
         try:
             mapped = self._mapped(slot.shm_name, slot.size_bytes)
+            # A kept mapping outlives its file: a slot leased from a daemon that has
+            # restarted since would be sealed into one that never gave it.
+            if mapped.unlinked():
+                self._slots.pop(slot.shm_name).close()
+                raise FileNotFoundError(slot.shm_name)
         except FileNotFoundError:
             reason = (
                 f"slot {slot.shm_name} vanished from {self._shm_dir} (checkpointd restarted, "
@@ -176,8 +210,9 @@ class SnapshotWriter:
             return SnapshotResult(step, layout.size, time.perf_counter() - started, reason)
         write_header(layout, mapped.view)
         on_gpu, moves = {}, []
-        for name, value in tensors.items():
-            begin, end = layout.span(layout.entry(name))
+        start = layout.data_start
+        for (name, value), (offset, stop) in zip(tensors.items(), spans, strict=True):
+            begin, end = start + offset, start + stop
             if is_cuda(value):
                 on_gpu[name] = value
             elif end == begin:
@@ -343,9 +378,29 @@ class SnapshotWriter:
         self.buddy_address = sealed.buddy_address or self.buddy_address
         # Only after the seal: an acquire that overtook it would reclaim the slot.
         try:
-            self._next_slot = self._acquire(self._key(seal.key.step + 1), seal.size_bytes)
+            slot = self._acquire(self._key(seal.key.step + 1), seal.size_bytes)
         except grpc.RpcError as exc:
             log.debug("acquiring the next slot ahead failed: %s", exc)
+            return
+        for name, mapped in list(self._slots.items()):
+            if mapped.unlinked():
+                del self._slots[name]
+                mapped.close()
+        try:
+            self._mapped(slot.shm_name, slot.size_bytes)  # its page faults, taken here
+        except OSError as exc:
+            log.debug("mapping the next slot %s ahead failed: %s", slot.shm_name, exc)
+        self._next_slot = slot
+
+    def _planned(self, tensors: Mapping[str, Any]) -> tuple[TensorPlan, list[tuple[int, int]]]:
+        """The layout of `tensors`' data and each one's [begin, end) relative to the data
+        start, in the order given: planned again only when a tensor changed."""
+        signatures = [(name, signature(value)) for name, value in tensors.items()]
+        if self._plan is None or self._plan[0] != signatures:
+            plan = plan_tensors(describe(name, value) for name, value in tensors.items())
+            where = {entry.name: (entry.begin, entry.end) for entry in plan.entries}
+            self._plan = signatures, plan, [where[name] for name in tensors]
+        return self._plan[1], self._plan[2]
 
     def _mapped(self, name: str, size: int) -> MappedSlot:
         slot = self._slots.pop(name, None)
