@@ -123,22 +123,27 @@ def is_torch(value: Any) -> bool:
     return type(value).__module__.startswith("torch")
 
 
-def is_plain_cpu_tensor(value: Any) -> bool:
-    """A contiguous CPU torch tensor: its bytes can be memmoved as they are."""
-    return is_torch(value) and value.device.type == "cpu" and bool(value.is_contiguous())
+PLAIN, CUDA, OTHER = "plain", "cuda", "other"
+"""How a value is copied: memmove (a contiguous CPU tensor), through pinned memory (a
+CUDA tensor), or by `copy_into` (anything else)."""
 
 
-def is_cuda(value: Any) -> bool:
-    """A torch tensor on a GPU."""
-    return is_torch(value) and bool(value.is_cuda)
+Signature = tuple[str, object, object]
 
 
-def signature(value: Any) -> object:
-    """What a tensor's layout depends on (its dtype and shape), cheaper than `describe`:
-    a loop's snapshot is planned again only when a signature changes."""
+def signature(value: Any) -> Signature:
+    """(how it is copied, dtype, shape): what a snapshot's plan depends on, cheaper to
+    take than `describe`. A loop's snapshot is planned again only when one changes."""
     if is_torch(value):
-        return value.dtype, value.shape
-    return describe("", value)
+        if value.is_cuda:
+            kind = CUDA
+        elif value.is_cpu and value.is_contiguous():
+            kind = PLAIN
+        else:
+            kind = OTHER
+        return kind, value.dtype, value.shape
+    view = memoryview(value)
+    return OTHER, (view.format, view.itemsize), view.shape
 
 
 def describe(name: str, value: Any) -> TensorSpec:

@@ -65,13 +65,14 @@ from pitstop.checkpointd.format import (
 from pitstop.checkpointd.instances import SHM_DIR
 from pitstop.checkpointd.peers import PulledShardError, catalog_holders, pull_shard
 from pitstop.checkpointd.tensorcopy import (
+    CUDA,
+    PLAIN,
     Copier,
     CudaStager,
     MappedSlot,
+    Signature,
     copy_into,
     describe,
-    is_cuda,
-    is_plain_cpu_tensor,
     read_tensor,
     signature,
 )
@@ -89,6 +90,11 @@ _SOURCES = {
     checkpoint_pb2.SHARD_TIER_REPLICA: "replica",
     checkpoint_pb2.SHARD_TIER_DURABLE: "durable",
 }
+
+
+_Span = tuple[str, int, int]
+"""How a tensor is copied (tensorcopy.PLAIN, CUDA, OTHER) and its [begin, end) relative
+to the shard's data start."""
 
 
 class ShardUnavailable(Exception):
@@ -157,8 +163,7 @@ class SnapshotWriter:
         self._finishing: Future[None] | None = None
         self._finishing_step = 0
         self._next_slot: checkpoint_pb2.AcquireSlotResponse | None = None
-        self._plan: tuple[list[tuple[str, object]], TensorPlan, list[tuple[int, int]]] | None
-        self._plan = None
+        self._plan: tuple[list[tuple[str, Signature]], TensorPlan, list[_Span]] | None = None
         self._cuda: CudaStager | None = None
         self.sealed_seconds = 0.0
         """From the start of the last snapshot to the daemon's acknowledgement of its seal."""
@@ -211,16 +216,14 @@ class SnapshotWriter:
         write_header(layout, mapped.view)
         on_gpu, moves = {}, []
         start = layout.data_start
-        for (name, value), (offset, stop) in zip(tensors.items(), spans, strict=True):
-            begin, end = start + offset, start + stop
-            if is_cuda(value):
+        base = mapped.address + start
+        for (name, value), (kind, offset, stop) in zip(tensors.items(), spans, strict=True):
+            if kind is PLAIN:
+                moves.append((base + offset, value.data_ptr(), stop - offset))
+            elif kind is CUDA:
                 on_gpu[name] = value
-            elif end == begin:
-                continue
-            elif is_plain_cpu_tensor(value):
-                moves.append((mapped.address + begin, int(value.data_ptr()), end - begin))
-            else:
-                copy_into(value, mapped.view, begin, end)
+            elif stop > offset:
+                copy_into(value, mapped.view, start + offset, start + stop)
         self._copier.move(moves)
         complete: Callable[[], None] | None = None
         if on_gpu:
@@ -392,14 +395,16 @@ class SnapshotWriter:
             log.debug("mapping the next slot %s ahead failed: %s", slot.shm_name, exc)
         self._next_slot = slot
 
-    def _planned(self, tensors: Mapping[str, Any]) -> tuple[TensorPlan, list[tuple[int, int]]]:
-        """The layout of `tensors`' data and each one's [begin, end) relative to the data
-        start, in the order given: planned again only when a tensor changed."""
+    def _planned(self, tensors: Mapping[str, Any]) -> tuple[TensorPlan, list[_Span]]:
+        """The layout of `tensors`' data, and how each is copied and to which [begin,
+        end) relative to the data start, in the order given: planned again only when a
+        tensor changed."""
         signatures = [(name, signature(value)) for name, value in tensors.items()]
         if self._plan is None or self._plan[0] != signatures:
             plan = plan_tensors(describe(name, value) for name, value in tensors.items())
             where = {entry.name: (entry.begin, entry.end) for entry in plan.entries}
-            self._plan = signatures, plan, [where[name] for name in tensors]
+            spans = [(kind, *where[name]) for name, (kind, _, _) in signatures]
+            self._plan = signatures, plan, spans
         return self._plan[1], self._plan[2]
 
     def _mapped(self, name: str, size: int) -> MappedSlot:
