@@ -131,10 +131,15 @@ def test_the_owner_gets_its_own_free_segment_back(prefix: str) -> None:
 def test_budget_full_refuses_without_allocating(prefix: str) -> None:
     pool = SlotPool(prefix, 3 * PAGE)
     held = pool.allocate(2 * PAGE, OWNER)
-    with pytest.raises(MemoryBudgetFull, match="memory budget full"):
+    with pytest.raises(MemoryBudgetFull, match="memory budget full") as refused:
         pool.allocate(2 * PAGE, OWNER)
     assert segments(prefix) == [held.name]
     assert pool.used_bytes == 2 * PAGE
+    # The error names the numbers and the budget that would have fit.
+    message = str(refused.value)
+    assert f"a {2 * PAGE}-byte slot does not fit, {2 * PAGE} of {3 * PAGE} bytes" in message
+    assert f"raise memory_budget_bytes to at least {4 * PAGE}" in message
+    assert "keep_in_memory + 1 slots" in message
     pool.close()
 
 

@@ -277,6 +277,9 @@ class SlotPool:
         if used + need > self.budget_bytes:
             raise MemoryBudgetFull(
                 f"memory budget full: a {need}-byte slot does not fit, {used} of "
-                f"{self.budget_bytes} bytes are in use; raise memory_budget_bytes or "
-                "lower keep_in_memory"
+                f"{self.budget_bytes} bytes are in use by {len(self._segments)} snapshots, "
+                "replicas and leased slots; raise memory_budget_bytes to at least "
+                f"{used + need} ({(used + need) / 1e9:.2f} GB), or lower keep_in_memory. "
+                "Each rank needs keep_in_memory + 1 slots the size of its snapshot, and "
+                "its buddy as many for the replicas"
             )
