@@ -345,6 +345,23 @@ async def test_pause_is_relayed_to_the_jobs_ranks(
             assert (await notices.next(rank))["kind"] == "pause"
 
 
+def scheduler_ready(scheduler: SchedulerThread, job_id: str, node_id: str) -> set[str] | None:
+    """Which nodes hold a waiting standby of the job, as the recovery decision reads it
+    (Redis), when GetNode tells an operator the same; None while they differ (a
+    heartbeat came between the two reads)."""
+    ready = set(scheduler._call(scheduler.scheduler.hot.ready_standbys(job_id, [node_id])))
+    stub = nodes_pb2_grpc.NodeServiceStub(scheduler.channel())
+    node = stub.Get(nodes_pb2.GetNodeRequest(node_id=node_id), timeout=TIMEOUT)
+    return ready if (job_id in node.standby_job_ids) == (node_id in ready) else None
+
+
+async def wait_until(check: Callable[[], bool], timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(check):
+        assert time.monotonic() < deadline, "not within the timeout"
+        await asyncio.sleep(0.05)
+
+
 async def test_a_rank_handed_to_the_node_goes_to_its_standby_or_starts_afresh(
     scheduler: SchedulerThread, short_dir: Path, notices: RankNotices
 ) -> None:
@@ -377,6 +394,10 @@ async def test_a_rank_handed_to_the_node_goes_to_its_standby_or_starts_afresh(
             "1",
             "1",
         )
+        # Waiting for a rank, it is reported ready, and the scheduler knows (a recovery
+        # prefers such a spare to one whose standby still imports).
+        await wait_until(lambda: scheduler_ready(scheduler, job_id, node) == {node})
+        assert [(r.standby, r.ready) for r in agent.supervisor.running()] == [(True, True)]
 
         await asyncio.to_thread(send_command, scheduler, node, reconfigure=handed(2, (3, 1)))
         adopted = await notices.next(3)
@@ -384,6 +405,8 @@ async def test_a_rank_handed_to_the_node_goes_to_its_standby_or_starts_afresh(
         assert (adopted["generation"], adopted["restore_step"], adopted["gpu_index"]) == (2, 7, 1)
         running = [(r.rank, r.generation, r.standby) for r in agent.supervisor.running()]
         assert running == [(3, 2, False)]
+        # Handed a rank, it no longer waits: the next heartbeat takes the mark away.
+        await wait_until(lambda: scheduler_ready(scheduler, job_id, node) == set())
 
         again = handed(3, (3, 1), (2, 0))
         await asyncio.to_thread(send_command, scheduler, node, reconfigure=again)
@@ -695,3 +718,64 @@ async def test_step_times_go_out_before_the_next_heartbeat_once_1024_wait(
                 "pitstop_agent_steps_reported_total", {"node": settings.node_id, "job": "job-a"}
             )
             assert reported == 1024
+
+
+async def test_a_dead_rank_is_taken_over_in_place_by_the_standby_beside_the_ranks(
+    scheduler: SchedulerThread, short_dir: Path, notices: RankNotices
+) -> None:
+    """A standby started beside the job's ranks (its GPU in use by one) waits there; an
+    application Xid on that GPU kills the rank but not the standby, and a Reconfigure
+    adopting the node's ranks hands the dead one to it — the same process, no fresh
+    start — while the rank still alive on the other GPU keeps its process and is told."""
+    settings = agent_settings(scheduler.address, short_dir, gpus="sim:2")
+    node, job_id = settings.node_id, unique("job")
+    placed = ((0, node, 0), (1, node, 1))
+    ranks = start_command(job_id, notices, "--attach", "--wait-commands", ranks=placed)
+    beside = start_command(
+        job_id, notices, "--standby", "--hold", ranks=(), standby_gpus=[0], beside_ranks=True
+    )
+    async with running_agent(settings) as agent:
+        await agent.link.wait_registered(timeout=TIMEOUT)
+        await asyncio.to_thread(send_command, scheduler, node, start_ranks=ranks)
+        started = {rank: await notices.next(rank) for rank in (0, 1)}
+        for rank in (0, 1):
+            assert await agent.local.wait_command_stream(job_id, rank, TIMEOUT)
+        await asyncio.to_thread(send_command, scheduler, node, start_ranks=beside)
+        waiting = await notices.next(0)
+        assert waiting["standby"]
+        await wait_until(lambda: scheduler_ready(scheduler, job_id, node) == {node})
+
+        fault = common_pb2.Fault(gpu_index=0, xid=13)
+        await asyncio.to_thread(send_command, scheduler, node, inject_fault=fault)
+        await wait_gone([started[0]["pid"]])
+        deadline = time.monotonic() + TIMEOUT
+        while [(r.rank, r.standby) for r in agent.supervisor.running()] != [(1, False), (0, True)]:
+            assert time.monotonic() < deadline, agent.supervisor.running()
+            await asyncio.sleep(0.05)  # the agent's own watcher reaps the rank
+
+        rank_map = common_pb2.RankMap(
+            generation=2,
+            world_size=2,
+            ranks=[
+                common_pb2.RankAssignment(rank=r, node_id=n, gpu_index=g, local_rank=g)
+                for r, n, g in placed
+            ],
+        )
+        reconfigure = agent_pb2.Reconfigure(
+            job_id=job_id,
+            generation=2,
+            rank_map=rank_map,
+            rendezvous_address="127.0.0.1:29999",
+            restore_step=5,
+            adopted_ranks=[0, 1],
+        )
+        await asyncio.to_thread(send_command, scheduler, node, reconfigure=reconfigure)
+        adopted = await notices.next(0)
+        assert (adopted["pid"], adopted["generation"], adopted["gpu_index"]) == (
+            waiting["pid"],
+            2,
+            0,
+        )
+        assert (await notices.next(1))["kind"] == "reconfigure"
+        running = [(r.rank, r.pid, r.standby) for r in agent.supervisor.running()]
+        assert running == [(0, waiting["pid"], False), (1, started[1]["pid"], False)]

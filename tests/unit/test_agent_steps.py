@@ -28,6 +28,25 @@ def test_groups_by_job_and_generation_in_arrival_order() -> None:
     assert [(s.rank, s.step) for s in batches[2].samples] == [(0, 2)]
 
 
+def test_a_jobs_first_step_in_a_newer_generation_is_news() -> None:
+    """The agent reports at once when a job steps in a new generation (it resumed)."""
+    batcher = StepBatcher()
+    news = [
+        batcher.add(job, generation, sample(0, step))
+        for job, generation, step in [
+            ("a", 1, 1),  # news: a's first step
+            ("a", 1, 2),
+            ("b", 1, 1),  # news: b's first
+            ("a", 2, 3),  # news: a resumed in generation 2
+            ("a", 1, 3),  # a late sample of the older generation
+            ("a", 2, 4),
+        ]
+    ]
+    assert news == [True, False, True, True, False, False]
+    batcher.drain()
+    assert not batcher.add("a", 2, sample(0, 5))  # draining forgets no generation
+
+
 def test_drain_empties_the_buffer() -> None:
     batcher = StepBatcher()
     assert batcher.drain() == []

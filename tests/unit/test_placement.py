@@ -235,6 +235,12 @@ def test_choose_replacement_nearest_first(drop: int) -> None:
     preferred = "s-any" if drop < len(SPARES) else None  # s-any is the last one dropped
     assert choose_replacement(topology, failed, 8, prefer={"s-any"}) == preferred
     assert choose_replacement(topology, failed, 8, prefer={"s-busy"}) == expected
+    # Of two spares holding standbys, the one whose standby already waits for a rank
+    # comes first, however far; the nearer one's standby is still importing.
+    if drop < len(SPARES) - 1:
+        held = {SPARES[drop].node_id, "s-any"}
+        assert choose_replacement(topology, failed, 8, prefer=held) == SPARES[drop].node_id
+        assert choose_replacement(topology, failed, 8, prefer=held, ready={"s-any"}) == "s-any"
 
 
 def test_replace_node_moves_only_the_failed_nodes_ranks() -> None:

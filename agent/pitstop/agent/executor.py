@@ -55,8 +55,11 @@ class RankSupervision(Protocol):
     def kill_gpu(self, gpu_index: int, reason: str) -> list[tuple[str, int]]: ...
     async def start_standbys(self, command: agent_pb2.StartRanks) -> list[int]: ...
     def standby_pid(self, job_id: str, gpu_index: int) -> int | None: ...
+    def standby_gpu_for(self, job_id: str, gpu_index: int) -> int | None: ...
     def standby_command(self, job_id: str) -> agent_pb2.StartRanks | None: ...
-    def adopt(self, job_id: str, gpu_index: int, rank: int, generation: int) -> int | None: ...
+    def adopt(
+        self, job_id: str, gpu_index: int, rank: int, generation: int, on_gpu: int | None = None
+    ) -> int | None: ...
 
 
 class RankChannel(Protocol):
@@ -220,10 +223,15 @@ class CommandExecutor:
     async def _reconfigure(self, message: agent_pb2.SchedulerMessage) -> str:
         new = message.reconfigure
         self._local.set_generation(new.job_id, new.generation, new.restore_step)
-        adopted = await self._hand_to_standbys(new)
-        # The ranks taken over here join the new generation on their own.
-        relayed = await self._relay(
-            new.job_id, rank_pb2.RankCommand(reconfigure=new), skip=set(new.adopted_ranks)
+        adopted, taken = await self._hand_to_standbys(new)
+        # The ranks taken over (or started afresh) here join the new generation on their
+        # own; those already running here are told.
+        relayed = await self._relay(new.job_id, rank_pb2.RankCommand(reconfigure=new), skip=taken)
+        log.info(
+            "job %s generation %d: reconfigured (ranks taken over here: %s)",
+            new.job_id,
+            new.generation,
+            sorted(taken) or "none",
         )
         moved = self._supervisor.renumber(new.job_id, new.rank_map)
         if moved:
@@ -282,18 +290,27 @@ class CommandExecutor:
 
     # The standby hand-over (Reconfigure with adopted ranks)
 
-    async def _hand_to_standbys(self, new: agent_pb2.Reconfigure) -> str:
-        """Give each rank this node adopts to the job's standby process on the rank's GPU.
-        One still importing is waited for; where none is left (it died, or was never
-        started here), the rank starts as a fresh process from the standby's command."""
+    async def _hand_to_standbys(self, new: agent_pb2.Reconfigure) -> tuple[str, set[int]]:
+        """Give each rank this node adopts to the job's standby process on the rank's GPU
+        (or the one beside the job's ranks). One still importing is waited for; where none
+        is left (it died, or was never started here), the rank starts as a fresh process
+        from the standby's command. A rank of the job still running here (a node whose
+        other rank died adopts in place) keeps its process. The error, if any, and the
+        ranks taken over or started."""
         job_id, node_id = new.job_id, self._settings.node_id
         placed = {a.rank: a for a in new.rank_map.ranks if a.node_id == node_id}
-        missed, fresh = [], []
+        running = {
+            r.rank for r in self._supervisor.running() if r.job_id == job_id and not r.standby
+        }
+        missed, fresh, taken = [], [], set()
         for rank in new.adopted_ranks:
             where = placed.get(rank)
             if where is None:
                 missed.append(rank)
                 continue
+            if rank in running:
+                continue
+            taken.add(rank)
             if not await self._adopt(new, where):
                 fresh.append(rank)
         if fresh:
@@ -321,15 +338,16 @@ class CommandExecutor:
             return (
                 f"job {job_id}: node {node_id} cannot take ranks {missed}: not placed here in "
                 "the rank map, or no standby process of the job was ever started here"
-            )
-        return ""
+            ), taken
+        return "", taken
 
     async def _adopt(self, new: agent_pb2.Reconfigure, where: common_pb2.RankAssignment) -> bool:
         """Hand rank `where` to the job's standby process on its GPU, once that process
         waits (at most STANDBY_WAIT_SECONDS); False when there is none to hand it to."""
-        job_id, gpu = new.job_id, where.gpu_index
-        pid = self._supervisor.standby_pid(job_id, gpu)
-        if pid is None:
+        job_id = new.job_id
+        gpu = self._supervisor.standby_gpu_for(job_id, where.gpu_index)
+        pid = None if gpu is None else self._supervisor.standby_pid(job_id, gpu)
+        if gpu is None or pid is None:
             return False
 
         def alive() -> bool:
@@ -339,9 +357,12 @@ class CommandExecutor:
         # cannot stop waiting in between.
         if not await self._local.wait_standby_process(job_id, pid, STANDBY_WAIT_SECONDS, alive):
             return False
-        if self._supervisor.adopt(job_id, gpu, where.rank, new.generation) != pid:
+        adopted = self._supervisor.adopt(
+            job_id, gpu, where.rank, new.generation, on_gpu=where.gpu_index
+        )
+        if adopted != pid:
             return False
         assignment = rank_pb2.StandbyAssignment(
-            reconfigure=new, rank=where.rank, local_rank=where.local_rank, gpu_index=gpu
+            reconfigure=new, rank=where.rank, local_rank=where.local_rank, gpu_index=where.gpu_index
         )
         return await self._local.assign_standby(job_id, assignment, pid=pid)

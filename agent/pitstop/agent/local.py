@@ -74,6 +74,10 @@ class LocalEndpoint:
         self._adopted: dict[_Key, tuple[int, int]] = {}
         # Replaced on every change, so waiters wake without polling.
         self._changed = asyncio.Event()
+        self.report_soon: Callable[[], None] = lambda: None
+        """Called when something the scheduler acts on changed here: a standby process
+        started waiting for a rank or was handed one, a job stepped in a new generation
+        (it resumed). The agent reports it at once rather than at the next heartbeat."""
 
     async def start(self) -> None:
         """Serve on `unix:<socket_path>`, replacing a stale socket file. Raises
@@ -161,6 +165,7 @@ class LocalEndpoint:
             future.set_result(assignment)
             self._adopted[(job_id, assignment.rank)] = (assignment.gpu_index, caller)
             self._notify()
+            self.report_soon()
             return True
         return False
 
@@ -249,6 +254,7 @@ class LocalEndpoint:
         waiter = (future, context, request.pid)
         self._standby.setdefault(job_id, []).append(waiter)
         self._notify()
+        self.report_soon()
         try:
             return await future
         finally:
@@ -329,7 +335,8 @@ class _RankControlServicer:
         sample.rank = request.rank
         if not sample.HasField("time"):
             sample.time.CopyFrom(_now())
-        self._endpoint.steps.add(request.job_id, request.generation, sample)
+        if self._endpoint.steps.add(request.job_id, request.generation, sample):
+            self._endpoint.report_soon()  # the first step of a generation: it resumed
         supervisor = self._endpoint.supervisor
         supervisor.record_step(request.job_id, request.rank, sample.step)
         supervisor.record_generation(request.job_id, request.rank, request.generation)

@@ -74,6 +74,9 @@ class NodeAgent:
             self.metrics,
             conditions=[self.checkpointd] if self.checkpointd is not None else [],
         )
+        # A standby waiting for a rank is reported ready; one handed a rank no longer.
+        self.supervisor.standby_waits = self.local.standby_waits
+        self.local.report_soon = self.link.beat_soon
         self.metrics_server: MetricsServer | None = None
 
     async def _report_rank_exit(self, exited: agent_pb2.RankExited) -> None:

@@ -27,14 +27,22 @@ class StepBatcher:
         self._samples: deque[tuple[str, int, agent_pb2.StepSample]] = deque()
         self._max_samples = max_samples
         self._dropped = 0
+        self._newest: dict[str, int] = {}  # job id -> the newest generation it stepped in
 
-    def add(self, job_id: str, generation: int, sample: agent_pb2.StepSample) -> None:
+    def add(self, job_id: str, generation: int, sample: agent_pb2.StepSample) -> bool:
         """Buffer one sample of `job_id` at `generation`; past `max_samples` the oldest
-        buffered sample is dropped and counted."""
+        buffered sample is dropped and counted. True for the job's first sample in a
+        generation newer than any before (it got going: worth reporting at once)."""
         self._samples.append((job_id, generation, sample))
         while len(self._samples) > self._max_samples:
             self._samples.popleft()
             self._dropped += 1
+        if generation <= self._newest.get(job_id, -1):
+            return False
+        if len(self._newest) >= self._max_samples:  # jobs come and go: forget the oldest
+            del self._newest[next(iter(self._newest))]
+        self._newest[job_id] = generation
+        return True
 
     def drain(self) -> list[agent_pb2.StepTimes]:
         """Every buffered sample, one StepTimes per (job, generation) in order of first

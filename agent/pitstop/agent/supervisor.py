@@ -56,10 +56,12 @@ class _Rank:
     result: dict[str, str] = field(default_factory=dict)
     watcher: asyncio.Task[None] | None = None
     standby: bool = False  # a standby process, not (yet) a rank
+    beside: bool = False  # a standby beside the job's ranks, for restarting one in place
 
     def describe(self) -> str:
         if self.standby:
-            return f"standby process of job {self.job_id} on GPU {self.gpu_index}"
+            where = "beside the ranks" if self.beside else f"on GPU {self.gpu_index}"
+            return f"standby process of job {self.job_id} {where}"
         return f"rank {self.rank} of job {self.job_id}"
 
 
@@ -93,6 +95,9 @@ class RankSupervisor:
         # Starts and stops run one at a time, so a start never races the stop it follows.
         self._lock = asyncio.Lock()
         self._closed = False
+        self.standby_waits: Callable[[str, int], bool] = lambda job_id, pid: False
+        """Whether process `pid` of job `job_id` waits for a rank now (the local
+        endpoint knows; the heartbeat reports such a standby ready)."""
 
     async def start_ranks(
         self, command: agent_pb2.StartRanks, only: Collection[int] | None = None
@@ -136,8 +141,8 @@ class RankSupervisor:
                 if running is not None and running.generation < generation:
                     older.append(running)
                 standby = self._standbys.get((job_id, assignment.gpu_index))
-                if standby is not None:  # the rank takes its GPU: it would only hold memory
-                    older.append(standby)
+                if standby is not None and not standby.beside:
+                    older.append(standby)  # the rank takes its GPU: it would only hold memory
             await self._stop(older, DEFAULT_GRACE_SECONDS)
             for assignment in mine:
                 if (job_id, assignment.rank) not in self._ranks:
@@ -147,8 +152,9 @@ class RankSupervisor:
 
     async def start_standbys(self, command: agent_pb2.StartRanks) -> list[int]:
         """Start a standby process of `command.job_id` on each GPU of
-        `command.standby_gpus` that has none; return those GPUs. Raises ValueError for a
-        command that cannot run here, RuntimeError after shutdown."""
+        `command.standby_gpus` that has none (nor a rank of the job, unless
+        `command.beside_ranks`); return those GPUs. Raises ValueError for a command that
+        cannot run here, RuntimeError after shutdown."""
         job_id = command.job_id
         _check_job_id(job_id)
         if not command.command:
@@ -163,7 +169,7 @@ class RankSupervisor:
             self._standby_commands[job_id] = command
             for gpu in gpus:
                 taken = any(e.gpu_index == gpu for (j, _), e in self._ranks.items() if j == job_id)
-                if (job_id, gpu) in self._standbys or taken:
+                if (job_id, gpu) in self._standbys or (taken and not command.beside_ranks):
                     continue
                 env = self._process_env(command, command.generation, gpu)
                 env["PITSTOP_STANDBY"] = "1"
@@ -172,7 +178,16 @@ class RankSupervisor:
                     job_id, command.command, env, cwd, log_path, f"standby on GPU {gpu}"
                 )
                 _renice(process.pid, STANDBY_NICE)
-                entry = _Rank(job_id, command.generation, 0, gpu, process, log_path, standby=True)
+                entry = _Rank(
+                    job_id,
+                    command.generation,
+                    0,
+                    gpu,
+                    process,
+                    log_path,
+                    standby=True,
+                    beside=command.beside_ranks,
+                )
                 self._standbys[(job_id, gpu)] = entry
                 self._watch_entry(entry)
         return gpus
@@ -182,15 +197,27 @@ class RankSupervisor:
         entry = self._standbys.get((job_id, gpu_index))
         return None if entry is None else entry.process.pid
 
+    def standby_gpu_for(self, job_id: str, gpu_index: int) -> int | None:
+        """Where the standby process that would take a rank of the job on GPU
+        `gpu_index` waits: on that GPU, else (one beside the job's ranks touches no GPU
+        before it is handed a rank) on any; None when the job has none here."""
+        if (job_id, gpu_index) in self._standbys:
+            return gpu_index
+        beside = [g for (j, g), e in sorted(self._standbys.items()) if j == job_id and e.beside]
+        return beside[0] if beside else None
+
     def standby_command(self, job_id: str) -> agent_pb2.StartRanks | None:
         """The command that started the job's standby processes here, if any did."""
         return self._standby_commands.get(job_id)
 
-    def adopt(self, job_id: str, gpu_index: int, rank: int, generation: int) -> int | None:
-        """Make the job's standby process on the GPU rank `rank` of `generation`: from now
-        on it is supervised, reported and stopped as that rank, and its log becomes the
-        rank's `rank-N.log` (an earlier one here is kept as `rank-N.1.log`, `.2`, ...).
-        Its pid; None when no standby process is there or the rank already runs here."""
+    def adopt(
+        self, job_id: str, gpu_index: int, rank: int, generation: int, on_gpu: int | None = None
+    ) -> int | None:
+        """Make the job's standby process on the GPU rank `rank` of `generation` (running
+        on GPU `on_gpu`, when not the standby's own): from now on it is supervised,
+        reported and stopped as that rank, and its log becomes the rank's `rank-N.log`
+        (an earlier one here is kept as `rank-N.1.log`, `.2`, ...). Its pid; None when no
+        standby process is there or the rank already runs here."""
         entry = self._standbys.get((job_id, gpu_index))
         if entry is None or entry.process.returncode is not None:
             return None
@@ -198,7 +225,8 @@ class RankSupervisor:
             return None
         del self._standbys[(job_id, gpu_index)]
         _renice(entry.process.pid, 0)
-        entry.standby, entry.rank, entry.generation = False, rank, generation
+        entry.standby, entry.beside, entry.rank, entry.generation = False, False, rank, generation
+        entry.gpu_index = gpu_index if on_gpu is None else on_gpu
         target = self.log_dir / job_id / f"rank-{rank}.log"
         try:
             if target.exists():  # the rank ran here before: keep its log beside
@@ -248,7 +276,7 @@ class RankSupervisor:
 
     def running(self) -> list[agent_pb2.RunningRank]:
         """Every rank alive now, by job and rank, with the last step it reported; then
-        the standby processes (standby set, rank 0)."""
+        the standby processes (standby set, rank 0; ready when it waits for a rank)."""
         entries = [e for _, e in sorted(self._ranks.items())]
         entries += [e for _, e in sorted(self._standbys.items())]
         return [
@@ -259,6 +287,7 @@ class RankSupervisor:
                 pid=entry.process.pid,
                 step=entry.step,
                 standby=entry.standby,
+                ready=entry.standby and self.standby_waits(entry.job_id, entry.process.pid),
             )
             for entry in entries
         ]
@@ -318,7 +347,10 @@ class RankSupervisor:
                 _signal_group(entry.process.pid, signal.SIGKILL)
                 killed.append((job_id, rank))
         for (_, gpu), entry in sorted(self._standbys.items()):
-            if gpu == gpu_index:  # its context is as broken; it is not replaced here
+            # A standby on that GPU goes too (the scheduler starts a spare's again where
+            # it qualifies), but not one beside the ranks: it touches no GPU until it
+            # takes over a rank, and it is what restarts the killed one in place.
+            if gpu == gpu_index and not entry.beside:
                 logger.warning("killing the %s: %s", entry.describe(), reason)
                 _signal_group(entry.process.pid, signal.SIGKILL)
         return killed

@@ -27,20 +27,22 @@ class Register(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., inventory: _Optional[_Union[_common_pb2.Inventory, _Mapping]] = ..., labels: _Optional[_Union[_common_pb2.TopologyLabels, _Mapping]] = ..., requested_role: _Optional[_Union[_common_pb2.NodeRole, str]] = ..., running_ranks: _Optional[_Iterable[_Union[RunningRank, _Mapping]]] = ..., agent_started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class RunningRank(_message.Message):
-    __slots__ = ("job_id", "generation", "rank", "pid", "step", "standby")
+    __slots__ = ("job_id", "generation", "rank", "pid", "step", "standby", "ready")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STANDBY_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     rank: int
     pid: int
     step: int
     standby: bool
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., standby: _Optional[bool] = ...) -> None: ...
+    ready: bool
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., pid: _Optional[int] = ..., step: _Optional[int] = ..., standby: _Optional[bool] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("time", "health", "running_ranks")
@@ -148,7 +150,7 @@ class Registered(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., role: _Optional[_Union[_common_pb2.NodeRole, str]] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ...) -> None: ...
 
 class StartRanks(_message.Message):
-    __slots__ = ("job_id", "generation", "command", "env", "working_dir", "rank_map", "rendezvous_address", "restore_step", "standby_gpus")
+    __slots__ = ("job_id", "generation", "command", "env", "working_dir", "rank_map", "rendezvous_address", "restore_step", "standby_gpus", "beside_ranks")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +167,7 @@ class StartRanks(_message.Message):
     RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
     STANDBY_GPUS_FIELD_NUMBER: _ClassVar[int]
+    BESIDE_RANKS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     command: _containers.RepeatedScalarFieldContainer[str]
@@ -174,7 +177,8 @@ class StartRanks(_message.Message):
     rendezvous_address: str
     restore_step: int
     standby_gpus: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., standby_gpus: _Optional[_Iterable[int]] = ...) -> None: ...
+    beside_ranks: bool
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., standby_gpus: _Optional[_Iterable[int]] = ..., beside_ranks: _Optional[bool] = ...) -> None: ...
 
 class StopRanks(_message.Message):
     __slots__ = ("job_id", "ranks", "grace_seconds", "reason")

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from pitstop.v1 import common_pb2 as pitstop_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pitstop/v1/nodes.proto\x12\npitstop.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17pitstop/v1/common.proto\"\xa0\x03\n\x04Node\x12\n\n\x02id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.pitstop.v1.NodeRole\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.pitstop.v1.NodeState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12*\n\x06labels\x18\x05 \x01(\x0b\x32\x1a.pitstop.v1.TopologyLabels\x12(\n\tinventory\x18\x06 \x01(\x0b\x32\x15.pitstop.v1.Inventory\x12&\n\x06health\x18\x07 \x01(\x0b\x32\x16.pitstop.v1.NodeHealth\x12\x11\n\tconnected\x18\x08 \x01(\x08\x12\x32\n\x0elast_heartbeat\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\rregistered_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x0bxid_history\x18\x0b \x03(\x0b\x32\x14.pitstop.v1.XidEvent\x12\x0f\n\x07job_ids\x18\x0c \x03(\t\"!\n\x0eGetNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"^\n\x10ListNodesRequest\x12%\n\x06states\x18\x01 \x03(\x0e\x32\x15.pitstop.v1.NodeState\x12#\n\x05roles\x18\x02 \x03(\x0e\x32\x14.pitstop.v1.NodeRole\"4\n\x11ListNodesResponse\x12\x1f\n\x05nodes\x18\x01 \x03(\x0b\x32\x10.pitstop.v1.Node\"5\n\x12NodeControlRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"Y\n\x12SetNodeRoleRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.pitstop.v1.NodeRole\x12\x0e\n\x06reason\x18\x03 \x01(\t\"G\n\x12InjectFaultRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12 \n\x05\x66\x61ult\x18\x02 \x01(\x0b\x32\x11.pitstop.v1.Fault\")\n\x13InjectFaultResponse\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\"[\n\x11ListEventsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x16\n\x0e\x61\x66ter_event_id\x18\x03 \x01(\x03\x12\r\n\x05limit\x18\x04 \x01(\r\"7\n\x12ListEventsResponse\x12!\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x11.pitstop.v1.Event\"M\n\x12WatchEventsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x16\n\x0e\x61\x66ter_event_id\x18\x03 \x01(\x03\x32\xf3\x03\n\x0bNodeService\x12I\n\x04List\x12\x1c.pitstop.v1.ListNodesRequest\x1a\x1d.pitstop.v1.ListNodesResponse\"\x04\xc8\xf3\x18\x01\x12\x39\n\x03Get\x12\x1a.pitstop.v1.GetNodeRequest\x1a\x10.pitstop.v1.Node\"\x04\xc8\xf3\x18\x01\x12@\n\x06\x43ordon\x12\x1e.pitstop.v1.NodeControlRequest\x1a\x10.pitstop.v1.Node\"\x04\xc8\xf3\x18\x02\x12\x42\n\x08Uncordon\x12\x1e.pitstop.v1.NodeControlRequest\x1a\x10.pitstop.v1.Node\"\x04\xc8\xf3\x18\x02\x12?\n\x05\x44rain\x12\x1e.pitstop.v1.NodeControlRequest\x1a\x10.pitstop.v1.Node\"\x04\xc8\xf3\x18\x02\x12\x41\n\x07SetRole\x12\x1e.pitstop.v1.SetNodeRoleRequest\x1a\x10.pitstop.v1.Node\"\x04\xc8\xf3\x18\x03\x12T\n\x0bInjectFault\x12\x1e.pitstop.v1.InjectFaultRequest\x1a\x1f.pitstop.v1.InjectFaultResponse\"\x04\xc8\xf3\x18\x03\x32\x9f\x01\n\x0c\x45ventService\x12K\n\x04List\x12\x1d.pitstop.v1.ListEventsRequest\x1a\x1e.pitstop.v1.ListEventsResponse\"\x04\xc8\xf3\x18\x01\x12\x42\n\x05Watch\x12\x1e.pitstop.v1.WatchEventsRequest\x1a\x11.pitstop.v1.Event\"\x04\xc8\xf3\x18\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16pitstop/v1/nodes.proto\x12\npitstop.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17pitstop/v1/common.proto\"\xb9\x03\n\x04Node\x12\n\n\x02id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.pitstop.v1.NodeRole\x12$\n\x05state\x18\x03 \x01(\x0e\x32\x15.pitstop.v1.NodeState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12*\n\x06labels\x18\x05 \x01(\x0b\x32\x1a.pitstop.v1.TopologyLabels\x12(\n\tinventory\x18\x06 \x01(\x0b\x32\x15.pitstop.v1.Inventory\x12&\n\x06health\x18\x07 \x01(\x0b\x32\x16.pitstop.v1.NodeHealth\x12\x11\n\tconnected\x18\x08 \x01(\x08\x12\x32\n\x0elast_heartbeat\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\rregistered_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x0bxid_history\x18\x0b \x03(\x0b\x32\x14.pitstop.v1.XidEvent\x12\x0f\n\x07job_ids\x18\x0c \x03(\t\x12\x17\n\x0fstandby_job_ids\x18\r \x03(\t\"!\n\x0eGetNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"^\n\x10ListNodesRequest\x12%\n\x06states\x18\x01 \x03(\x0e\x32\x15.pitstop.v1.NodeState\x12#\n\x05roles\x18\x02 \x03(\x0e\x32\x14.pitstop.v1.NodeRole\"4\n\x11ListNodesResponse\x12\x1f\n\x05nodes\x18\x01 \x03(\x0b\x32\x10.pitstop.v1.Node\"5\n\x12NodeControlRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"Y\n\x12SetNodeRoleRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\"\n\x04role\x18\x02 \x01(\x0e\x32\x14.pitstop.v1.NodeRole\x12\x0e\n\x06reason\x18\x03 \x01(\t\"G\n\x12InjectFaultRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12 \n\x05\x66\x61ult\x18\x02 \x01(\x0b\x32\x11.pitstop.v1.Fault\")\n\x13InjectFaultResponse\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\"[\n\x11ListEventsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x16\n\x0e\x61\x66ter_event_id\x18\x03 \x01(\x03\x12\r\n\x05limit\x18\x04 \x01(\r\"7\n\x12ListEventsResponse\x12!\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x11.pitstop.v1.Event\"M\n\x12WatchEventsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x16\n\x0e\x61\x66ter_event_id\x18\x03 \x01(\x03\x32\xf3\x03\n\x0bNodeService\x12I\n\x04List\x12\x1c.pitstop.v1.ListNodesRequest\x1a\x1d.pitstop.v1.ListNodesResponse\"\x04\xc8\xf3\x18\x01\x12\x39\n\x03Get\x12\x1a.pitstop.v1.GetNodeRequest\x1a\x10.pitstop.v1.Node\"\x04\xc8\xf3\x18\x01\x12@\n\x06\x43ordon\x12\x1e.pitstop.v1.NodeControlRequest\x1a\x10.pitstop.v1.Node\"\x04\xc8\xf3\x18\x02\x12\x42\n\x08Uncordon\x12\x1e.pitstop.v1.NodeControlRequest\x1a\x10.pitstop.v1.Node\"\x04\xc8\xf3\x18\x02\x12?\n\x05\x44rain\x12\x1e.pitstop.v1.NodeControlRequest\x1a\x10.pitstop.v1.Node\"\x04\xc8\xf3\x18\x02\x12\x41\n\x07SetRole\x12\x1e.pitstop.v1.SetNodeRoleRequest\x1a\x10.pitstop.v1.Node\"\x04\xc8\xf3\x18\x03\x12T\n\x0bInjectFault\x12\x1e.pitstop.v1.InjectFaultRequest\x1a\x1f.pitstop.v1.InjectFaultResponse\"\x04\xc8\xf3\x18\x03\x32\x9f\x01\n\x0c\x45ventService\x12K\n\x04List\x12\x1d.pitstop.v1.ListEventsRequest\x1a\x1e.pitstop.v1.ListEventsResponse\"\x04\xc8\xf3\x18\x01\x12\x42\n\x05Watch\x12\x1e.pitstop.v1.WatchEventsRequest\x1a\x11.pitstop.v1.Event\"\x04\xc8\xf3\x18\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,29 +52,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EVENTSERVICE'].methods_by_name['Watch']._loaded_options = None
   _globals['_EVENTSERVICE'].methods_by_name['Watch']._serialized_options = b'\310\363\030\001'
   _globals['_NODE']._serialized_start=97
-  _globals['_NODE']._serialized_end=513
-  _globals['_GETNODEREQUEST']._serialized_start=515
-  _globals['_GETNODEREQUEST']._serialized_end=548
-  _globals['_LISTNODESREQUEST']._serialized_start=550
-  _globals['_LISTNODESREQUEST']._serialized_end=644
-  _globals['_LISTNODESRESPONSE']._serialized_start=646
-  _globals['_LISTNODESRESPONSE']._serialized_end=698
-  _globals['_NODECONTROLREQUEST']._serialized_start=700
-  _globals['_NODECONTROLREQUEST']._serialized_end=753
-  _globals['_SETNODEROLEREQUEST']._serialized_start=755
-  _globals['_SETNODEROLEREQUEST']._serialized_end=844
-  _globals['_INJECTFAULTREQUEST']._serialized_start=846
-  _globals['_INJECTFAULTREQUEST']._serialized_end=917
-  _globals['_INJECTFAULTRESPONSE']._serialized_start=919
-  _globals['_INJECTFAULTRESPONSE']._serialized_end=960
-  _globals['_LISTEVENTSREQUEST']._serialized_start=962
-  _globals['_LISTEVENTSREQUEST']._serialized_end=1053
-  _globals['_LISTEVENTSRESPONSE']._serialized_start=1055
-  _globals['_LISTEVENTSRESPONSE']._serialized_end=1110
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=1112
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=1189
-  _globals['_NODESERVICE']._serialized_start=1192
-  _globals['_NODESERVICE']._serialized_end=1691
-  _globals['_EVENTSERVICE']._serialized_start=1694
-  _globals['_EVENTSERVICE']._serialized_end=1853
+  _globals['_NODE']._serialized_end=538
+  _globals['_GETNODEREQUEST']._serialized_start=540
+  _globals['_GETNODEREQUEST']._serialized_end=573
+  _globals['_LISTNODESREQUEST']._serialized_start=575
+  _globals['_LISTNODESREQUEST']._serialized_end=669
+  _globals['_LISTNODESRESPONSE']._serialized_start=671
+  _globals['_LISTNODESRESPONSE']._serialized_end=723
+  _globals['_NODECONTROLREQUEST']._serialized_start=725
+  _globals['_NODECONTROLREQUEST']._serialized_end=778
+  _globals['_SETNODEROLEREQUEST']._serialized_start=780
+  _globals['_SETNODEROLEREQUEST']._serialized_end=869
+  _globals['_INJECTFAULTREQUEST']._serialized_start=871
+  _globals['_INJECTFAULTREQUEST']._serialized_end=942
+  _globals['_INJECTFAULTRESPONSE']._serialized_start=944
+  _globals['_INJECTFAULTRESPONSE']._serialized_end=985
+  _globals['_LISTEVENTSREQUEST']._serialized_start=987
+  _globals['_LISTEVENTSREQUEST']._serialized_end=1078
+  _globals['_LISTEVENTSRESPONSE']._serialized_start=1080
+  _globals['_LISTEVENTSRESPONSE']._serialized_end=1135
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=1137
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=1214
+  _globals['_NODESERVICE']._serialized_start=1217
+  _globals['_NODESERVICE']._serialized_end=1716
+  _globals['_EVENTSERVICE']._serialized_start=1719
+  _globals['_EVENTSERVICE']._serialized_end=1878
 # @@protoc_insertion_point(module_scope)

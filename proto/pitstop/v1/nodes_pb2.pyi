@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Node(_message.Message):
-    __slots__ = ("id", "role", "state", "reason", "labels", "inventory", "health", "connected", "last_heartbeat", "registered_at", "xid_history", "job_ids")
+    __slots__ = ("id", "role", "state", "reason", "labels", "inventory", "health", "connected", "last_heartbeat", "registered_at", "xid_history", "job_ids", "standby_job_ids")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class Node(_message.Message):
     REGISTERED_AT_FIELD_NUMBER: _ClassVar[int]
     XID_HISTORY_FIELD_NUMBER: _ClassVar[int]
     JOB_IDS_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_JOB_IDS_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: _common_pb2.NodeRole
     state: _common_pb2.NodeState
@@ -36,7 +37,8 @@ class Node(_message.Message):
     registered_at: _timestamp_pb2.Timestamp
     xid_history: _containers.RepeatedCompositeFieldContainer[_common_pb2.XidEvent]
     job_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.NodeRole, str]] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., reason: _Optional[str] = ..., labels: _Optional[_Union[_common_pb2.TopologyLabels, _Mapping]] = ..., inventory: _Optional[_Union[_common_pb2.Inventory, _Mapping]] = ..., health: _Optional[_Union[_common_pb2.NodeHealth, _Mapping]] = ..., connected: _Optional[bool] = ..., last_heartbeat: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., xid_history: _Optional[_Iterable[_Union[_common_pb2.XidEvent, _Mapping]]] = ..., job_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    standby_job_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.NodeRole, str]] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., reason: _Optional[str] = ..., labels: _Optional[_Union[_common_pb2.TopologyLabels, _Mapping]] = ..., inventory: _Optional[_Union[_common_pb2.Inventory, _Mapping]] = ..., health: _Optional[_Union[_common_pb2.NodeHealth, _Mapping]] = ..., connected: _Optional[bool] = ..., last_heartbeat: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., registered_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., xid_history: _Optional[_Iterable[_Union[_common_pb2.XidEvent, _Mapping]]] = ..., job_ids: _Optional[_Iterable[str]] = ..., standby_job_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetNodeRequest(_message.Message):
     __slots__ = ("node_id",)

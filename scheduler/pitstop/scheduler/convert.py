@@ -11,6 +11,7 @@ from google.protobuf import json_format, timestamp_pb2
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState, NodeRole, NodeState
 from pitstop.scheduler.errors import InvalidArgument
+from pitstop.scheduler.hotstate import STANDBY_READY
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.v1 import common_pb2, jobs_pb2, nodes_pb2
 
@@ -151,6 +152,8 @@ def node_to_pb(
     health = live_health if live_health is not None else node.health
     if health:
         json_format.ParseDict(health, msg.health, ignore_unknown_fields=True)
+    if live_health is not None:
+        msg.standby_job_ids.extend(live_health.get(STANDBY_READY, ()))
     for x in xids:
         msg.xid_history.add(
             gpu_index=x.gpu_index,

@@ -12,12 +12,16 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from pitstop.v1 import agent_pb2
+
+STANDBY_READY = "standby_ready"
+"""Key in a node's live health: the jobs whose standby process there waits for a rank."""
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +66,27 @@ class HotState:
         now: float | None = None,
     ) -> None:
         """Push the node's liveness deadline and keep its live health (NodeHealth as JSON,
-        with ``received_at``: a decision may only trust a report newer than its cause)."""
+        with ``received_at``: a decision may only trust a report newer than its cause,
+        and ``standby_ready``: the jobs whose standby process there waits for a rank)."""
         at = time.time() if now is None else now
         live = json.dumps({**(health or {}), "received_at": at})
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zadd(self.deadlines_key, {node_id: at + deadline_s})
             pipe.set(self.node_health_key(node_id), live, ex=max(int(deadline_s * 10), 60))
             await pipe.execute()
+
+    async def ready_standbys(self, job_id: str, node_ids: Iterable[str]) -> set[str]:
+        """Which of `node_ids` hold a standby process of `job_id` that waits for a rank
+        now (its imports done), as their last heartbeats said."""
+        nodes = sorted(node_ids)
+        if not nodes:
+            return set()
+        raw = await self.redis.mget([self.node_health_key(n) for n in nodes])
+        return {
+            node
+            for node, live in zip(nodes, raw, strict=True)
+            if live is not None and job_id in json.loads(live).get(STANDBY_READY, ())
+        }
 
     def rank_stats_key(self, job_id: str) -> str:
         return f"{self.prefix}job:{job_id}:rank-stats"

@@ -297,19 +297,26 @@ def choose_replacement(
     failed: NodeInfo,
     gpus_needed: int,
     prefer: Collection[str] = (),
+    ready: Collection[str] = (),
 ) -> str | None:
     """The nearest READY spare with ``gpus_needed`` free GPUs: same rack, then same block,
     then same zone, then any; ties by node id. A spare in ``prefer`` (one holding the
     job's standby processes: it resumes in a fraction of a cold start) comes before any
-    other. None when no spare qualifies."""
-    best: tuple[bool, int, str] | None = None
+    other, and one in ``ready`` (its standby done importing, waiting for a rank: it
+    resumes at once) before those. None when no spare qualifies."""
+    best: tuple[bool, bool, int, str] | None = None
     for node_id in topology.ready_spares():
         if node_id == failed.node_id or topology.free_count(node_id) < gpus_needed:
             continue
-        candidate = (node_id not in prefer, _distance(failed, topology.node(node_id)), node_id)
+        candidate = (
+            node_id not in ready,
+            node_id not in prefer,
+            _distance(failed, topology.node(node_id)),
+            node_id,
+        )
         if best is None or candidate < best:
             best = candidate
-    return None if best is None else best[2]
+    return None if best is None else best[3]
 
 
 def standby_spares(

@@ -20,7 +20,7 @@ from google.protobuf import json_format
 from pitstop.scheduler.convert import NODE_ROLE_TO_PB, NODE_STATE_TO_PB, node_roles_from_pb
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument
 from pitstop.scheduler.gateway import AgentGateway, CloseStream
-from pitstop.scheduler.hotstate import HotState
+from pitstop.scheduler.hotstate import STANDBY_READY, HotState
 from pitstop.scheduler.metrics import SchedulerMetrics
 from pitstop.scheduler.services import health as health_service
 from pitstop.scheduler.services import jobs as job_service
@@ -248,6 +248,9 @@ class AgentServicer:
             lag = dt.datetime.now(dt.UTC) - beat.time.ToDatetime(dt.UTC)
             self.metrics.heartbeat_lag_seconds.observe(max(lag.total_seconds(), 0.0))
         health = json_format.MessageToDict(beat.health, preserving_proto_field_name=True)
+        health[STANDBY_READY] = sorted(
+            {r.job_id for r in beat.running_ranks if r.standby and r.ready}
+        )
         await self.hot.record_heartbeat(state.node_id, self.liveness_timeout, health)
         await self._stop_stale(state, beat)
         reasons = tuple(beat.health.reasons)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 
+from redis.exceptions import RedisError
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -51,8 +52,10 @@ async def node_actions(
 ) -> dict[str, NodeAction]:
     """What each node does to reach `after` from `before`. Nodes new to the map start
     (or adopt, where a standby of the job waits); so do nodes in `fresh` (a rank there
-    died) and nodes whose start of the previous generation may still be under way (its
-    ranks may not have opened their command streams, so a Reconfigure would miss them).
+    died: those in `adopting` hand it to the standby beside their ranks, the others
+    start their ranks afresh) and nodes whose start of the previous generation may still
+    be under way (its ranks may not have opened their command streams, so a Reconfigure
+    would miss them).
     Every other node of `after` reconfigures in place; nodes of `before` left out leave
     (their ranks find themselves absent and leave at the boundary every rank agrees
     on, so the survivors reach it at once instead of stepping on)."""
@@ -63,6 +66,8 @@ async def node_actions(
         prior = previous.get(node_id)
         if node_id not in before.nodes():
             actions[node_id] = NodeAction.ADOPT if node_id in adopting else NodeAction.START
+        elif node_id in fresh and node_id in adopting:
+            actions[node_id] = NodeAction.ADOPT  # its standby takes the dead ranks over
         elif node_id in fresh or (
             in_flight and prior is not None and prior.action in (NodeAction.START, NodeAction.ADOPT)
         ):
@@ -120,6 +125,10 @@ class Recovery:
         leader = self.leader
         started = time.perf_counter()
         prefer = self.standby_nodes.get(job_id, set())
+        try:
+            ready = await leader.hot.ready_standbys(job_id, prefer) & prefer
+        except RedisError:  # decide without it: any standby still beats a cold start
+            ready = set()
         async with leader.store.write() as session:
             job = await locked_job(leader, session, job_id)
             if job is None:
@@ -140,6 +149,7 @@ class Recovery:
                     spec.min_dp,
                     must=states.get(node_id) in FAILED_NODE_STATES,
                     prefer=prefer,
+                    ready=ready,
                 )
                 if new is None:
                     continue
@@ -201,10 +211,11 @@ class Recovery:
 
     async def fail_rank(self, job_id: str, exited: models.Event) -> bool:
         """A rank of the current generation failed: a new generation in the same places,
-        where every node with a failed rank of this generation starts its ranks anew
-        and the others reconfigure in place — at once for the first restart, after a
-        backoff for a rank that keeps failing — while restarts remain; else the job
-        fails. True when a decision was committed."""
+        where every node with a failed rank of this generation starts its ranks anew (or
+        hands them to the standby waiting beside them, which resumes in a fraction of a
+        fresh start) and the others reconfigure in place — at once, or after a backoff
+        for a job that keeps failing without stepping — while restarts remain; else the
+        job fails. True when a decision was committed."""
         leader = self.leader
         nodes: list[str] = []
         async with leader.store.write() as session:
@@ -217,14 +228,27 @@ class Recovery:
                 nodes = await _fail(session, job, placement, exited.reason)
             else:
                 job.restarts += 1
-                backoff = restart_backoff(await _recent_restarts(session, job.id))
-                reason = (
-                    f"{exited.reason}; restart {job.restarts} of {spec.max_restarts} "
-                    f"in {backoff:.0f}s"
+                # A job that stepped past its restore step since its last restart got
+                # going again: this failure is a new one, not a crash loop.
+                recent = (
+                    0
+                    if job.current_step > job.restore_step
+                    else await _recent_restarts(session, job.id)
                 )
+                backoff = restart_backoff(recent)
                 incident = goodput.rank_incident(job, exited)
                 fresh = await _nodes_with_failed_ranks(session, job) | {exited.node_id or ""}
-                actions = await node_actions(session, job, placement, placement, fresh=fresh - {""})
+                fresh -= {""}
+                # Where a standby waits beside the ranks, it takes the dead rank over.
+                warm = await _ready_standbys(leader, job.id, fresh)
+                how = f"taken over by the standby beside it on {', '.join(sorted(warm))}; "
+                reason = (
+                    f"{exited.reason}; {how if warm else ''}restart {job.restarts} of "
+                    f"{spec.max_restarts} in {backoff:.0f}s"
+                )
+                actions = await node_actions(
+                    session, job, placement, placement, fresh=fresh, adopting=warm
+                )
                 await lifecycle.write_generation(session, job, placement)
                 job.restore_step = await catalog.restorable_step(session, job)
                 job.commands_after = (
@@ -406,6 +430,15 @@ def restart_backoff(recent: int) -> float:
     return 0.0 if recent == 0 else min(2.0 ** (recent - 1), 30.0)
 
 
+async def _ready_standbys(leader: Leader, job_id: str, nodes: AbstractSet[str]) -> set[str]:
+    """Which of `nodes` hold a standby of the job that waits for a rank now; none when
+    Redis does not answer (the ranks start afresh, as without standbys)."""
+    try:
+        return await leader.hot.ready_standbys(job_id, nodes)
+    except RedisError:
+        return set()
+
+
 async def _recent_restarts(session: AsyncSession, job_id: str) -> int:
     return int(
         await session.scalar(
@@ -471,16 +504,23 @@ def _repair_one(
     *,
     must: bool,
     prefer: set[str],
+    ready: set[str],
 ) -> tuple[Placement, str] | None:
     if not placement.ranks_on(node_id):
         return None
     spare = choose_replacement(
-        topology, topology.node(node_id), len(placement.ranks_on(node_id)), prefer
+        topology, topology.node(node_id), len(placement.ranks_on(node_id)), prefer, ready
     )
     if spare is not None:
         moved = replace_node(placement, node_id, spare, topology)
         topology.book(Placement(moved.ranks_on(spare)))
-        standby = " (its standby processes take them)" if spare in prefer else ""
+        standby = (
+            " (its waiting standby processes take them)"
+            if spare in ready
+            else " (its standby processes take them)"
+            if spare in prefer
+            else ""
+        )
         return moved, f"ranks moved to spare {spare}{standby}"
     if not must:
         return None  # a draining or slow node waits for a spare

@@ -1,17 +1,20 @@
-"""Standby processes on spares: every RUNNING job that asks for them has one on each GPU
-of the spares its nodes would be replaced by. Kept once a second; what this leader
-started is remembered here, and a new leader simply starts them again (an agent
-starts a standby only on a GPU that has none)."""
+"""Standby processes: every RUNNING job that asks for them has one on each GPU of the
+spares its nodes would be replaced by, and one beside its ranks on each of its own nodes
+(a rank that dies, killed or by an application Xid, is taken over in place by it rather
+than started afresh). Kept once a second; what this leader started is remembered here,
+and a new leader simply starts them again (an agent starts a standby only on a GPU
+that has none)."""
 
 from __future__ import annotations
 
+from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState
 from pitstop.scheduler.placement import standby_spares
 from pitstop.scheduler.reconcile.context import Leader
 from pitstop.scheduler.services import lifecycle
 from pitstop.scheduler.services.jobs import spec_from_json
-from pitstop.scheduler.topology import Topology
-from pitstop.v1 import agent_pb2
+from pitstop.scheduler.topology import Placement, Topology
+from pitstop.v1 import agent_pb2, jobs_pb2
 
 STANDBY_CHECK_SECONDS = 1.0
 """How often the leader checks that running jobs have their standby processes."""
@@ -29,6 +32,8 @@ class StandbyKeeper:
         self.standby_nodes = standby_nodes
         self.check_at = 0.0
         self.sent_at: dict[tuple[str, str], float] = {}
+        # job id -> its nodes told to keep a standby beside its ranks, and when last told.
+        self.beside: dict[str, dict[str, float]] = {}
 
     async def keep(self) -> None:
         """Every RUNNING job with standby_processes has a standby process on each GPU of
@@ -46,9 +51,7 @@ class StandbyKeeper:
             wanting = [
                 j
                 for j in live.values()
-                if j.state is JobState.RUNNING
-                and specs[j.id].standby_processes
-                and specs[j.id].spares > 0
+                if j.state is JobState.RUNNING and specs[j.id].standby_processes
             ]
             if not wanting and not self.held:
                 return
@@ -59,6 +62,10 @@ class StandbyKeeper:
             await self._stop(job_id, set(self.held.pop(job_id)), "the job ended")
             self.standby_nodes.pop(job_id, None)
             self.sent_at = {k: v for k, v in self.sent_at.items() if k[0] != job_id}
+        for job_id in [j for j in self.beside if j not in live]:
+            del self.beside[job_id]  # the job's end stopped them with its ranks
+        for job in wanting:
+            await self._keep_beside(job, specs[job.id], maps[job.id], now)
         for job in wanting:
             spec = specs[job.id]
             # A standby already importing or waiting stays where it is while its spare
@@ -96,6 +103,36 @@ class StandbyKeeper:
                     held[node_id] = gpus
                     preferred.add(node_id)
                     self.sent_at[(job.id, node_id)] = now
+
+    async def _keep_beside(
+        self, job: models.Job, spec: jobs_pb2.JobSpec, placement: Placement, now: float
+    ) -> None:
+        """A standby beside the job's ranks on each of its nodes (on the GPU of the
+        node's first rank: it touches none before it takes over a rank, and may take one
+        on any GPU of the node); a node that left the job has its one stopped."""
+        told = self.beside.setdefault(job.id, {})
+        held = self.held.get(job.id, {})
+        for node_id in [n for n in told if n not in placement.nodes()]:
+            del told[node_id]
+            if node_id not in held:  # nothing else of the job runs there now
+                await self._stop(job.id, {node_id}, "the node left the job")
+        for node_id in placement.nodes():
+            if now < told.get(node_id, -STANDBY_RESEND_SECONDS) + STANDBY_RESEND_SECONDS:
+                continue
+            command = agent_pb2.StartRanks(
+                job_id=job.id,
+                generation=job.generation,
+                command=list(spec.command),
+                env=dict(spec.env),
+                working_dir=spec.working_dir,
+                standby_gpus=[placement.ranks_on(node_id)[0].gpu_index],
+                beside_ranks=True,
+            )
+            routed = await self.leader.router.send(
+                node_id, agent_pb2.SchedulerMessage(start_ranks=command)
+            )
+            if routed is not None:  # else Redis is down too: the next check sends again
+                told[node_id] = now
 
     async def _stop(self, job_id: str, nodes: set[str], why: str) -> None:
         stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=5, reason=f"standby: {why}")
