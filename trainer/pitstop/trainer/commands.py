@@ -108,6 +108,7 @@ class Inbox:
     def _arrived(self, command: rank_pb2.RankCommand) -> None:
         kind = command.WhichOneof("body") or ""
         if kind == RECONFIGURE:
+            log.info("Reconfigure to generation %d arrived", command.reconfigure.generation)
             # A newer generation means the current one is over: end the collective in
             # flight now (a peer may be gone), not at the next boundary or its timeout.
             group.abandon(older_than=command.reconfigure.generation)

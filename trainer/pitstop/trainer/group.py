@@ -236,6 +236,8 @@ def _arrive(
 
     while True:
         check()
+        if rank != 0:
+            _wait_listening(host, port, deadline, check)
         try:
             store = dist.TCPStore(  # type: ignore[attr-defined]
                 host,
@@ -264,6 +266,19 @@ def _arrive(
         time.sleep(ARRIVAL_CHECK_SECONDS)
     store.set_timeout(wait)
     return store
+
+
+def _wait_listening(host: str, port: int, deadline: float, check: Callable[[], None]) -> None:
+    """Wait until something listens at host:port (rank 0's store), trying every
+    ARRIVAL_CHECK_SECONDS: a TCPStore client that finds nobody there backs off for half
+    a second or more, and survivors reach a new generation's store before rank 0 does."""
+    while time.monotonic() < deadline:
+        check()
+        try:
+            with socket.create_connection((host, port), timeout=ARRIVAL_CHECK_SECONDS):
+                return
+        except OSError:
+            time.sleep(ARRIVAL_CHECK_SECONDS)
 
 
 def drop() -> None:

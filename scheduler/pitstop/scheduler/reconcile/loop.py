@@ -80,9 +80,10 @@ class Reconciler:
 
     async def decide(self) -> None:
         """One pass of the deciding loop. Each step runs even if an earlier one failed,
-        and commands go out last: a decision is sent in the pass that made it, or
-        re-sent by a later one."""
-        for step in (self._place, self._repair, self._exits, self._deadlines):
+        the recoveries first (a job standing still waits on them; a pending job's
+        placement can wait for one pass), and commands go out last: a decision is sent
+        in the pass that made it, or re-sent by a later one."""
+        for step in (self._repair, self._exits, self._deadlines, self._place):
             try:
                 await step()
             except asyncio.CancelledError:
