@@ -152,14 +152,14 @@ def test_an_up_interrupted_before_it_records_a_daemon_leaves_nothing(
 
 
 def test_a_node_is_never_started_twice(stores: StoreUrls, state_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(ClusterError, match=r"liveness timeout 0.5 s: give at least 0.75 s"):
-        LocalCluster.up(state_dir, liveness_timeout=0.5)
+    with pytest.raises(ClusterError, match=r"liveness timeout 0.3 s: give at least 0.375 s"):
+        LocalCluster.up(state_dir, liveness_timeout=0.3)
     cluster = up(stores, state_dir)
-    # The hung-node deadline the scheduler got: 8 beats of 0.5 s.
-    assert cluster.liveness_timeout == 4.0
+    # The hung-node deadline the scheduler got: 8 beats of 0.25 s.
+    assert cluster.liveness_timeout == 2.0
     scheduler_env = environ(cluster.process("scheduler").pid)
     assert scheduler_env["PITSTOP_LIVENESS_TIMEOUT_INTERVALS"] == "8"
-    assert scheduler_env["PITSTOP_HEARTBEAT_INTERVAL_SECONDS"] == "0.5"
+    assert scheduler_env["PITSTOP_HEARTBEAT_INTERVAL_SECONDS"] == "0.25"
     assert scheduler_env[CLUSTER_ENV] == str(state_dir)
 
     checkpointd = cluster.process("checkpointd-node-1").pid

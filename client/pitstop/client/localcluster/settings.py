@@ -22,13 +22,15 @@ state dir."""
 STATE_FILE = "cluster.json"
 LOCK_FILE = "cluster.lock"
 CHECKPOINTD_MEMORY_BUDGET_BYTES = 256 << 20
-HEARTBEAT_INTERVAL = 0.5
+HEARTBEAT_INTERVAL = 0.25
 """Seconds between an agent's heartbeats in the local cluster."""
-DEFAULT_LIVENESS_TIMEOUT = 4.0
+DEFAULT_LIVENESS_TIMEOUT = 2.0
 """Seconds without a heartbeat before the scheduler declares a node lost. Only a hung
 agent (stopped, its stream open) waits for it: a dead agent's stream breaks and its node
-is lost at once. 1.25 s (2.5 beats) declared healthy nodes lost while two busy processes
-shared a 2-core machine with the cluster; 8 beats leave room for such stalls."""
+is lost at once. 1.25 s (2.5 beats of 0.5 s) declared healthy nodes lost while two busy
+processes shared a 2-core machine with the cluster, when a starved scheduler's late
+scan still counted against the nodes; it no longer does (the scan forgives its own
+stalls), and 8 beats leave room for an agent's."""
 CLUSTER_ENV = "PITSTOP_LOCAL_CLUSTER"
 """In every daemon's environment: the cluster's state dir. What a daemon starts (ranks,
 embedded stores) inherits it, so `down` finds every process the cluster started, even
