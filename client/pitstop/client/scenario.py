@@ -38,9 +38,11 @@ from pitstop.client.localcluster import DEFAULT_TIMEOUT, STOP_TIMEOUT, ClusterEr
 from pitstop.client.signals import dying_with_parent
 from pitstop.v1 import common_pb2, jobs_pb2
 
-FaultKind = Literal["xid", "node_kill", "agent_hang", "rank_kill"]
-FAULT_KINDS: tuple[FaultKind, ...] = ("xid", "node_kill", "agent_hang", "rank_kill")
+FaultKind = Literal["xid", "node_kill", "agent_hang", "rank_kill", "app_xid"]
+FAULT_KINDS: tuple[FaultKind, ...] = ("xid", "node_kill", "agent_hang", "rank_kill", "app_xid")
 FATAL_XID = 79
+APPLICATION_XID = 13
+"""Graphics engine exception: the rank on that GPU dies, the GPU and the node stay."""
 STEP_LINE = re.compile(rb'^\{"rank": \d+, "step": (\d+), ', re.MULTILINE)
 TERMINAL = (
     common_pb2.JOB_STATE_SUCCEEDED,
@@ -215,6 +217,7 @@ class Driver:
         stall_timeout: float = STALL_TIMEOUT,
         poll: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
+        ready: Callable[[jobs_pb2.Job, Fault], bool] | None = None,
     ) -> None:
         self.cluster = cluster
         self.client = cluster.client(timeout=30.0)
@@ -227,6 +230,10 @@ class Driver:
         self.stall_timeout = stall_timeout
         self.poll = poll
         self.clock = clock
+        # A fault that is due waits until this says the job is ready for it (a benchmark
+        # that fails a job every few seconds waits for what a job failing every few hours
+        # would have: its warm standby). It may wait for ever: the run's timeout ends it.
+        self.ready = ready or (lambda _job, _fault: True)
         self.failed: list[str] = []  # nodes to bring back as spares once free
         self.problems: list[str] = []  # what went wrong beside the job (a node not back)
         self._restoring: list[threading.Thread] = []
@@ -300,7 +307,7 @@ class Driver:
                 due = pending[0].at_step if pending else 0
                 if run.injected:  # never two failures closer than `spacing` steps
                     due = max(due, run.injected[-1].step + self.spacing)
-                if pending and stepping and newest >= due:
+                if pending and stepping and newest >= due and self.ready(job, pending[0]):
                     fault = pending.pop(0)
                     nodes = sorted({a.node_id for a in job.rank_map.ranks} - {last_victim})
                     victim = self.random.choice(nodes)
@@ -346,6 +353,8 @@ class Driver:
         injected = Injected(fault, node_id, time.time(), self.newest_step(job.id))
         if fault.kind == "xid":
             self.client.inject_fault(node_id, common_pb2.Fault(gpu_index=0, xid=FATAL_XID))
+        elif fault.kind == "app_xid":
+            self.client.inject_fault(node_id, common_pb2.Fault(gpu_index=0, xid=APPLICATION_XID))
         elif fault.kind == "node_kill":
             self.cluster.kill_node(node_id, signal.SIGKILL, wait=False)
         elif fault.kind == "agent_hang":
@@ -357,7 +366,7 @@ class Driver:
             pids = self.cluster.rank_pids(node_id)
             if pids:
                 os.kill(min(pids), signal.SIGKILL)
-        if fault.kind != "rank_kill":
+        if fault.kind not in ("rank_kill", "app_xid"):  # those leave the node as it was
             self.failed.append(node_id)
         return injected
 
