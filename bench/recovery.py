@@ -1,18 +1,27 @@
-"""Recovery benchmark: many failures under one long run, pitstop beside plain torchrun.
+"""Recovery benchmark: many failures under one long run, pitstop beside plain torchrun,
+torchft and NVIDIA's resiliency extension.
 
 pitstop: a local cluster (`pitstop.client.localcluster`, embedded PostgreSQL and Redis,
 simulated GPUs) of --workers worker nodes and --spares hot spares runs the example GPT
-job (dp = --workers, an in-memory snapshot every step). The driver fails a node of the
-job every --every steps, cycling through kill -9 of the whole node (agent, checkpoint
-daemon, ranks), a fatal Xid (79) and a hung agent (SIGSTOP: heartbeats stop, the
-stream stays open); failed nodes come back as spares once the job has left them. Per
-failure, from the driver's own clock for the failure and the scheduler's goodput
-incident for the rest:
+job (dp = --workers, an in-memory snapshot every step, standby processes on 2 spares and
+one beside its ranks on each of its nodes). The driver fails a node of the job every
+--every steps at least, cycling through five kinds: kill -9 of the whole node (agent,
+checkpoint daemon, ranks), a fatal Xid (79), a hung agent (SIGSTOP: heartbeats stop, the
+stream stays open), kill -9 of one rank, and an application Xid (13: the rank dies, the
+GPU stays). The first three move the node's ranks to a spare; the other two restart the
+rank in place. Failed nodes come back as spares once the job has left them. A failure
+waits until the previous one's recovery was decided and the standbys it will need are
+warm (`WarmGate`: this run fails the job every few seconds; one failing every few hours
+meets each failure that way); the wait is printed. Per failure, from the driver's own
+clock for the failure, the scheduler's goodput incident and the rank logs:
 
-* detect: failure -> the scheduler marks the node (lost or unhealthy);
+* detect: failure -> the scheduler marks the node (lost or unhealthy) or sees the exit;
+* abort: failure -> the last survivor out of its collective (overlaps the others);
 * decide: -> the new rank map is committed (spare chosen, restore step picked);
 * restore: -> the last rank has loaded the restore step (rank logs);
-* re-form: -> the process group is formed again and the job steps (scheduler event).
+* re-form: -> the process group is formed again and the job steps (scheduler event);
+* stalled: how long the job did not train (a hung agent's node trains on until the
+  decision stops the survivors).
 
 Steps lost: the steps the ranks ran twice, counted from their logs, per failure.
 
@@ -22,20 +31,22 @@ torch.save checkpoint every --save-every steps and loading the newest at start, 
 plain torchrun user would. torchrun has no spare to swap in, so its failure is kill -9
 of one worker process; the elastic agents then restart every worker. Measured from the
 kill to the first step after the reload; steps lost = last step before the kill minus
-the step reloaded.
+the step reloaded. torchft and NVRx: bench/peers.py (kill -9 of a replica or worker;
+skipped, saying why, when their packages are missing: pip install -e '.[bench]').
 
-Both runs must end with the same final-weights hash as a fault-free run. Run from the
-repository root (about 10 minutes on 2 cores):
+Every run must end with the same final-weights hash as a fault-free run. Run from the
+repository root (about 25 minutes on 2 cores with every peer):
 
     .venv/bin/python bench/recovery.py [--failures 20] [--workers 4] [--spares 4]
-        [--liveness-seconds 4] [--load [2]]
+        [--liveness-seconds 2] [--skip-torchrun] [--skip torchft] [--skip nvrx]
+        [--load [2]]
 
 A hung agent is detected by the local cluster's liveness deadline (--liveness-seconds,
 the local cluster's default; the JSON says which was used): that deadline is most of its
 detect time. Progress goes to stderr; the last line of stdout is one JSON object. A job
 that makes no step for 90 s, or a wait that passes its deadline, ends the benchmark with
 a message and exit code 1; on any end (Ctrl-C, SIGTERM and SIGHUP included) the cluster,
-the torchrun agents, the reference run and the load are stopped.
+the torchrun agents, the peers' processes, the reference run and the load are stopped.
 """
 
 from __future__ import annotations
@@ -240,8 +251,10 @@ class WarmGate:
 def split(
     goodput: jobs_pb2.Goodput, injected: list[Injected], restores: list[float], left: list[float]
 ) -> list[dict[str, float]]:
-    """Per failure: detect, decide, restore, re-form and total seconds, and abort: the
-    failure -> the last rank out of its collective (it overlaps detect and decide)."""
+    """Per failure: detect, decide, restore, re-form and total seconds; abort: the
+    failure -> the last rank out of its collective (it overlaps detect and decide); and
+    stalled: how long the job did not train (the total, but for a hung agent, whose
+    node trains on until the decision stops the survivors: from then on)."""
     out = []
     incidents = list(goodput.incidents)
     for fault in injected:
@@ -256,11 +269,18 @@ def split(
         decided = detected + incident.decide_seconds
         resumed = decided + incident.resume_seconds
         restored = max((t for t in restores if decided <= t <= resumed), default=decided)
-        out_of_collective = max((t for t in left if fault.at <= t <= resumed), default=fault.at)
+        leaving = [t for t in left if fault.at <= t <= resumed]
+        out_of_collective = max(leaving, default=fault.at)
+        # Training stands still from the failure on, but a hung agent's node trains on
+        # until the decision's Reconfigure stops the survivors.
+        stalled_from = (
+            min(leaving, default=fault.at) if fault.fault.kind == "agent_hang" else fault.at
+        )
         out.append(
             {
                 "kind_index": KINDS.index(fault.fault.kind),
                 "abort": out_of_collective - fault.at,
+                "stalled": resumed - stalled_from,
                 "detect": max(0.0, detected - fault.at),
                 "decide": incident.decide_seconds,
                 "restore": restored - decided,
@@ -548,6 +568,7 @@ def measure(args: argparse.Namespace) -> int:
             },
             "detect_seconds": summary([r["detect"] for r in rows]),
             "abort_seconds": summary([r["abort"] for r in rows]),
+            "training_stalled_seconds": summary([r["stalled"] for r in rows]),
             "decide_seconds": summary([r["decide"] for r in rows]),
             "restore_seconds": summary([r["restore"] for r in rows]),
             "reform_seconds": summary([r["reform"] for r in rows]),
