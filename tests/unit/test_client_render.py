@@ -174,6 +174,7 @@ def test_node_view_shows_gpus_and_xids() -> None:
             gpus=[common_pb2.GpuHealth(index=3, lost=True, verdict=common_pb2.HEALTH_VERDICT_FATAL)]
         ),
         xid_history=[common_pb2.XidEvent(gpu_index=3, xid=79, message="fell off the bus")],
+        standby_job_ids=["j-waiting"],
     )
     text = _text(node_view(node, NOW))
     for fragment in (
@@ -183,6 +184,8 @@ def test_node_view_shows_gpus_and_xids() -> None:
         "fatal",
         "79",
         "fell off the bus",
+        "standbys waiting",
+        "j-waiting",
     ):
         assert fragment in text
 

@@ -76,6 +76,7 @@ def node_summary(node: nodes_pb2.Node, now: datetime) -> Table:
         ("registered", format_time(node.registered_at)),
         ("health", verdict),
         ("jobs", ", ".join(node.job_ids) or "-"),
+        ("standbys waiting", ", ".join(node.standby_job_ids) or "-"),
     ]
     return details(rows)
 
