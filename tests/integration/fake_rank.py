@@ -201,12 +201,11 @@ def main() -> int:
         "env": {key: os.environ.get(key) for key in ENV_KEYS},
     }
     client = None
-    if args.attach:
-        from pitstop.agent.rankclient import RankControlClient
+    standing_by = args.standby and os.environ.get("PITSTOP_STANDBY") == "1"
 
-        client = RankControlClient.from_env()
-        assert client is not None, "PITSTOP_AGENT_SOCKET is unset"
-        attached = client.attach(int(os.environ["PITSTOP_GENERATION"]))
+    def attach_and_step(client: Any, generation: int) -> None:
+        """Attach as the rank at `generation`, report --steps steps and the result."""
+        attached = client.attach(generation)
         multiplier = attached.slow_multiplier
         noise = random.Random(rank)  # seeded: a run is repeatable
         for step in range(1, args.steps + 1):
@@ -220,7 +219,14 @@ def main() -> int:
             checkpointd=attached.checkpointd_address,
             slow_multiplier=multiplier,
         )
-    if args.standby and os.environ.get("PITSTOP_STANDBY") == "1":
+
+    if args.attach and not standing_by:
+        from pitstop.agent.rankclient import RankControlClient
+
+        client = RankControlClient.from_env()
+        assert client is not None, "PITSTOP_AGENT_SOCKET is unset"
+        attach_and_step(client, int(os.environ["PITSTOP_GENERATION"]))
+    if standing_by:
         from pitstop.agent.rankclient import RankControlClient
 
         standby = RankControlClient(
@@ -235,6 +241,10 @@ def main() -> int:
             restore_step=assignment.reconfigure.restore_step,
             gpu_index=assignment.gpu_index,
         )
+        if args.attach:  # the rank it became, from its new generation on
+            standby.rank = assignment.rank
+            client = standby
+            attach_and_step(client, assignment.reconfigure.generation)
     send(**ready)
     if args.wait_commands and client is not None:
         for command in client.commands():

@@ -7,10 +7,13 @@ while the leader's lease lapses still finish their job."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,6 +80,21 @@ def submit(thread: SchedulerThread, **fields: Any) -> jobs_pb2.Job:
 
 def get(thread: SchedulerThread, job_id: str) -> jobs_pb2.Job:
     return jobs_pb2_grpc.JobServiceStub(thread.channel()).Get(jobs_pb2.GetJobRequest(job_id=job_id))
+
+
+def rank_pids(job_id: str) -> list[int]:
+    """The job's rank processes (not its standbys), by their environment."""
+    import psutil
+
+    pids = []
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if env.get("PITSTOP_JOB_ID") == job_id and env.get("PITSTOP_STANDBY") != "1":
+            pids.append(proc.pid)
+    return pids
 
 
 def job_event(events: Iterator[Any], job_id: str, kind: str) -> Any:
@@ -298,3 +316,36 @@ def test_ranks_that_exit_while_the_lease_lapses_still_finish_the_job(
     finally:
         stop.set()
         thread.stop()
+
+
+def test_a_dead_rank_is_taken_over_by_the_standby_beside_it(
+    deciding: SchedulerThread, short_dir: Path
+) -> None:
+    """A job with standby processes keeps one beside its ranks; when a rank dies, the
+    restart hands it to that waiting process (no fresh start), and the job steps again
+    in the new generation."""
+    events = follow_events(deciding.address)
+    nodes = nodes_pb2_grpc.NodeServiceStub(deciding.channel())
+    with run_agents(deciding.address, short_dir, [AgentSpec("b0", gpus=1)]) as agents:
+        registered(events, ["b0"])
+        job = submit(
+            deciding,
+            dp=1,
+            max_restarts=2,
+            standby_processes=True,
+            command=rank("--attach", "--steps", "3", "--standby", "--hold"),
+        )
+        job_event(events, job.id, "job.running")
+        deadline = time.monotonic() + 60
+        while job.id not in nodes.Get(nodes_pb2.GetNodeRequest(node_id="b0")).standby_job_ids:
+            assert time.monotonic() < deadline, "no standby came to wait beside the rank"
+            time.sleep(0.1)  # polled: the condition is the node's report
+        victim = rank_pids(job.id)
+        assert len(victim) == 1
+        os.kill(victim[0], signal.SIGKILL)
+        restarting = job_event(events, job.id, "job.restarting")
+        assert "taken over by the standby beside it on b0" in restarting.reason
+        job_event(events, job.id, "job.recovered")
+        final = get(deciding, job.id)
+        assert (final.state, final.generation) == (common_pb2.JOB_STATE_RUNNING, 2)
+        assert agents["b0"].poll() is None

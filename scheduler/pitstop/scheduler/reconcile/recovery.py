@@ -66,11 +66,13 @@ async def node_actions(
         prior = previous.get(node_id)
         if node_id not in before.nodes():
             actions[node_id] = NodeAction.ADOPT if node_id in adopting else NodeAction.START
-        elif node_id in fresh and node_id in adopting:
-            actions[node_id] = NodeAction.ADOPT  # its standby takes the dead ranks over
-        elif node_id in fresh or (
+            continue
+        starting = (
             in_flight and prior is not None and prior.action in (NodeAction.START, NodeAction.ADOPT)
-        ):
+        )
+        if node_id in fresh and node_id in adopting and not starting:
+            actions[node_id] = NodeAction.ADOPT  # its standby takes the dead ranks over
+        elif node_id in fresh or starting:
             actions[node_id] = NodeAction.START
         else:
             actions[node_id] = NodeAction.RECONFIGURE
