@@ -17,10 +17,11 @@ median + the median stall), i.e. everything else the session does costs under 1%
 not grow when other processes (the daemon included) compete for the cores, so on a
 busy machine they show the session's own cost apart from contention. What the
 snapshots cost elsewhere, per snapshot, is measured too: the CPU of the daemon
-(daemon_cpu_ms_per_snapshot: the AcquireSlot and SealSlot calls, the header's check,
-the checksum) and of the rank's other threads (seal_thread_cpu_ms_per_snapshot: the
-seal and the lease of the next slot). On 2 cores shared with other work they compete
-with the training thread, which the 1% target leaves no room for.
+(daemon_cpu_ms_per_snapshot: the SealSlot call, which also leases the next slot, the
+header's check, the checksum) and of the rank's other threads
+(seal_thread_cpu_ms_per_snapshot: that call, and gRPC's own threads). On 2 cores shared
+with other work they compete with the training thread, which the 1% target leaves no
+room for.
 
     .venv/bin/python bench/overhead.py [--steps 300] [--block 25]
 

@@ -192,6 +192,37 @@ class DaemonProcess:
                 self.kill()
 
 
+class RankCalls(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Records every unary call a rank's channel makes: (method, calling thread's name).
+    With `old_daemon`, SealSlot asks for no next slot, so the daemon answers as one from
+    before SealSlotRequest.next_size_bytes would: without a slot."""
+
+    def __init__(self, *, old_daemon: bool = False) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self._old_daemon = old_daemon
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        method = details.method.rsplit("/", 1)[-1]
+        self.calls.append((method, threading.current_thread().name))
+        if self._old_daemon and method == "SealSlot":
+            request = checkpoint_pb2.SealSlotRequest(
+                key=request.key, shm_name=request.shm_name, size_bytes=request.size_bytes
+            )
+        return continuation(details, request)
+
+    def count(self, method: str) -> int:
+        return sum(1 for name, _ in self.calls if name == method)
+
+    def install(self, monkeypatch: Any) -> None:
+        """Every channel opened from here on (the writer's among them) goes through this."""
+        plain = grpc.insecure_channel
+
+        def intercepted(target: str, options: Any = None, compression: Any = None) -> Any:
+            return grpc.intercept_channel(plain(target, options, compression), self)
+
+        monkeypatch.setattr(grpc, "insecure_channel", intercepted)
+
+
 def node_segments(node_id: str) -> list[Path]:
     """Every segment in /dev/shm of every daemon of `node_id`, markers left out."""
     prefix = segment_prefix(node_id)

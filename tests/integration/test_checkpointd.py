@@ -36,6 +36,7 @@ from checkpointd_harness import (
 )
 
 from pitstop.checkpointd.config import CheckpointdSettings
+from pitstop.checkpointd.format import TensorSpec, plan_shard, write_header
 from pitstop.checkpointd.slots import SHM_DIR, remove_stale_segments, segment_prefix
 from pitstop.checkpointd.writer import ShardUnavailable, SnapshotWriter
 from pitstop.v1 import checkpoint_pb2
@@ -163,6 +164,10 @@ def test_a_full_budget_skips_the_snapshot_and_keeps_the_last(
     writer = SnapshotWriter(node.address, "job-mem", 0)
     try:
         assert not writer.snapshot(1, make_state(0, 1)).skipped
+        # The budget has no room for the slot leased with this seal: the seal holds,
+        # and the next snapshot, which needs that slot, says why it is skipped.
+        writer.wait()
+        assert writer.lost_seals == 0
         result = writer.snapshot(2, make_state(0, 2))
         assert "memory budget full" in result.skipped
         assert node.daemon.skipped_snapshots >= 1
@@ -171,6 +176,53 @@ def test_a_full_budget_skips_the_snapshot_and_keeps_the_last(
         assert got == as_bytes(make_state(0, 1))
     finally:
         writer.close()
+
+
+def test_a_refused_lease_does_not_fail_the_seal_it_came_with(
+    daemons: Callable[..., DaemonThread],
+) -> None:
+    node = daemons("a", memory_budget_bytes=1 << 20)
+    daemon = stub(node.address)
+    layout = plan_shard([TensorSpec("w", "U8", (1000,))], {})
+
+    def written(step: int) -> str:
+        slot = daemon.AcquireSlot(
+            checkpoint_pb2.AcquireSlotRequest(key=key("job-lease", 0, step), size_bytes=layout.size)
+        )
+        with (SHM_DIR / slot.shm_name).open("r+b") as file, mmap.mmap(file.fileno(), 0) as buf:
+            write_header(layout, memoryview(buf))
+            buf[layout.data_start : layout.size] = bytes([step]) * 1000
+        return str(slot.shm_name)
+
+    def seal(step: int, shm_name: str, next_size_bytes: int) -> Any:
+        request = checkpoint_pb2.SealSlotRequest(
+            key=key("job-lease", 0, step),
+            shm_name=shm_name,
+            size_bytes=layout.size,
+            next_size_bytes=next_size_bytes,
+        )
+        return daemon.SealSlot(request)
+
+    # A lease that fits comes with the seal, in a slot no reader is given.
+    first = written(1)
+    sealed = seal(1, first, layout.size)
+    assert sealed.HasField("next_slot")
+    assert sealed.next_slot.shm_name != first
+    assert sealed.next_slot.size_bytes >= layout.size
+    newest = daemon.Restore(checkpoint_pb2.RestoreRequest(key=key("job-lease", 0, 0)))
+    assert (newest.header.key.step, newest.shm_name) == (1, first)
+    # A lease over the budget: the seal holds all the same, answered without a slot.
+    second = written(2)
+    sealed = seal(2, second, 2 << 20)
+    assert not sealed.HasField("next_slot")
+    newest = daemon.Restore(checkpoint_pb2.RestoreRequest(key=key("job-lease", 0, 0)))
+    assert (newest.header.key.step, newest.shm_name) == (2, second)
+    # AcquireSlot is the call that says why no slot can be had.
+    too_big = checkpoint_pb2.AcquireSlotRequest(key=key("job-lease", 0, 3), size_bytes=2 << 20)
+    with pytest.raises(grpc.RpcError) as refused:
+        daemon.AcquireSlot(too_big)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "memory budget full" in refused.value.details()
 
 
 def test_shards_replicate_to_the_buddy_and_are_reported(

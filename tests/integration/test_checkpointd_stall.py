@@ -18,6 +18,7 @@ from checkpointd_harness import (
     LOCAL,
     TIMEOUT,
     DaemonThread,
+    RankCalls,
     as_bytes,
     make_state,
     node_segments,
@@ -75,6 +76,57 @@ def test_without_a_scheduler_the_newest_k_are_kept_in_the_same_segments(
         assert len(node_segments(node.daemon.node_id)) == 3
         assert restored_bytes(writer)[0] == as_bytes(make_state(0, 8))
         assert restored_bytes(writer, 7)[0] == as_bytes(make_state(0, 7))
+    finally:
+        writer.close()
+
+
+def test_a_snapshot_costs_the_rank_one_call_off_the_training_thread(
+    daemons: Callable[..., DaemonThread], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SealSlot leases the next snapshot's slot as it seals: once the first snapshot
+    has its slot, each snapshot is one call, made by the seal thread. On a node whose
+    cores are busy training, each call's CPU (the rank's and the daemon's) is taken
+    from the training thread."""
+    calls = RankCalls()
+    calls.install(monkeypatch)
+    node = daemons("a", keep_in_memory=2)
+    writer = SnapshotWriter(node.address, "job-one-call", 0)
+    try:
+        for step in range(1, 7):
+            assert not writer.snapshot(step, make_state(0, step)).skipped
+            writer.wait()
+        assert calls.count("SealSlot") == 6
+        assert calls.count("AcquireSlot") == 1  # the first snapshot's, before any seal
+        on_training_thread = [m for m, thread in calls.calls if thread == "MainThread"]
+        assert on_training_thread == ["AcquireSlot"]
+        # Two kept, one leased for the next snapshot: the leases reuse given-up slots.
+        assert len(node_segments(node.daemon.node_id)) == 3
+        assert restored_bytes(writer)[0] == as_bytes(make_state(0, 6))
+        assert restored_bytes(writer, 5)[0] == as_bytes(make_state(0, 5))
+    finally:
+        writer.close()
+
+
+def test_a_seal_answered_without_a_slot_is_followed_by_its_own_lease(
+    daemons: Callable[..., DaemonThread], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon from before the lease came with the seal answers no slot: the seal
+    thread leases the next slot with AcquireSlot, so the training thread still finds
+    it waiting, mapped and faulted in."""
+    calls = RankCalls(old_daemon=True)
+    calls.install(monkeypatch)
+    node = daemons("a", keep_in_memory=2)
+    writer = SnapshotWriter(node.address, "job-old-daemon", 0)
+    try:
+        for step in range(1, 5):
+            assert not writer.snapshot(step, make_state(0, step)).skipped
+            writer.wait()
+        assert calls.count("SealSlot") == 4
+        assert calls.count("AcquireSlot") == 1 + 4  # the first snapshot's, one after each seal
+        on_training_thread = [m for m, thread in calls.calls if thread == "MainThread"]
+        assert on_training_thread == ["AcquireSlot"]
+        assert writer.lost_seals == 0
+        assert restored_bytes(writer)[0] == as_bytes(make_state(0, 4))
     finally:
         writer.close()
 

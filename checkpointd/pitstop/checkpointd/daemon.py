@@ -2,7 +2,8 @@
 every sealed snapshot (checksum, replicate, report, flush), restores and the server.
 
 The rank path (AcquireSlot, SealSlot) only keeps books and, for a new slot, allocates
-shared memory; everything else happens after SealSlot has answered.
+shared memory; everything else happens after SealSlot has answered. A SealSlot may
+also lease the rank's next slot, so that a snapshot costs the rank one call.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import grpc
 from pitstop.checkpointd.catalog import CatalogClient
 from pitstop.checkpointd.config import CheckpointdSettings
 from pitstop.checkpointd.durable import DurableStore
-from pitstop.checkpointd.errors import InvalidArgument, Unavailable
+from pitstop.checkpointd.errors import CheckpointdError, InvalidArgument, Unavailable
 from pitstop.checkpointd.flusher import DurableFlusher, durable_info
 from pitstop.checkpointd.format import ShardFormatError, read_layout
 from pitstop.checkpointd.instances import SHM_DIR, remove_stale_segments, segment_prefix
@@ -141,14 +142,8 @@ class CheckpointDaemon:
     async def acquire_slot(self, shard: ShardId, size_bytes: int) -> Segment:
         """A slot for the rank's snapshot. MemoryBudgetFull when there is no room (the
         rank skips the snapshot); Unavailable while the daemon stops."""
-        if self._stop.is_set():
-            raise Unavailable(f"checkpointd {self.node_id} is stopping; the snapshot is skipped")
-        owner = (shard.job_id, shard.rank)
         try:
-            # A free segment is the steady state: taken without leaving the event loop.
-            segment = self.pool.begin_write(owner, size_bytes, may_create=False)
-            if segment is None:
-                segment = await asyncio.to_thread(self.pool.begin_write, owner, size_bytes)
+            return await self._begin_write(shard, size_bytes)
         except MemoryBudgetFull as exc:
             self.skipped_snapshots += 1
             log.warning(
@@ -158,6 +153,28 @@ class CheckpointDaemon:
                 exc,
             )
             raise
+
+    async def lease_next(self, sealed: ShardId, size_bytes: int) -> Segment | None:
+        """The slot for the next snapshot of `sealed`'s rank, leased as part of its seal
+        (SealSlot's `next_size_bytes`), or None when none can be had. `sealed` is sealed
+        already, so no refusal here may fail that seal: the rank, given no slot, asks
+        AcquireSlot, whose status says why (as a lease taken on its own would)."""
+        try:
+            return await self._begin_write(sealed, size_bytes)
+        except CheckpointdError as exc:
+            log.debug("no slot leased with the seal of %s: %s", sealed, exc)
+        except Exception:
+            log.exception("leasing a slot with the seal of %s failed", sealed)
+        return None
+
+    async def _begin_write(self, shard: ShardId, size_bytes: int) -> Segment:
+        if self._stop.is_set():
+            raise Unavailable(f"checkpointd {self.node_id} is stopping; the snapshot is skipped")
+        owner = (shard.job_id, shard.rank)
+        # A free segment is the steady state: taken without leaving the event loop.
+        segment = self.pool.begin_write(owner, size_bytes, may_create=False)
+        if segment is None:
+            segment = await asyncio.to_thread(self.pool.begin_write, owner, size_bytes)
         assert segment is not None
         return segment
 

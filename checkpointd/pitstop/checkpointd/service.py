@@ -50,7 +50,12 @@ class CheckpointServicer:
         shard = _shard(request.key, step_required=True)
         self.daemon.seal_slot(shard, request.key.generation, request.shm_name, request.size_bytes)
         catalog, buddy = self.daemon.other_sources()
-        return checkpoint_pb2.SealSlotResponse(catalog_address=catalog, buddy_address=buddy)
+        sealed = checkpoint_pb2.SealSlotResponse(catalog_address=catalog, buddy_address=buddy)
+        if request.next_size_bytes:
+            segment = await self.daemon.lease_next(shard, request.next_size_bytes)
+            if segment is not None:
+                sealed.next_slot.shm_name, sealed.next_slot.size_bytes = segment.name, segment.size
+        return sealed
 
     async def Restore(  # noqa: N802
         self, request: checkpoint_pb2.RestoreRequest, context: grpc.aio.ServicerContext

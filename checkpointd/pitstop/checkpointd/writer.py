@@ -7,9 +7,13 @@ ahead, once, or off the rank's path:
 * the layout: planned once for a loop's tensors (format.plan_tensors) and planned again
   only when a tensor's name, dtype or shape changes; each step only encodes its
   metadata into the header;
-* the slot: the background thread seals the slot and at once leases the slot for the
-  next snapshot (AcquireSlot), so neither round trip, nor the allocation of a new
-  segment, falls inside the stall;
+* the slot: the background thread seals the slot and, in the same call, leases the
+  slot for the next snapshot (SealSlot's `next_size_bytes`), so neither the round trip
+  nor the allocation of a new segment falls inside the stall, and a snapshot costs one
+  call's CPU on both sides, not two: on a few cores busy training, that CPU is taken
+  from the training thread. A daemon that predates the lease, or refused it (its
+  budget full), answers no slot, and the thread asks AcquireSlot on its own; a refusal
+  there is reported by the next snapshot, which asks again when it needs the slot;
 * the page faults: the background thread also maps that next slot with its pages
   populated, and mappings are kept from snapshot to snapshot. The daemon hands a rank
   back the segments its evicted snapshots gave up, so in steady state every snapshot
@@ -230,7 +234,7 @@ class SnapshotWriter:
             self._cuda = self._cuda or CudaStager()
             complete = self._cuda.stage(on_gpu, layout, mapped.view)
         seal = checkpoint_pb2.SealSlotRequest(
-            key=key, shm_name=slot.shm_name, size_bytes=layout.size
+            key=key, shm_name=slot.shm_name, size_bytes=layout.size, next_size_bytes=layout.size
         )
         self._finishing = self._background.submit(self._finish, seal, complete, started)
         self._finishing_step = step
@@ -379,12 +383,15 @@ class SnapshotWriter:
         self.sealed_seconds = time.perf_counter() - started
         self.catalog_address = sealed.catalog_address or self.catalog_address
         self.buddy_address = sealed.buddy_address or self.buddy_address
-        # Only after the seal: an acquire that overtook it would reclaim the slot.
-        try:
-            slot = self._acquire(self._key(seal.key.step + 1), seal.size_bytes)
-        except grpc.RpcError as exc:
-            log.debug("acquiring the next slot ahead failed: %s", exc)
-            return
+        if sealed.HasField("next_slot"):
+            slot = sealed.next_slot
+        else:
+            # Only after the seal: an acquire that overtook it would reclaim the slot.
+            try:
+                slot = self._acquire(self._key(seal.key.step + 1), seal.next_size_bytes)
+            except grpc.RpcError as exc:
+                log.debug("acquiring the next slot ahead failed: %s", exc)
+                return
         for name, mapped in list(self._slots.items()):
             if mapped.unlinked():
                 del self._slots[name]

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from pitstop.v1 import common_pb2 as pitstop_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpitstop/v1/checkpoint.proto\x12\npitstop.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17pitstop/v1/common.proto\"J\n\x08ShardKey\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"\x8a\x01\n\x0bShardHeader\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.pitstop.v1.ShardKey\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12\x1a\n\x12\x63hecksum_algorithm\x18\x04 \x01(\t\x12\x16\n\x0eorigin_node_id\x18\x05 \x01(\t\"S\n\nShardChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.pitstop.v1.ShardHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"6\n\x11PushShardResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x11\n\x05\x65rror\x18\x02 \x01(\tB\x02\x18\x01\"5\n\x10PullShardRequest\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.pitstop.v1.ShardKey\"\x83\x01\n\tShardInfo\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.pitstop.v1.ShardHeader\x12#\n\x04tier\x18\x02 \x01(\x0e\x32\x15.pitstop.v1.ShardTier\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"#\n\x11ListShardsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\";\n\x12ListShardsResponse\x12%\n\x06shards\x18\x01 \x03(\x0b\x32\x15.pitstop.v1.ShardInfo\"K\n\x12\x41\x63quireSlotRequest\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.pitstop.v1.ShardKey\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"P\n\x13\x41\x63quireSlotResponse\x12\x10\n\x08shm_name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x13\n\x07refused\x18\x03 \x01(\tB\x02\x18\x01\"Z\n\x0fSealSlotRequest\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.pitstop.v1.ShardKey\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\"B\n\x10SealSlotResponse\x12\x17\n\x0f\x63\x61talog_address\x18\x01 \x01(\t\x12\x15\n\rbuddy_address\x18\x02 \x01(\t\"3\n\x0eRestoreRequest\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.pitstop.v1.ShardKey\"s\n\x0fRestoreResponse\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.pitstop.v1.ShardHeader\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12%\n\x06source\x18\x03 \x01(\x0e\x32\x15.pitstop.v1.ShardTier\"\xcd\x01\n\x13ReportShardsRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12$\n\x05\x61\x64\x64\x65\x64\x18\x02 \x03(\x0b\x32\x15.pitstop.v1.ShardInfo\x12%\n\x07removed\x18\x03 \x03(\x0b\x32\x14.pitstop.v1.ShardKey\x12\x14\n\x0c\x66lush_errors\x18\x04 \x03(\t\x12\x13\n\x0b\x66resh_start\x18\x05 \x01(\x08\x12-\n\x0fremoved_durable\x18\x06 \x03(\x0b\x32\x14.pitstop.v1.ShardKey\"\x9c\x01\n\x14ReportShardsResponse\x12M\n\x0f\x63ommitted_steps\x18\x01 \x03(\x0b\x32\x34.pitstop.v1.ReportShardsResponse.CommittedStepsEntry\x1a\x35\n\x13\x43ommittedStepsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\"\n\x0fGetBuddyRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"@\n\x10GetBuddyResponse\x12\x15\n\rbuddy_node_id\x18\x01 \x01(\t\x12\x15\n\rbuddy_address\x18\x02 \x01(\t\"6\n\x16GetRestorePointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"\xdc\x01\n\x17GetRestorePointResponse\x12\x16\n\x0e\x63ommitted_step\x18\x01 \x01(\x04\x12\x14\n\x0c\x64urable_step\x18\x02 \x01(\x04\x12\x45\n\tlocations\x18\x03 \x03(\x0b\x32\x32.pitstop.v1.GetRestorePointResponse.LocationsEntry\x1aL\n\x0eLocationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.pitstop.v1.ShardLocations:\x02\x38\x01\"5\n\x0eShardLocations\x12\x10\n\x08node_ids\x18\x01 \x03(\t\x12\x11\n\taddresses\x18\x02 \x03(\t*m\n\tShardTier\x12\x1a\n\x16SHARD_TIER_UNSPECIFIED\x10\x00\x12\x14\n\x10SHARD_TIER_LOCAL\x10\x01\x12\x16\n\x12SHARD_TIER_REPLICA\x10\x02\x12\x16\n\x12SHARD_TIER_DURABLE\x10\x03\x32\xea\x03\n\x11\x43heckpointService\x12T\n\x0b\x41\x63quireSlot\x12\x1e.pitstop.v1.AcquireSlotRequest\x1a\x1f.pitstop.v1.AcquireSlotResponse\"\x04\xc8\xf3\x18\x04\x12K\n\x08SealSlot\x12\x1b.pitstop.v1.SealSlotRequest\x1a\x1c.pitstop.v1.SealSlotResponse\"\x04\xc8\xf3\x18\x04\x12H\n\x07Restore\x12\x1a.pitstop.v1.RestoreRequest\x1a\x1b.pitstop.v1.RestoreResponse\"\x04\xc8\xf3\x18\x04\x12J\n\tPushShard\x12\x16.pitstop.v1.ShardChunk\x1a\x1d.pitstop.v1.PushShardResponse\"\x04\xc8\xf3\x18\x04(\x01\x12I\n\tPullShard\x12\x1c.pitstop.v1.PullShardRequest\x1a\x16.pitstop.v1.ShardChunk\"\x04\xc8\xf3\x18\x04\x30\x01\x12Q\n\nListShards\x12\x1d.pitstop.v1.ListShardsRequest\x1a\x1e.pitstop.v1.ListShardsResponse\"\x04\xc8\xf3\x18\x01\x32\xa2\x02\n\x18\x43heckpointCatalogService\x12W\n\x0cReportShards\x12\x1f.pitstop.v1.ReportShardsRequest\x1a .pitstop.v1.ReportShardsResponse\"\x04\xc8\xf3\x18\x04\x12K\n\x08GetBuddy\x12\x1b.pitstop.v1.GetBuddyRequest\x1a\x1c.pitstop.v1.GetBuddyResponse\"\x04\xc8\xf3\x18\x04\x12`\n\x0fGetRestorePoint\x12\".pitstop.v1.GetRestorePointRequest\x1a#.pitstop.v1.GetRestorePointResponse\"\x04\xc8\xf3\x18\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpitstop/v1/checkpoint.proto\x12\npitstop.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17pitstop/v1/common.proto\"J\n\x08ShardKey\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x12\n\ngeneration\x18\x04 \x01(\x04\"\x8a\x01\n\x0bShardHeader\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.pitstop.v1.ShardKey\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\t\x12\x1a\n\x12\x63hecksum_algorithm\x18\x04 \x01(\t\x12\x16\n\x0eorigin_node_id\x18\x05 \x01(\t\"S\n\nShardChunk\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.pitstop.v1.ShardHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"6\n\x11PushShardResponse\x12\x0e\n\x06stored\x18\x01 \x01(\x08\x12\x11\n\x05\x65rror\x18\x02 \x01(\tB\x02\x18\x01\"5\n\x10PullShardRequest\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.pitstop.v1.ShardKey\"\x83\x01\n\tShardInfo\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.pitstop.v1.ShardHeader\x12#\n\x04tier\x18\x02 \x01(\x0e\x32\x15.pitstop.v1.ShardTier\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"#\n\x11ListShardsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\";\n\x12ListShardsResponse\x12%\n\x06shards\x18\x01 \x03(\x0b\x32\x15.pitstop.v1.ShardInfo\"K\n\x12\x41\x63quireSlotRequest\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.pitstop.v1.ShardKey\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"P\n\x13\x41\x63quireSlotResponse\x12\x10\n\x08shm_name\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\x12\x13\n\x07refused\x18\x03 \x01(\tB\x02\x18\x01\"s\n\x0fSealSlotRequest\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.pitstop.v1.ShardKey\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x17\n\x0fnext_size_bytes\x18\x04 \x01(\x04\"v\n\x10SealSlotResponse\x12\x17\n\x0f\x63\x61talog_address\x18\x01 \x01(\t\x12\x15\n\rbuddy_address\x18\x02 \x01(\t\x12\x32\n\tnext_slot\x18\x03 \x01(\x0b\x32\x1f.pitstop.v1.AcquireSlotResponse\"3\n\x0eRestoreRequest\x12!\n\x03key\x18\x01 \x01(\x0b\x32\x14.pitstop.v1.ShardKey\"s\n\x0fRestoreResponse\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x17.pitstop.v1.ShardHeader\x12\x10\n\x08shm_name\x18\x02 \x01(\t\x12%\n\x06source\x18\x03 \x01(\x0e\x32\x15.pitstop.v1.ShardTier\"\xcd\x01\n\x13ReportShardsRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12$\n\x05\x61\x64\x64\x65\x64\x18\x02 \x03(\x0b\x32\x15.pitstop.v1.ShardInfo\x12%\n\x07removed\x18\x03 \x03(\x0b\x32\x14.pitstop.v1.ShardKey\x12\x14\n\x0c\x66lush_errors\x18\x04 \x03(\t\x12\x13\n\x0b\x66resh_start\x18\x05 \x01(\x08\x12-\n\x0fremoved_durable\x18\x06 \x03(\x0b\x32\x14.pitstop.v1.ShardKey\"\x9c\x01\n\x14ReportShardsResponse\x12M\n\x0f\x63ommitted_steps\x18\x01 \x03(\x0b\x32\x34.pitstop.v1.ReportShardsResponse.CommittedStepsEntry\x1a\x35\n\x13\x43ommittedStepsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\"\n\x0fGetBuddyRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\"@\n\x10GetBuddyResponse\x12\x15\n\rbuddy_node_id\x18\x01 \x01(\t\x12\x15\n\rbuddy_address\x18\x02 \x01(\t\"6\n\x16GetRestorePointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\"\xdc\x01\n\x17GetRestorePointResponse\x12\x16\n\x0e\x63ommitted_step\x18\x01 \x01(\x04\x12\x14\n\x0c\x64urable_step\x18\x02 \x01(\x04\x12\x45\n\tlocations\x18\x03 \x03(\x0b\x32\x32.pitstop.v1.GetRestorePointResponse.LocationsEntry\x1aL\n\x0eLocationsEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.pitstop.v1.ShardLocations:\x02\x38\x01\"5\n\x0eShardLocations\x12\x10\n\x08node_ids\x18\x01 \x03(\t\x12\x11\n\taddresses\x18\x02 \x03(\t*m\n\tShardTier\x12\x1a\n\x16SHARD_TIER_UNSPECIFIED\x10\x00\x12\x14\n\x10SHARD_TIER_LOCAL\x10\x01\x12\x16\n\x12SHARD_TIER_REPLICA\x10\x02\x12\x16\n\x12SHARD_TIER_DURABLE\x10\x03\x32\xea\x03\n\x11\x43heckpointService\x12T\n\x0b\x41\x63quireSlot\x12\x1e.pitstop.v1.AcquireSlotRequest\x1a\x1f.pitstop.v1.AcquireSlotResponse\"\x04\xc8\xf3\x18\x04\x12K\n\x08SealSlot\x12\x1b.pitstop.v1.SealSlotRequest\x1a\x1c.pitstop.v1.SealSlotResponse\"\x04\xc8\xf3\x18\x04\x12H\n\x07Restore\x12\x1a.pitstop.v1.RestoreRequest\x1a\x1b.pitstop.v1.RestoreResponse\"\x04\xc8\xf3\x18\x04\x12J\n\tPushShard\x12\x16.pitstop.v1.ShardChunk\x1a\x1d.pitstop.v1.PushShardResponse\"\x04\xc8\xf3\x18\x04(\x01\x12I\n\tPullShard\x12\x1c.pitstop.v1.PullShardRequest\x1a\x16.pitstop.v1.ShardChunk\"\x04\xc8\xf3\x18\x04\x30\x01\x12Q\n\nListShards\x12\x1d.pitstop.v1.ListShardsRequest\x1a\x1e.pitstop.v1.ListShardsResponse\"\x04\xc8\xf3\x18\x01\x32\xa2\x02\n\x18\x43heckpointCatalogService\x12W\n\x0cReportShards\x12\x1f.pitstop.v1.ReportShardsRequest\x1a .pitstop.v1.ReportShardsResponse\"\x04\xc8\xf3\x18\x04\x12K\n\x08GetBuddy\x12\x1b.pitstop.v1.GetBuddyRequest\x1a\x1c.pitstop.v1.GetBuddyResponse\"\x04\xc8\xf3\x18\x04\x12`\n\x0fGetRestorePoint\x12\".pitstop.v1.GetRestorePointRequest\x1a#.pitstop.v1.GetRestorePointResponse\"\x04\xc8\xf3\x18\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -59,8 +59,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHECKPOINTCATALOGSERVICE'].methods_by_name['GetBuddy']._serialized_options = b'\310\363\030\004'
   _globals['_CHECKPOINTCATALOGSERVICE'].methods_by_name['GetRestorePoint']._loaded_options = None
   _globals['_CHECKPOINTCATALOGSERVICE'].methods_by_name['GetRestorePoint']._serialized_options = b'\310\363\030\004'
-  _globals['_SHARDTIER']._serialized_start=2038
-  _globals['_SHARDTIER']._serialized_end=2147
+  _globals['_SHARDTIER']._serialized_start=2115
+  _globals['_SHARDTIER']._serialized_end=2224
   _globals['_SHARDKEY']._serialized_start=101
   _globals['_SHARDKEY']._serialized_end=175
   _globals['_SHARDHEADER']._serialized_start=178
@@ -82,33 +82,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACQUIRESLOTRESPONSE']._serialized_start=823
   _globals['_ACQUIRESLOTRESPONSE']._serialized_end=903
   _globals['_SEALSLOTREQUEST']._serialized_start=905
-  _globals['_SEALSLOTREQUEST']._serialized_end=995
-  _globals['_SEALSLOTRESPONSE']._serialized_start=997
-  _globals['_SEALSLOTRESPONSE']._serialized_end=1063
-  _globals['_RESTOREREQUEST']._serialized_start=1065
-  _globals['_RESTOREREQUEST']._serialized_end=1116
-  _globals['_RESTORERESPONSE']._serialized_start=1118
-  _globals['_RESTORERESPONSE']._serialized_end=1233
-  _globals['_REPORTSHARDSREQUEST']._serialized_start=1236
-  _globals['_REPORTSHARDSREQUEST']._serialized_end=1441
-  _globals['_REPORTSHARDSRESPONSE']._serialized_start=1444
-  _globals['_REPORTSHARDSRESPONSE']._serialized_end=1600
-  _globals['_REPORTSHARDSRESPONSE_COMMITTEDSTEPSENTRY']._serialized_start=1547
-  _globals['_REPORTSHARDSRESPONSE_COMMITTEDSTEPSENTRY']._serialized_end=1600
-  _globals['_GETBUDDYREQUEST']._serialized_start=1602
-  _globals['_GETBUDDYREQUEST']._serialized_end=1636
-  _globals['_GETBUDDYRESPONSE']._serialized_start=1638
-  _globals['_GETBUDDYRESPONSE']._serialized_end=1702
-  _globals['_GETRESTOREPOINTREQUEST']._serialized_start=1704
-  _globals['_GETRESTOREPOINTREQUEST']._serialized_end=1758
-  _globals['_GETRESTOREPOINTRESPONSE']._serialized_start=1761
-  _globals['_GETRESTOREPOINTRESPONSE']._serialized_end=1981
-  _globals['_GETRESTOREPOINTRESPONSE_LOCATIONSENTRY']._serialized_start=1905
-  _globals['_GETRESTOREPOINTRESPONSE_LOCATIONSENTRY']._serialized_end=1981
-  _globals['_SHARDLOCATIONS']._serialized_start=1983
-  _globals['_SHARDLOCATIONS']._serialized_end=2036
-  _globals['_CHECKPOINTSERVICE']._serialized_start=2150
-  _globals['_CHECKPOINTSERVICE']._serialized_end=2640
-  _globals['_CHECKPOINTCATALOGSERVICE']._serialized_start=2643
-  _globals['_CHECKPOINTCATALOGSERVICE']._serialized_end=2933
+  _globals['_SEALSLOTREQUEST']._serialized_end=1020
+  _globals['_SEALSLOTRESPONSE']._serialized_start=1022
+  _globals['_SEALSLOTRESPONSE']._serialized_end=1140
+  _globals['_RESTOREREQUEST']._serialized_start=1142
+  _globals['_RESTOREREQUEST']._serialized_end=1193
+  _globals['_RESTORERESPONSE']._serialized_start=1195
+  _globals['_RESTORERESPONSE']._serialized_end=1310
+  _globals['_REPORTSHARDSREQUEST']._serialized_start=1313
+  _globals['_REPORTSHARDSREQUEST']._serialized_end=1518
+  _globals['_REPORTSHARDSRESPONSE']._serialized_start=1521
+  _globals['_REPORTSHARDSRESPONSE']._serialized_end=1677
+  _globals['_REPORTSHARDSRESPONSE_COMMITTEDSTEPSENTRY']._serialized_start=1624
+  _globals['_REPORTSHARDSRESPONSE_COMMITTEDSTEPSENTRY']._serialized_end=1677
+  _globals['_GETBUDDYREQUEST']._serialized_start=1679
+  _globals['_GETBUDDYREQUEST']._serialized_end=1713
+  _globals['_GETBUDDYRESPONSE']._serialized_start=1715
+  _globals['_GETBUDDYRESPONSE']._serialized_end=1779
+  _globals['_GETRESTOREPOINTREQUEST']._serialized_start=1781
+  _globals['_GETRESTOREPOINTREQUEST']._serialized_end=1835
+  _globals['_GETRESTOREPOINTRESPONSE']._serialized_start=1838
+  _globals['_GETRESTOREPOINTRESPONSE']._serialized_end=2058
+  _globals['_GETRESTOREPOINTRESPONSE_LOCATIONSENTRY']._serialized_start=1982
+  _globals['_GETRESTOREPOINTRESPONSE_LOCATIONSENTRY']._serialized_end=2058
+  _globals['_SHARDLOCATIONS']._serialized_start=2060
+  _globals['_SHARDLOCATIONS']._serialized_end=2113
+  _globals['_CHECKPOINTSERVICE']._serialized_start=2227
+  _globals['_CHECKPOINTSERVICE']._serialized_end=2717
+  _globals['_CHECKPOINTCATALOGSERVICE']._serialized_start=2720
+  _globals['_CHECKPOINTCATALOGSERVICE']._serialized_end=3010
 # @@protoc_insertion_point(module_scope)

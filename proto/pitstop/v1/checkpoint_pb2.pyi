@@ -113,22 +113,26 @@ class AcquireSlotResponse(_message.Message):
     def __init__(self, shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class SealSlotRequest(_message.Message):
-    __slots__ = ("key", "shm_name", "size_bytes")
+    __slots__ = ("key", "shm_name", "size_bytes", "next_size_bytes")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     key: ShardKey
     shm_name: str
     size_bytes: int
-    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    next_size_bytes: int
+    def __init__(self, key: _Optional[_Union[ShardKey, _Mapping]] = ..., shm_name: _Optional[str] = ..., size_bytes: _Optional[int] = ..., next_size_bytes: _Optional[int] = ...) -> None: ...
 
 class SealSlotResponse(_message.Message):
-    __slots__ = ("catalog_address", "buddy_address")
+    __slots__ = ("catalog_address", "buddy_address", "next_slot")
     CATALOG_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BUDDY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SLOT_FIELD_NUMBER: _ClassVar[int]
     catalog_address: str
     buddy_address: str
-    def __init__(self, catalog_address: _Optional[str] = ..., buddy_address: _Optional[str] = ...) -> None: ...
+    next_slot: AcquireSlotResponse
+    def __init__(self, catalog_address: _Optional[str] = ..., buddy_address: _Optional[str] = ..., next_slot: _Optional[_Union[AcquireSlotResponse, _Mapping]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("key",)

@@ -79,7 +79,8 @@ class CheckpointServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SealSlot(self, request, context):
-        """Local rank: the slot is written; checksum, replicate and report it.
+        """Local rank: the slot is written; checksum, replicate and report it; and, when
+        asked, lease the slot for the rank's next snapshot.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
