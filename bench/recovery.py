@@ -239,12 +239,16 @@ class WarmGate:
         return warm
 
     def _warm(self, job: jobs_pb2.Job, kind: str) -> bool:
+        nodes = {a.node_id for a in job.rank_map.ranks}
         if kind in ON_A_SPARE:
+            # A spare that took a node's ranks keeps its role; its standby beside them
+            # is no replacement for another node.
             spares = [
-                n.id for n in self.client.list_nodes() if n.role == common_pb2.NODE_ROLE_SPARE
+                n.id
+                for n in self.client.list_nodes()
+                if n.role == common_pb2.NODE_ROLE_SPARE and n.id not in nodes
             ]
             return any(job.id in self.client.get_node(n).standby_job_ids for n in spares)
-        nodes = {a.node_id for a in job.rank_map.ranks}
         return all(job.id in self.client.get_node(n).standby_job_ids for n in nodes)
 
 
