@@ -7,6 +7,8 @@ that has none)."""
 
 from __future__ import annotations
 
+from redis.exceptions import RedisError
+
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState
 from pitstop.scheduler.placement import standby_spares
@@ -116,8 +118,14 @@ class StandbyKeeper:
             del told[node_id]
             if node_id not in held:  # nothing else of the job runs there now
                 await self._stop(job.id, {node_id}, "the node left the job")
+        try:  # a node whose standby waits needs no reminder: the fleet's steady state
+            waiting = await self.leader.hot.ready_standbys(job.id, placement.nodes())
+        except RedisError:
+            waiting = set()
         for node_id in placement.nodes():
-            if now < told.get(node_id, -STANDBY_RESEND_SECONDS) + STANDBY_RESEND_SECONDS:
+            if node_id in waiting or (
+                now < told.get(node_id, -STANDBY_RESEND_SECONDS) + STANDBY_RESEND_SECONDS
+            ):
                 continue
             command = agent_pb2.StartRanks(
                 job_id=job.id,
