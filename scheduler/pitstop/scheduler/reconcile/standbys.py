@@ -7,6 +7,8 @@ that has none)."""
 
 from __future__ import annotations
 
+import math
+
 from redis.exceptions import RedisError
 
 from pitstop.scheduler.db import models
@@ -20,6 +22,9 @@ from pitstop.v1 import agent_pb2, jobs_pb2
 
 STANDBY_CHECK_SECONDS = 1.0
 """How often the leader checks that running jobs have their standby processes."""
+BESIDE_IMPORT_SECONDS = 60.0
+"""How long the next node waits for a standby beside the job's ranks that is importing
+(started, not yet waiting) before its own is started regardless."""
 STANDBY_RESEND_SECONDS = 5.0
 """How often a standby's start goes out again (an agent starts one only on a GPU that
 has none, so a start that was lost, or a standby that died, is made good)."""
@@ -34,8 +39,9 @@ class StandbyKeeper:
         self.standby_nodes = standby_nodes
         self.check_at = 0.0
         self.sent_at: dict[tuple[str, str], float] = {}
-        # job id -> its nodes told to keep a standby beside its ranks, and when last told.
-        self.beside: dict[str, dict[str, float]] = {}
+        # job id -> its nodes told to keep a standby beside its ranks, with when the
+        # current import began (-inf: none, the standby waits) and when last told.
+        self.beside: dict[str, dict[str, tuple[float, float]]] = {}
 
     async def keep(self) -> None:
         """Every RUNNING job with standby_processes has a standby process on each GPU of
@@ -111,8 +117,9 @@ class StandbyKeeper:
     ) -> None:
         """A standby beside the job's ranks on each of its nodes (on the GPU of the
         node's first rank: it touches none before it takes over a rank, and may take one
-        on any GPU of the node); a node that left the job has its one stopped."""
-        told = self.beside.setdefault(job.id, {})
+        on any GPU of the node), started one node at a time; a node that left the job
+        has its one stopped."""
+        told = self.beside.setdefault(job.id, {})  # node -> (first told, last told)
         held = self.held.get(job.id, {})
         for node_id in [n for n in told if n not in placement.nodes()]:
             del told[node_id]
@@ -122,11 +129,24 @@ class StandbyKeeper:
             waiting = await self.leader.hot.ready_standbys(job.id, placement.nodes())
         except RedisError:
             waiting = set()
+        for node_id in waiting & told.keys():
+            # Imported: the next standby there (after a takeover) is a new import.
+            told[node_id] = (-math.inf, told[node_id][1])
+        # One at a time: each imports torch beside the job's own ranks, and a job's
+        # nodes all starting theirs at once slowed its first steps on a small machine.
+        importing = [
+            n
+            for n, (first, _) in told.items()
+            if n not in waiting and now < first + BESIDE_IMPORT_SECONDS
+        ]
         for node_id in placement.nodes():
-            if node_id in waiting or (
-                now < told.get(node_id, -STANDBY_RESEND_SECONDS) + STANDBY_RESEND_SECONDS
-            ):
+            if node_id in waiting or (importing and node_id not in importing):
                 continue
+            first, last = told.get(node_id, (-math.inf, -math.inf))
+            if now < last + STANDBY_RESEND_SECONDS:
+                continue
+            if now >= first + BESIDE_IMPORT_SECONDS:
+                first = now  # a new import begins
             command = agent_pb2.StartRanks(
                 job_id=job.id,
                 generation=job.generation,
@@ -140,7 +160,9 @@ class StandbyKeeper:
                 node_id, agent_pb2.SchedulerMessage(start_ranks=command)
             )
             if routed is not None:  # else Redis is down too: the next check sends again
-                told[node_id] = now
+                told[node_id] = (first, now)
+                if node_id not in importing:
+                    importing.append(node_id)
 
     async def _stop(self, job_id: str, nodes: set[str], why: str) -> None:
         stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=5, reason=f"standby: {why}")
