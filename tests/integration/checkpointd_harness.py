@@ -42,6 +42,8 @@ class FakeCatalog(checkpoint_pb2_grpc.CheckpointCatalogServiceServicer):
         self.reports: list[Report] = []
         self.addresses: dict[str, str] = {}
         """node id -> checkpointd host:port, for GetRestorePoint's answers."""
+        self.buddy = ("", "")
+        """(node id, host:port) GetBuddy answers: none until a test sets one."""
         self._changed = threading.Condition()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         checkpoint_pb2_grpc.add_CheckpointCatalogServiceServicer_to_server(self, self.server)
@@ -55,7 +57,9 @@ class FakeCatalog(checkpoint_pb2_grpc.CheckpointCatalogServiceServicer):
         return checkpoint_pb2.ReportShardsResponse()
 
     def GetBuddy(self, request: Any, context: Any) -> Any:  # noqa: N802
-        return checkpoint_pb2.GetBuddyResponse()
+        return checkpoint_pb2.GetBuddyResponse(
+            buddy_node_id=self.buddy[0], buddy_address=self.buddy[1]
+        )
 
     def GetRestorePoint(self, request: Any, context: Any) -> Any:  # noqa: N802
         """Where each rank's shard of `request.step` sits in memory, as reported (the

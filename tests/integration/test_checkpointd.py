@@ -248,6 +248,23 @@ def test_shards_replicate_to_the_buddy_and_are_reported(
         writer.close()
 
 
+def test_a_shard_sealed_before_any_buddy_is_pushed_once_one_is_assigned(
+    daemons: Callable[..., DaemonThread], catalog: FakeCatalog
+) -> None:
+    """The last snapshot a rank writes (it is stopped, or its run ends) is replicated when
+    the scheduler names a buddy later: without that, its step never commits."""
+    buddy = daemons("b", scheduler=catalog.address)
+    node = daemons("a", scheduler=catalog.address)
+    writer = SnapshotWriter(node.address, "job-late", 2)
+    try:
+        writer.snapshot(1, make_state(2, 1))
+        catalog.wait_for(added(node.daemon.node_id, "job-late", 1, LOCAL, {2}))
+        catalog.buddy = (buddy.daemon.node_id, buddy.address)  # no newer snapshot comes
+        catalog.wait_for(added(buddy.daemon.node_id, "job-late", 1, REPLICA, {2}))
+    finally:
+        writer.close()
+
+
 def test_a_full_buddy_refuses_the_push(
     daemons: Callable[..., DaemonThread], catalog: FakeCatalog
 ) -> None:

@@ -170,8 +170,9 @@ class CatalogClient:
         except grpc.aio.AioRpcError as exc:
             log.debug("GetBuddy failed: %s %s", exc.code().name, exc.details())
             return self._buddy
-        self._buddy_at = time.monotonic()
         address = response.buddy_address
+        # "None yet" is not kept: a shard waiting for a buddy asks again on its retry.
+        self._buddy_at = time.monotonic() if address else -float("inf")
         self._buddy = Buddy(response.buddy_node_id, address) if address else None
         return self._buddy
 

@@ -196,19 +196,19 @@ class Replicator:
         def superseded(_: RetryCallState) -> bool:
             return self._pending.get(owner) is not record
 
+        # Without a buddy now (none assigned yet, or the scheduler's answer changed after
+        # a failed push) the shard waits for one like any failed push: the newest
+        # snapshot of a rank that writes no more (stopped, or the last of its run) must
+        # still reach a second node, or its step never commits.
         retrying = AsyncRetrying(
             wait=wait_random_exponential(multiplier=0.1, max=self._retry_max),
-            retry=retry_if_exception_type((grpc.aio.AioRpcError, PushRefused)),
+            retry=retry_if_exception_type((grpc.aio.AioRpcError, PushRefused, NoBuddy)),
             stop=superseded,
         )
         try:
             async for attempt in retrying:
                 with attempt:
                     await self._push_once(record)
-        except NoBuddy:
-            if not self._warned_no_buddy:
-                log.warning("no buddy configured or assigned: shards stay on this node only")
-                self._warned_no_buddy = True
         except RetryError as exc:
             log.info(
                 "push of %s given up (a newer one supersedes it): %s",
@@ -219,6 +219,9 @@ class Replicator:
     async def _push_once(self, record: ShardRecord) -> None:
         buddy = await self._catalog.buddy()
         if buddy is None:
+            if not self._warned_no_buddy:
+                log.warning("no buddy configured or assigned: shards stay on this node for now")
+                self._warned_no_buddy = True
             raise NoBuddy()
         try:
             response = await push_shard(
