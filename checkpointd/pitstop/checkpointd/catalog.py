@@ -154,6 +154,12 @@ class CatalogClient:
             self.reports_sent += 1
             self.committed_steps.update(response.committed_steps)
 
+    @property
+    def may_name_buddy(self) -> bool:
+        """Whether the scheduler may name a buddy later (none is configured, and there
+        is a scheduler to ask)."""
+        return self._static_buddy is None and self._stub is not None
+
     async def buddy(self) -> Buddy | None:
         """The buddy to replicate to: the configured one, else the scheduler's answer
         (cached for a while; the last known one while the scheduler is unreachable)."""

@@ -43,6 +43,11 @@ class NoBuddy(Exception):
     """Neither the configuration nor the scheduler names a buddy."""
 
 
+class NoBuddyYet(NoBuddy):
+    """The scheduler names no buddy now, but may later (a node joins, a failed push made
+    it ask again): the shard waits for one."""
+
+
 class PushRefused(Exception):
     """The buddy answered but did not store the shard (e.g. its memory budget is full)."""
 
@@ -196,19 +201,21 @@ class Replicator:
         def superseded(_: RetryCallState) -> bool:
             return self._pending.get(owner) is not record
 
-        # Without a buddy now (none assigned yet, or the scheduler's answer changed after
-        # a failed push) the shard waits for one like any failed push: the newest
-        # snapshot of a rank that writes no more (stopped, or the last of its run) must
-        # still reach a second node, or its step never commits.
+        # Without a buddy now that the scheduler may name later (none assigned yet, or its
+        # answer changed after a failed push) the shard waits for one like any failed
+        # push: the newest snapshot of a rank that writes no more (stopped, or the last
+        # of its run) must still reach a second node, or its step never commits.
         retrying = AsyncRetrying(
             wait=wait_random_exponential(multiplier=0.1, max=self._retry_max),
-            retry=retry_if_exception_type((grpc.aio.AioRpcError, PushRefused, NoBuddy)),
+            retry=retry_if_exception_type((grpc.aio.AioRpcError, PushRefused, NoBuddyYet)),
             stop=superseded,
         )
         try:
             async for attempt in retrying:
                 with attempt:
                     await self._push_once(record)
+        except NoBuddy:
+            pass  # no scheduler to name one: shards stay on this node (said once)
         except RetryError as exc:
             log.info(
                 "push of %s given up (a newer one supersedes it): %s",
@@ -222,7 +229,7 @@ class Replicator:
             if not self._warned_no_buddy:
                 log.warning("no buddy configured or assigned: shards stay on this node for now")
                 self._warned_no_buddy = True
-            raise NoBuddy()
+            raise NoBuddyYet() if self._catalog.may_name_buddy else NoBuddy()
         try:
             response = await push_shard(
                 self.stub(buddy.address), record.header(), record.data(), self._metadata
