@@ -96,18 +96,7 @@ class StandbyKeeper:
                 sent = self.sent_at.get((job.id, node_id), 0.0)
                 if held.get(node_id) == gpus and now < sent + STANDBY_RESEND_SECONDS:
                     continue
-                command = agent_pb2.StartRanks(
-                    job_id=job.id,
-                    generation=job.generation,
-                    command=list(spec.command),
-                    env=dict(spec.env),
-                    working_dir=spec.working_dir,
-                    standby_gpus=gpus,
-                )
-                routed = await leader.router.send(
-                    node_id, agent_pb2.SchedulerMessage(start_ranks=command)
-                )
-                if routed is not None:  # else Redis is down too: the next check sends again
+                if await self._start(job, spec, node_id, gpus):
                     held[node_id] = gpus
                     preferred.add(node_id)
                     self.sent_at[(job.id, node_id)] = now
@@ -147,22 +136,36 @@ class StandbyKeeper:
                 continue
             if now >= first + BESIDE_IMPORT_SECONDS:
                 first = now  # a new import begins
-            command = agent_pb2.StartRanks(
-                job_id=job.id,
-                generation=job.generation,
-                command=list(spec.command),
-                env=dict(spec.env),
-                working_dir=spec.working_dir,
-                standby_gpus=[placement.ranks_on(node_id)[0].gpu_index],
-                beside_ranks=True,
-            )
-            routed = await self.leader.router.send(
-                node_id, agent_pb2.SchedulerMessage(start_ranks=command)
-            )
-            if routed is not None:  # else Redis is down too: the next check sends again
+            gpus = (placement.ranks_on(node_id)[0].gpu_index,)
+            if await self._start(job, spec, node_id, gpus, beside_ranks=True):
                 told[node_id] = (first, now)
                 if node_id not in importing:
                     importing.append(node_id)
+
+    async def _start(
+        self,
+        job: models.Job,
+        spec: jobs_pb2.JobSpec,
+        node_id: str,
+        gpus: tuple[int, ...],
+        *,
+        beside_ranks: bool = False,
+    ) -> bool:
+        """Tell `node_id` to keep a standby of the job on each of `gpus`; False when it
+        could not be routed (Redis is down too: the next check sends again)."""
+        command = agent_pb2.StartRanks(
+            job_id=job.id,
+            generation=job.generation,
+            command=list(spec.command),
+            env=dict(spec.env),
+            working_dir=spec.working_dir,
+            standby_gpus=gpus,
+            beside_ranks=beside_ranks,
+        )
+        routed = await self.leader.router.send(
+            node_id, agent_pb2.SchedulerMessage(start_ranks=command)
+        )
+        return routed is not None
 
     async def _stop(self, job_id: str, nodes: set[str], why: str) -> None:
         stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=5, reason=f"standby: {why}")
