@@ -8,8 +8,11 @@ With `--fault kill`, the last rank SIGKILLs itself from a second thread while it
 thread all-reduces, after writing the time to DIR/left.json. With `--fault reconfigure`,
 every rank is told of generation 2 from a second thread, as its command reader is when
 a Reconfigure arrives (`group.abandon(older_than=2)`), the last rank first and the others
-0.1 s apart after it; each stays alive. Every rank whose collective ends writes
-DIR/rank-R.json: when (time.time()), when it was told (null: not yet), the error.
+0.1 s apart after it; each stays alive, and writes DIR/told-R.json when told. The loop
+runs inside `group.collectives()`, as a Session's step does: a rank whose abandoned
+collective does not end (gloo's partly written send) exits with group.STUCK_EXIT_CODE
+after the grace. Every rank whose collective ends writes DIR/rank-R.json: when
+(time.time()), when it was told (null: not yet), the error.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 WARM_UP = 20  # all-reduces before the fault
 FIRST = 0.2  # seconds into the loop: the main thread is all-reducing by then
 APART = 0.1  # between two ranks told of the new generation
+GRACE = group.ABANDON_GRACE  # for an abandoned collective to end before the process exits
 
 
 class Fault(threading.Thread):
@@ -53,6 +57,7 @@ class Fault(threading.Thread):
         # A command for the generation the group already runs changes nothing.
         self.same_generation_shut = group.abandon(older_than=1)
         self.told = time.time()
+        (self.out / f"told-{self.rank}.json").write_text(json.dumps({"at": self.told}))
         group.abandon(older_than=2)
 
 
@@ -79,9 +84,10 @@ def main() -> None:
     if args.fault == "reconfigure" or args.rank == args.world - 1:
         fault.start()
     try:
-        while True:
-            fault.started.set()
-            dist.all_reduce(tensor)
+        with group.collectives(grace=GRACE):
+            while True:
+                fault.started.set()
+                dist.all_reduce(tensor)
     except Exception as exc:  # the collective a peer left
         ended, told = time.time(), fault.told
         error = f"{type(exc).__name__}: {exc}"[:300]

@@ -18,6 +18,15 @@ moment a newer generation's Reconfigure arrives: every rank of the job is told, 
 ranks blocked on each other, which no closed connection reaches (gloo fails only the
 pair it reads), are freed by their own Reconfigure. On NCCL, the communicator's own
 abort does the same. Nothing of this runs on the step's path.
+
+One case the closed connections do not end: gloo never fails a send it had only
+partly written when its connection breaks (`Pair::signalException` signals the queued
+writes of bound buffers, not of the unbound ones collectives use), so that send waits
+out the collective timeout. A thread whose collectives run inside `collectives()` is
+watched when its group is abandoned: still inside the same block `grace` seconds later,
+it cannot leave on its own, and the process exits with STUCK_EXIT_CODE; its agent
+reports the exit and the scheduler recovers the rank as it does any other, instead of
+the job waiting out the timeout.
 """
 
 from __future__ import annotations
@@ -27,7 +36,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -74,6 +84,73 @@ class _Connections:
 
 _group = _Connections()
 
+STUCK_EXIT_CODE = 75
+"""A rank's exit code when a collective it abandoned did not end within its grace (gloo
+left a partly written send waiting for the collective timeout); the agent reports it as
+any other exit and the scheduler recovers the rank."""
+ABANDON_GRACE = 1.0
+"""Seconds, at least, that an abandoned collective has to end before the process exits."""
+
+
+class _Flight:
+    """The `collectives()` block open on this process (one: the training thread's)."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.serial = 0
+        self.open: int | None = None  # serial of the block open now
+        self.grace = ABANDON_GRACE
+        self.watched: int | None = None  # the block a watcher already waits on
+
+
+_flight = _Flight()
+
+
+@contextmanager
+def collectives(grace: float = ABANDON_GRACE) -> Iterator[None]:
+    """Run the calling thread's collectives inside this block: when the group is
+    abandoned while the block is open and the block does not end within `grace` seconds
+    (at least ABANDON_GRACE), its collective is stuck where no abandon reaches, and the
+    process exits with STUCK_EXIT_CODE. `grace` must cover the longest stretch of work
+    between two collectives: a collective started after the abandon fails at once."""
+    with _flight.changed:
+        _flight.serial += 1
+        mine = _flight.serial
+        _flight.open, _flight.grace = mine, max(grace, ABANDON_GRACE)
+    try:
+        yield
+    finally:
+        with _flight.changed:
+            if _flight.open == mine:
+                _flight.open = None
+            _flight.changed.notify_all()
+
+
+def _watch_open_block() -> None:
+    """After an abandon: exit the process if the open `collectives()` block outlives
+    its grace (started once per block)."""
+    with _flight.changed:
+        block, grace = _flight.open, _flight.grace
+        if block is None or _flight.watched == block:
+            return
+        _flight.watched = block
+    threading.Thread(
+        target=_leave_if_stuck, args=(block, grace), name="pitstop-abandon-watch", daemon=True
+    ).start()
+
+
+def _leave_if_stuck(block: int, grace: float) -> None:
+    with _flight.changed:
+        if _flight.changed.wait_for(lambda: _flight.open != block, timeout=grace):
+            return
+    log.error(
+        "a collective abandoned %.1fs ago has not ended (gloo waits out its timeout for a "
+        "send it had only partly written); exiting with code %d so the rank is recovered",
+        grace,
+        STUCK_EXIT_CODE,
+    )
+    os._exit(STUCK_EXIT_CODE)  # its stream handlers flushed the line above
+
 
 def _open_sockets() -> dict[int, str]:
     """This process's socket descriptors, each with the kernel's name for it (which
@@ -119,6 +196,7 @@ def abandon(older_than: int | None = None) -> int:
     shut = sum(_shut_down(fd, name) for fd, name in sockets)
     if shut:
         log.info("abandoned the process group: %d connections shut down", shut)
+    _watch_open_block()
     return shut
 
 

@@ -95,6 +95,7 @@ class Session:
         self._started = 0.0
         self._mark = 0.0  # end of the last waiting() or the step's start
         self._waited = 0.0  # seconds of this step spent in waiting()
+        self._last_wall = 0.0  # seconds the last committed step took, waits included
         self._aborted: BaseException | None = None
         self.finished = False
         """The loop ran to `until`."""
@@ -243,9 +244,12 @@ class Session:
     def guard(self) -> Iterator[None]:
         """Wrap the step's body: a collective that fails because a peer is lost ends
         the step, and the next boundary recovers (Reconfigure) instead of the process
-        dying. Other errors pass through."""
+        dying. Other errors pass through. A collective that an abandon cannot end (see
+        `group.collectives`) gets twice the last step's time, at least a second, before
+        the process exits so the scheduler recovers the rank."""
         try:
-            yield
+            with group.collectives(grace=2 * self._last_wall):
+                yield
         except Exception as exc:
             if self.inbox is None or not group.is_peer_loss(exc):
                 raise
@@ -280,7 +284,8 @@ class Session:
         self._simulate_slow_gpu()
         self._pending_step = None
         state.step = step
-        seconds = time.perf_counter() - self._started - self._waited
+        self._last_wall = time.perf_counter() - self._started
+        seconds = self._last_wall - self._waited
         every = self.config.snapshot_every
         if self.writer is not None and every > 0 and step % every == 0:
             self.snapshot(state)
