@@ -403,6 +403,7 @@ class RankSupervisor:
             LOCAL_WORLD_SIZE=str(local_world_size),
             PITSTOP_RESTORE_STEP=str(command.restore_step),
         )
+        env.update(_shape_env(command.rank_map, assignment))
         if master is not None:
             env["MASTER_ADDR"], env["MASTER_PORT"] = master
         return env
@@ -590,3 +591,18 @@ def _tail(path: Path) -> str:
             return log.read().decode("utf-8", errors="replace")
     except OSError as exc:
         return f"(log {path} unreadable: {exc.strerror})"
+
+
+def _shape_env(
+    rank_map: common_pb2.RankMap, assignment: common_pb2.RankAssignment
+) -> dict[str, str]:
+    """The job's dp x pp x tp and the rank's coordinates (tp varies fastest), for the
+    trainer's DeviceMesh and for scripts that build their own groups."""
+    sizes = [1 + max(getattr(a, dim) for a in rank_map.ranks) for dim in ("dp", "pp", "tp")]
+    if sizes[0] * sizes[1] * sizes[2] != len(rank_map.ranks):
+        return {}  # a map without coordinates: the trainer assumes pure data parallel
+    names = ("PITSTOP_DP", "PITSTOP_PP", "PITSTOP_TP")
+    env = {name: str(size) for name, size in zip(names, sizes, strict=True)}
+    for name, dim in zip(names, ("dp", "pp", "tp"), strict=True):
+        env[f"{name}_RANK"] = str(getattr(assignment, dim))
+    return env

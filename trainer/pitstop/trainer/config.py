@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+
+from pitstop.trainer.mesh import Shape, ShapeError
 
 
 class ConfigError(ValueError):
@@ -58,6 +60,9 @@ class RankConfig:
     command_wait: float = 10.0
     """PITSTOP_COMMAND_WAIT seconds: how long the chief waits for every rank to hold its
     copy of a Pause or Stop before it makes all ranks act on it anyway."""
+    shape: Shape = field(default_factory=Shape)
+    """dp x pp x tp and this rank's coordinates (PITSTOP_DP/PP/TP and their _RANK, as
+    the agent sets them); without them, pure data parallel over WORLD_SIZE."""
 
     @property
     def timeout(self) -> timedelta:
@@ -78,6 +83,10 @@ class RankConfig:
                 "give every rank a number from 0 to WORLD_SIZE-1"
             )
         visible = env.get("CUDA_VISIBLE_DEVICES", "")
+        try:
+            shape = Shape.from_env(env, rank, world_size)
+        except ShapeError as exc:
+            raise ConfigError(str(exc)) from exc
         return cls(
             rank=rank,
             world_size=world_size,
@@ -97,6 +106,7 @@ class RankConfig:
             collective_timeout=_seconds(env, "PITSTOP_COLLECTIVE_TIMEOUT", 30.0),
             reconfigure_timeout=_seconds(env, "PITSTOP_RECONFIGURE_TIMEOUT", 60.0),
             command_wait=_seconds(env, "PITSTOP_COMMAND_WAIT", 10.0),
+            shape=shape,
         )
 
 

@@ -17,13 +17,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import fields
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from pitstop.checkpointd.writer import SnapshotWriter
 from pitstop.trainer import group
 from pitstop.trainer.commands import RECONFIGURE, STOP
-from pitstop.trainer.state import TrainState
+from pitstop.trainer.mesh import Shape
+from pitstop.trainer.state import TrainState, apply, capture
 from pitstop.v1 import agent_pb2, common_pb2, rank_pb2
 
 if TYPE_CHECKING:
@@ -132,7 +134,7 @@ class Recovery:
         self._record(new, started)
         return True
 
-    def adopt(self, default: Callable[[], TrainState]) -> TrainState:
+    def adopt(self) -> TrainState:
         """Standby: wait for a rank, become it, load its state and join its group."""
         session = self._session
         control = session.control
@@ -163,15 +165,18 @@ class Recovery:
                 catalog_address=session.config.scheduler,
             )
         session.start_commands()
-        state = default()
-        self._join(state, new, assignment.rank, must_restore=new.restore_step > 0)
+        # A state built on the mesh is built once the new group has formed.
+        state = None if session.rebuilds else session.build()
+        state = self._join(state, new, assignment.rank, must_restore=new.restore_step > 0)
         self._record(new, started)
         return state
 
     def _join(
-        self, state: TrainState, new: agent_pb2.Reconfigure, rank: int, must_restore: bool
-    ) -> None:
-        """Move to generation `new` as `rank`: restore if needed, re-form the group."""
+        self, state: TrainState | None, new: agent_pb2.Reconfigure, rank: int, must_restore: bool
+    ) -> TrainState:
+        """Move to generation `new` as `rank`: restore if needed, re-form the group. A
+        state built on the mesh is rebuilt on the new one after the group forms (`state`
+        None: a standby's, built there), and the state moved into it. Returns the state."""
         session = self._session
         session.generation = int(new.generation)
         if session.control is not None:
@@ -179,7 +184,8 @@ class Recovery:
         if session.writer is not None:
             session.writer.generation = session.generation
             session.writer.rank = rank
-        if must_restore or state.step != new.restore_step:
+        restore = must_restore or state is None or state.step != new.restore_step
+        if state is not None and restore and not session.rebuilds:
             session.load(state, int(new.restore_step))
         if rank != session.rank and session.control is not None:
             session.control.rank = rank
@@ -187,12 +193,32 @@ class Recovery:
                 session.inbox.watch(rank)
         session.rank = rank
         session.world_size = new.rank_map.world_size or len(new.rank_map.ranks)
+        session.shape = Shape.from_rank_map(new.rank_map, rank)
         host, _, port = new.rendezvous_address.rpartition(":")
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(session.world_size), MASTER_ADDR=host, MASTER_PORT=port
         )
+        os.environ.update(session.shape.env())
+        self._form(new)
+        if not session.rebuilds:
+            assert state is not None
+            return state
+        fresh = session.build()  # the script's parallelize step, on the new mesh
+        if restore:
+            session.load(fresh, int(new.restore_step))
+        else:  # a survivor at the restore step: its own shards, from memory
+            assert state is not None
+            apply(fresh, *capture(state))
+        if state is None:
+            return fresh
+        for name in (f.name for f in fields(TrainState)):
+            setattr(state, name, getattr(fresh, name))
+        return state
+
+    def _form(self, new: agent_pb2.Reconfigure) -> None:
+        session = self._session
         group.form(
-            rank,
+            session.rank,
             session.world_size,
             session.config.timeout,
             rendezvous_address=new.rendezvous_address,

@@ -43,6 +43,7 @@ Recovery, both paths bitwise identical because both continue from the same snaps
 from __future__ import annotations
 
 import ctypes
+import inspect
 import logging
 import os
 import signal
@@ -53,6 +54,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -63,11 +65,25 @@ from pitstop.trainer import group
 from pitstop.trainer.boundary import at_boundary
 from pitstop.trainer.commands import Inbox, StepReporter
 from pitstop.trainer.config import RankConfig
+from pitstop.trainer.mesh import build_mesh
 from pitstop.trainer.recovery import Recovery
 from pitstop.trainer.state import Capturer, TrainState, apply, capture
 from pitstop.v1 import rank_pb2
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 log = logging.getLogger(__name__)
+
+Builder = Callable[[], TrainState] | Callable[["DeviceMesh"], TrainState]
+"""What builds a rank's state from scratch: with no argument, or on the job's mesh."""
+
+
+def _takes_mesh(builder: Builder) -> bool:
+    try:
+        return bool(inspect.signature(builder).parameters)
+    except (TypeError, ValueError):  # a builtin or C callable: called without the mesh
+        return False
 
 
 class Session:
@@ -90,7 +106,11 @@ class Session:
         self._reporter: StepReporter | None = None
         self.recovery = Recovery(self)
         """In-place recoveries; `recovery.recoveries` records each one's timings."""
-        self._default: Callable[[], TrainState] | None = None
+        self.shape = config.shape
+        """dp x pp x tp and this rank's coordinates; a Reconfigure brings the new ones."""
+        self._mesh: DeviceMesh | None = None
+        self._mesh_generation = -1
+        self._default: Builder | None = None
         self._pending_step: int | None = None
         self._started = 0.0
         self._mark = 0.0  # end of the last waiting() or the step's start
@@ -178,24 +198,59 @@ class Session:
         self.inbox = Inbox(self.control)
         self._reporter = StepReporter(self.control.report_step)
 
-    def restore(self, default: Callable[[], TrainState]) -> TrainState:
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The job's ("dp", "pp", "tp") DeviceMesh on this generation's process group,
+        built on first use in each generation. Building it creates its sub-groups, which
+        every rank must do at the same point: in the state builder (see `restore`) or
+        right after `from_env`."""
+        if self._mesh is None or self._mesh_generation != self.generation:
+            if not torch.distributed.is_initialized():
+                raise RuntimeError(
+                    f"rank {self.rank}: no process group to build a mesh on; start the ranks "
+                    "through the pitstop agent or torchrun (WORLD_SIZE set)"
+                )
+            self._mesh = build_mesh(self.shape, self.device)
+            self._mesh_generation = self.generation
+        return self._mesh
+
+    @property
+    def rebuilds(self) -> bool:
+        """Whether the state is built on the mesh, and so rebuilt after every in-place
+        recovery (the builder passed to `restore` takes the mesh)."""
+        return self._default is not None and _takes_mesh(self._default)
+
+    def restore(self, default: Builder) -> TrainState:
         """`default()`, restored to the restore step when there is one. A standby process
         first waits here to be handed a rank. `default` must build the same state from
-        scratch every time (seed what it draws from)."""
+        scratch every time (seed what it draws from).
+
+        A builder that takes an argument is given `session.mesh` and is the script's
+        parallelize step (tensor parallel, pipeline stages, FSDP2 on the mesh's sub-meshes).
+        After every in-place recovery the session calls it again on the new generation's
+        mesh and moves the state into what it built, in place in the TrainState the loop
+        holds: use `state.model`, `state.optimizer` and `state.objects` in the step, not
+        names bound before the loop."""
         self._default = default
         if self.config.standby:
-            return self.recovery.adopt(default)
-        state = default()
+            return self.recovery.adopt()
+        state = self.build()
         if self.restore_step:
             self.load(state, self.restore_step)
         return state
 
+    def build(self) -> TrainState:
+        """A fresh state from the builder given to `restore` (on the mesh, if it takes it)."""
+        if self._default is None:
+            raise RuntimeError("call session.restore(default=...) before the loop")
+        if _takes_mesh(self._default):
+            return self._default(self.mesh)  # type: ignore[call-arg]
+        return self._default()  # type: ignore[call-arg]
+
     def load(self, state: TrainState, step: int) -> None:
         """Put the snapshot of `step` into `state` in place (step 0: a fresh `default()`)."""
         if step == 0:
-            if self._default is None:
-                raise RuntimeError("call session.restore(default=...) before the loop")
-            apply(state, *capture(self._default()))
+            apply(state, *capture(self.build()))
             return
         if self.writer is None:
             raise RuntimeError(

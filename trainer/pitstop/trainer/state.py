@@ -13,10 +13,20 @@ Flat names:
     rng.torch                        uint8: torch's CPU generator
     rng.cuda.<device>                uint8: each CUDA generator, when CUDA is in use
     cursor.<name>                    int64 scalars: the data loader's position
+    loader.<name>.<path>             tensors in a stateful loader's state_dict (its RNG)
     extra.<name>                     the script's own tensors
     step                             int64 scalar: steps completed
 Metadata: "pitstop.optim" (JSON of the optimizer's param groups and non-tensor state),
-"pitstop.rng.python" (JSON of the MT version and gauss_next), "user.<key>".
+"pitstop.rng.python" (JSON of the MT version and gauss_next), "pitstop.loader.<name>"
+(JSON of a loader's state_dict), "pitstop.dtensor" (see below), "user.<key>".
+
+Sharded state. A DTensor (FSDP2's `fully_shard`, tensor parallel's
+`parallelize_module`, their optimizer state) is kept as this rank's local shard, the
+bytes it holds, and "pitstop.dtensor" maps its flat name to where the shard sits in the
+whole tensor: {"shape": global shape, "offset": the shard's global offset, "local":
+its shape, "placements": [str], "mesh": [dim names], "dtype"}. That is enough to put a
+shard back into a model sharded the same way (in place, bitwise), and for a checkpoint
+reader (DCP) to assemble or reshard the whole tensor from every rank's shards.
 
 `capture` returns the live tensors, not copies: the snapshot is the copy, and it is
 taken before anything changes them again.
@@ -27,11 +37,12 @@ from __future__ import annotations
 import array
 import json
 import random
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 Flat = dict[str, torch.Tensor]
 
@@ -51,6 +62,27 @@ class TrainState:
     step: int = 0
     metadata: dict[str, str] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    loaders: dict[str, Any] = field(default_factory=dict)
+    """Data loaders with `state_dict()`/`load_state_dict()` (torchdata's
+    StatefulDataLoader): their position and RNG are part of the state, so a restored
+    rank continues with the very next batch."""
+    objects: dict[str, Any] = field(default_factory=dict)
+    """Whatever else the script built with the state and needs again after it is
+    rebuilt on a new mesh (a pipeline schedule, a loss function); never captured."""
+    _batches: dict[str, Iterator[Any]] = field(default_factory=dict, repr=False, compare=False)
+
+    def next_batch(self, loader: str = "train") -> Any:
+        """The next batch of `loaders[loader]`, a new epoch when one ends. After a restore
+        it is the batch after the restored step's (an iterator taken before would not
+        know of the restore)."""
+        batches = self._batches.get(loader)
+        if batches is None:
+            batches = self._batches[loader] = iter(self.loaders[loader])
+        try:
+            return next(batches)
+        except StopIteration:
+            batches = self._batches[loader] = iter(self.loaders[loader])
+            return next(batches)
 
 
 class StateFormatError(ValueError):
@@ -65,6 +97,7 @@ class Capturer:
     def __init__(self) -> None:
         self._names: dict[tuple[str, object, str], str] = {}
         self._optim_names: dict[int, dict[str, str]] = {}
+        self._shards: dict[tuple[str, int, object], dict[str, Any]] = {}
 
     def __call__(
         self, state: TrainState, *, with_cuda_rng: bool | None = None
@@ -80,6 +113,9 @@ class Capturer:
         metadata = {f"user.{k}": v for k, v in state.metadata.items()}
         if state.optimizer is not None:
             metadata["pitstop.optim"] = self._optimizer(state.optimizer, tensors)
+        shards = self._local_shards(tensors)
+        if shards:
+            metadata["pitstop.dtensor"] = shards
         python_state = random.getstate()
         words = array.array("q", python_state[1])
         tensors["rng.python"] = torch.frombuffer(words, dtype=torch.int64)
@@ -95,10 +131,30 @@ class Capturer:
                 tensors[f"rng.cuda.{index}"] = rng
         for name, position in state.cursor.items():
             tensors[f"cursor.{name}"] = torch.tensor(position, dtype=torch.int64)
+        for name, loader in state.loaders.items():
+            described = _json_value(f"loader.{name}", loader.state_dict(), tensors)
+            metadata[f"pitstop.loader.{name}"] = json.dumps(described)
         for name, tensor in state.tensors.items():
             tensors[f"extra.{name}"] = tensor.detach()
         tensors["step"] = torch.tensor(state.step, dtype=torch.int64)
         return tensors, metadata
+
+    def _local_shards(self, tensors: Flat) -> str:
+        """Replace each DTensor in `tensors` by its local shard; the shards' placement
+        metadata as JSON ("" when there is none). Worked out once per tensor."""
+        described = {}
+        for name, value in tensors.items():
+            if not isinstance(value, DTensor):
+                continue
+            key = (name, id(value), value.placements)
+            known = self._shards.get(key)
+            if known is None:
+                known = self._shards[key] = _shard_metadata(value)
+            described[name] = known
+            tensors[name] = value._local_tensor
+        if not described:
+            return ""
+        return json.dumps(described, separators=(",", ":"))
 
     def _name(self, kind: str, owner: object, key: str) -> str:
         name = f"model.{key}" if kind == "model" else f"optim.state.{owner}.{key}"
@@ -153,7 +209,7 @@ def apply(
     into the live ones (the same memory) are not copied again."""
     if "step" not in tensors:
         raise StateFormatError("the restored state has no 'step' tensor: it is not a TrainState")
-    live = state.model.state_dict()
+    live = {k: _local(v) for k, v in state.model.state_dict().items()}
     given = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
     if set(given) != set(live):
         missing, unexpected = sorted(set(live) - set(given)), sorted(set(given) - set(live))
@@ -164,7 +220,13 @@ def apply(
     with torch.no_grad():
         for name, value in given.items():
             target = live[name]
-            if value.data_ptr() != target.data_ptr() or value.shape != target.shape:
+            if value.shape != target.shape:
+                raise StateFormatError(
+                    f"model.{name}: the restored shard is {tuple(value.shape)}, this rank's is "
+                    f"{tuple(target.shape)}; the model is sharded differently than when the "
+                    "snapshot was taken (restore on the same mesh, or reshard through DCP)"
+                )
+            if value.data_ptr() != target.data_ptr():
                 target.copy_(value)
     if state.optimizer is not None:
         _apply_optimizer(state.optimizer, tensors, metadata.get("pitstop.optim", ""))
@@ -177,6 +239,15 @@ def apply(
     cuda = sorted((k for k in tensors if k.startswith("rng.cuda.")), key=lambda k: int(k[9:]))
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([tensors[k].cpu() for k in cuda])
+    for name, loader in state.loaders.items():
+        described = metadata.get(f"pitstop.loader.{name}")
+        if described is None:
+            raise StateFormatError(
+                f"the restored state has no data loader {name!r}; restore with the loaders "
+                "the snapshot was taken with"
+            )
+        loader.load_state_dict(_from_json(json.loads(described), tensors))
+    state._batches.clear()
     state.cursor.clear()
     state.cursor.update(
         {k.removeprefix("cursor."): int(v) for k, v in tensors.items() if k.startswith("cursor.")}
@@ -212,6 +283,21 @@ def _apply_optimizer(
         if name.startswith("optim.state."):
             param_id, _, key = name.removeprefix("optim.state.").partition(".")
             state.setdefault(int(param_id), {})[key] = value
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entries in state.items():
+        param = params[index] if index < len(params) else None
+        if not isinstance(param, DTensor):
+            continue
+        for key, value in entries.items():
+            if not isinstance(value, DTensor) and value.shape == param._local_tensor.shape:
+                entries[key] = DTensor.from_local(
+                    value,
+                    param.device_mesh,
+                    param.placements,
+                    run_check=False,
+                    shape=param.shape,
+                    stride=param.stride(),
+                )
     for param_id, entries in layout["scalars"].items():
         for key, value in entries.items():
             state.setdefault(int(param_id), {})[key] = _from_json(value, tensors)
@@ -228,11 +314,42 @@ def _apply_optimizer(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard, any other tensor itself."""
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+def _shard_metadata(value: DTensor) -> dict[str, Any]:
+    """Where `value`'s local shard sits in the whole tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements
+    )
+    return {
+        "shape": list(value.shape),
+        "offset": [int(o) for o in offset],
+        "local": [int(n) for n in local_shape],
+        "placements": [str(p) for p in value.placements],
+        "mesh": list(value.device_mesh.mesh_dim_names or ()),
+        "dtype": str(value.dtype).removeprefix("torch."),
+    }
+
+
 def _json_value(name: str, value: Any, tensors: Flat) -> Any:
     """`value` as JSON; tensors go into `tensors` under `name` and leave a reference."""
     if isinstance(value, torch.Tensor):
         tensors[name] = value
         return {"__tensor__": name}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: _json_value(f"{name}.{k}", v, tensors) for k, v in value.items()}
+        return {
+            "__items__": [
+                [_json_value(f"{name}.k{i}", k, tensors), _json_value(f"{name}.{i}", v, tensors)]
+                for i, (k, v) in enumerate(value.items())
+            ]
+        }
     if isinstance(value, tuple):
         return {"__tuple__": [_json_value(f"{name}.{i}", v, tensors) for i, v in enumerate(value)]}
     if isinstance(value, list):
@@ -240,8 +357,8 @@ def _json_value(name: str, value: Any, tensors: Flat) -> Any:
     if value is None or isinstance(value, bool | int | float | str):
         return value
     raise StateFormatError(
-        f"optimizer value {name} is a {type(value).__name__}, which pitstop cannot keep "
-        "without pickle; use numbers, strings, tuples or tensors"
+        f"{name} is a {type(value).__name__}, which pitstop cannot keep without pickle; "
+        "use numbers, strings, lists, dicts or tensors"
     )
 
 
@@ -250,6 +367,10 @@ def _from_json(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         return tensors[value["__tensor__"]]
     if isinstance(value, dict) and "__tuple__" in value:
         return tuple(_from_json(v, tensors) for v in value["__tuple__"])
+    if isinstance(value, dict) and "__items__" in value:
+        return {_from_json(k, tensors): _from_json(v, tensors) for k, v in value["__items__"]}
+    if isinstance(value, dict):
+        return {k: _from_json(v, tensors) for k, v in value.items()}
     if isinstance(value, list):
         return [_from_json(v, tensors) for v in value]
     return value
