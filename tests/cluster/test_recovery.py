@@ -121,6 +121,7 @@ class Node:
     host: str = "127.0.0.1"  # what its daemons listen on and its ranks are reached at
     netns: str = ""  # the network namespace its daemons (and so its ranks) run in
     iface: str = ""  # the interface its ranks' gloo uses (GLOO_SOCKET_IFNAME); "": any
+    gpus: int = 1  # simulated GPUs
 
     def _in_netns(self, command: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *command] if self.netns else command
@@ -181,7 +182,7 @@ class Node:
                     "--scheduler",
                     self.scheduler,
                     "--gpus",
-                    "sim:1",
+                    f"sim:{self.gpus}",
                     "--zone",
                     "z1",
                     "--block",
@@ -283,6 +284,7 @@ class Cluster:
         spares: int = 1,
         checkpointd_env: dict[str, str] | None = None,
         network: Network | None = None,
+        gpus: int = 1,
     ) -> None:
         """Start the nodes (their checkpoint daemons with `checkpointd_env`); returns
         once every one is registered. With `network`, its nodes run in their namespaces
@@ -292,6 +294,7 @@ class Cluster:
         specs += [(f"{SPARE}{i or ''}", f"r{i}", "spare") for i in range(spares)]
         for node_id, rack, role in specs:
             node = Node(node_id, self.root / node_id, rack, role, self.scheduler.address)
+            node.gpus = gpus
             node.checkpointd_env = dict(checkpointd_env or {})
             if network is not None:
                 inside = {link.node_id: link for link in network.links}.get(node_id)
@@ -393,6 +396,10 @@ class Cluster:
             # The default 30 s collective timeout: no recovery may wait it out.
             env={"PYTHONUNBUFFERED": "1", **(env or {})},
         )
+        return self.submit_spec(spec)
+
+    def submit_spec(self, spec: jobs_pb2.JobSpec) -> jobs_pb2.Job:
+        """Submit `spec`; returns once the job runs."""
         job = self.jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job
         running = self.job_event(job.id, "job.running", "job.failed", "job.cancelled")
         assert running.kind == "job.running", (running, self.logs(job.id))
@@ -514,8 +521,19 @@ def netns_node() -> str:
 
 
 @pytest.fixture
+def gpus() -> int:
+    """Simulated GPUs on every node; the 3D job's tests parametrize it."""
+    return 1
+
+
+@pytest.fixture
 def cluster(
-    stores: StoreUrls, spares: int, full_durable_store: bool, netns_node: str, in_process: bool
+    stores: StoreUrls,
+    spares: int,
+    full_durable_store: bool,
+    netns_node: str,
+    in_process: bool,
+    gpus: int,
 ) -> Iterator[Cluster]:
     if full_durable_store and os.geteuid() != 0:
         pytest.skip("a full durable store is a tiny tmpfs: mounting it needs root")
@@ -567,7 +585,7 @@ def cluster(
         stack.callback(scheduler.stop)
         built = Cluster(scheduler, root)
         stack.callback(built.stop)  # also when a node fails to start
-        built.start(spares, checkpointd_env, network)
+        built.start(spares, checkpointd_env, network, gpus)
         built.redis_url, built.redis_prefix = stores.redis_url, prefix
         yield built
 
@@ -1205,3 +1223,76 @@ def test_the_leader_killed_in_the_middle_of_a_recovery_the_new_leader_finishes_i
     assert victim.node_id not in {a.node_id for a in done.rank_map.ranks}
     for rank in range(4):
         assert steps_never_run(cluster, done, rank) == set()
+
+
+# The 3D example (pitstop.trainer.example3d): tp = pp = dp = 2 on four 2-GPU nodes (a
+# node holds one TP pair: a pipeline stage of a replica) and a 2-GPU spare.
+STEPS_3D = 16
+EXAMPLE_3D = [sys.executable, "-m", "pitstop.trainer.example3d", "--steps", str(STEPS_3D)]
+SHAPE_3D = {"PITSTOP_DP": "2", "PITSTOP_PP": "2", "PITSTOP_TP": "2"}
+TORCHRUN_8 = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "8"]
+JOINED_LINE = re.compile(rb"rank (\d+) joined generation (\d+) at step (\d+)")
+
+
+@pytest.fixture(scope="module")
+def hash_3d() -> str:
+    """The 3D example run without pitstop, under torchrun (8 processes, the same mesh):
+    the hash every run of it must end with."""
+    done = subprocess.run(
+        [*TORCHRUN_8, "-m", *EXAMPLE_3D[2:], "--log-every", "0"],
+        capture_output=True,
+        env=clean_env() | SHAPE_3D,
+        timeout=3 * TIMEOUT,
+        check=True,
+    )
+    hashes = {
+        json.loads(line)["final_weights_sha256"]
+        for line in done.stdout.splitlines()
+        if b"final_weights_sha256" in line
+    }
+    assert len(hashes) == 1, done.stdout[-3000:]
+    return str(hashes.pop())
+
+
+@pytest.mark.parametrize("gpus", [2])
+@pytest.mark.parametrize("fault", ["node_killed", "fatal_xid"])
+def test_the_3d_job_loses_a_node_and_ends_with_the_fault_free_hash(
+    cluster: Cluster, hash_3d: str, fault: str
+) -> None:
+    spec = jobs_pb2.JobSpec(
+        name=unique("llama3d"),
+        command=[*EXAMPLE_3D, "--log-every", "1", "--step-seconds", str(STEP_SECONDS)],
+        tp=2,
+        pp=2,
+        dp=2,
+        min_dp=2,
+        gpus_per_node=2,
+        spares=1,
+        max_restarts=3,
+        env={"PYTHONUNBUFFERED": "1"},
+    )
+    job = cluster.submit_spec(spec)
+    victim_rank = random.randrange(8)
+    at_step = random.randint(3, STEPS_3D // 2)
+    victim = cluster.node_of(job, victim_rank)
+    lost = sorted(a.rank for a in job.rank_map.ranks if a.node_id == victim.node_id)
+    cluster.wait_for_step(job, victim_rank, at_step)
+    if fault == "node_killed":
+        cluster.kill_node(victim.node_id)
+    else:
+        cluster.inject(victim.node_id, common_pb2.Fault(gpu_index=0, xid=79))
+    done = cluster.finish(job.id)
+    context = f"{fault} on {victim.node_id} (ranks {lost}) at step {at_step}"
+    assert done.state == common_pb2.JOB_STATE_SUCCEEDED, context
+    assert done.result["final_weights_sha256"] == hash_3d, (context, cluster.logs(job.id))
+    assert done.current_step == STEPS_3D
+    assert done.generation >= 2, context
+    placed = {a.rank: a.node_id for a in done.rank_map.ranks}
+    assert {placed[r] for r in lost} == {SPARE}, context  # the TP pair moved together
+    # Every other rank (the lost pair's pipeline neighbours and the other replica) kept
+    # its process and re-formed in place: the mesh rebuilt, its shards moved over.
+    for rank in set(range(8)) - set(lost):
+        text = cluster.node_of(done, rank).rank_log(job.id, rank).read_bytes()
+        joined = [m for m in JOINED_LINE.finditer(text) if int(m.group(1)) == rank]
+        assert joined, (context, rank, text[-3000:])
+        assert text.count(b'"shape": [2, 2, 2]') == 1, (context, rank)  # one process

@@ -57,3 +57,12 @@ def test_a_block_that_ends_after_an_abandon_keeps_the_process() -> None:
     assert child.returncode == 0, child
     assert "out of the block" in child.stdout
     assert "still here" in child.stdout
+
+
+def test_a_peer_loss_wrapped_by_a_pipeline_stage_is_still_a_peer_loss() -> None:
+    gone = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    wrapped = RuntimeError("[Stage 1] failed to run forward: args: (...)")
+    wrapped.__cause__ = gone  # as `raise ... from exc` in torch's PipelineStage
+    assert group.is_peer_loss(wrapped)
+    assert not group.is_peer_loss(RuntimeError("[Stage 1] failed to run forward: bad shape"))
+    assert not group.is_peer_loss(ValueError("connection closed"))  # not a collective's error

@@ -374,10 +374,17 @@ def drop() -> None:
 
 def is_peer_loss(exc: BaseException) -> bool:
     """Whether `exc` says a collective failed because a peer is gone or hung, rather
-    than a bug in the training step."""
-    if isinstance(exc, dist.DistError):
-        return True
-    if not isinstance(exc, RuntimeError):
-        return False
-    text = str(exc).lower()
-    return any(marker in text for marker in _PEER_LOSS_MARKERS)
+    than a bug in the training step. The error's causes count too: a pipeline stage
+    re-raises a failed send or receive as its own "failed to run forward"."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, dist.DistError):
+            return True
+        if isinstance(current, RuntimeError):
+            text = str(current).lower()
+            if any(marker in text for marker in _PEER_LOSS_MARKERS):
+                return True
+        current = current.__cause__ or current.__context__
+    return False

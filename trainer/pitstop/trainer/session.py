@@ -67,7 +67,7 @@ from pitstop.trainer.commands import Inbox, StepReporter
 from pitstop.trainer.config import RankConfig
 from pitstop.trainer.mesh import build_mesh
 from pitstop.trainer.recovery import Recovery
-from pitstop.trainer.state import Capturer, TrainState, apply, capture
+from pitstop.trainer.state import Capturer, TrainState, apply, capture, local_tensor
 from pitstop.v1 import rank_pb2
 
 if TYPE_CHECKING:
@@ -257,7 +257,8 @@ class Session:
                 f"rank {self.rank} must restore step {step} but knows no checkpoint daemon; "
                 "set PITSTOP_CHECKPOINTD and PITSTOP_JOB_ID"
             )
-        into = {f"model.{k}": v for k, v in state.model.state_dict().items()}
+        # Straight into the live tensors (a DTensor's local shard), not via a copy.
+        into = {f"model.{k}": local_tensor(v) for k, v in state.model.state_dict().items()}
         try:
             restored = self.writer.restore(step, into=into)
         except grpc.RpcError as exc:

@@ -209,7 +209,7 @@ def apply(
     into the live ones (the same memory) are not copied again."""
     if "step" not in tensors:
         raise StateFormatError("the restored state has no 'step' tensor: it is not a TrainState")
-    live = {k: _local(v) for k, v in state.model.state_dict().items()}
+    live = {k: local_tensor(v) for k, v in state.model.state_dict().items()}
     given = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
     if set(given) != set(live):
         missing, unexpected = sorted(set(live) - set(given)), sorted(set(given) - set(live))
@@ -314,7 +314,7 @@ def _apply_optimizer(
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
-def _local(value: torch.Tensor) -> torch.Tensor:
+def local_tensor(value: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds: a DTensor's local shard, any other tensor itself."""
     return value._local_tensor if isinstance(value, DTensor) else value
 
