@@ -129,16 +129,21 @@ class Stage(nn.Module):
         blocks = [Block(args.dim, args.heads) for _ in range(args.layers)]
         norm, head = nn.RMSNorm(args.dim), nn.Linear(args.dim, vocab, bias=False)
         per_stage = math.ceil(args.layers / stages)
-        mine = blocks[index * per_stage : (index + 1) * per_stage]
+        first = index * per_stage
         self.embedding = embedding if index == 0 else None
-        self.blocks = nn.ModuleList(mine)
+        # Keyed by the layer's index in the whole model, as torchtitan does: every
+        # parameter has one name across the stages (a DCP checkpoint of the job has no
+        # two "blocks.0" of different stages).
+        self.blocks = nn.ModuleDict(
+            {str(first + i): block for i, block in enumerate(blocks[first : first + per_stage])}
+        )
         self.norm = norm if index == stages - 1 else None
         self.head = head if index == stages - 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embedding is not None:
             x = self.embedding(x)
-        for block in self.blocks:
+        for block in self.blocks.values():
             x = block(x)
         if self.norm is not None and self.head is not None:
             x = self.head(self.norm(x))
@@ -180,7 +185,7 @@ class Job:
         args, shape, device = self.args, self.session.shape, self.session.device
         random.seed(args.seed)
         stage = Stage(args, len(self.vocab), shape.pp_rank, shape.pp).to(device)
-        for block in stage.blocks:
+        for block in stage.blocks.values():
             if shape.tp > 1:
                 parallelize_module(block, mesh["tp"], TP_PLAN)
             fully_shard(block, mesh=mesh["dp"])
