@@ -20,17 +20,29 @@ Also replication MB/s (one shard pushed over PushShard to the buddy daemon on lo
 checksum verified by the receiver) and flush MB/s (DurableStore.write_checkpoint to a
 file:// store on local disk, fsync included).
 
+Then the sharded case (--sharded-mb, default 1000; 0 leaves it out): a stack of linear
+layers FSDP2-sharded (`fully_shard`) over a gloo mesh of two ranks, with AdamW's moments
+after one step, ~1 GB of local bytes per rank (a third parameters), all DTensors built on
+the meta device. The two ranks are processes of this script (a hidden --sharded-rank),
+killed with it however it ends. Rank 0 measures, interleaved as above, one memcpy of its
+local bytes against pitstop's stall as a Session's snapshot has it: `Capturer` (local
+shards plus their placement metadata) and SnapshotWriter.snapshot of the tensors and
+metadata, capture included; then both ranks, in step, DCP's async_save of
+get_state_dict(model, optimizer) until it returns (get_state_dict included).
+
 Targets (issue 14): pitstop's stall at most 1.5 x one memcpy and at most 0.75 x
 async_save's, for every size.
 
 Two daemons run as subprocesses (`python -m pitstop.checkpointd.main run`), the first
 replicating to the second, each with the memory budget `budget_bytes` gives: room for
-every case at once, so the 1 GB case runs after the 100 MB one in the same daemons.
+every plain case at once, so the 1 GB case runs after the 100 MB one in the same daemons;
+the sharded case has a pair of its own, started after those are stopped.
 --cuda adds the same for a state on the GPU (default 10 GB), where pitstop's stall is
 the enqueue of device-to-pinned-host copies tracked by a CUDA event. Run from the
 repository root:
 
-    .venv/bin/python bench/checkpoint.py [--sizes-mb 100,1000] [--reps 5] [--cuda]
+    .venv/bin/python bench/checkpoint.py [--sizes-mb 100,1000] [--sharded-mb 1000]
+        [--reps 5] [--cuda]
 
 Progress goes to stderr; the last line of stdout is one JSON object.
 """
@@ -40,11 +52,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import datetime
 import functools
 import json
 import os
 import platform
 import shutil
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -78,6 +93,10 @@ LARGE_REPS = 3
 
 def progress(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def size_label(size_mb: int) -> str:
+    return f"{size_mb}MB" if size_mb < 1000 else f"{size_mb / 1000:g}GB"
 
 
 def make_state(total_bytes: int, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -174,10 +193,17 @@ def memcpy_once(state: dict[str, torch.Tensor], target: torch.Tensor) -> float:
 
 
 def bench_memcpy_and_pitstop(
-    state: dict[str, torch.Tensor], reps: int, job: str, a: str, buddy: Any
+    state: dict[str, torch.Tensor],
+    reps: int,
+    job: str,
+    a: str,
+    buddy: Any,
+    take: Callable[[], tuple[dict[str, torch.Tensor], dict[str, str]]] | None = None,
 ) -> tuple[list[float], list[float], list[float], SnapshotWriter]:
     """memcpy and pitstop stalls, interleaved (alternating which goes first) so that
-    both see the same machine state; the daemons are idle before every snapshot."""
+    both see the same machine state; the daemons are idle before every snapshot.
+    `take`: what a Session's snapshot does first (capture the state as tensors and
+    metadata), timed as part of the stall; without it `state` is snapshotted as is."""
     target = torch.zeros(state_bytes(state), dtype=torch.uint8)  # pre-faulted
     writer = SnapshotWriter(a, job, 0, timeout_s=120)
     step = 0
@@ -187,13 +213,16 @@ def bench_memcpy_and_pitstop(
         nonlocal step
         step += 1
         spin()
-        result = writer.snapshot(step, state)
+        started = time.perf_counter()
+        tensors, metadata = take() if take is not None else (state, None)
+        result = writer.snapshot(step, tensors, metadata)
+        stall = time.perf_counter() - started if take is not None else result.stall_seconds
         if result.skipped:
             raise RuntimeError(f"snapshot skipped: {result.skipped}")
         wait_for_replica(buddy, job, step)
         writer.wait()
         sealed.append(writer.sealed_seconds)
-        return result.stall_seconds
+        return stall
 
     for _ in range(WARMUP):
         snapshot()
@@ -291,7 +320,7 @@ def bench_transfers(
 
 
 def run_case(size_mb: int, reps: int, a: str, b: str, workdir: Path) -> dict[str, Any]:
-    label = f"{size_mb}MB" if size_mb < 1000 else f"{size_mb / 1000:g}GB"
+    label = size_label(size_mb)
     if size_mb >= LARGE_MB:
         reps = min(reps, LARGE_REPS)  # keeps the whole run within a few minutes
     state = make_state(size_mb * MB)
@@ -383,13 +412,231 @@ def run_cuda_case(size_gb: float, reps: int, a: str, b: str, workdir: Path) -> d
     }
 
 
+SHARDED_WORLD = 2
+SHARDED_LAYERS = 8
+
+
+class Stack(torch.nn.Module):
+    """A stack of square linear layers: the sharded case's model (never run forward)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(width, width, bias=False) for _ in range(SHARDED_LAYERS)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def sharded_state(local_bytes: int, rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model FSDP2-sharded over a gloo mesh of SHARDED_WORLD ranks with AdamW's state:
+    `local_bytes` on this rank, a third parameters and two thirds exp_avg/exp_avg_sq,
+    all DTensors. Built on the meta device, so no rank ever holds the whole model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    whole_parameters = local_bytes // 3 * SHARDED_WORLD
+    width = int((whole_parameters / (SHARDED_LAYERS * 4)) ** 0.5) // SHARDED_WORLD * SHARDED_WORLD
+    mesh = init_device_mesh("cpu", (SHARDED_WORLD,))
+    with torch.device("meta"):
+        model = Stack(width)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            assert isinstance(parameter, DTensor)
+            parameter._local_tensor.uniform_(-0.02, 0.02, generator=generator)
+            parameter.grad = torch.zeros_like(parameter)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer.step()  # with zero gradients: the moments exist, as DTensors
+    optimizer.zero_grad(set_to_none=True)
+    return model, optimizer
+
+
+def bench_sharded_async_save(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, reps: int, workdir: Path
+) -> tuple[float, float]:
+    """DCP's async_save of the sharded state, made by every rank in step (it is
+    collective): the median stall from get_state_dict until async_save returns, and
+    the get_state_dict part of it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
+
+    stalls, built = [], []
+    for rep in range(1 + reps):  # one unmeasured warm-up
+        target = workdir / f"dcp-sharded-{rep}"
+        dist.barrier()
+        spin()
+        started = time.perf_counter()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        got = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pending = async_save(
+                {"model": model_state, "optim": optim_state}, checkpoint_id=str(target)
+            )
+        elapsed = time.perf_counter() - started
+        if isinstance(pending, AsyncSaveResponse):
+            pending.upload_completion.result()
+        else:
+            pending.result()
+        dist.barrier()  # every rank's files written before they are removed
+        if dist.get_rank() == 0:
+            shutil.rmtree(target, ignore_errors=True)
+        if rep:
+            stalls.append(elapsed)
+            built.append(got - started)
+    return statistics.median(stalls), statistics.median(built)
+
+
+def sharded_rank(args: argparse.Namespace) -> None:
+    """One rank of the sharded case, a process of its own (the hidden --sharded-rank).
+    Rank 0 measures memcpy and pitstop while rank 1 waits; both make DCP's calls."""
+    import torch.distributed as dist
+
+    from pitstop.trainer.state import Capturer, TrainState
+
+    if sys.platform == "linux":  # brought down with the bench, however it ends
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != args.sharded_parent:
+            return
+    rank = args.sharded_rank
+    torch.set_num_threads(os.cpu_count() or 1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.sharded_port}",
+        rank=rank,
+        world_size=SHARDED_WORLD,
+        timeout=datetime.timedelta(minutes=30),
+    )
+    try:
+        workdir = Path(args.sharded_workdir)
+        model, optimizer = sharded_state(args.sharded_mb * MB, rank)
+        state = TrainState(model, optimizer)
+        capturer = Capturer()
+        captures: list[float] = []
+
+        def take() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+            started = time.perf_counter()
+            taken = capturer(state)
+            captures.append(time.perf_counter() - started)
+            return taken
+
+        local, _ = capturer(state)
+        total = state_bytes(local)
+        dist.barrier()  # both ranks built
+        if rank == 0:
+            progress(f"sharded: {total} local bytes per rank in {len(local)} tensors")
+            a, b = args.sharded_daemons.split(",")
+            buddy = checkpoint_pb2_grpc.CheckpointServiceStub(grpc.insecure_channel(b))
+            copies, stalls, sealed, writer = bench_memcpy_and_pitstop(
+                local, args.reps, "bench-sharded", a, buddy, take
+            )
+            writer.close()
+            memcpy_s, pitstop_s = statistics.median(copies), statistics.median(stalls)
+            capture_s = statistics.median(captures[-args.reps :])
+            progress(
+                f"sharded: memcpy {memcpy_s * 1e3:.1f} ms, pitstop stall {pitstop_s * 1e3:.1f} "
+                f"ms (capture {capture_s * 1e3:.1f} ms)"
+            )
+            progress(f"sharded: each memcpy, ms: {' '.join(f'{c * 1e3:.1f}' for c in copies)}")
+            progress(f"sharded: each stall, ms:  {' '.join(f'{p * 1e3:.1f}' for p in stalls)}")
+        del local
+        async_s, state_dict_s = bench_sharded_async_save(model, optimizer, args.reps, workdir)
+        if rank == 0:
+            progress(f"sharded: dcp.async_save returned in {async_s * 1e3:.1f} ms")
+            result = {
+                "bytes_per_rank": total,
+                "world": SHARDED_WORLD,
+                "reps": args.reps,
+                "memcpy_ms": round(memcpy_s * 1e3, 2),
+                "pitstop_stall_ms": round(pitstop_s * 1e3, 2),
+                "pitstop_capture_ms": round(capture_s * 1e3, 2),
+                "pitstop_sealed_ms": round(statistics.median(sealed) * 1e3, 2),
+                "async_save_ms": round(async_s * 1e3, 2),
+                "async_save_get_state_dict_ms": round(state_dict_s * 1e3, 2),
+                "pitstop_vs_memcpy": round(pitstop_s / memcpy_s, 3),
+                "pitstop_vs_memcpy_paired": round(
+                    statistics.median(p / c for p, c in zip(stalls, copies, strict=True)), 3
+                ),
+                "pitstop_vs_async_save": round(pitstop_s / async_s, 3),
+                "target_vs_memcpy_met": pitstop_s <= TARGET_VS_MEMCPY * memcpy_s,
+                "target_vs_async_save_met": pitstop_s <= TARGET_VS_ASYNC_SAVE * async_s,
+            }
+            Path(args.sharded_out).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_sharded_case(size_mb: int, reps: int, workdir: Path) -> dict[str, Any]:
+    """The sharded case: two rank processes of this script on a gloo mesh, rank 0
+    snapshotting into daemons of their own (the plain cases' are stopped by now)."""
+    if size_mb >= LARGE_MB:
+        reps = min(reps, LARGE_REPS)
+    out = workdir / "sharded.json"
+    with daemons(workdir, budget_bytes([size_mb])) as (a, b):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+        ranks: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank in range(SHARDED_WORLD):
+                command = [sys.executable, str(Path(__file__).resolve()), "--reps", str(reps)]
+                command += ["--sharded-rank", str(rank), "--sharded-mb", str(size_mb)]
+                command += ["--sharded-port", str(port), "--sharded-daemons", f"{a},{b}"]
+                command += ["--sharded-workdir", str(workdir), "--sharded-out", str(out)]
+                command += ["--sharded-parent", str(os.getpid())]
+                ranks.append(subprocess.Popen(command, stdout=sys.stderr, env=env))
+            deadline = time.monotonic() + 3600
+            while any(r.poll() is None for r in ranks):
+                failed = [r.returncode for r in ranks if r.returncode not in (None, 0)]
+                if failed:
+                    raise RuntimeError(f"a sharded rank exited with {failed[0]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the sharded case did not end within an hour")
+                time.sleep(0.2)  # the parent of two busy ranks, not a test
+            failed = [r.returncode for r in ranks if r.returncode]
+            if failed:
+                raise RuntimeError(f"a sharded rank exited with {failed[0]}")
+        finally:
+            for rank_process in ranks:
+                if rank_process.poll() is None:
+                    rank_process.kill()
+                rank_process.wait()
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--sizes-mb", default="100,1000", help="state sizes, comma-separated")
     parser.add_argument("--reps", type=int, default=5, help="measured repetitions per method")
     parser.add_argument("--cuda", action="store_true", help="also a state on the GPU")
     parser.add_argument("--cuda-size-gb", type=float, default=10.0)
+    parser.add_argument(
+        "--sharded-mb",
+        type=int,
+        default=1000,
+        help="local bytes per rank of the FSDP2-sharded case, in MB (0: no sharded case)",
+    )
+    for hidden in ("rank", "port", "parent"):
+        parser.add_argument(f"--sharded-{hidden}", type=int, default=-1, help=argparse.SUPPRESS)
+    for hidden in ("daemons", "workdir", "out"):
+        parser.add_argument(f"--sharded-{hidden}", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.sharded_rank >= 0:
+        sharded_rank(args)
+        return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # finally blocks stop the daemons
     sizes = [int(s) for s in args.sizes_mb.split(",") if s]
     torch.set_num_threads(os.cpu_count() or 1)
     report: dict[str, Any] = {
@@ -408,12 +655,14 @@ def main(argv: list[str] | None = None) -> int:
             budget = max(budget, int(4 * args.cuda_size_gb * 1e9))
         with daemons(workdir, budget) as (a, b):
             for size in sizes:
-                label = f"{size}MB" if size < 1000 else f"{size / 1000:g}GB"
-                report["cases"][label] = run_case(size, args.reps, a, b, workdir)
+                report["cases"][size_label(size)] = run_case(size, args.reps, a, b, workdir)
             if args.cuda and torch.cuda.is_available():
                 report["cuda"] = run_cuda_case(args.cuda_size_gb, args.reps, a, b, workdir)
             elif args.cuda:
                 report["cuda"] = "skipped: torch.cuda.is_available() is False"
+        if args.sharded_mb > 0:
+            label = f"sharded-{size_label(args.sharded_mb)}-per-rank"
+            report["cases"][label] = run_sharded_case(args.sharded_mb, args.reps, workdir)
     print(json.dumps(report))
     return 0
 
