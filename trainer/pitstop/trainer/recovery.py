@@ -200,13 +200,16 @@ class Recovery:
         )
         os.environ.update(session.shape.env())
         self._form(new)
+        # Building is collective (sub-groups, tensor-parallel weights distributed from
+        # the TP group's first rank): every rank builds exactly once here. Restoring step
+        # 0 is what was just built (loading it would build again on some ranks only).
         if not session.rebuilds:
             assert state is not None
             return state
         fresh = session.build()  # the script's parallelize step, on the new mesh
-        if restore:
+        if restore and new.restore_step > 0:
             session.load(fresh, int(new.restore_step))
-        else:  # a survivor at the restore step: its own shards, from memory
+        elif not restore:  # a survivor at the restore step: its own shards, from memory
             assert state is not None
             apply(fresh, *capture(state))
         if state is None:

@@ -97,7 +97,7 @@ class Capturer:
     def __init__(self) -> None:
         self._names: dict[tuple[str, object, str], str] = {}
         self._optim_names: dict[int, dict[str, str]] = {}
-        self._shards: dict[tuple[str, int, object], dict[str, Any]] = {}
+        self._shards: dict[tuple[object, ...], dict[str, Any]] = {}
 
     def __call__(
         self, state: TrainState, *, with_cuda_rng: bool | None = None
@@ -146,7 +146,9 @@ class Capturer:
         for name, value in tensors.items():
             if not isinstance(value, DTensor):
                 continue
-            key = (name, id(value), value.placements)
+            mesh = value.device_mesh  # by value, not id: a rebuilt model reuses ids
+            where = tuple(mesh.get_coordinate() or ())
+            key = (name, value.placements, tuple(value.shape), tuple(mesh.shape), where)
             known = self._shards.get(key)
             if known is None:
                 known = self._shards[key] = _shard_metadata(value)
