@@ -322,7 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _say(**fields: object) -> None:
-    print(json.dumps(fields), flush=True)
+    """One JSON line, in one write: ranks sharing a pipe (torchrun) do not split it."""
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

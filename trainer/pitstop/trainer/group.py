@@ -178,6 +178,24 @@ def _remember(before: dict[int, str], generation: int) -> None:
     log.debug("process group of generation %d holds %d connections", generation, len(opened))
 
 
+@contextmanager
+def adding_connections() -> Iterator[None]:
+    """Count the connections opened inside this block as the formed group's too: the
+    sub-groups of a DeviceMesh (or any `new_group`) made after the group formed. Their
+    collectives (FSDP's reduce-scatter over "dp", a pipeline's sends over "pp") are then
+    abandoned with the rest; without it a rank blocked on one waited out its grace."""
+    with _group.lock:
+        generation = _group.generation
+    before = _open_sockets()
+    try:
+        yield
+    finally:
+        opened = [(fd, name) for fd, name in _open_sockets().items() if before.get(fd) != name]
+        with _group.lock:
+            if _group.generation == generation:
+                _group.sockets += [c for c in opened if c not in _group.sockets]
+
+
 def abandon(older_than: int | None = None) -> int:
     """End the collective in flight on this rank's group now, from any thread: shut
     down the group's connections (gloo) or abort its communicator (NCCL). Its peers'

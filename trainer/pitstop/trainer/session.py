@@ -210,7 +210,8 @@ class Session:
                     f"rank {self.rank}: no process group to build a mesh on; start the ranks "
                     "through the pitstop agent or torchrun (WORLD_SIZE set)"
                 )
-            self._mesh = build_mesh(self.shape, self.device)
+            with group.adding_connections():  # its sub-groups' connections: abandoned too
+                self._mesh = build_mesh(self.shape, self.device)
             self._mesh_generation = self.generation
         return self._mesh
 
