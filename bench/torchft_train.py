@@ -42,7 +42,7 @@ from torchft.process_group import (  # type: ignore[import-untyped, import-not-f
 )
 
 from pitstop.trainer import TrainState
-from pitstop.trainer.example import Job, parse_args, weights_sha256
+from pitstop.trainer.example import Job, learning_rate, parse_args, weights_sha256
 
 # Longer than the lighthouse's heartbeat timeout, so a quorum that waits out a dead
 # replica's heartbeat does not time out itself.
@@ -153,7 +153,7 @@ def train_step(job: Job, state: TrainState, manager: Any, replica: int) -> None:
         param.grad = grad.view_as(param)
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     for group in optimizer.param_groups:
-        group["lr"] = job.learning_rate(step)
+        group["lr"] = learning_rate(job.args, step)
     optimizer.step()
     state.cursor = cursor
     loss_value = round(float(total[-1]), 4)

@@ -396,6 +396,32 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def run_mesh_ranks(argv: list[str], dp: int, tp: int, timeout: float, pp: int = 1) -> list[str]:
+    """Run `python *argv` as the dp x pp x tp ranks of one gloo world on loopback (RANK,
+    WORLD_SIZE, MASTER_*, PITSTOP_DP/PP/TP set as the agent sets them); every rank must
+    exit 0 within `timeout`. Returns each rank's output; none is left running."""
+    world, port = dp * pp * tp, str(free_port())
+    shape = {"PITSTOP_DP": str(dp), "PITSTOP_PP": str(pp), "PITSTOP_TP": str(tp)}
+    ranks = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), **shape)
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+        )
+    try:
+        outputs = [rank.communicate(timeout=timeout)[0].decode(errors="replace") for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    for rank, output in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 0, output[-3000:]
+    return outputs
+
+
 SCHEDULER_BIN = Path(sys.executable).with_name("pitstop-scheduler")
 
 

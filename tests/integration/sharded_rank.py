@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -114,9 +115,9 @@ def main() -> None:
     straight = digest(state)
     fresh = build(build_mesh(config.shape, torch.device("cpu")))
     saved = load_file(str(path))
-    with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    apply(fresh, saved, header["__metadata__"])
+    with safe_open(str(path), "pt") as saved_file:
+        saved_metadata = saved_file.metadata()
+    apply(fresh, saved, saved_metadata)
     restored_at = fresh.step
     train(fresh, 2)
     record = {

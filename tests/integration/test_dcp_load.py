@@ -10,13 +10,10 @@ four ranks only. The newest complete step is then 3.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import run_mesh_ranks
 
 pytest.importorskip("torch")
 
@@ -26,23 +23,8 @@ WAIT = 120.0  # interpreters importing torch on two cores, then a few tiny steps
 
 
 def run_ranks(mode: str, world: int, dp: int, tp: int, url: str, out: Path) -> None:
-    port = str(free_port())
-    ranks = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-        env.update(MASTER_PORT=port, PITSTOP_DP=str(dp), PITSTOP_PP="1", PITSTOP_TP=str(tp))
-        command = [sys.executable, str(RANK), mode, "--url", url, "--job", JOB, "--out", str(out)]
-        ranks.append(
-            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        )
-    try:
-        outputs = [rank.communicate(timeout=WAIT)[0].decode(errors="replace") for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait()
-    for rank, output in zip(ranks, outputs, strict=True):
-        assert rank.returncode == 0, output[-3000:]
+    assert world == dp * tp
+    run_mesh_ranks([str(RANK), mode, "--url", url, "--job", JOB, "--out", str(out)], dp, tp, WAIT)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

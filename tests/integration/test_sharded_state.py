@@ -8,13 +8,10 @@ Four real gloo processes on pitstop's ("dp", "pp", "tp") mesh, dp = tp = 2, run
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import run_mesh_ranks
 
 pytest.importorskip("torch")
 
@@ -24,27 +21,7 @@ WAIT = 120.0  # four interpreters importing torch on two cores, then a few tiny 
 
 
 def test_sharded_state_restores_bitwise_into_a_rebuilt_model(tmp_path: Path) -> None:
-    port = str(free_port())
-    ranks = []
-    for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1")
-        env.update(MASTER_PORT=port, PITSTOP_DP="2", PITSTOP_PP="1", PITSTOP_TP="2")
-        ranks.append(
-            subprocess.Popen(
-                [sys.executable, str(RANK), "--out", str(tmp_path)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            )
-        )
-    try:
-        outputs = [rank.communicate(timeout=WAIT)[0].decode(errors="replace") for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait()
-    for rank, output in zip(ranks, outputs, strict=True):
-        assert rank.returncode == 0, output[-3000:]
+    run_mesh_ranks([str(RANK), "--out", str(tmp_path)], dp=2, tp=2, timeout=WAIT)
     reports = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(WORLD)]
     # tp fastest: ranks 0,1 are dp replica 0's two TP halves, ranks 2,3 replica 1's.
     assert [r["coordinates"] for r in reports] == [[0, 0, 0], [0, 0, 1], [1, 0, 0], [1, 0, 1]]

@@ -206,17 +206,18 @@ class Job:
             param.grad = grad.view_as(param)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         for group in optimizer.param_groups:
-            group["lr"] = self.learning_rate(step)
+            group["lr"] = learning_rate(self.args, step)
         optimizer.step()
         return total[-1]
 
-    def learning_rate(self, step: int) -> float:
-        """Linear warmup, then cosine decay to a tenth."""
-        args = self.args
-        if step <= args.warmup:
-            return float(args.lr * step / args.warmup)
-        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
-        return float(args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress))))
+
+def learning_rate(args: argparse.Namespace, step: int) -> float:
+    """--lr with --warmup steps of linear warmup, then cosine decay to a tenth at
+    --steps (the examples' schedule)."""
+    if step <= args.warmup:
+        return float(args.lr * step / args.warmup)
+    progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    return float(args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress))))
 
 
 def _grad(param: torch.Tensor) -> torch.Tensor:

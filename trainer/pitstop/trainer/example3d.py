@@ -51,7 +51,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from pitstop.trainer import Session, TrainState
-from pitstop.trainer.example import make_corpus
+from pitstop.trainer.example import learning_rate, make_corpus
 
 
 class Attention(nn.Module):
@@ -219,20 +219,12 @@ class Job:
         else:
             schedule.step()
         for group in optimizer.param_groups:
-            group["lr"] = self.learning_rate(step)
+            group["lr"] = learning_rate(self.args, step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if self.args.step_seconds > 0:  # the stand-in for a real model's GPU time
             time.sleep(max(0.0, self.args.step_seconds - (time.monotonic() - began)))
         return torch.stack(losses).mean().detach() if losses else torch.zeros(())
-
-    def learning_rate(self, step: int) -> float:
-        """Linear warmup, then cosine decay to a tenth."""
-        args = self.args
-        if step <= args.warmup:
-            return float(args.lr * step / args.warmup)
-        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
-        return float(args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress))))
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

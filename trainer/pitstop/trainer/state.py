@@ -98,6 +98,7 @@ class Capturer:
         self._names: dict[tuple[str, object, str], str] = {}
         self._optim_names: dict[int, dict[str, str]] = {}
         self._shards: dict[tuple[object, ...], dict[str, Any]] = {}
+        self._shards_json: tuple[list[tuple[object, ...]], str] = ([], "")
 
     def __call__(
         self, state: TrainState, *, with_cuda_rng: bool | None = None
@@ -143,6 +144,7 @@ class Capturer:
         """Replace each DTensor in `tensors` by its local shard; the shards' placement
         metadata as JSON ("" when there is none). Worked out once per tensor."""
         described = {}
+        keys: list[tuple[object, ...]] = []
         for name, value in tensors.items():
             if not isinstance(value, DTensor):
                 continue
@@ -153,10 +155,13 @@ class Capturer:
             if known is None:
                 known = self._shards[key] = _shard_metadata(value)
             described[name] = known
+            keys.append(key)
             tensors[name] = value._local_tensor
         if not described:
             return ""
-        return json.dumps(described, separators=(",", ":"))
+        if self._shards_json[0] != keys:  # the same tensors as the last step: same text
+            self._shards_json = (keys, json.dumps(described, separators=(",", ":")))
+        return self._shards_json[1]
 
     def _name(self, kind: str, owner: object, key: str) -> str:
         name = f"model.{key}" if kind == "model" else f"optim.state.{owner}.{key}"
