@@ -35,6 +35,7 @@ from conftest import (
     SchedulerThread,
     StoreUrls,
     follow_events,
+    run_mesh_ranks,
     scheduler_settings,
     unique,
 )
@@ -372,6 +373,7 @@ class Cluster:
 
     redis_url = ""
     redis_prefix = ""
+    durable_url = ""
 
     def submit(
         self,
@@ -489,6 +491,13 @@ def full_durable_store() -> bool:
     return False
 
 
+@pytest.fixture
+def durable_every() -> int:
+    """Steps between the durable flushes of a store every node shares (0: each node its
+    own, and no flush within a test's run); parametrized for it."""
+    return 0
+
+
 @contextlib.contextmanager
 def full_filesystem(path: Path) -> Iterator[None]:
     """A 64 KiB tmpfs at `path`, filled to the last byte (needs root to mount)."""
@@ -534,6 +543,7 @@ def cluster(
     netns_node: str,
     in_process: bool,
     gpus: int,
+    durable_every: int,
 ) -> Iterator[Cluster]:
     if full_durable_store and os.geteuid() != 0:
         pytest.skip("a full durable store is a tiny tmpfs: mounting it needs root")
@@ -550,6 +560,11 @@ def cluster(
             checkpointd_env = {
                 "PITSTOP_CHECKPOINTD_DURABLE_URL": f"file://{root / 'store' / 'durable'}",
                 "PITSTOP_CHECKPOINTD_FLUSH_EVERY_STEPS": "5",
+            }
+        elif durable_every:
+            checkpointd_env = {
+                "PITSTOP_CHECKPOINTD_DURABLE_URL": f"file://{root / 'durable'}",
+                "PITSTOP_CHECKPOINTD_FLUSH_EVERY_STEPS": str(durable_every),
             }
         network = stack.enter_context(network_namespace(netns_node)) if netns_node else None
         scheduler: SchedulerProcess | SchedulerThread
@@ -587,6 +602,7 @@ def cluster(
         stack.callback(built.stop)  # also when a node fails to start
         built.start(spares, checkpointd_env, network, gpus)
         built.redis_url, built.redis_prefix = stores.redis_url, prefix
+        built.durable_url = checkpointd_env.get("PITSTOP_CHECKPOINTD_DURABLE_URL", "")
         yield built
 
 
@@ -1231,7 +1247,11 @@ STEPS_3D = 16
 EXAMPLE_3D = [sys.executable, "-m", "pitstop.trainer.example3d", "--steps", str(STEPS_3D)]
 SHAPE_3D = {"PITSTOP_DP": "2", "PITSTOP_PP": "2", "PITSTOP_TP": "2"}
 TORCHRUN_8 = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "8"]
+DCP_3D = Path(__file__).with_name("dcp3d_rank.py")
 JOINED_LINE = re.compile(rb"rank (\d+) joined generation (\d+) at step (\d+)")
+RESHARDED_LINE = re.compile(
+    rb"rank \d+: step (\d+) resharded from dp=2 \(ranks \[\d+, \d+\]\) to dp=1"
+)
 
 
 @pytest.fixture(scope="module")
@@ -1251,11 +1271,15 @@ def hash_3d() -> str:
     return hashes.pop().decode()
 
 
+@pytest.mark.parametrize("durable_every", [8])
 @pytest.mark.parametrize("gpus", [2])
 @pytest.mark.parametrize("fault", ["node_killed", "fatal_xid"])
 def test_the_3d_job_loses_a_node_and_ends_with_the_fault_free_hash(
-    cluster: Cluster, hash_3d: str, fault: str
+    cluster: Cluster, hash_3d: str, fault: str, tmp_path: Path
 ) -> None:
+    """Then, leaving pitstop: torch.distributed.checkpoint loads the job's last durable
+    flush (step 16, which the nodes flush to one store) into a fresh 8-rank and a fresh
+    4-rank (dp = 1) script, and both hold the weights the job ended with."""
     spec = jobs_pb2.JobSpec(
         name=unique("llama3d"),
         command=[*EXAMPLE_3D, "--log-every", "1", "--step-seconds", str(STEP_SECONDS)],
@@ -1293,3 +1317,89 @@ def test_the_3d_job_loses_a_node_and_ends_with_the_fault_free_hash(
         joined = [m for m in JOINED_LINE.finditer(text) if int(m.group(1)) == rank]
         assert joined, (context, rank, text[-3000:])
         assert text.count(b'"shape": [2, 2, 2]') == 1, (context, rank)  # one process
+    if fault != "node_killed":
+        return  # the load is the same after either fault: once is enough
+    reader = [str(DCP_3D), "--url", cluster.durable_url, "--job", job.id]
+    wait_until(
+        lambda: durable_step(cluster.durable_url, job.id) == STEPS_3D,
+        f"step {STEPS_3D} of job {job.id} complete in {cluster.durable_url}",
+    )
+    for dp in (2, 1):
+        out = tmp_path / f"dp{dp}.json"
+        run_mesh_ranks([*reader, "--out", str(out)], dp=dp, pp=2, tp=2, timeout=3 * TIMEOUT)
+        loaded = json.loads(out.read_text())
+        assert loaded == {"step": STEPS_3D, "final_weights_sha256": hash_3d}, (dp, loaded)
+
+
+def durable_step(url: str, job_id: str) -> int:
+    """The newest complete durable step of the job (0: none yet)."""
+    from pitstop.trainer.dcp import DurableCheckpointError, DurableReader
+
+    try:
+        return DurableReader(url, job_id).step
+    except DurableCheckpointError:
+        return 0
+
+
+@pytest.mark.parametrize("gpus", [2])
+def test_the_3d_job_shrinks_to_one_replica_when_the_spares_run_out(cluster: Cluster) -> None:
+    """The first lost node takes the spare; the second leaves none, so the job drops the
+    replica that lost it (min_dp 1) and the four survivors reshard their FSDP state to
+    dp = 1 from the snapshots of the old ranks, in place, and train on to the end with
+    the loss still falling (half the global batch: not the fault-free hash)."""
+    steps = STEPS_3D + 8
+    spec = jobs_pb2.JobSpec(
+        name=unique("llama3d"),
+        command=[
+            *EXAMPLE_3D[:-1],
+            str(steps),
+            "--log-every",
+            "1",
+            "--step-seconds",
+            str(STEP_SECONDS),
+        ],
+        tp=2,
+        pp=2,
+        dp=2,
+        min_dp=1,
+        gpus_per_node=2,
+        spares=1,
+        max_restarts=3,
+        env={"PYTHONUNBUFFERED": "1"},
+    )
+    job = cluster.submit_spec(spec)
+    first = cluster.node_of(job, random.randrange(8))
+    cluster.wait_for_step(job, 0, 3)
+    cluster.kill_node(first.node_id)
+    cluster.job_event(job.id, "job.recovered")
+    moved = cluster.get(job.id)
+    assert SPARE in {a.node_id for a in moved.rank_map.ranks}
+    victim_rank = random.randrange(8)
+    second = cluster.node_of(moved, victim_rank)
+    cluster.wait_for_step(moved, victim_rank, steps // 2)
+    cluster.kill_node(second.node_id)
+    shrunk = cluster.job_event(job.id, "job.recovering", "job.reconfigured")
+    assert "shrunk to dp=1" in shrunk.reason, shrunk
+    done = cluster.finish(job.id)
+    assert done.current_step == steps
+    assert done.rank_map.world_size == 4
+    assert {a.dp for a in done.rank_map.ranks} == {0}
+    assert {a.node_id for a in done.rank_map.ranks}.isdisjoint({first.node_id, second.node_id})
+    logs = [p.read_bytes() for p in cluster.root.glob(f"*/agent/ranks/{job.id}/rank-*.log")]
+    resharded = [m for text in logs for m in RESHARDED_LINE.finditer(text)]
+    # Each survivor cut its shards from both old replicas' snapshots of one step.
+    assert len(resharded) >= 4, cluster.logs(job.id)
+    restored = {int(m.group(1)) for m in resharded}
+    # The last stage's loss, step by step (a step run again after a rollback: its last).
+    losses: dict[int, float] = {}
+    for text in logs:
+        for line in text.splitlines():
+            if line.startswith(b'{"rank"') and b'"loss": ' in line:
+                said = json.loads(line)
+                if said.get("loss") is not None:
+                    losses[said["step"]] = said["loss"]
+    assert set(losses) == set(range(1, steps + 1)), sorted(losses)
+    at = max(restored)
+    before = [losses[s] for s in range(at - 3, at + 1)]
+    after = [losses[s] for s in range(steps - 3, steps + 1)]
+    assert sum(after) / 4 < sum(before) / 4, (at, losses)

@@ -3,6 +3,7 @@ shards with their placements, and restored into a model built afresh, bitwise.
 
 Four real gloo processes on pitstop's ("dp", "pp", "tp") mesh, dp = tp = 2, run
 `sharded_rank.py`: train, capture, train on; rebuild, restore, train the same steps.
+Then two processes, dp = 1 (the job shrunk by a replica), reshard those snapshots.
 """
 
 from __future__ import annotations
@@ -31,3 +32,35 @@ def test_sharded_state_restores_bitwise_into_a_rebuilt_model(tmp_path: Path) -> 
         assert len(report["placed_right"]) == 4, report  # up and down, weight and bias
         assert all(report["placed_right"].values()), report
     assert len({r["straight"] for r in reports}) == WORLD  # each rank holds its own shards
+    assert len({(r["whole_at_3"], r["whole_at_5"]) for r in reports}) == 1
+
+
+def test_a_shrunk_job_reshards_the_old_ranks_snapshots_exactly(tmp_path: Path) -> None:
+    """dp 2 -> 1, the second replica surviving (its ranks become the first): every
+    parameter and Adam moment, whole, is bitwise the one snapshotted. Every rank of the
+    test trains on the same batch, so one replica's gradient is the two replicas' mean,
+    and two more steps stay equal."""
+    before, after = tmp_path / "dp2", tmp_path / "dp1"
+    before.mkdir()
+    after.mkdir()
+    run_mesh_ranks([str(RANK), "--out", str(before)], dp=2, tp=2, timeout=WAIT)
+    run_mesh_ranks(
+        [
+            str(RANK),
+            "--out",
+            str(after),
+            "--reshard-from",
+            str(before),
+            "--survivor",
+            "1",
+        ],
+        dp=1,
+        tp=2,
+        timeout=WAIT,
+    )
+    original = json.loads((before / "rank-0.json").read_text())
+    for rank in range(2):
+        shrunk = json.loads((after / f"rank-{rank}.json").read_text())
+        assert shrunk["restored_at"] == 3
+        assert shrunk["whole_at_3"] == original["whole_at_3"], (rank, shrunk)
+        assert shrunk["whole_at_5"] == original["whole_at_5"], (rank, shrunk)

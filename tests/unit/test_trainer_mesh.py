@@ -55,3 +55,11 @@ def test_a_new_rank_map_gives_a_survivor_its_new_shape() -> None:
     assert Shape.from_rank_map(rank_map, 3) == Shape(2, 1, 2, 1, 0, 1)
     with pytest.raises(ShapeError, match="rank 7 is not in the rank map"):
         Shape.from_rank_map(rank_map, 7)
+
+
+def test_a_snapshots_shape_round_trips_and_a_damaged_one_is_named() -> None:
+    shape = Shape(2, 2, 2, 1, 0, 1)
+    assert Shape.from_json(shape.to_json()) == shape
+    assert shape.at(0) == Shape(2, 2, 2, 0, 0, 1)
+    with pytest.raises(ShapeError, match="is not a shape"):
+        Shape.from_json('{"sizes": [2, 2]}')

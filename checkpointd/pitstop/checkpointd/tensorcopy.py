@@ -178,7 +178,7 @@ def read_tensor(
     view: memoryview, layout: ShardLayout, name: str, into: Mapping[str, Any] | None
 ) -> Any:
     """Tensor `name` of the shard in `view`, copied out: into `into[name]` in place when
-    given, else a new torch tensor (bytes without torch)."""
+    given with the same shape, else a new torch tensor (bytes without torch)."""
     entry = layout.entry(name)
     begin, end = layout.span(entry)
     try:
@@ -194,8 +194,9 @@ def read_tensor(
             warnings.simplefilter("ignore", UserWarning)
             source = torch.frombuffer(view, dtype=dtype, count=count, offset=begin)
         source = source.view(entry.shape)
-    if into is not None and name in into:
-        return into[name].copy_(source)
+    target = into.get(name) if into is not None else None
+    if target is not None and tuple(target.shape) == tuple(entry.shape):
+        return target.copy_(source)
     return source.clone()
 
 

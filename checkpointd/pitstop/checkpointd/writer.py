@@ -261,16 +261,21 @@ class SnapshotWriter:
                 _said(exc),
             )
 
-    def restore(self, step: int = 0, into: Mapping[str, Any] | None = None) -> RestoredState:
+    def restore(
+        self, step: int = 0, into: Mapping[str, Any] | None = None, rank: int | None = None
+    ) -> RestoredState:
         """The state at `step` (0: the newest committed), from wherever the daemon finds
         it, or from another holder when the daemon is unreachable or its segment
-        vanished. Tensors named in `into` are copied into those tensors in place. Raises
-        grpc.RpcError when the daemon refuses (e.g. NOT_FOUND: no copy anywhere), and
-        ShardUnavailable when no holder could serve."""
+        vanished. Tensors named in `into` are copied into those tensors in place (where
+        the shapes agree). `rank`: another rank's shard (default this writer's; a job
+        resharded after a shrink reads the old ranks'). Raises grpc.RpcError when the
+        daemon refuses (e.g. NOT_FOUND: no copy anywhere), and ShardUnavailable when no
+        holder could serve."""
         self.settle()
+        rank = self.rank if rank is None else rank
         try:
             response = self._stub.Restore(
-                checkpoint_pb2.RestoreRequest(key=self._key(step)),
+                checkpoint_pb2.RestoreRequest(key=self._key(step, rank)),
                 timeout=self._timeout,
                 metadata=self._metadata,
             )
@@ -279,31 +284,38 @@ class SnapshotWriter:
                 raise
             self._reconnect()
             reason = f"checkpointd {self.address} unreachable: {_said(exc)}"
-            return self._restore_elsewhere(step, into, reason, local_answers=False)
+            return self._restore_elsewhere(step, into, reason, rank, local_answers=False)
         header = response.header
         try:
             slot = MappedSlot.open(self._shm_dir / response.shm_name, header.size_bytes, False)
         except FileNotFoundError:
             reason = f"segment {response.shm_name} vanished from {self._shm_dir}"
-            return self._restore_elsewhere(int(header.key.step), into, reason, local_answers=True)
+            return self._restore_elsewhere(
+                int(header.key.step), into, reason, rank, local_answers=True
+            )
         try:
             return _decoded(header, slot.view, _SOURCES.get(response.source, "unknown"), into)
         finally:
             slot.close()
 
     def _restore_elsewhere(
-        self, step: int, into: Mapping[str, Any] | None, reason: str, local_answers: bool
+        self,
+        step: int,
+        into: Mapping[str, Any] | None,
+        reason: str,
+        rank: int,
+        local_answers: bool,
     ) -> RestoredState:
         """Pull the shard from another holder: the local daemon itself when it answers
         (it still has the bytes mapped), those the catalog names, the buddy."""
-        log.warning("rank %d: %s; restoring step %d from another holder", self.rank, reason, step)
+        log.warning("rank %d: %s; restoring step %d from another holder", rank, reason, step)
         candidates = [self.address] if local_answers else []
         if self.catalog_address:
             try:
                 step, named = catalog_holders(
                     self.catalog_address,
                     self.job_id,
-                    self.rank,
+                    rank,
                     step,
                     timeout=self._timeout,
                     metadata=self._metadata,
@@ -312,7 +324,7 @@ class SnapshotWriter:
             except grpc.RpcError as exc:
                 log.warning("catalog %s unreachable: %s", self.catalog_address, _said(exc))
         candidates.append(self.buddy_address)
-        key = checkpoint_pb2.ShardKey(job_id=self.job_id, rank=self.rank, step=step)
+        key = checkpoint_pb2.ShardKey(job_id=self.job_id, rank=rank, step=step)
         tried = []
         for address in dict.fromkeys(candidates):
             if not address or (address == self.address and not local_answers):
@@ -322,7 +334,7 @@ class SnapshotWriter:
             except (grpc.RpcError, PulledShardError) as exc:
                 log.warning(
                     "rank %d: pull of step %d from %s failed: %s",
-                    self.rank,
+                    rank,
                     step,
                     address,
                     _said(exc),
@@ -330,10 +342,10 @@ class SnapshotWriter:
                 tried.append(address)
                 continue
             source = "local" if address == self.address else "replica"
-            log.info("rank %d: step %d pulled from %s", self.rank, header.key.step, address)
+            log.info("rank %d: step %d pulled from %s", rank, header.key.step, address)
             return _decoded(header, memoryview(data), source, into)
         raise ShardUnavailable(
-            f"rank {self.rank} of job {self.job_id} cannot restore step {step}: {reason}, and "
+            f"rank {rank} of job {self.job_id} cannot restore step {step}: {reason}, and "
             f"no other holder served it (tried: {', '.join(tried) or 'none known'}; catalog: "
             f"{self.catalog_address or 'unknown'}). Restart this node's checkpointd, or set "
             "PITSTOP_SCHEDULER so the rank can ask the catalog who holds it"
@@ -359,9 +371,12 @@ class SnapshotWriter:
         self._channel = grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
         self._stub = checkpoint_pb2_grpc.CheckpointServiceStub(self._channel)
 
-    def _key(self, step: int) -> checkpoint_pb2.ShardKey:
+    def _key(self, step: int, rank: int | None = None) -> checkpoint_pb2.ShardKey:
         return checkpoint_pb2.ShardKey(
-            job_id=self.job_id, rank=self.rank, step=step, generation=self.generation
+            job_id=self.job_id,
+            rank=self.rank if rank is None else rank,
+            step=step,
+            generation=self.generation,
         )
 
     def _acquire(self, key: checkpoint_pb2.ShardKey, size: int) -> Any:

@@ -60,11 +60,11 @@ from torch.futures import Future
 from pitstop.checkpointd.durable import DurableEntry, DurableStore
 from pitstop.checkpointd.format import DTYPE_SIZES, MAX_HEADER_BYTES, METADATA_KEY
 from pitstop.checkpointd.store import shard_checksum
+from pitstop.trainer.state import DTENSOR_KEY
 
 log = logging.getLogger(__name__)
 
 MODEL_PREFIX = "model."
-DTENSOR_KEY = "pitstop.dtensor"
 READER_NODE = "dcp-reader"
 """The node name the reader opens the store as; it never writes."""
 _LENGTH = struct.Struct("<Q")

@@ -16,8 +16,9 @@ pure data parallel: dp = WORLD_SIZE.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -117,6 +118,24 @@ class Shape:
         if dp * pp * tp != len(rank_map.ranks):  # an old scheduler: no coordinates
             return cls.data_parallel(rank, len(rank_map.ranks))
         return cls(dp, pp, tp, mine.dp, mine.pp, mine.tp)
+
+    def to_json(self) -> str:
+        """The shape as a snapshot's metadata keeps it."""
+        return json.dumps({"sizes": self.sizes, "coordinates": self.coordinates})
+
+    @classmethod
+    def from_json(cls, text: str) -> Shape:
+        """The inverse of `to_json`; ShapeError when `text` is not one."""
+        try:
+            given = json.loads(text)
+            (dp, pp, tp), (dp_rank, pp_rank, tp_rank) = given["sizes"], given["coordinates"]
+            return cls(int(dp), int(pp), int(tp), int(dp_rank), int(pp_rank), int(tp_rank))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ShapeError(f"{text[:80]!r} is not a shape: {exc}") from exc
+
+    def at(self, dp_rank: int) -> Shape:
+        """The same shape, at data-parallel coordinate `dp_rank` (pp and tp kept)."""
+        return replace(self, dp_rank=dp_rank)
 
     def env(self) -> dict[str, str]:
         """The variables that carry this shape to a rank."""

@@ -185,6 +185,7 @@ class Recovery:
             session.writer.generation = session.generation
             session.writer.rank = rank
         restore = must_restore or state is None or state.step != new.restore_step
+        written = session.shape_at(int(new.restore_step))
         if state is not None and restore and not session.rebuilds:
             session.load(state, int(new.restore_step))
         if rank != session.rank and session.control is not None:
@@ -207,8 +208,10 @@ class Recovery:
             assert state is not None
             return state
         fresh = session.build()  # the script's parallelize step, on the new mesh
-        if restore and new.restore_step > 0:
-            session.load(fresh, int(new.restore_step))
+        # A shrink: the restore step was snapshotted on the old mesh, as another rank.
+        reshaped = written is not None and written.sizes != session.shape.sizes
+        if (restore or reshaped) and new.restore_step > 0:
+            session.load(fresh, int(new.restore_step), written if reshaped else None)
         elif not restore:  # a survivor at the restore step: its own shards, from memory
             assert state is not None
             apply(fresh, *capture(state))

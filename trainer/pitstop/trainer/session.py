@@ -60,20 +60,38 @@ import grpc
 import torch
 
 from pitstop.agent.rankclient import RankControlClient
-from pitstop.checkpointd.writer import ShardUnavailable, SnapshotResult, SnapshotWriter
+from pitstop.checkpointd.writer import (
+    RestoredState,
+    ShardUnavailable,
+    SnapshotResult,
+    SnapshotWriter,
+)
 from pitstop.trainer import group
 from pitstop.trainer.boundary import at_boundary
 from pitstop.trainer.commands import Inbox, StepReporter
 from pitstop.trainer.config import RankConfig
-from pitstop.trainer.mesh import build_mesh
+from pitstop.trainer.mesh import Shape, build_mesh
 from pitstop.trainer.recovery import Recovery
-from pitstop.trainer.state import Capturer, TrainState, apply, capture, local_tensor
+from pitstop.trainer.reshard import reshard
+from pitstop.trainer.state import (
+    DTENSOR_KEY,
+    SHAPE_KEY,
+    Capturer,
+    StateFormatError,
+    TrainState,
+    apply,
+    capture,
+    local_tensor,
+)
 from pitstop.v1 import rank_pb2
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
+
+SHAPES_KEPT = 256
+"""Snapshotted steps whose shape a session remembers (a restore goes back a few)."""
 
 Builder = Callable[[], TrainState] | Callable[["DeviceMesh"], TrainState]
 """What builds a rank's state from scratch: with no argument, or on the job's mesh."""
@@ -123,6 +141,7 @@ class Session:
         """A Stop (or a Reconfigure without this rank) ended the loop early."""
         self.last_snapshot: SnapshotResult | None = None
         self._capture = Capturer()
+        self._snapshot_shapes: dict[int, Shape] = {}
         self._failed_snapshots = 0
         self._failing_since = 0  # failures in a row, for the log
 
@@ -248,8 +267,12 @@ class Session:
             return self._default(self.mesh)  # type: ignore[call-arg]
         return self._default()  # type: ignore[call-arg]
 
-    def load(self, state: TrainState, step: int) -> None:
-        """Put the snapshot of `step` into `state` in place (step 0: a fresh `default()`)."""
+    def load(self, state: TrainState, step: int, written: Shape | None = None) -> None:
+        """Put the snapshot of `step` into `state` in place (step 0: a fresh `default()`).
+        `written`: the shape this rank snapshotted `step` in, when that is not its shape
+        now (a survivor of a shrink): the snapshot is its old rank's. Sharded state taken
+        on another data-parallel size is resharded from the old ranks' snapshots (see
+        `pitstop.trainer.reshard`)."""
         if step == 0:
             apply(state, *capture(self.build()))
             return
@@ -258,19 +281,77 @@ class Session:
                 f"rank {self.rank} must restore step {step} but knows no checkpoint daemon; "
                 "set PITSTOP_CHECKPOINTD and PITSTOP_JOB_ID"
             )
-        # Straight into the live tensors (a DTensor's local shard), not via a copy.
-        into = {f"model.{k}": local_tensor(v) for k, v in state.model.state_dict().items()}
+        if written is None:
+            # Straight into the live tensors (a DTensor's local shard), not via a copy.
+            into = {f"model.{k}": local_tensor(v) for k, v in state.model.state_dict().items()}
+            restored = self._restore(step, self.rank, into)
+        else:
+            restored = self._restore(step, written.rank, None)
+        tensors, metadata = restored.tensors, restored.metadata
+        if DTENSOR_KEY in metadata:
+            taken = Shape.from_json(metadata[SHAPE_KEY]) if SHAPE_KEY in metadata else None
+            if taken is not None and taken.sizes != self.shape.sizes:
+                tensors, metadata = self._resharded(state, step, restored, taken, written)
+        apply(state, tensors, metadata)
+        log.info("rank %d restored step %d from %s", self.rank, step, restored.source)
+
+    def _restore(self, step: int, rank: int, into: dict[str, torch.Tensor] | None) -> RestoredState:
+        assert self.writer is not None
         try:
-            restored = self.writer.restore(step, into=into)
+            return self.writer.restore(step, into=into, rank=rank)
         except grpc.RpcError as exc:
             raise RuntimeError(
-                f"rank {self.rank}: restoring step {step} of job {self.config.job_id} failed: "
-                f"{exc.code().name} {exc.details()}"
+                f"rank {self.rank}: restoring step {step} of job {self.config.job_id} (rank "
+                f"{rank}'s snapshot) failed: {exc.code().name} {exc.details()}"
             ) from exc
         except ShardUnavailable as exc:
             raise RuntimeError(str(exc)) from exc
-        apply(state, restored.tensors, restored.metadata)
-        log.info("rank %d restored step %d from %s", self.rank, step, restored.source)
+
+    def _resharded(
+        self,
+        state: TrainState,
+        step: int,
+        first: RestoredState,
+        taken: Shape,
+        written: Shape | None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Step `step`, snapshotted on `taken`'s mesh, cut to this rank's shards now:
+        read from every old rank at this rank's (pp, tp) coordinates. What is not
+        sharded comes from `written`'s rank (this rank's old self), else from the old
+        rank at this rank's coordinates."""
+        shape = self.shape
+        if (taken.pp, taken.tp) != (shape.pp, shape.tp):
+            raise StateFormatError(
+                f"step {step} was snapshotted on a dp x pp x tp = {taken.sizes} mesh and "
+                f"rank {self.rank} is on {shape.sizes}: only dp may change (a shrink); "
+                f"restore with pp = {taken.pp} and tp = {taken.tp}"
+            )
+        here = Shape(taken.dp, taken.pp, taken.tp, 0, shape.pp_rank, shape.tp_rank)
+        ranks = [here.at(d).rank for d in range(taken.dp)]
+        own = written.rank if written is not None else ranks[min(shape.dp_rank, taken.dp - 1)]
+        read = {taken.rank: first}
+        for rank in dict.fromkeys([*ranks, own]):
+            if rank not in read:
+                read[rank] = self._restore(step, rank, None)
+        mine = read[own]
+        resharded = reshard(
+            state,
+            (mine.tensors, mine.metadata),
+            [(read[r].tensors, read[r].metadata) for r in ranks],
+        )
+        log.info(
+            "rank %d: step %d resharded from dp=%d (ranks %s) to dp=%d",
+            self.rank,
+            step,
+            taken.dp,
+            ranks,
+            shape.dp,
+        )
+        return resharded
+
+    def shape_at(self, step: int) -> Shape | None:
+        """The shape this process snapshotted `step` in, when it did."""
+        return self._snapshot_shapes.get(step)
 
     def steps(self, state: TrainState, until: int | None = None) -> Iterator[int]:
         """The steps to run, from `state.step + 1` up to `until` (None: no end). Commands
@@ -365,6 +446,10 @@ class Session:
         if self.writer is None:
             return False
         tensors, metadata = self._capture(state)
+        metadata[SHAPE_KEY] = self.shape.to_json()
+        self._snapshot_shapes[state.step] = self.shape
+        if len(self._snapshot_shapes) > SHAPES_KEPT:
+            del self._snapshot_shapes[min(self._snapshot_shapes)]
         try:
             result = self.writer.snapshot(state.step, tensors, metadata)
             if self.device.type == "cuda":

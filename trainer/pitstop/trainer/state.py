@@ -46,6 +46,12 @@ from torch.distributed.tensor import DTensor
 
 Flat = dict[str, torch.Tensor]
 
+DTENSOR_KEY = "pitstop.dtensor"
+"""Metadata: where each sharded tensor's local shard sits in the whole tensor."""
+SHAPE_KEY = "pitstop.shape"
+"""Metadata the session adds to a snapshot: the job's dp, pp, tp and the rank's
+coordinates when it was taken, as JSON (see `pitstop.trainer.reshard`)."""
+
 
 @dataclass
 class TrainState:
@@ -116,7 +122,7 @@ class Capturer:
             metadata["pitstop.optim"] = self._optimizer(state.optimizer, tensors)
         shards = self._local_shards(tensors)
         if shards:
-            metadata["pitstop.dtensor"] = shards
+            metadata[DTENSOR_KEY] = shards
         python_state = random.getstate()
         words = array.array("q", python_state[1])
         tensors["rng.python"] = torch.frombuffer(words, dtype=torch.int64)
