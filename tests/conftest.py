@@ -361,13 +361,28 @@ class follow_events:  # noqa: N801 (used like the generator it replaced)
     garbage collection that runs inside grpc code holding the channel's lock deadlocks."""
 
     def __init__(
-        self, address: str, after: int = 0, timeout: float = 60.0, wait_for_ready: bool = False
+        self,
+        address: str,
+        after: int = 0,
+        timeout: float = 60.0,
+        wait_for_ready: bool = False,
+        *,
+        ca: Path | None = None,
+        token: str = "",
     ) -> None:
-        self._channel = grpc.insecure_channel(address)
+        """`ca`: the cluster CA certificate of a scheduler with TLS on; `token`: a bearer
+        token (viewer or above) for one with tokens."""
+        if ca is None:
+            self._channel = grpc.insecure_channel(address)
+        else:
+            credentials = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
+            override = [("grpc.ssl_target_name_override", "pitstop-scheduler")]
+            self._channel = grpc.secure_channel(address, credentials, options=override)
         self._stream = nodes_pb2_grpc.EventServiceStub(self._channel).Watch(
             nodes_pb2.WatchEventsRequest(after_event_id=after),
             timeout=timeout,
             wait_for_ready=wait_for_ready,
+            metadata=(("authorization", f"Bearer {token}"),) if token else None,
         )
 
     def __iter__(self) -> Iterator[Any]:
@@ -459,6 +474,11 @@ class SchedulerProcess:
         assert "listening on" in line, self.log.read_text()
         self.address = line.rsplit(" ", 1)[1].strip()
         self.port = int(self.address.rsplit(":", 1)[1])  # a restart reuses it
+        self.node_address = ""
+        if self.env.get("PITSTOP_TLS", "").lower() in ("1", "true"):
+            line = self.proc.stdout.readline()
+            assert "nodes connect on" in line, self.log.read_text()
+            self.node_address = line.rsplit(" ", 1)[1].strip()
 
     def channel(self) -> grpc.Channel:
         channel = grpc.insecure_channel(self.address)

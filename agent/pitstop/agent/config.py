@@ -47,7 +47,14 @@ class AgentSettings(BaseSettings):
     scheduler: str = Field(default="127.0.0.1:50051", min_length=1)
     """host:port of the scheduler's gRPC API."""
     token: str = Field(default="", repr=False)
-    """Bearer token with the agent role; empty when the scheduler runs open."""
+    """Bearer token with the agent role; empty when the scheduler runs open (or with tls:
+    the node's certificate is its credential)."""
+    tls: bool = False
+    """Mutual TLS to the scheduler with this node's certificate (`<state_dir>/tls`)."""
+    join_token: str = Field(default="", repr=False)
+    """One-time token to enroll with when the node has no valid certificate yet."""
+    ca_file: Path | None = None
+    """The cluster CA's certificate (the scheduler's tls/ca.crt), trusted to enroll."""
     gpus: str = "nvml"
     """GPU backend: "nvml" for the real GPUs, "sim:N" for N simulated ones."""
     zone: str = ""

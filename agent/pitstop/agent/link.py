@@ -28,7 +28,9 @@ from pitstop.agent.config import AgentSettings
 from pitstop.agent.executor import CommandExecutor, RankChannel, RankSupervision
 from pitstop.agent.gpu import GpuBackend
 from pitstop.agent.heartbeats import Heartbeats, StepSource, timestamp
+from pitstop.agent.identity import aio_channel
 from pitstop.agent.metrics import AgentMetrics
+from pitstop.tls import NodeIdentity
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -79,8 +81,10 @@ class SchedulerLink:
         *,
         clock: Callable[[], float] = time.time,
         conditions: Collection[ConditionSource] = (),
+        identity: NodeIdentity | None = None,
     ) -> None:
         self._settings = settings
+        self._identity = identity
         self._backend = backend
         self._supervisor = supervisor
         self._metrics = metrics
@@ -194,7 +198,7 @@ class SchedulerLink:
             log.exception("building the registration failed")
             raise LinkDown(f"cannot build the registration: {exc}") from exc
         metadata = (("authorization", f"Bearer {self._token}"),) if self._token else None
-        channel = grpc.aio.insecure_channel(self._settings.scheduler)
+        channel = aio_channel(self._identity, self._settings.scheduler)
         call = agent_pb2_grpc.AgentServiceStub(channel).Connect(
             self._requests(register), metadata=metadata
         )

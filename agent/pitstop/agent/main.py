@@ -20,6 +20,7 @@ from pitstop.agent import install as installer
 from pitstop.agent.checkpointd_watch import CheckpointdWatch
 from pitstop.agent.config import AgentSettings, load_settings
 from pitstop.agent.gpu import GpuBackend, GpuBackendError, open_backend
+from pitstop.agent.identity import enroll, identity_for, keep_renewed
 from pitstop.agent.link import SchedulerLink
 from pitstop.agent.local import LocalEndpoint
 from pitstop.agent.metrics import AgentMetrics, MetricsServer
@@ -65,6 +66,7 @@ class NodeAgent:
             self.checkpointd = CheckpointdWatch(
                 settings, self.metrics, on_change=self._node_health_changed
             )
+        self.identity = identity_for(settings.state_dir, settings.node_id) if settings.tls else None
         self.link = SchedulerLink(
             settings,
             backend,
@@ -73,6 +75,7 @@ class NodeAgent:
             self.steps,
             self.metrics,
             conditions=[self.checkpointd] if self.checkpointd is not None else [],
+            identity=self.identity,
         )
         # A standby waiting for a rank is reported ready; one handed a rank no longer.
         self.supervisor.standby_waits = self.local.standby_waits
@@ -96,6 +99,11 @@ class NodeAgent:
                 f"cannot create the state directory {state_dir}: {exc.strerror}; "
                 "give a writable --state-dir"
             ) from exc
+        if self.identity is not None:
+            ca_file = self.settings.ca_file or self.identity.ca_path
+            await asyncio.to_thread(
+                enroll, self.identity, self.settings.scheduler, self.settings.join_token, ca_file
+            )
         await self.local.start()
         self.metrics_server = MetricsServer(
             self.metrics, self.settings.metrics_host, self.settings.metrics_port
@@ -105,8 +113,13 @@ class NodeAgent:
             self.checkpointd.start()
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Talk to the scheduler until `stop` is set."""
-        await self.link.run(stop)
+        """Talk to the scheduler until `stop` is set (renewing the certificate, with TLS)."""
+        if self.identity is None:
+            await self.link.run(stop)
+            return
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(keep_renewed(self.identity, self.settings.scheduler, stop))
+            tasks.create_task(self.link.run(stop))
 
     async def close(self, grace_seconds: float = 10.0) -> None:
         """Stop every rank (none survives the agent), then an owned checkpoint daemon
@@ -166,6 +179,16 @@ def run(
         typer.Option(help="Host name or IP other nodes reach this node's ranks at [host name]"),
     ] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING [INFO]")] = None,
+    tls: Annotated[
+        bool | None,
+        typer.Option("--tls/--insecure", help="Mutual TLS with this node's certificate"),
+    ] = None,
+    join_token: Annotated[
+        str | None, typer.Option(help="One-time join token, to enroll (PITSTOP_AGENT_JOIN_TOKEN)")
+    ] = None,
+    ca_file: Annotated[
+        Path | None, typer.Option(help="The cluster CA certificate, to enroll against")
+    ] = None,
 ) -> None:
     """Run the agent until SIGTERM or SIGINT; then stop its ranks and exit."""
     try:
@@ -187,6 +210,9 @@ def run(
             checkpointd_command=checkpointd_command,
             advertise_host=advertise_host,
             log_level=log_level,
+            tls=tls,
+            join_token=join_token,
+            ca_file=ca_file,
         )
     except ValidationError as exc:
         _fail(f"invalid configuration: {_one_line(exc)}", EXIT_BAD_CONFIG)

@@ -94,6 +94,14 @@ def drain(ctx: typer.Context, node_id: NodeArgument, reason: ReasonOption = "") 
         _announce(client.drain_node(node_id, reason), "draining")
 
 
+@nodes_app.command("revoke")
+def revoke(ctx: typer.Context, node_id: NodeArgument, reason: ReasonOption = "") -> None:
+    """Revoke the node's certificates (admin): its stream closes now, it is cordoned,
+    and it joins again only with a new join token."""
+    with open_client(ctx) as client:
+        _announce(client.revoke_node(node_id, reason), "revoked")
+
+
 @nodes_app.command("set-role")
 def set_role(
     ctx: typer.Context,

@@ -24,6 +24,7 @@ from tenacity import (
 )
 
 from pitstop.client.errors import PitstopError
+from pitstop.tls import channel_options
 from pitstop.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -67,7 +68,8 @@ class PitstopClient:
         if channel is not None:
             self._channel = channel
         elif credentials is not None:
-            self._channel = grpc.secure_channel(server, credentials)
+            # The scheduler's certificate names it "pitstop-scheduler" on any address.
+            self._channel = grpc.secure_channel(server, credentials, options=channel_options())
         else:
             self._channel = grpc.insecure_channel(server)
         self._metadata: tuple[tuple[str, str], ...] = (
@@ -189,6 +191,10 @@ class PitstopClient:
         """Take nothing new and move ranks off at the next committed checkpoint."""
         return self._node_control(self._nodes.Drain, node_id, reason)
 
+    def revoke_node(self, node_id: str, reason: str = "") -> nodes_pb2.Node:
+        """Cut the node off: its certificates stop working now; it re-joins with a new token."""
+        return self._node_control(self._nodes.Revoke, node_id, reason)
+
     def set_node_role(self, node_id: str, role: int, reason: str = "") -> nodes_pb2.Node:
         """Make the node a worker or a hot spare (``common_pb2.NODE_ROLE_*``)."""
         request = nodes_pb2.SetNodeRoleRequest(
@@ -200,6 +206,13 @@ class PitstopClient:
         """Send a fault down the node's agent stream (drills and tests)."""
         request = nodes_pb2.InjectFaultRequest(node_id=node_id, fault=fault)
         return self._unary(self._nodes.InjectFault, request, nodes_pb2.InjectFaultResponse)
+
+    def create_join_token(
+        self, ttl_seconds: int = 3600, node_id: str = ""
+    ) -> nodes_pb2.CreateJoinTokenResponse:
+        """A one-time join token for a node's enrollment (``node_id`` "": any one node)."""
+        request = nodes_pb2.CreateJoinTokenRequest(ttl_seconds=ttl_seconds, node_id=node_id)
+        return self._unary(self._nodes.CreateJoinToken, request, nodes_pb2.CreateJoinTokenResponse)
 
     # Events
 

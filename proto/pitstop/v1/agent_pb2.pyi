@@ -263,9 +263,17 @@ class JoinRequest(_message.Message):
     def __init__(self, join_token: _Optional[str] = ..., node_id: _Optional[str] = ..., csr_pem: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("certificate_pem", "ca_certificate_pem")
+    __slots__ = ("certificate_pem", "ca_certificate_pem", "node_port")
     CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
     CA_CERTIFICATE_PEM_FIELD_NUMBER: _ClassVar[int]
+    NODE_PORT_FIELD_NUMBER: _ClassVar[int]
     certificate_pem: str
     ca_certificate_pem: str
-    def __init__(self, certificate_pem: _Optional[str] = ..., ca_certificate_pem: _Optional[str] = ...) -> None: ...
+    node_port: int
+    def __init__(self, certificate_pem: _Optional[str] = ..., ca_certificate_pem: _Optional[str] = ..., node_port: _Optional[int] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("csr_pem",)
+    CSR_PEM_FIELD_NUMBER: _ClassVar[int]
+    csr_pem: str
+    def __init__(self, csr_pem: _Optional[str] = ...) -> None: ...

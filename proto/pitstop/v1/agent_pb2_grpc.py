@@ -117,6 +117,11 @@ class EnrollmentServiceStub:
                 request_serializer=pitstop_dot_v1_dot_agent__pb2.JoinRequest.SerializeToString,
                 response_deserializer=pitstop_dot_v1_dot_agent__pb2.JoinResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/pitstop.v1.EnrollmentService/Renew',
+                request_serializer=pitstop_dot_v1_dot_agent__pb2.RenewRequest.SerializeToString,
+                response_deserializer=pitstop_dot_v1_dot_agent__pb2.JoinResponse.FromString,
+                _registered_method=True)
 
 
 class EnrollmentServiceServicer:
@@ -124,7 +129,17 @@ class EnrollmentServiceServicer:
     """
 
     def Join(self, request, context):
-        """Exchange a join token for a certificate. The token is the credential.
+        """Exchange a join token for a certificate. The token is the credential: it is
+        used up by this call. UNAUTHENTICATED when it is unknown, used, expired or
+        for another node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Renew(self, request, context):
+        """A fresh certificate for the calling node, authenticated by its current one
+        (mutual TLS). PERMISSION_DENIED when the node's certificates were revoked.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -136,6 +151,11 @@ def add_EnrollmentServiceServicer_to_server(servicer, server):
             'Join': grpc.unary_unary_rpc_method_handler(
                     servicer.Join,
                     request_deserializer=pitstop_dot_v1_dot_agent__pb2.JoinRequest.FromString,
+                    response_serializer=pitstop_dot_v1_dot_agent__pb2.JoinResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=pitstop_dot_v1_dot_agent__pb2.RenewRequest.FromString,
                     response_serializer=pitstop_dot_v1_dot_agent__pb2.JoinResponse.SerializeToString,
             ),
     }
@@ -166,6 +186,33 @@ class EnrollmentService:
             target,
             '/pitstop.v1.EnrollmentService/Join',
             pitstop_dot_v1_dot_agent__pb2.JoinRequest.SerializeToString,
+            pitstop_dot_v1_dot_agent__pb2.JoinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pitstop.v1.EnrollmentService/Renew',
+            pitstop_dot_v1_dot_agent__pb2.RenewRequest.SerializeToString,
             pitstop_dot_v1_dot_agent__pb2.JoinResponse.FromString,
             options,
             channel_credentials,

@@ -119,3 +119,21 @@ class WatchEventsRequest(_message.Message):
     node_id: str
     after_event_id: int
     def __init__(self, job_id: _Optional[str] = ..., node_id: _Optional[str] = ..., after_event_id: _Optional[int] = ...) -> None: ...
+
+class CreateJoinTokenRequest(_message.Message):
+    __slots__ = ("ttl_seconds", "node_id")
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ttl_seconds: int
+    node_id: str
+    def __init__(self, ttl_seconds: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class CreateJoinTokenResponse(_message.Message):
+    __slots__ = ("token", "expires_at", "node_id")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    expires_at: _timestamp_pb2.Timestamp
+    node_id: str
+    def __init__(self, token: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ...) -> None: ...

@@ -71,6 +71,16 @@ class NodeServiceStub:
                 request_serializer=pitstop_dot_v1_dot_nodes__pb2.InjectFaultRequest.SerializeToString,
                 response_deserializer=pitstop_dot_v1_dot_nodes__pb2.InjectFaultResponse.FromString,
                 _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/pitstop.v1.NodeService/Revoke',
+                request_serializer=pitstop_dot_v1_dot_nodes__pb2.NodeControlRequest.SerializeToString,
+                response_deserializer=pitstop_dot_v1_dot_nodes__pb2.Node.FromString,
+                _registered_method=True)
+        self.CreateJoinToken = channel.unary_unary(
+                '/pitstop.v1.NodeService/CreateJoinToken',
+                request_serializer=pitstop_dot_v1_dot_nodes__pb2.CreateJoinTokenRequest.SerializeToString,
+                response_deserializer=pitstop_dot_v1_dot_nodes__pb2.CreateJoinTokenResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServiceServicer:
@@ -130,6 +140,22 @@ class NodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Revoke(self, request, context):
+        """Revoke the node's certificates: its stream is closed at once, new calls with
+        them are refused, and a ready node is cordoned. It joins again only with a new
+        join token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateJoinToken(self, request, context):
+        """A one-time join token for a node's enrollment (mutual TLS clusters).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -167,6 +193,16 @@ def add_NodeServiceServicer_to_server(servicer, server):
                     servicer.InjectFault,
                     request_deserializer=pitstop_dot_v1_dot_nodes__pb2.InjectFaultRequest.FromString,
                     response_serializer=pitstop_dot_v1_dot_nodes__pb2.InjectFaultResponse.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=pitstop_dot_v1_dot_nodes__pb2.NodeControlRequest.FromString,
+                    response_serializer=pitstop_dot_v1_dot_nodes__pb2.Node.SerializeToString,
+            ),
+            'CreateJoinToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateJoinToken,
+                    request_deserializer=pitstop_dot_v1_dot_nodes__pb2.CreateJoinTokenRequest.FromString,
+                    response_serializer=pitstop_dot_v1_dot_nodes__pb2.CreateJoinTokenResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -359,6 +395,60 @@ class NodeService:
             '/pitstop.v1.NodeService/InjectFault',
             pitstop_dot_v1_dot_nodes__pb2.InjectFaultRequest.SerializeToString,
             pitstop_dot_v1_dot_nodes__pb2.InjectFaultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pitstop.v1.NodeService/Revoke',
+            pitstop_dot_v1_dot_nodes__pb2.NodeControlRequest.SerializeToString,
+            pitstop_dot_v1_dot_nodes__pb2.Node.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateJoinToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pitstop.v1.NodeService/CreateJoinToken',
+            pitstop_dot_v1_dot_nodes__pb2.CreateJoinTokenRequest.SerializeToString,
+            pitstop_dot_v1_dot_nodes__pb2.CreateJoinTokenResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,13 +1,16 @@
 """Authorization: every RPC declares its role in the .proto (pitstop.v1.required_role);
 one interceptor checks the caller's bearer token against it.
 
-With no tokens configured the scheduler runs open: every caller is an admin and an
-agent. Mutual TLS for node daemons plugs in here later, as another way to a Caller.
+With no tokens configured the scheduler runs open: every caller is an admin (and, with
+TLS off, an agent). With TLS on, the agent role comes only from a node certificate of
+the cluster CA (mutual TLS): the caller is `node:<id>`, the certificate's common name,
+and the API checks that a node acts only as itself.
 """
 
 from __future__ import annotations
 
 import contextvars
+import datetime as dt
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -15,12 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from cryptography import x509
 from google.protobuf import descriptor_pool
 
 from pitstop.scheduler.config import ApiToken
 from pitstop.scheduler.domain import Role
 from pitstop.scheduler.errors import PermissionDenied, Unauthenticated
 from pitstop.scheduler.rpcwrap import wrap_handler
+from pitstop.tls import SCHEDULER_NAME, issued_at
 from pitstop.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -32,6 +37,10 @@ class Caller:
 
     name: str
     roles: frozenset[Role]
+    node_id: str = ""
+    """The node whose certificate made the call (mutual TLS); "" for a person."""
+    issued_at: dt.datetime | None = None
+    """When that certificate was issued (a revocation refuses older ones)."""
 
     @property
     def actor(self) -> str:
@@ -39,6 +48,8 @@ class Caller:
 
 
 OPEN_CALLER = Caller("user:anonymous", frozenset(Role) - {Role.UNSPECIFIED})
+PUBLIC_CALLER = Caller("public", frozenset())
+"""Who calls a public RPC (enrollment): nobody yet."""
 current_caller: contextvars.ContextVar[Caller] = contextvars.ContextVar(
     "current_caller", default=OPEN_CALLER
 )
@@ -68,21 +79,29 @@ def required_role(method: str) -> Role | None:
 
 
 class TokenBook:
-    """Bearer tokens and the callers they make."""
+    """Bearer tokens and the callers they make. `nodes_by_certificate` (TLS on): the
+    agent role is a node certificate's, never a token's."""
 
-    def __init__(self, tokens: Sequence[ApiToken]) -> None:
+    def __init__(self, tokens: Sequence[ApiToken], nodes_by_certificate: bool = False) -> None:
+        withheld = {Role.AGENT} if nodes_by_certificate else set()
         self._tokens = [
-            (t.token.encode(), Caller(f"token:{t.name}", frozenset(_IMPLIED[t.role])))
+            (t.token.encode(), Caller(f"token:{t.name}", frozenset(_IMPLIED[t.role] - withheld)))
             for t in tokens
         ]
+        self._open = Caller(OPEN_CALLER.name, OPEN_CALLER.roles - withheld)
 
     @property
     def open(self) -> bool:
         return not self._tokens
 
-    def caller_for(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Caller:
+    def caller_for(
+        self, metadata: Sequence[tuple[str, str | bytes]] | None, node: Caller | None = None
+    ) -> Caller:
+        """The caller: `node` when a node certificate made the call, else by token."""
+        if node is not None:
+            return node
         if self.open:
-            return OPEN_CALLER
+            return self._open
         header = next((v for k, v in metadata or () if k == "authorization"), None)
         if header is None:
             raise Unauthenticated(
@@ -98,6 +117,23 @@ class TokenBook:
             if hmac.compare_digest(known, token.strip().encode()):
                 return caller
         raise Unauthenticated("unknown token; ask an administrator for a valid one")
+
+
+def node_caller(context: grpc.aio.ServicerContext) -> Caller | None:
+    """The node whose certificate the peer presented (mutual TLS), if any. The TLS
+    handshake already checked it against the cluster CA."""
+    found = context.auth_context()
+    names = found.get("x509_common_name")
+    if not names or found.get("transport_security_type") != [b"ssl"]:
+        return None
+    node_id = names[0].decode()
+    if node_id == SCHEDULER_NAME:  # the scheduler's own name is no node's
+        return None
+    issued = None
+    pem = found.get("x509_pem_cert")
+    if pem:
+        issued = issued_at(x509.load_pem_x509_certificate(pem[0]))
+    return Caller(f"node:{node_id}", frozenset({Role.AGENT}), node_id, issued)
 
 
 def authorize(caller: Caller, method: str, needed: Role) -> None:
@@ -131,8 +167,10 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
         metadata = details.invocation_metadata
         method = details.method
 
-        def before() -> Any:
-            caller = self._tokens.caller_for(metadata)
+        def before(context: grpc.aio.ServicerContext) -> Any:
+            if needed is Role.PUBLIC:  # its request is its credential (a join token)
+                return current_caller.set(PUBLIC_CALLER)
+            caller = self._tokens.caller_for(metadata, node_caller(context))
             authorize(caller, method, needed)
             return current_caller.set(caller)
 

@@ -79,6 +79,21 @@ class SchedulerSettings(BaseSettings):
     db_pool_size: int = Field(default=10, ge=1)
     log_level: str = "INFO"
     config_file: Path | None = None
+    # Mutual TLS: the cluster CA and this scheduler's certificate live in tls_dir (default
+    # state_dir/tls; made on first start). Nodes enroll with join tokens; people's
+    # clients check the server certificate (tls_dir/ca.crt) and send bearer tokens.
+    tls: bool = False
+    tls_dir: Path | None = None
+    # With tls, nodes connect here with their certificates (mutual TLS); people and
+    # enrolling nodes use `port` (server TLS). 0 picks a free port.
+    node_port: int = Field(default=50052, ge=0, le=65535)
+    # Names and addresses the scheduler's certificate carries beside "pitstop-scheduler".
+    tls_hosts: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1"])
+    node_certificate_ttl_seconds: float = Field(default=24 * 3600.0, ge=60)
+
+    @property
+    def tls_directory(self) -> Path:
+        return self.tls_dir or self.state_dir / "tls"
 
     @classmethod
     def settings_customise_sources(

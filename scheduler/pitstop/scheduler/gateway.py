@@ -104,6 +104,16 @@ class CommandRouter:
             return None
         return 0
 
+    async def close(self, node_id: str, reason: str) -> None:
+        """Close the node's agent stream wherever it is held (a revoked node)."""
+        if self.gateway.close(node_id, reason):
+            return
+        payload = json.dumps({"node": node_id, "close": reason})
+        try:
+            await self.hot.redis.publish(self.channel, payload)
+        except RedisError:
+            log.warning("cannot close node %s's stream elsewhere: Redis unreachable", node_id)
+
     async def _listen(self) -> None:
         while True:
             try:
@@ -112,6 +122,9 @@ class CommandRouter:
                 try:
                     async for item in pubsub.listen():
                         data = json.loads(item["data"])
+                        if "close" in data:
+                            self.gateway.close(data["node"], data["close"])
+                            continue
                         message = agent_pb2.SchedulerMessage.FromString(
                             bytes.fromhex(data["message"])
                         )

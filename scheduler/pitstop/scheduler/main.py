@@ -80,6 +80,10 @@ async def _serve(settings: SchedulerSettings) -> None:
     scheduler = await start_scheduler(settings)
     # One line a script can parse for the bound port (useful with --port 0).
     print(f"pitstop-scheduler listening on {scheduler.address}", flush=True)
+    if scheduler.node_port:
+        print(
+            f"pitstop-scheduler nodes connect on {settings.host}:{scheduler.node_port}", flush=True
+        )
     if scheduler.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", settings.metrics_host, scheduler.metrics_port)
     stop = asyncio.Event()

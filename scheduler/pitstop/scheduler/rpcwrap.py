@@ -10,7 +10,7 @@ import grpc
 
 from pitstop.scheduler.errors import InvalidArgument
 
-Before = Callable[[], Any]
+Before = Callable[[grpc.aio.ServicerContext], Any]
 OnError = Callable[[Exception, grpc.aio.ServicerContext], Awaitable[None]]
 
 
@@ -55,7 +55,7 @@ async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
 def wrap_handler(
     handler: grpc.RpcMethodHandler, before: Before | None = None, on_error: OnError | None = None
 ) -> grpc.RpcMethodHandler:
-    """A handler that runs ``before()`` then the original behaviour; an exception other than
+    """A handler that runs ``before(context)`` then the original behaviour; an exception other than
     an abort goes to ``on_error`` (which is expected to abort the call). With ``on_error``,
     undecodable requests become InvalidArgument too."""
 
@@ -69,7 +69,7 @@ def wrap_handler(
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
                 if before is not None:
-                    before()
+                    before(context)
                 return await behavior(_check(request), context)
             except Exception as exc:
                 await guard(exc, context)
@@ -80,7 +80,7 @@ def wrap_handler(
         async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
                 if before is not None:
-                    before()
+                    before(context)
                 async for item in behavior(_check(request), context):
                     yield item
             except Exception as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from pitstop.scheduler.api.agent import AgentServicer
 from pitstop.scheduler.api.catalog import CatalogServicer
+from pitstop.scheduler.api.enrollment import EnrollmentServicer
 from pitstop.scheduler.api.jobs import JobServicer
 from pitstop.scheduler.api.nodes import EventServicer, NodeServicer
 from pitstop.scheduler.api.rendezvous import RendezvousServicer
@@ -32,6 +34,7 @@ from pitstop.scheduler.liveness import LivenessMonitor
 from pitstop.scheduler.metrics import SchedulerMetrics
 from pitstop.scheduler.reconcile import Reconciler, Timeouts
 from pitstop.scheduler.store import Store
+from pitstop.tls import CertificateAuthority, cert_pem, key_pem, new_key
 from pitstop.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -52,6 +55,7 @@ SERVICE_NAMES = (
     nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
     nodes_pb2.DESCRIPTOR.services_by_name["EventService"].full_name,
     agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
+    agent_pb2.DESCRIPTOR.services_by_name["EnrollmentService"].full_name,
     checkpoint_pb2.DESCRIPTOR.services_by_name["CheckpointCatalogService"].full_name,
     rendezvous_pb2.DESCRIPTOR.services_by_name["RendezvousService"].full_name,
 )
@@ -82,6 +86,8 @@ class Scheduler:
     election: LeaderElection | None = None
     metrics: SchedulerMetrics | None = None
     metrics_port: int | None = None
+    node_port: int = 0
+    """The port nodes connect to with their certificates (TLS on); 0 without TLS."""
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stoppers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
@@ -133,7 +139,8 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         bus.start()
         store = Store(session_factory(engine), bus)
         gateway = AgentGateway()
-        tokens = TokenBook(settings.tokens)
+        ca = CertificateAuthority.load_or_create(settings.tls_directory) if settings.tls else None
+        tokens = TokenBook(settings.tokens, nodes_by_certificate=settings.tls)
         if tokens.open:
             log.warning(
                 "no API tokens configured: the scheduler runs OPEN (every caller is admin). "
@@ -172,7 +179,34 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         reflection.enable_server_reflection(
             (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        enrollment_pb = agent_pb2_grpc.add_EnrollmentServiceServicer_to_server
+        ttl = dt.timedelta(seconds=settings.node_certificate_ttl_seconds)
+        enrolling = EnrollmentServicer(store, ca, ttl)
+        enrollment_pb(enrolling, server)
+        where = f"{settings.host}:{settings.port}"
+        node_port = 0
+        if ca is not None:
+            key = new_key()
+            cert = ca.issue_server(key, settings.tls_hosts, dt.timedelta(days=365))
+            pair = [(key_pem(key), cert_pem(cert))]
+            # gRPC asks for a client certificate on a port only where it requires one:
+            # people's clients (server TLS, bearer tokens, and enrollment) on `port`,
+            # nodes (mutual TLS, their certificate required) on `node_port`.
+            port = server.add_secure_port(where, grpc.ssl_server_credentials(pair))
+            node_port = server.add_secure_port(
+                f"{settings.host}:{settings.node_port}",
+                grpc.ssl_server_credentials(
+                    pair, root_certificates=ca.pem, require_client_auth=True
+                ),
+            )
+            if node_port == 0:
+                raise OSError(
+                    f"cannot bind {settings.host}:{settings.node_port} for nodes; is the port "
+                    "in use? (node_port)"
+                )
+            enrolling.node_port = node_port
+        else:
+            port = server.add_insecure_port(where)
         if port == 0:
             raise OSError(f"cannot bind {settings.host}:{settings.port}; is the port in use?")
         await server.start()
@@ -181,6 +215,7 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
             await asyncio.to_thread(embedded.stop)
         raise
     scheduler = Scheduler(settings, server, engine, hot, bus, port, agent_servicer, embedded)
+    scheduler.node_port = node_port
     scheduler.metrics = metrics
     if settings.metrics_port is not None:
         scheduler.metrics_port = metrics.serve(settings.metrics_host, settings.metrics_port)

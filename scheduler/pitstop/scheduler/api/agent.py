@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf import json_format
 
+from pitstop.scheduler.auth import current_caller
 from pitstop.scheduler.convert import NODE_ROLE_TO_PB, NODE_STATE_TO_PB, node_roles_from_pb
-from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument
+from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from pitstop.scheduler.gateway import AgentGateway, CloseStream
 from pitstop.scheduler.hotstate import STANDBY_READY, HotState
 from pitstop.scheduler.metrics import SchedulerMetrics
+from pitstop.scheduler.services import enrollment
 from pitstop.scheduler.services import health as health_service
 from pitstop.scheduler.services import jobs as job_service
 from pitstop.scheduler.services import node_commands as node_command_service
@@ -166,7 +168,15 @@ class AgentServicer:
             raise InvalidArgument(
                 "register.inventory.gpus", indexes, "each GPU needs its own index and uuid"
             )
+        caller = current_caller.get()
+        if caller.node_id and caller.node_id != reg.node_id:
+            raise PermissionDenied(
+                f"register.node_id: this stream's certificate names node {caller.node_id!r}; it "
+                f"cannot register as {reg.node_id!r} (each node enrolls with its own token)"
+            )
         async with self.store.write() as session:
+            if caller.node_id:
+                await enrollment.check_not_revoked(session, reg.node_id, caller.issued_at)
             node, _created = await node_service.register_node(
                 session,
                 reg,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
+from pitstop.scheduler.api.agent import NODE_ID_RE
 from pitstop.scheduler.api.watch import follow_events
 from pitstop.scheduler.auth import current_caller
 from pitstop.scheduler.convert import (
@@ -18,6 +20,7 @@ from pitstop.scheduler.convert import (
 from pitstop.scheduler.errors import InvalidArgument, Unavailable
 from pitstop.scheduler.gateway import CommandRouter
 from pitstop.scheduler.hotstate import HotState
+from pitstop.scheduler.services import enrollment
 from pitstop.scheduler.services import events as event_service
 from pitstop.scheduler.services import nodes as node_service
 from pitstop.scheduler.services.health import health_verdict
@@ -126,6 +129,35 @@ class NodeServicer:
         if command_id is None:
             raise Unavailable(f"cannot reach the scheduler process holding node {node.id}")
         return nodes_pb2.InjectFaultResponse(command_id=command_id)
+
+    async def Revoke(  # noqa: N802
+        self, request: nodes_pb2.NodeControlRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.Node:
+        async with self.store.write() as session:
+            node = await node_service.revoke_node(
+                session, request.node_id, reason=request.reason, actor=current_caller.get().actor
+            )
+        await self.router.close(node.id, "the node's certificate was revoked")
+        return node_to_pb(node)
+
+    async def CreateJoinToken(  # noqa: N802
+        self, request: nodes_pb2.CreateJoinTokenRequest, context: grpc.aio.ServicerContext
+    ) -> nodes_pb2.CreateJoinTokenResponse:
+        if request.node_id and not NODE_ID_RE.match(request.node_id):
+            raise InvalidArgument(
+                "node_id", request.node_id, "use letters, digits, '.', '-' or '_' (a host name)"
+            )
+        seconds = request.ttl_seconds or int(enrollment.DEFAULT_TTL.total_seconds())
+        async with self.store.write() as session:
+            token, row = await enrollment.create_token(
+                session,
+                dt.timedelta(seconds=seconds),
+                request.node_id,
+                actor=current_caller.get().actor,
+            )
+        response = nodes_pb2.CreateJoinTokenResponse(token=token, node_id=row.node_id)
+        response.expires_at.FromDatetime(row.expires_at)
+        return response
 
 
 class EventServicer:

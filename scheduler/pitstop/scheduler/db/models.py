@@ -95,6 +95,9 @@ class Node(Base):
     # Start time of the agent process that last registered: a new value means the agent
     # restarted (after a repair or reboot), which is what clears UNHEALTHY.
     agent_started_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    # Certificates issued to the node before this time are refused (`node revoke`);
+    # re-joining with a new token issues one after it.
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
 
     gpus: Mapped[list[Gpu]] = relationship(
         back_populates="node", order_by="Gpu.index", cascade="all, delete-orphan"
@@ -273,6 +276,21 @@ class XidRecord(Base):
     time: Mapped[dt.datetime] = mapped_column(server_default=func.now())
 
     __table_args__ = (Index("ix_xid_events_node_time", "node_id", "time"),)
+
+
+class JoinToken(Base):
+    """A one-time join token, kept as its SHA-256 only: the token itself is shown once."""
+
+    __tablename__ = "join_tokens"
+
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # The only node id it enrolls; "" for any one node.
+    node_id: Mapped[str] = mapped_column(String(253), default="")
+    expires_at: Mapped[dt.datetime]
+    created_at: Mapped[dt.datetime] = mapped_column(server_default=func.now())
+    created_by: Mapped[str] = mapped_column(String(128), default="")
+    used_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    used_by: Mapped[str] = mapped_column(String(253), default="")
 
 
 class Lease(Base):

@@ -123,6 +123,21 @@ async def cordon_node(
     return node
 
 
+async def revoke_node(
+    session: AsyncSession, node_id: str, *, reason: str, actor: str
+) -> models.Node:
+    """Refuse the node's certificates issued until now; cordon it when it is ready. The
+    caller closes its stream once this commits."""
+    check_text("reason", reason, max_len=1024)
+    node = await get_node(session, node_id, for_update=True)
+    node.revoked_at = dt.datetime.now(dt.UTC)
+    why = reason or f"certificate revoked by {actor}"
+    record_event(session, "node.revoked", actor=actor, node_id=node.id, reason=why)
+    if node.state is NodeState.READY:
+        move_node(session, node, NodeState.CORDONED, kind="node.cordoned", reason=why, actor=actor)
+    return node
+
+
 async def uncordon_node(
     session: AsyncSession,
     node_id: str,
@@ -296,7 +311,12 @@ async def register_node(
         to_state=node.state.value,
         reason=f"{len(inv.gpus)} GPUs, backend {inv.gpu_backend or 'unknown'}",
     )
-    if node.state is NodeState.LOST or (node.state is NodeState.UNHEALTHY and restarted):
+    if node.state is NodeState.LOST and node.revoked_at is not None:
+        # Its certificates were revoked and it enrolled again: an admin says when it
+        # takes work (uncordon).
+        why = "agent reconnected after its certificates were revoked; uncordon to use it"
+        move_node(session, node, NodeState.CORDONED, kind="node.cordoned", reason=why, actor=actor)
+    elif node.state is NodeState.LOST or (node.state is NodeState.UNHEALTHY and restarted):
         why = "agent reconnected" if node.state is NodeState.LOST else "agent restarted"
         move_node(session, node, NodeState.READY, kind="node.recovered", reason=why, actor=actor)
     return node, created
