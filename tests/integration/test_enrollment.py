@@ -49,7 +49,11 @@ def secure(
         "PITSTOP_TLS": "true",
         "PITSTOP_TOKENS": json.dumps(
             [
-                {"token": ADMIN, "role": "admin", "name": "ops"},
+                {
+                    "sha256": hashlib.sha256(ADMIN.encode()).hexdigest(),
+                    "role": "admin",
+                    "name": "ops",
+                },
                 {"token": VIEWER, "role": "viewer", "name": "watcher"},
             ]
         ),

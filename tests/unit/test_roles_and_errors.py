@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 
 import grpc
 import psycopg
@@ -92,6 +93,22 @@ def test_tokens_are_checked() -> None:
         book.caller_for([("authorization", "Bearer " + "x" * 20)])
     assert TokenBook([]).caller_for([]).roles >= {Role.ADMIN, Role.AGENT}
     assert isinstance(book.caller_for([("authorization", "Bearer " + "s" * 20)]), Caller)
+
+
+def test_a_configured_hash_authenticates_its_token_and_tls_keeps_agents_to_certificates() -> None:
+    secret = "k" * 24
+    hashed = ApiToken(sha256=hashlib.sha256(secret.encode()).hexdigest(), role=Role.AGENT)
+    assert "k" * 24 not in repr(hashed)
+    plain = TokenBook([hashed]).caller_for([("authorization", f"Bearer {secret}")])
+    assert Role.AGENT in plain.roles
+    # With TLS on, the agent role is a node certificate's: no token, and no open API, has it.
+    secure = TokenBook([hashed], nodes_by_certificate=True)
+    assert Role.AGENT not in secure.caller_for([("authorization", f"Bearer {secret}")]).roles
+    assert Role.AGENT not in TokenBook([], nodes_by_certificate=True).caller_for([]).roles
+    with pytest.raises(ValueError, match="either token"):
+        ApiToken(token=secret, sha256=hashed.sha256, role=Role.ADMIN)
+    with pytest.raises(ValueError, match="either token"):
+        ApiToken(role=Role.ADMIN)
 
 
 def _dbapi_error(orig: Exception) -> sqlalchemy.exc.DBAPIError:

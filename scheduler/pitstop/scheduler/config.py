@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -17,11 +18,30 @@ from pitstop.scheduler.domain import Role
 
 
 class ApiToken(BaseModel):
-    """A bearer token and the role it grants."""
+    """A bearer token and the role it grants: the token itself, or better its SHA-256
+    (`sha256`, hex), so the configuration holds nothing that authenticates."""
 
-    token: str = Field(min_length=16)
+    token: str | None = Field(default=None, min_length=16, repr=False)
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     role: Role
     name: str = "token"
+
+    @model_validator(mode="after")
+    def _one_of_token_or_hash(self) -> ApiToken:
+        if (self.token is None) == (self.sha256 is None):
+            raise ValueError(
+                f"token {self.name!r}: give either token (16+ characters) or sha256 (the hex "
+                "SHA-256 of the token: printf %s TOKEN | sha256sum), not both, not neither"
+            )
+        return self
+
+    @property
+    def digest(self) -> bytes:
+        """The SHA-256 of the token, hex, as bytes."""
+        if self.sha256 is not None:
+            return self.sha256.encode()
+        assert self.token is not None
+        return hashlib.sha256(self.token.encode()).hexdigest().encode()
 
     @field_validator("role", mode="before")
     @classmethod
