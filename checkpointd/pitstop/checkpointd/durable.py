@@ -229,7 +229,12 @@ class DurableStore:
         return entries
 
 
+def valid_name(value: str) -> bool:
+    """Whether `value` can name a directory of the store (a job id, a node id)."""
+    return bool(_SAFE.match(value)) and value not in (".", "..")
+
+
 def _safe_name(value: str, what: str) -> str:
-    if not _SAFE.match(value) or value in (".", ".."):
+    if not valid_name(value):
         raise ValueError(f"{what} {value!r}: use letters, digits and _.@=+- only")
     return value

@@ -59,7 +59,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 log.error("%s failed", method, exc_info=exc)
             await context.abort(code, message)
 
-        return _wrapped(handler, on_error)
+        return _wrapped(handler, on_error, method)
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -93,8 +93,51 @@ def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return _handler_like(handler, unary, streaming)
 
 
-def _wrapped(handler: grpc.RpcMethodHandler, on_error: OnError) -> grpc.RpcMethodHandler:
-    """`handler`, with `on_error` (which aborts the call) run on whatever it raises."""
+class _Undecodable:
+    """Stands in for a request whose bytes do not parse, so that the handler refuses it
+    with INVALID_ARGUMENT instead of grpc answering UNKNOWN."""
+
+    def __init__(self, data: bytes, error: Exception) -> None:
+        self.size = len(data)
+        self.error = error
+
+    def refuse(self, method: str) -> errors.InvalidArgument:
+        return errors.InvalidArgument(
+            f"request to {method}: its {self.size} bytes are no valid message ({self.error});"
+            " send the method's request message, serialized whole"
+        )
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError and friends: refused by the handler
+            return _Undecodable(data, exc)
+
+    return decode
+
+
+def _wrapped(
+    handler: grpc.RpcMethodHandler, on_error: OnError, method: str = ""
+) -> grpc.RpcMethodHandler:
+    """`handler`, with `on_error` (which aborts the call) run on whatever it raises,
+    an undecodable request among them."""
+
+    def checked(request: Any) -> Any:
+        if isinstance(request, _Undecodable):
+            raise request.refuse(method)
+        return request
+
+    async def checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for request in requests:
+            yield checked(request)
+
+    def check(request: Any) -> Any:
+        return checked_stream(request) if hasattr(request, "__aiter__") else checked(request)
 
     async def guard(exc: Exception, context: grpc.aio.ServicerContext) -> None:
         if isinstance(exc, grpc.aio.AbortError):
@@ -105,7 +148,7 @@ def _wrapped(handler: grpc.RpcMethodHandler, on_error: OnError) -> grpc.RpcMetho
     def unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
-                return await behavior(request, context)
+                return await behavior(check(request), context)
             except Exception as exc:
                 await guard(exc, context)
 
@@ -114,7 +157,7 @@ def _wrapped(handler: grpc.RpcMethodHandler, on_error: OnError) -> grpc.RpcMetho
     def streaming(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             try:
-                async for item in behavior(request, context):
+                async for item in behavior(check(request), context):
                     yield item
             except Exception as exc:
                 await guard(exc, context)
@@ -125,6 +168,7 @@ def _wrapped(handler: grpc.RpcMethodHandler, on_error: OnError) -> grpc.RpcMetho
         handler,
         unary(handler.unary_unary or handler.stream_unary),
         streaming(handler.unary_stream or handler.stream_stream),
+        _tolerant(handler.request_deserializer),
     )
 
 
@@ -132,11 +176,13 @@ def _handler_like(
     handler: grpc.RpcMethodHandler,
     unary: Callable[..., Awaitable[Any]],
     streaming: Callable[..., AsyncIterator[Any]],
+    deserializer: Callable[[bytes], Any] | None = None,
 ) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s kind and (de)serializers, calling `unary` when it
-    answers with one message, `streaming` when it answers with a stream."""
+    """A handler of `handler`'s kind and (de)serializers (`deserializer` instead of its
+    request deserializer, when given), calling `unary` when it answers with one
+    message, `streaming` when it answers with a stream."""
     kwargs = {
-        "request_deserializer": handler.request_deserializer,
+        "request_deserializer": deserializer or handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_unary is not None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from pitstop.checkpointd.durable import valid_name
 from pitstop.checkpointd.errors import InvalidArgument
 from pitstop.checkpointd.store import ShardId
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
@@ -20,6 +21,11 @@ if TYPE_CHECKING:
 def _shard(key: checkpoint_pb2.ShardKey, *, step_required: bool) -> ShardId:
     if not key.job_id:
         raise InvalidArgument("key.job_id is empty: name the job")
+    if not valid_name(key.job_id):
+        raise InvalidArgument(
+            f"key.job_id {key.job_id[:80]!r} is invalid: use letters, digits and _.@=+- only "
+            "(it names the job's directory in the durable store)"
+        )
     if step_required and key.step == 0:
         raise InvalidArgument("key.step is 0: name the step the snapshot is after")
     return ShardId(key.job_id, key.rank, key.step)

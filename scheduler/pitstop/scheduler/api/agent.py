@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf import json_format
 
+from pitstop.scheduler.api.agent_input import check_agent_message
 from pitstop.scheduler.auth import current_caller
 from pitstop.scheduler.convert import NODE_ROLE_TO_PB, NODE_STATE_TO_PB, node_roles_from_pb
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied
@@ -152,6 +153,7 @@ class AgentServicer:
             )
         if message.seq != 1:
             raise InvalidArgument("seq", message.seq, "a stream's first message has seq 1")
+        check_agent_message(message)
         reg = message.register
         if not NODE_ID_RE.match(reg.node_id):
             raise InvalidArgument(
@@ -213,6 +215,7 @@ class AgentServicer:
                     f"expected {state.seq + 1}: sequence numbers increase by one",
                 )
             state.seq = message.seq
+            check_agent_message(message)
             await self._handle(state, message)
 
     async def _handle(self, state: StreamState, message: agent_pb2.AgentMessage) -> None:
