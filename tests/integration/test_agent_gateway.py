@@ -222,6 +222,25 @@ def test_a_second_agent_with_other_gpus_under_the_same_id_is_refused(fast: Sched
         assert "different GPUs" in err.value.details()
 
 
+def test_a_node_cannot_register_another_nodes_gpu(fast: SchedulerThread) -> None:
+    owner, other = unique("own"), unique("spoof")
+    with fast.agent_stream(owner, gpus=2):
+        stub = agent_pb2_grpc.AgentServiceStub(fast.channel())
+        register = agent_pb2.AgentMessage(
+            seq=1,
+            register=agent_pb2.Register(
+                node_id=other,
+                inventory=common_pb2.Inventory(
+                    gpus=[common_pb2.GpuInfo(index=0, uuid=f"GPU-{owner}-1")]
+                ),
+            ),
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            next(stub.Connect(iter([register]), timeout=10))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"belongs to node {owner}" in err.value.details()
+
+
 @pytest.mark.parametrize(
     ("register", "field"),
     [

@@ -267,6 +267,22 @@ async def register_node(
                 f"node {reg.node_id} is connected from another agent with different GPUs "
                 f"({', '.join(known[:2])}...); give each host its own node_id"
             )
+    offered_uuids = [g.uuid for g in inv.gpus]
+    if offered_uuids:
+        claimed = (
+            await session.execute(
+                select(models.Gpu.uuid, models.Gpu.node_id)
+                .where(models.Gpu.uuid.in_(offered_uuids))
+                .where(models.Gpu.node_id != reg.node_id)
+                .limit(1)
+            )
+        ).first()
+        if claimed is not None:
+            raise FailedPrecondition(
+                f"register.inventory.gpus: GPU {claimed.uuid} belongs to node "
+                f"{claimed.node_id}; a node registers only its own GPUs (two hosts with one "
+                "GPU uuid is a misconfigured simulator or a spoof)"
+            )
     started_at = (
         reg.agent_started_at.ToDatetime(dt.UTC) if reg.HasField("agent_started_at") else None
     )
