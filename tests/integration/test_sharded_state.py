@@ -21,9 +21,16 @@ WORLD = 4
 WAIT = 120.0  # four interpreters importing torch on two cores, then a few tiny steps
 
 
-def test_sharded_state_restores_bitwise_into_a_rebuilt_model(tmp_path: Path) -> None:
-    run_mesh_ranks([str(RANK), "--out", str(tmp_path)], dp=2, tp=2, timeout=WAIT)
-    reports = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(WORLD)]
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The dp = tp = 2 run's directory: its ranks' reports and step-3 snapshots."""
+    out = tmp_path_factory.mktemp("dp2")
+    run_mesh_ranks([str(RANK), "--out", str(out)], dp=2, tp=2, timeout=WAIT)
+    return out
+
+
+def test_sharded_state_restores_bitwise_into_a_rebuilt_model(dp2: Path) -> None:
+    reports = [json.loads((dp2 / f"rank-{r}.json").read_text()) for r in range(WORLD)]
     # tp fastest: ranks 0,1 are dp replica 0's two TP halves, ranks 2,3 replica 1's.
     assert [r["coordinates"] for r in reports] == [[0, 0, 0], [0, 0, 1], [1, 0, 0], [1, 0, 1]]
     for report in reports:
@@ -35,15 +42,12 @@ def test_sharded_state_restores_bitwise_into_a_rebuilt_model(tmp_path: Path) -> 
     assert len({(r["whole_at_3"], r["whole_at_5"]) for r in reports}) == 1
 
 
-def test_a_shrunk_job_reshards_the_old_ranks_snapshots_exactly(tmp_path: Path) -> None:
+def test_a_shrunk_job_reshards_the_old_ranks_snapshots_exactly(dp2: Path, tmp_path: Path) -> None:
     """dp 2 -> 1, the second replica surviving (its ranks become the first): every
     parameter and Adam moment, whole, is bitwise the one snapshotted. Every rank of the
     test trains on the same batch, so one replica's gradient is the two replicas' mean,
     and two more steps stay equal."""
-    before, after = tmp_path / "dp2", tmp_path / "dp1"
-    before.mkdir()
-    after.mkdir()
-    run_mesh_ranks([str(RANK), "--out", str(before)], dp=2, tp=2, timeout=WAIT)
+    before, after = dp2, tmp_path
     run_mesh_ranks(
         [
             str(RANK),
