@@ -480,8 +480,19 @@ class SchedulerProcess:
             assert "nodes connect on" in line, self.log.read_text()
             self.node_address = line.rsplit(" ", 1)[1].strip()
 
+    @property
+    def ca(self) -> Path | None:
+        """The cluster CA's certificate, when the scheduler runs with TLS."""
+        return self.root / self.name / "tls" / "ca.crt" if self.node_address else None
+
     def channel(self) -> grpc.Channel:
-        channel = grpc.insecure_channel(self.address)
+        """A channel to the API: server TLS checked against the cluster CA when it is on."""
+        if self.ca is None:
+            channel = grpc.insecure_channel(self.address)
+        else:
+            credentials = grpc.ssl_channel_credentials(root_certificates=self.ca.read_bytes())
+            override = [("grpc.ssl_target_name_override", "pitstop-scheduler")]
+            channel = grpc.secure_channel(self.address, credentials, options=override)
         self._channels.append(channel)
         return channel
 

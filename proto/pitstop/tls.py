@@ -19,16 +19,24 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+if TYPE_CHECKING:  # imported where used: a rank or a CLI that only opens channels loads
+    # no X.509 code (cryptography's import costs a quarter of a second)
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 SCHEDULER_NAME = "pitstop-scheduler"
 """The DNS name in the scheduler's certificate, checked by every client of it."""
+PEER_NAME = "pitstop-node"
+"""A DNS name every node certificate carries: what a node's checkpoint daemon is checked
+for by its clients (its buddies, its ranks), whatever its address."""
+TLS_DIR_ENV = "PITSTOP_TLS_DIR"
+"""The node identity directory a rank (or a daemon beside the agent) uses, when set."""
 CA_NAME = "pitstop cluster CA"
 NODE_TTL = datetime.timedelta(hours=24)
 """How long a node certificate lasts by default; nodes renew at two thirds of it."""
@@ -45,10 +53,14 @@ def _now() -> datetime.datetime:
 
 
 def new_key() -> ec.EllipticCurvePrivateKey:
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     return ec.generate_private_key(ec.SECP256R1())
 
 
 def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
     return key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -57,6 +69,8 @@ def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def cert_pem(cert: x509.Certificate) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
     return cert.public_bytes(serialization.Encoding.PEM)
 
 
@@ -71,6 +85,9 @@ def write_private(path: Path, data: bytes) -> None:
 
 
 def load_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise TlsError(f"{path} is not an EC private key")
@@ -79,6 +96,10 @@ def load_key(path: Path) -> ec.EllipticCurvePrivateKey:
 
 def certificate_request(key: ec.EllipticCurvePrivateKey, node_id: str) -> bytes:
     """A PEM certificate signing request for `node_id`'s key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import NameOID
+
     csr = (
         x509.CertificateSigningRequestBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
@@ -88,25 +109,41 @@ def certificate_request(key: ec.EllipticCurvePrivateKey, node_id: str) -> bytes:
 
 
 def common_name(cert: x509.Certificate) -> str:
+    from cryptography.x509.oid import NameOID
+
     names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     return str(names[0].value) if names else ""
 
 
+def _serial(now: datetime.datetime) -> int:
+    """A serial number that carries its issue time to the microsecond (the high bits)
+    above 64 random bits: X.509's validity times have whole seconds only, too coarse to
+    tell a certificate revoked in one second from one issued again in the same second."""
+    return (int(now.timestamp() * 1_000_000) << 64) | secrets.randbits(64)
+
+
 def issued_at(cert: x509.Certificate) -> datetime.datetime:
-    """When `cert` was issued (its validity starts a little earlier, for clock skew)."""
+    """When `cert` was issued, to the microsecond (from its serial; for a certificate
+    not made here, its validity start less the allowance for clock skew)."""
+    micros = cert.serial_number >> 64
+    if micros:
+        return datetime.datetime.fromtimestamp(micros / 1_000_000, datetime.UTC)
     return cert.not_valid_before_utc + _SKEW
 
 
 def _builder(
     subject: str, public_key: ec.EllipticCurvePublicKey, issuer: x509.Name, ttl: datetime.timedelta
 ) -> x509.CertificateBuilder:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
     now = _now()
     return (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
         .issuer_name(issuer)
         .public_key(public_key)
-        .serial_number(x509.random_serial_number())
+        .serial_number(_serial(now))
         .not_valid_before(now - _SKEW)
         .not_valid_after(now + ttl)
     )
@@ -122,6 +159,10 @@ class CertificateAuthority:
     @classmethod
     def load_or_create(cls, directory: Path) -> CertificateAuthority:
         """The CA in `directory`, created there (valid ten years) when there is none."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.x509.oid import NameOID
+
         key_path, cert_path = directory / "ca.key", directory / "ca.crt"
         if key_path.exists() and cert_path.exists():
             return cls(load_key(key_path), x509.load_pem_x509_certificate(cert_path.read_bytes()))
@@ -160,6 +201,9 @@ class CertificateAuthority:
         """A certificate for the key in `csr_pem`, named `node_id` (whatever the request
         says: the token, not the request, decides the name); for client and server use
         (a node's checkpoint daemon serves its buddies), DNS name `node_id`."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives.asymmetric import ec
+
         try:
             csr = x509.load_pem_x509_csr(csr_pem)
         except ValueError as exc:
@@ -169,12 +213,16 @@ class CertificateAuthority:
         public_key = csr.public_key()
         if not isinstance(public_key, ec.EllipticCurvePublicKey):
             raise TlsError("csr_pem must be for an EC (P-256) key")
-        return self._sign(node_id, public_key, ttl, [x509.DNSName(node_id)])
+        return self._sign(
+            node_id, public_key, ttl, [x509.DNSName(node_id), x509.DNSName(PEER_NAME)]
+        )
 
     def issue_server(
         self, key: ec.EllipticCurvePrivateKey, hosts: list[str], ttl: datetime.timedelta
     ) -> x509.Certificate:
         """The scheduler's certificate: `SCHEDULER_NAME` and `hosts` (names or IPs)."""
+        from cryptography import x509
+
         names: list[x509.GeneralName] = [x509.DNSName(SCHEDULER_NAME)]
         for host in hosts:
             try:
@@ -190,6 +238,10 @@ class CertificateAuthority:
         ttl: datetime.timedelta,
         names: list[x509.GeneralName],
     ) -> x509.Certificate:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.x509.oid import ExtendedKeyUsageOID
+
         return (
             _builder(subject, public_key, self.cert.subject, ttl)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -233,6 +285,8 @@ class NodeIdentity:
         return common_name(cert) == self.node_id and cert.not_valid_after_utc > _now()
 
     def certificate(self) -> x509.Certificate:
+        from cryptography import x509
+
         return x509.load_pem_x509_certificate(self.cert_path.read_bytes())
 
     def request(self) -> bytes:
@@ -259,6 +313,8 @@ class NodeIdentity:
     def store(self, certificate: bytes, ca: bytes, node_port: int = 0) -> None:
         """Keep the certificate that answered `request()`: the pending key becomes the key.
         `node_port`: where the scheduler takes nodes' certificates (0: not said)."""
+        from cryptography import x509
+
         cert = x509.load_pem_x509_certificate(certificate)
         pending = self.directory / "node.key.next"
         key = load_key(pending)
@@ -292,3 +348,65 @@ class NodeIdentity:
 def channel_options(target_name: str = SCHEDULER_NAME) -> list[tuple[str, str]]:
     """Options for a TLS channel that checks the peer's certificate names `target_name`."""
     return [("grpc.ssl_target_name_override", target_name)]
+
+
+def identity_from_env(env: Mapping[str, str] | None = None) -> NodeIdentity | None:
+    """The node identity named by PITSTOP_TLS_DIR (a rank's, set by its agent), if any."""
+    directory = (os.environ if env is None else env).get(TLS_DIR_ENV, "")
+    return NodeIdentity(Path(directory), "") if directory else None
+
+
+def node_credentials(identity: NodeIdentity) -> Any:
+    """gRPC channel credentials presenting the node's certificate (read now: a renewal
+    takes effect on the next channel)."""
+    import grpc
+
+    ca, key, cert = identity.files()
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=key, certificate_chain=cert
+    )
+
+
+def open_channel(
+    target: str,
+    identity: NodeIdentity | None,
+    *,
+    to_scheduler: bool = False,
+    aio: bool = False,
+    options: Sequence[tuple[str, Any]] = (),
+) -> Any:
+    """A channel from a node: plaintext without `identity`; with it, mutual TLS
+    presenting the node's certificate, to the scheduler's node port (`to_scheduler`:
+    `target` is its address as configured) or to a node's checkpoint daemon."""
+    import grpc
+
+    if identity is None:
+        opened = grpc.aio.insecure_channel if aio else grpc.insecure_channel
+        return opened(target, options=list(options) or None)
+    if to_scheduler:
+        target = identity.node_address(target)
+    name = SCHEDULER_NAME if to_scheduler else PEER_NAME
+    secure = grpc.aio.secure_channel if aio else grpc.secure_channel
+    return secure(target, node_credentials(identity), options=[*options, *channel_options(name)])
+
+
+def node_server_credentials(identity: NodeIdentity) -> Any:
+    """Server credentials for a node's daemon: its certificate, and a client certificate
+    of the cluster CA required. Re-read when the certificate file changes (a renewal),
+    so the daemon never serves an expired one."""
+    import grpc
+
+    def current() -> Any:
+        ca, key, cert = identity.files()
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+    seen = [identity.cert_path.stat().st_mtime_ns]
+
+    def fetch() -> Any:
+        mtime = identity.cert_path.stat().st_mtime_ns
+        if mtime == seen[0]:
+            return None  # unchanged
+        seen[0] = mtime
+        return current()
+
+    return grpc.dynamic_ssl_server_credentials(current(), fetch, require_client_authentication=True)

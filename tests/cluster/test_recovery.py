@@ -42,6 +42,8 @@ from conftest import (
 from typer.testing import CliRunner
 
 from pitstop.agent.config import SOCKET_NAME
+from pitstop.agent.identity import enroll, identity_for
+from pitstop.checkpointd.peers import pull_shard
 from pitstop.checkpointd.slots import segment_prefix
 from pitstop.client.cli import app
 from pitstop.client.cpuload import cpu_load_from_env
@@ -49,6 +51,7 @@ from pitstop.client.localcluster import rank_pids
 from pitstop.client.netns import IFACE, Network
 from pitstop.client.netns import create as create_network
 from pitstop.client.netns import destroy as destroy_network
+from pitstop.tls import open_channel
 from pitstop.v1 import (
     checkpoint_pb2,
     checkpoint_pb2_grpc,
@@ -123,6 +126,7 @@ class Node:
     netns: str = ""  # the network namespace its daemons (and so its ranks) run in
     iface: str = ""  # the interface its ranks' gloo uses (GLOO_SOCKET_IFNAME); "": any
     gpus: int = 1  # simulated GPUs
+    tls: bool = False  # mutual TLS with the node's certificate (enrolled before start)
 
     def _in_netns(self, command: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *command] if self.netns else command
@@ -144,6 +148,7 @@ class Node:
             str(self.root / "checkpointd"),
             "--log-level",
             "WARNING",
+            *(["--tls-dir", str(self.tls_dir)] if self.tls else []),
         ]
         env = clean_env()
         env["PITSTOP_CHECKPOINTD_MEMORY_BUDGET_BYTES"] = str(256 << 20)
@@ -159,6 +164,11 @@ class Node:
             start_new_session=True,
         )
         threading.Thread(target=self._read, daemon=True).start()
+
+    @property
+    def tls_dir(self) -> Path:
+        """The node's identity: the agent's <state_dir>/tls."""
+        return self.root / "agent" / "tls"
 
     @property
     def agent_log(self) -> Path:
@@ -202,6 +212,7 @@ class Node:
                     self.host,
                     "--log-level",
                     "WARNING",
+                    *(["--tls"] if self.tls else []),
                 ]
             ),
             stdout=log,
@@ -270,7 +281,9 @@ class Cluster:
     def __init__(self, scheduler: SchedulerProcess | SchedulerThread, root: Path) -> None:
         self.scheduler = scheduler
         self.root = root
-        self.events = follow_events(scheduler.address, timeout=4 * TIMEOUT)
+        # A scheduler with TLS on: the test's clients check it against the cluster CA.
+        self.ca: Path | None = getattr(scheduler, "ca", None)
+        self.events = self.follow(0, 4 * TIMEOUT)
         self.last_event_id = 0
         self.jobs = jobs_pb2_grpc.JobServiceStub(scheduler.channel())
         self.node_api = nodes_pb2_grpc.NodeServiceStub(scheduler.channel())
@@ -305,6 +318,13 @@ class Cluster:
                 port = self.scheduler.address.rsplit(":", 1)[1]
                 node.scheduler = f"{network.gateway}:{port}"
             self.nodes[node_id] = node
+            if self.ca is not None:  # the node enrolls (its agent then finds its certificate)
+                node.tls = True
+                made = self.node_api.CreateJoinToken(
+                    nodes_pb2.CreateJoinTokenRequest(ttl_seconds=600, node_id=node_id), timeout=10
+                )
+                identity = identity_for(node.root / "agent", node_id)
+                enroll(identity, self.scheduler.address, made.token, self.ca)
             node.start()
         for node in self.nodes.values():  # the daemons started side by side: now the agents
             node.start_agent()
@@ -319,6 +339,12 @@ class Cluster:
                     )
                 )
             time.sleep(0.05)
+
+    def follow(self, after: int, timeout: float, wait_for_ready: bool = False) -> follow_events:
+        """The event stream after event `after`."""
+        return follow_events(
+            self.scheduler.address, after, timeout, wait_for_ready=wait_for_ready, ca=self.ca
+        )
 
     def connected(self) -> set[str]:
         """The nodes whose agents are connected to the scheduler now."""
@@ -356,13 +382,11 @@ class Cluster:
                     if exc.code() != grpc.StatusCode.UNAVAILABLE:
                         raise
                     self.events.close()
-                    self.events = follow_events(
-                        self.scheduler.address, self.last_event_id, left, wait_for_ready=True
-                    )
+                    self.events = self.follow(self.last_event_id, left, wait_for_ready=True)
         finally:
             timer.cancel()
             if expired.is_set():  # a later wait follows from the last event seen
-                self.events = follow_events(self.scheduler.address, self.last_event_id, 4 * TIMEOUT)
+                self.events = self.follow(self.last_event_id, 4 * TIMEOUT)
 
     def job_event(self, job_id: str, *kinds: str) -> Any:
         return self.wait(
@@ -492,6 +516,12 @@ def full_durable_store() -> bool:
 
 
 @pytest.fixture
+def tls() -> bool:
+    """Whether the cluster runs with mutual TLS (nodes enrolled); parametrized for it."""
+    return False
+
+
+@pytest.fixture
 def durable_every() -> int:
     """Steps between the durable flushes of a store every node shares (0: each node its
     own, and no flush within a test's run); parametrized for it."""
@@ -544,6 +574,7 @@ def cluster(
     in_process: bool,
     gpus: int,
     durable_every: int,
+    tls: bool,
 ) -> Iterator[Cluster]:
     if full_durable_store and os.geteuid() != 0:
         pytest.skip("a full durable store is a tiny tmpfs: mounting it needs root")
@@ -596,6 +627,8 @@ def cluster(
                 "PITSTOP_HOST": "0.0.0.0" if network else "127.0.0.1",
                 "GRPC_VERBOSITY": "ERROR",
             }
+            if tls:
+                env |= {"PITSTOP_TLS": "true", "PITSTOP_NODE_PORT": "0"}
             scheduler = SchedulerProcess(root, "scheduler", env)
         stack.callback(scheduler.stop)
         built = Cluster(scheduler, root)
@@ -830,6 +863,59 @@ def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
     assert shown.exit_code == 0, shown.output
     assert "recoveries" in shown.output
     assert first.cause.split()[0] in shown.output
+
+
+@pytest.mark.parametrize("tls", [True])
+def test_under_mutual_tls_a_killed_node_is_recovered_from_its_buddys_memory(
+    cluster: Cluster, standalone_hash: str
+) -> None:
+    """Every node enrolled with a join token; agents, checkpoint daemons and ranks speak
+    mutual TLS with the node's certificate (the scheduler's node port, the buddies'
+    shard pushes and pulls, the ranks' snapshots). A node killed at a random step: the
+    spare's standby takes its rank, restored from the buddy's replica over TLS, and the
+    job ends with the fault-free hash."""
+    assert cluster.ca is not None
+    for node in cluster.nodes.values():
+        with grpc.insecure_channel(node.checkpointd_address) as plain:
+            stub = checkpoint_pb2_grpc.CheckpointServiceStub(plain)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.ListShards(checkpoint_pb2.ListShardsRequest(), timeout=5)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE  # no handshake
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    victim_rank = random.randrange(4)
+    victim = cluster.node_of(job, victim_rank)
+    wait_until(lambda: cluster.rank_pids(SPARE) != [], "a standby process on the spare")
+    cluster.wait_for_step(job, victim_rank, random.randint(8, STEPS // 2))
+    cluster.kill_node(victim.node_id)
+    done = cluster.finish(job.id)
+    check_result(done, standalone_hash)
+    assert SPARE in {a.node_id for a in done.rank_map.ranks}
+    restored = restored_steps(cluster, done)
+    assert restored, cluster.logs(job.id)
+    assert min(restored) > 0, restored  # from memory: the buddy's replica, not step 0
+    # An enrolled node that runs no rank of the job reads none of its shards, and no node
+    # acts as another node's ranks on its daemon.
+    made = cluster.node_api.CreateJoinToken(nodes_pb2.CreateJoinTokenRequest(), timeout=10)
+    outsider = identity_for(cluster.root / "outsider", "outsider")
+    enroll(outsider, cluster.scheduler.address, made.token, cluster.ca)
+    holder = cluster.node_of(done, 0)
+    key = checkpoint_pb2.ShardKey(job_id=job.id, rank=0, step=0)
+    with pytest.raises(grpc.RpcError) as denied:
+        pull_shard(holder.checkpointd_address, key, identity=outsider)
+    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "runs no rank of job" in denied.value.details()
+    member = next(
+        n for n in cluster.nodes.values() if n.node_id not in (holder.node_id, victim.node_id)
+    )
+    insider = identity_for(member.root / "agent", member.node_id)
+    header, _ = pull_shard(holder.checkpointd_address, key, identity=insider)  # a member may
+    assert header.key.rank == 0
+    channel = open_channel(holder.checkpointd_address, insider)
+    with channel, pytest.raises(grpc.RpcError) as foreign:
+        checkpoint_pb2_grpc.CheckpointServiceStub(channel).AcquireSlot(
+            checkpoint_pb2.AcquireSlotRequest(key=key, size_bytes=64), timeout=10
+        )
+    assert foreign.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_spares_exhausted_the_job_shrinks_by_one_replica_and_finishes(

@@ -39,6 +39,7 @@ from pitstop.agent.conditions import NodeCondition
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.liveness import DaemonLiveness, Liveness, RestartBackoff
 from pitstop.agent.metrics import AgentMetrics
+from pitstop.tls import NodeIdentity, open_channel
 from pitstop.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,10 @@ class CheckpointdWatch:
         on_change: Callable[[], None] = _nothing,
         clock: Callable[[], float] = time.monotonic,
         backoff: RestartBackoff | None = None,
+        identity: NodeIdentity | None = None,
     ) -> None:
         self.address = settings.checkpointd_address
+        self._identity = identity
         self._argv = settings.checkpointd_argv
         self._interval = settings.checkpointd_probe_seconds
         self._deadline = PROBE_DEADLINE_SECONDS
@@ -218,7 +221,7 @@ class CheckpointdWatch:
         """(None when the daemon answered, else why not in words; whether nothing could
         be reached at the address at all, so that a daemon may be started there)."""
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address)
+            self._channel = open_channel(self.address, self._identity, aio=True)
         stub = health_pb2_grpc.HealthStub(self._channel)
         try:
             reply = await stub.Check(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from pitstop.tls import NodeIdentity, TlsError, channel_options
+from pitstop.tls import NodeIdentity, TlsError, channel_options, node_credentials
 from pitstop.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -79,10 +79,8 @@ def _keep(identity: NodeIdentity, answer: agent_pb2.JoinResponse) -> None:
 def credentials(identity: NodeIdentity) -> grpc.ChannelCredentials:
     """Channel credentials presenting the node's certificate (read fresh: a renewal
     takes effect on the next connection)."""
-    ca, key, cert = identity.files()
-    return grpc.ssl_channel_credentials(
-        root_certificates=ca, private_key=key, certificate_chain=cert
-    )
+    creds: grpc.ChannelCredentials = node_credentials(identity)
+    return creds
 
 
 def aio_channel(identity: NodeIdentity | None, scheduler: str) -> grpc.aio.Channel:

@@ -45,6 +45,7 @@ class NodeAgent:
         self.backend = backend
         self.metrics = AgentMetrics(settings.node_id)
         self.steps = StepBatcher()
+        self.identity = identity_for(settings.state_dir, settings.node_id) if settings.tls else None
         self.supervisor = RankSupervisor(
             settings.node_id,
             settings.socket_path,
@@ -52,6 +53,7 @@ class NodeAgent:
             on_exit=self._report_rank_exit,
             checkpointd_address=settings.checkpointd_address,
             scheduler_address=settings.scheduler,
+            tls_dir=self.identity.directory if self.identity is not None else None,
         )
         self.local = LocalEndpoint(
             settings.socket_path,
@@ -64,9 +66,8 @@ class NodeAgent:
         self.checkpointd: CheckpointdWatch | None = None
         if settings.checkpointd_address:
             self.checkpointd = CheckpointdWatch(
-                settings, self.metrics, on_change=self._node_health_changed
+                settings, self.metrics, on_change=self._node_health_changed, identity=self.identity
             )
-        self.identity = identity_for(settings.state_dir, settings.node_id) if settings.tls else None
         self.link = SchedulerLink(
             settings,
             backend,

@@ -28,6 +28,7 @@ from typing import BinaryIO
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from pitstop.tls import TLS_DIR_ENV
 from pitstop.v1 import agent_pb2, common_pb2
 
 logger = logging.getLogger(__name__)
@@ -79,8 +80,12 @@ class RankSupervisor:
         on_exit: ExitCallback,
         checkpointd_address: str = "",
         scheduler_address: str = "",
+        tls_dir: Path | None = None,
     ) -> None:
         self.node_id = node_id
+        # With mutual TLS, ranks present the node's certificate to its checkpoint daemon
+        # and the scheduler (PITSTOP_TLS_DIR).
+        self.tls_dir = tls_dir
         # Ranks ask the scheduler's catalog where else their shards live when this
         # node's checkpoint daemon is gone.
         self.scheduler_address = scheduler_address
@@ -385,6 +390,8 @@ class RankSupervisor:
             PITSTOP_SCHEDULER=self.scheduler_address,
             PITSTOP_AGENT_PID=str(os.getpid()),  # it dies with the agent (see the trainer)
         )
+        if self.tls_dir is not None:
+            env[TLS_DIR_ENV] = str(self.tls_dir)
         return env
 
     def _rank_env(

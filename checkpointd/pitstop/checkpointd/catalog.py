@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from pitstop.checkpointd.store import ShardId, Tier
+from pitstop.tls import NodeIdentity, open_channel
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -50,13 +51,16 @@ class CatalogClient:
         static_buddy: str = "",
         retry_max_seconds: float = 30.0,
         buddy_refresh_seconds: float = 30.0,
+        identity: NodeIdentity | None = None,
     ) -> None:
         self.node_id = node_id
         self._static_buddy = Buddy("", static_buddy) if static_buddy else None
         self._retry_max = retry_max_seconds
         self._buddy_refresh = buddy_refresh_seconds
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._channel = grpc.aio.insecure_channel(scheduler) if scheduler else None
+        self._channel = (
+            open_channel(scheduler, identity, to_scheduler=True, aio=True) if scheduler else None
+        )
         self._stub = (
             checkpoint_pb2_grpc.CheckpointCatalogServiceStub(self._channel)
             if self._channel
@@ -211,6 +215,22 @@ class CatalogClient:
             log.debug("GetRestorePoint(%s) failed: %s", job_id, exc.code().name)
             return 0
         return int(response.committed_step)
+
+    async def members(self, job_id: str) -> set[str] | None:
+        """The nodes running a rank of the job now, per the scheduler; None when it
+        cannot say (unreachable, or no scheduler)."""
+        if self._stub is None:
+            return None
+        try:
+            response = await self._stub.GetRestorePoint(
+                checkpoint_pb2.GetRestorePointRequest(job_id=job_id),
+                timeout=CALL_TIMEOUT_SECONDS,
+                metadata=self._metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.debug("GetRestorePoint(%s) failed: %s", job_id, exc.code().name)
+            return None
+        return set(response.member_node_ids)
 
     async def holders(self, job_id: str, rank: int, step: int) -> list[str]:
         """host:port of the other nodes' daemons that hold the rank's shard of `step` in

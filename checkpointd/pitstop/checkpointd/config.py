@@ -42,6 +42,10 @@ class CheckpointdSettings(BaseSettings):
     token: str = Field(default="", repr=False)
     """Bearer token with the agent role, sent to the scheduler and the buddy and asked of
     every caller; empty when they run open."""
+    tls_dir: Path | None = None
+    """The node's identity (the agent's <state_dir>/tls, made when it enrolled): given,
+    the daemon serves mutual TLS only (a node certificate of the cluster CA required of
+    every caller: buddies, ranks, the agent) and presents it to the scheduler and peers."""
     host: str = "0.0.0.0"
     """Address to serve on: the buddy's daemon must reach it."""
     port: int = Field(default=50061, ge=0, le=65535)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -34,6 +34,7 @@ from pitstop.checkpointd.restore import RestoreSources, ShardNotFound
 from pitstop.checkpointd.service import CheckpointServicer
 from pitstop.checkpointd.slots import MemoryBudgetFull, Segment, SlotPool
 from pitstop.checkpointd.store import ShardId, ShardRecord, ShardStore, Tier, shard_checksum
+from pitstop.tls import NodeIdentity, node_server_credentials
 from pitstop.v1 import checkpoint_pb2
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,14 @@ class CheckpointDaemon:
         self.shm_dir = shm_dir
         self.pool = SlotPool(self.prefix, settings.budget_bytes(shm_dir), shm_dir)
         self.store = ShardStore(settings.keep_in_memory)
+        self.identity = (
+            NodeIdentity(settings.tls_dir, settings.node_id) if settings.tls_dir else None
+        )
         self.catalog = CatalogClient(
             settings.scheduler,
             settings.node_id,
             token=settings.token,
+            identity=self.identity,
             static_buddy=settings.buddy,
             retry_max_seconds=settings.retry_max_seconds,
         )
@@ -64,6 +69,7 @@ class CheckpointDaemon:
             self.catalog,
             self.pool,
             token=settings.token,
+            identity=self.identity,
             retry_max_seconds=settings.retry_max_seconds,
         )
         self.durable = DurableStore(settings.durable_url, settings.node_id)
@@ -88,6 +94,7 @@ class CheckpointDaemon:
             self._keep_replica,
         )
         self.skipped_snapshots = 0
+        self._members: dict[str, set[str]] = {}
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._sealed: asyncio.Queue[ShardRecord] = asyncio.Queue()
@@ -111,7 +118,17 @@ class CheckpointDaemon:
             interceptors.append(TokenInterceptor(self.settings.token))
         server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         CheckpointServicer(self).attach(server)
-        self.port = server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        where = f"{self.settings.host}:{self.settings.port}"
+        if self.identity is not None:
+            if not self.identity.enrolled:
+                raise RuntimeError(
+                    f"tls_dir {self.identity.directory} holds no valid certificate for node "
+                    f"{self.node_id}: start the node's agent with a join token first (it "
+                    "enrolls the node), or leave tls_dir unset"
+                )
+            self.port = server.add_secure_port(where, node_server_credentials(self.identity))
+        else:
+            self.port = server.add_insecure_port(where)
         await server.start()
         self._server = server
         for work in (
@@ -221,11 +238,18 @@ class CheckpointDaemon:
 
     # The buddy path.
 
-    async def receive_replica(self, chunks: AsyncIterator[checkpoint_pb2.ShardChunk]) -> None:
+    async def receive_replica(
+        self,
+        chunks: AsyncIterator[checkpoint_pb2.ShardChunk],
+        admitted: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None:
         """Hold a shard a buddy pushes, once its checksum verifies. MemoryBudgetFull when
-        there is no room; InvalidArgument when the stream or the checksum is wrong."""
+        there is no room; InvalidArgument when the stream or the checksum is wrong.
+        `admitted(job_id)` raises when the pusher may not push that job's shards."""
 
         async def allocate(header: checkpoint_pb2.ShardHeader) -> Segment:
+            if admitted is not None:
+                await admitted(header.key.job_id)
             owner = (header.key.job_id, header.key.rank)
             return await asyncio.to_thread(self.pool.allocate, header.size_bytes, owner)
 
@@ -247,6 +271,20 @@ class CheckpointDaemon:
             log.warning("pushed shard refused: %s", error)
             raise InvalidArgument(f"{error}: the bytes changed on the way; push it again")
         self._keep_replica(record)
+
+    async def is_member(self, job_id: str, node_id: str) -> bool:
+        """Whether `node_id` runs a rank of the job now, per the scheduler (asked again
+        when it was not, so a replacement placed a moment ago is known)."""
+        known = self._members.get(job_id)
+        if known is not None and node_id in known:
+            return True
+        members = await self.catalog.members(job_id)
+        if members is None:
+            raise Unavailable(
+                f"cannot ask the scheduler whether node {node_id} runs job {job_id}; retry"
+            )
+        self._members[job_id] = members
+        return node_id in members
 
     async def pull_chunks(self, shard: ShardId) -> AsyncIterator[checkpoint_pb2.ShardChunk]:
         """The chunks of a shard held in memory (step 0: the newest); the puller

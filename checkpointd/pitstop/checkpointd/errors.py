@@ -30,6 +30,11 @@ class ResourceExhausted(CheckpointdError):
     out-of-memory (RESOURCE_EXHAUSTED)."""
 
 
+class PermissionDenied(CheckpointdError):
+    """The calling node may not do this: another node's own call, or a shard of a job
+    it runs no rank of (PERMISSION_DENIED)."""
+
+
 class Unavailable(CheckpointdError):
     """The daemon cannot serve this now, e.g. it is stopping; retry later or elsewhere
     (UNAVAILABLE)."""

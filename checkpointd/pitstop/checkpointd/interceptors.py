@@ -25,6 +25,7 @@ _DOMAIN_CODES: list[tuple[type[errors.CheckpointdError], grpc.StatusCode]] = [
     (errors.NotFound, grpc.StatusCode.NOT_FOUND),
     (errors.FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (errors.ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (errors.Unavailable, grpc.StatusCode.UNAVAILABLE),
 ]
 INTERNAL_MESSAGE = "internal error in checkpointd; see its log"

@@ -52,6 +52,10 @@ def run(
     keep_in_memory: Annotated[int | None, typer.Option(help="Snapshots kept per rank")] = None,
     keep_durable: Annotated[int | None, typer.Option(help="Durable checkpoints kept")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING [INFO]")] = None,
+    tls_dir: Annotated[
+        Path | None,
+        typer.Option(help="The node's identity (the agent's <state_dir>/tls): mutual TLS"),
+    ] = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT; then unlink every shared-memory segment and exit."""
     try:
@@ -69,6 +73,7 @@ def run(
             keep_in_memory=keep_in_memory,
             keep_durable=keep_durable,
             log_level=log_level,
+            tls_dir=tls_dir,
         )
     except ValidationError as exc:
         _fail(f"invalid configuration: {_one_line(exc)}", EXIT_BAD_CONFIG)

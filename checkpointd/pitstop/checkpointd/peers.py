@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-import grpc
-
+from pitstop.tls import NodeIdentity, open_channel
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 PULL_TIMEOUT_SECONDS = 600.0
@@ -35,10 +34,11 @@ def catalog_holders(
     *,
     timeout: float,
     metadata: Metadata = None,
+    identity: NodeIdentity | None = None,
 ) -> tuple[int, list[str]]:
     """The step (`step`, or the committed one for 0) and host:port of the checkpoint
     daemons the catalog says hold the rank's shard of it. Raises grpc.RpcError."""
-    with grpc.insecure_channel(catalog_address) as channel:
+    with open_channel(catalog_address, identity, to_scheduler=True) as channel:
         response = checkpoint_pb2_grpc.CheckpointCatalogServiceStub(channel).GetRestorePoint(
             checkpoint_pb2.GetRestorePointRequest(job_id=job_id, step=step),
             timeout=timeout,
@@ -56,13 +56,14 @@ def pull_shard(
     *,
     timeout: float = PULL_TIMEOUT_SECONDS,
     metadata: Metadata = None,
+    identity: NodeIdentity | None = None,
 ) -> tuple[checkpoint_pb2.ShardHeader, bytearray]:
     """The shard `key` (step 0: the newest the daemon holds) from the daemon at
     `address`, its checksum verified. Raises grpc.RpcError or PulledShardError."""
     header: checkpoint_pb2.ShardHeader | None = None
     data = bytearray()
     received = 0
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    with open_channel(address, identity, options=CHANNEL_OPTIONS) as channel:
         chunks = checkpoint_pb2_grpc.CheckpointServiceStub(channel).PullShard(
             checkpoint_pb2.PullShardRequest(key=key), timeout=timeout, metadata=metadata
         )

@@ -27,6 +27,7 @@ from pitstop.checkpointd.catalog import CatalogClient
 from pitstop.checkpointd.errors import InvalidArgument
 from pitstop.checkpointd.slots import Segment, SlotPool
 from pitstop.checkpointd.store import ShardRecord
+from pitstop.tls import NodeIdentity, open_channel
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -143,8 +144,10 @@ class Replicator:
         *,
         token: str = "",
         retry_max_seconds: float = 30.0,
+        identity: NodeIdentity | None = None,
     ) -> None:
         self._catalog = catalog
+        self._identity = identity
         self._pool = pool
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._retry_max = retry_max_seconds
@@ -169,7 +172,7 @@ class Replicator:
     def stub(self, address: str) -> Any:
         """A CheckpointService stub for the daemon at `address` (channels are kept)."""
         if address not in self._channels:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = open_channel(address, self._identity, aio=True, options=CHANNEL_OPTIONS)
             self._channels[address] = (channel, checkpoint_pb2_grpc.CheckpointServiceStub(channel))
         return self._channels[address][1]
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pitstop.checkpointd.durable import valid_name
-from pitstop.checkpointd.errors import InvalidArgument
+from pitstop.checkpointd.errors import InvalidArgument, PermissionDenied
 from pitstop.checkpointd.store import ShardId
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
@@ -31,6 +31,12 @@ def _shard(key: checkpoint_pb2.ShardKey, *, step_required: bool) -> ShardId:
     return ShardId(key.job_id, key.rank, key.step)
 
 
+def _peer_node(context: grpc.aio.ServicerContext) -> str | None:
+    """The node whose certificate the caller presented (mutual TLS), else None."""
+    names = context.auth_context().get("x509_common_name")
+    return names[0].decode() if names else None
+
+
 class CheckpointServicer:
     """The CheckpointService methods, each a thin call into the daemon."""
 
@@ -41,9 +47,29 @@ class CheckpointServicer:
         """Serve this servicer on `server`."""
         checkpoint_pb2_grpc.add_CheckpointServiceServicer_to_server(self, server)
 
+    def _local(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        """With mutual TLS: only this node (its ranks, its agent) may call `method`."""
+        peer = _peer_node(context)
+        if peer is not None and peer != self.daemon.node_id:
+            raise PermissionDenied(
+                f"{method} is for node {self.daemon.node_id}'s own ranks; node {peer} may "
+                "only push or pull shards of jobs it runs a rank of"
+            )
+
+    async def _member(self, context: grpc.aio.ServicerContext, job_id: str, what: str) -> None:
+        """With mutual TLS: the calling node must run a rank of `job_id` (or be this one)."""
+        peer = _peer_node(context)
+        if peer is None or peer == self.daemon.node_id:
+            return
+        if not await self.daemon.is_member(job_id, peer):
+            raise PermissionDenied(
+                f"node {peer} runs no rank of job {job_id}: it may not {what} its shards"
+            )
+
     async def AcquireSlot(  # noqa: N802 (gRPC method names)
         self, request: checkpoint_pb2.AcquireSlotRequest, context: grpc.aio.ServicerContext
     ) -> checkpoint_pb2.AcquireSlotResponse:
+        self._local(context, "AcquireSlot")
         shard = _shard(request.key, step_required=True)
         if request.size_bytes == 0:
             raise InvalidArgument("size_bytes is 0: a shard has at least its 8-byte header length")
@@ -53,6 +79,7 @@ class CheckpointServicer:
     async def SealSlot(  # noqa: N802
         self, request: checkpoint_pb2.SealSlotRequest, context: grpc.aio.ServicerContext
     ) -> checkpoint_pb2.SealSlotResponse:
+        self._local(context, "SealSlot")
         shard = _shard(request.key, step_required=True)
         self.daemon.seal_slot(shard, request.key.generation, request.shm_name, request.size_bytes)
         catalog, buddy = self.daemon.other_sources()
@@ -66,6 +93,7 @@ class CheckpointServicer:
     async def Restore(  # noqa: N802
         self, request: checkpoint_pb2.RestoreRequest, context: grpc.aio.ServicerContext
     ) -> checkpoint_pb2.RestoreResponse:
+        self._local(context, "Restore")
         record, source = await self.daemon.restore(_shard(request.key, step_required=False))
         return checkpoint_pb2.RestoreResponse(
             header=record.header(), shm_name=record.segment.name, source=source.value
@@ -76,13 +104,18 @@ class CheckpointServicer:
         request_iterator: AsyncIterator[checkpoint_pb2.ShardChunk],
         context: grpc.aio.ServicerContext,
     ) -> checkpoint_pb2.PushShardResponse:
-        await self.daemon.receive_replica(request_iterator)
+        async def admitted(job_id: str) -> None:
+            await self._member(context, job_id, "push")
+
+        await self.daemon.receive_replica(request_iterator, admitted)
         return checkpoint_pb2.PushShardResponse(stored=True)
 
     async def PullShard(  # noqa: N802
         self, request: checkpoint_pb2.PullShardRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[checkpoint_pb2.ShardChunk]:
-        async for chunk in self.daemon.pull_chunks(_shard(request.key, step_required=False)):
+        shard = _shard(request.key, step_required=False)
+        await self._member(context, shard.job_id, "pull")
+        async for chunk in self.daemon.pull_chunks(shard):
             yield chunk
 
     async def ListShards(  # noqa: N802

@@ -80,6 +80,7 @@ from pitstop.checkpointd.tensorcopy import (
     read_tensor,
     signature,
 )
+from pitstop.tls import identity_from_env, open_channel
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,8 @@ class SnapshotWriter:
         self.address = address
         self.catalog_address = catalog_address
         self.buddy_address = buddy_address
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._identity = identity_from_env()  # a rank's node identity, when its agent set one
+        self._channel = open_channel(address, self._identity, options=_CHANNEL_OPTIONS)
         self._stub = checkpoint_pb2_grpc.CheckpointServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._timeout = timeout_s
@@ -319,6 +321,7 @@ class SnapshotWriter:
                     step,
                     timeout=self._timeout,
                     metadata=self._metadata,
+                    identity=self._identity,
                 )
                 candidates += named
             except grpc.RpcError as exc:
@@ -330,7 +333,9 @@ class SnapshotWriter:
             if not address or (address == self.address and not local_answers):
                 continue
             try:
-                header, data = pull_shard(address, key, metadata=self._metadata)
+                header, data = pull_shard(
+                    address, key, metadata=self._metadata, identity=self._identity
+                )
             except (grpc.RpcError, PulledShardError) as exc:
                 log.warning(
                     "rank %d: pull of step %d from %s failed: %s",
@@ -368,7 +373,7 @@ class SnapshotWriter:
         """A fresh channel, so the next call tries the daemon at once: the old one
         would wait out its reconnect backoff (up to minutes) after a daemon restart."""
         self._channel.close()
-        self._channel = grpc.insecure_channel(self.address, options=_CHANNEL_OPTIONS)
+        self._channel = open_channel(self.address, self._identity, options=_CHANNEL_OPTIONS)
         self._stub = checkpoint_pb2_grpc.CheckpointServiceStub(self._channel)
 
     def _key(self, step: int, rank: int | None = None) -> checkpoint_pb2.ShardKey:

@@ -202,7 +202,7 @@ class GetRestorePointRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class GetRestorePointResponse(_message.Message):
-    __slots__ = ("committed_step", "durable_step", "locations")
+    __slots__ = ("committed_step", "durable_step", "locations", "member_node_ids")
     class LocationsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -213,10 +213,12 @@ class GetRestorePointResponse(_message.Message):
     COMMITTED_STEP_FIELD_NUMBER: _ClassVar[int]
     DURABLE_STEP_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     committed_step: int
     durable_step: int
     locations: _containers.MessageMap[int, ShardLocations]
-    def __init__(self, committed_step: _Optional[int] = ..., durable_step: _Optional[int] = ..., locations: _Optional[_Mapping[int, ShardLocations]] = ...) -> None: ...
+    member_node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, committed_step: _Optional[int] = ..., durable_step: _Optional[int] = ..., locations: _Optional[_Mapping[int, ShardLocations]] = ..., member_node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ShardLocations(_message.Message):
     __slots__ = ("node_ids", "addresses")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import grpc
 
+from pitstop.scheduler.auth import current_caller
+from pitstop.scheduler.errors import PermissionDenied
 from pitstop.scheduler.jobspec import check_text
 from pitstop.scheduler.services import catalog as catalog_service
 from pitstop.scheduler.services import jobs as job_service
@@ -19,6 +21,12 @@ class CatalogServicer:
         self, request: checkpoint_pb2.ReportShardsRequest, context: grpc.aio.ServicerContext
     ) -> checkpoint_pb2.ReportShardsResponse:
         check_text("node_id", request.node_id, max_len=253)
+        caller = current_caller.get()
+        if caller.node_id and caller.node_id != request.node_id:
+            raise PermissionDenied(
+                f"node_id: this call's certificate names node {caller.node_id!r}; it cannot "
+                f"report shards held by {request.node_id!r}"
+            )
         async with self.store.write() as session:
             settled = await catalog_service.report_shards(session, request)
         async with self.store.write() as session:  # the jobs' rows: briefly, on their own

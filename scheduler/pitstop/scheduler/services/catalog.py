@@ -278,6 +278,12 @@ async def restore_point(
     response = checkpoint_pb2.GetRestorePointResponse(
         committed_step=job.committed_step, durable_step=job.durable_step
     )
+    members = await session.scalars(
+        select(func.distinct(models.RankAssignment.node_id))
+        .where(models.RankAssignment.job_id == job.id)
+        .where(models.RankAssignment.generation == job.generation)
+    )
+    response.member_node_ids.extend(sorted(members))
     step = step or job.committed_step
     if step:
         rows = await session.execute(
