@@ -166,6 +166,12 @@ class CertificateAuthority:
         key_path, cert_path = directory / "ca.key", directory / "ca.crt"
         if key_path.exists() and cert_path.exists():
             return cls(load_key(key_path), x509.load_pem_x509_certificate(cert_path.read_bytes()))
+        if key_path.exists() or cert_path.exists():
+            raise TlsError(
+                f"{directory} holds only one of ca.key and ca.crt: restore the other (every "
+                "node's certificate depends on them), or remove both to start a new CA and "
+                "enroll every node again"
+            )
         key = new_key()
         name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, CA_NAME)])
         cert = (

@@ -18,6 +18,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from pitstop.scheduler.config import SchedulerSettings, load_settings
 from pitstop.scheduler.embedded import EmbeddedUnavailable
+from pitstop.tls import TlsError
 
 app = typer.Typer(add_completion=False, help="Run the pitstop scheduler.")
 log = logging.getLogger("pitstop.scheduler")
@@ -71,6 +72,9 @@ def serve(
         raise typer.Exit(1) from None
     except OSError as exc:
         typer.echo(f"pitstop-scheduler: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except TlsError as exc:  # the CA in tls_dir cannot be used
+        typer.echo(f"pitstop-scheduler: tls: {exc}", err=True)
         raise typer.Exit(1) from None
 
 
