@@ -60,6 +60,19 @@ EXAMPLE_CONFIG = """\
 # Better kept out of this file: set PITSTOP_AGENT_TOKEN in a systemd drop-in.
 # token: ""
 
+# Mutual TLS with this node's certificate (kept in <state_dir>/tls); the scheduler runs
+# with tls, and the agent connects to its node port, learned when it enrolled.
+# tls: false
+
+# One-time join token the node enrolls with when it has no valid certificate yet (an
+# admin makes one: pitstop token create --node-id ...). Better kept out of this file:
+# set PITSTOP_AGENT_JOIN_TOKEN.
+# join_token: ""
+
+# The cluster CA's certificate (the scheduler's tls/ca.crt), trusted when enrolling.
+# Unset, it is <state_dir>/tls/ca.crt, where enrollment keeps it.
+# ca_file: null
+
 # GPU backend: nvml for this node's NVIDIA GPUs, sim:N for N simulated GPUs.
 # gpus: nvml
 
