@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import queue
 import signal
@@ -31,6 +32,7 @@ import redis
 
 from pitstop.scheduler.config import SchedulerSettings
 from pitstop.scheduler.server import Scheduler, start_scheduler
+from pitstop.tls import channel_options
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, nodes_pb2, nodes_pb2_grpc
 
 RUN_ID = uuid.uuid4().hex[:10]
@@ -376,8 +378,7 @@ class follow_events:  # noqa: N801 (used like the generator it replaced)
             self._channel = grpc.insecure_channel(address)
         else:
             credentials = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
-            override = [("grpc.ssl_target_name_override", "pitstop-scheduler")]
-            self._channel = grpc.secure_channel(address, credentials, options=override)
+            self._channel = grpc.secure_channel(address, credentials, options=channel_options())
         self._stream = nodes_pb2_grpc.EventServiceStub(self._channel).Watch(
             nodes_pb2.WatchEventsRequest(after_event_id=after),
             timeout=timeout,
@@ -437,6 +438,21 @@ def run_mesh_ranks(argv: list[str], dp: int, tp: int, timeout: float, pp: int = 
     return outputs
 
 
+def tls_scheduler(stores: StoreUrls, root: Path, tokens: list[dict[str, str]]) -> SchedulerProcess:
+    """A scheduler process with TLS on (its CA made in its state directory), a database
+    of its own, both ports picked free, and these API tokens."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")} | {
+        "PITSTOP_DATABASE_URL": stores.fresh_database(),
+        "PITSTOP_REDIS_URL": stores.redis_url,
+        "PITSTOP_REDIS_PREFIX": f"{stores.redis_prefix}{unique('tls')}:",
+        "PITSTOP_TLS": "true",
+        "PITSTOP_NODE_PORT": "0",
+        "PITSTOP_TOKENS": json.dumps(tokens),
+        "GRPC_VERBOSITY": "NONE",
+    }
+    return SchedulerProcess(root, "scheduler", env)
+
+
 SCHEDULER_BIN = Path(sys.executable).with_name("pitstop-scheduler")
 
 
@@ -491,8 +507,7 @@ class SchedulerProcess:
             channel = grpc.insecure_channel(self.address)
         else:
             credentials = grpc.ssl_channel_credentials(root_certificates=self.ca.read_bytes())
-            override = [("grpc.ssl_target_name_override", "pitstop-scheduler")]
-            channel = grpc.secure_channel(self.address, credentials, options=override)
+            channel = grpc.secure_channel(self.address, credentials, options=channel_options())
         self._channels.append(channel)
         return channel
 

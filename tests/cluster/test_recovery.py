@@ -43,6 +43,7 @@ from typer.testing import CliRunner
 
 from pitstop.agent.config import SOCKET_NAME
 from pitstop.agent.identity import enroll, identity_for
+from pitstop.checkpointd.instances import remove_stale_segments
 from pitstop.checkpointd.peers import pull_shard
 from pitstop.checkpointd.slots import segment_prefix
 from pitstop.client.cli import app
@@ -500,6 +501,10 @@ class Cluster:
             node.stop()
         for node in self.nodes.values():
             node.wait_stopped()
+        # A daemon killed with SIGKILL (a node's death) cannot unlink its shared memory;
+        # the next daemon of that node id would. Nothing comes after a test's cluster.
+        for node_id in self.nodes:
+            remove_stale_segments(segment_prefix(node_id))
         self.events.close()
 
 

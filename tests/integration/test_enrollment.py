@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -22,14 +21,14 @@ from pathlib import Path
 import grpc
 import psycopg
 import pytest
-from conftest import SchedulerProcess, StoreUrls, follow_events, unique, wait_for
+from conftest import SchedulerProcess, StoreUrls, follow_events, tls_scheduler, unique, wait_for
 from cryptography import x509
 from google.protobuf import timestamp_pb2
 
-from pitstop.agent.identity import EnrollmentError, credentials, enroll, identity_for
+from pitstop.agent.identity import EnrollmentError, enroll, identity_for
 from pitstop.client.client import PitstopClient
 from pitstop.client.errors import PitstopError
-from pitstop.tls import channel_options, common_name, load_key
+from pitstop.tls import channel_options, common_name, load_key, node_credentials
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, jobs_pb2, jobs_pb2_grpc
 
 ADMIN = "admin-token-0123456789"
@@ -41,25 +40,15 @@ AGENT_BIN = Path(sys.executable).with_name("pitstop-agent")
 def secure(
     stores: StoreUrls, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[SchedulerProcess]:
-    root = tmp_path_factory.mktemp("tls")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")} | {
-        "PITSTOP_DATABASE_URL": stores.fresh_database(),
-        "PITSTOP_REDIS_URL": stores.redis_url,
-        "PITSTOP_REDIS_PREFIX": f"{stores.redis_prefix}{unique('tls')}:",
-        "PITSTOP_TLS": "true",
-        "PITSTOP_TOKENS": json.dumps(
-            [
-                {
-                    "sha256": hashlib.sha256(ADMIN.encode()).hexdigest(),
-                    "role": "admin",
-                    "name": "ops",
-                },
-                {"token": VIEWER, "role": "viewer", "name": "watcher"},
-            ]
-        ),
-        "GRPC_VERBOSITY": "NONE",
-    }
-    scheduler = SchedulerProcess(root, "scheduler", env)
+    admin_hash = hashlib.sha256(ADMIN.encode()).hexdigest()
+    scheduler = tls_scheduler(
+        stores,
+        tmp_path_factory.mktemp("tls"),
+        [
+            {"sha256": admin_hash, "role": "admin", "name": "ops"},
+            {"token": VIEWER, "role": "viewer", "name": "watcher"},
+        ],
+    )
     try:
         yield scheduler
     finally:
@@ -67,7 +56,8 @@ def secure(
 
 
 def ca_file(scheduler: SchedulerProcess) -> Path:
-    return scheduler.root / scheduler.name / "tls" / "ca.crt"
+    assert scheduler.ca is not None
+    return scheduler.ca
 
 
 def admin(scheduler: SchedulerProcess, token: str = ADMIN) -> PitstopClient:
@@ -104,7 +94,7 @@ def node_channel(scheduler: SchedulerProcess, root: Path, node_id: str) -> grpc.
     enroll(identity, scheduler.address, token, ca_file(scheduler))
     assert identity.node_address(scheduler.address) == scheduler.node_address
     return grpc.secure_channel(
-        scheduler.node_address, credentials(identity), options=channel_options()
+        scheduler.node_address, node_credentials(identity), options=channel_options()
     )
 
 
@@ -223,7 +213,7 @@ def test_a_node_renews_its_certificate_with_the_one_it_holds(
     assert after.serial_number != before.serial_number
     assert after.public_key() != before.public_key()  # a fresh key as well
     node = secure.node_address
-    with grpc.secure_channel(node, credentials(identity), options=channel_options()) as c:
+    with grpc.secure_channel(node, node_credentials(identity), options=channel_options()) as c:
         assert connect(c, node_id).registered.node_id == node_id
 
 

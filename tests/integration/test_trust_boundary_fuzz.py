@@ -13,7 +13,6 @@ details (never UNKNOWN or INTERNAL, never a traceback).
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import grpc
 import psycopg
 import pytest
 from checkpointd_harness import DaemonProcess, FakeCatalog
-from conftest import SchedulerProcess, StoreUrls, unique
+from conftest import SchedulerProcess, StoreUrls, tls_scheduler, unique
 from google.protobuf import timestamp_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
@@ -31,11 +30,11 @@ from google.protobuf.message_factory import GetMessageClass
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from pitstop.agent.identity import credentials, enroll, identity_for
+from pitstop.agent.identity import enroll, identity_for
 from pitstop.checkpointd.instances import SHM_DIR
 from pitstop.checkpointd.store import shard_checksum
 from pitstop.client.client import PitstopClient
-from pitstop.tls import channel_options
+from pitstop.tls import channel_options, node_credentials
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, checkpoint_pb2_grpc, common_pb2
 
 ADMIN = "admin-token-fuzz-0123456789"
@@ -181,18 +180,11 @@ class Enrolled:
 @pytest.fixture(scope="module")
 def enrolled(stores: StoreUrls, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Enrolled]:
     root = tmp_path_factory.mktemp("trust")
-    database_url = stores.fresh_database()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")} | {
-        "PITSTOP_DATABASE_URL": database_url,
-        "PITSTOP_REDIS_URL": stores.redis_url,
-        "PITSTOP_REDIS_PREFIX": f"{stores.redis_prefix}{unique('trust')}:",
-        "PITSTOP_TLS": "true",
-        "PITSTOP_TOKENS": json.dumps([{"token": ADMIN, "role": "admin", "name": "ops"}]),
-        "GRPC_VERBOSITY": "NONE",
-    }
-    scheduler = SchedulerProcess(root, "scheduler", env)
+    scheduler = tls_scheduler(stores, root, [{"token": ADMIN, "role": "admin", "name": "ops"}])
+    database_url = scheduler.env["PITSTOP_DATABASE_URL"]
     try:
-        ca = root / "scheduler" / "tls" / "ca.crt"
+        ca = scheduler.ca
+        assert ca is not None
         tls = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
         node_id = unique("fuzz")
         with PitstopClient(scheduler.address, ADMIN, credentials=tls) as client:
@@ -200,7 +192,7 @@ def enrolled(stores: StoreUrls, tmp_path_factory: pytest.TempPathFactory) -> Ite
         identity = identity_for(root / node_id, node_id)
         enroll(identity, scheduler.address, token, ca)
         channel = grpc.secure_channel(
-            scheduler.node_address, credentials(identity), options=channel_options()
+            scheduler.node_address, node_credentials(identity), options=channel_options()
         )
         with channel:
             yield Enrolled(scheduler, node_id, channel, database_url)

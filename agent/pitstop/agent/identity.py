@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from pitstop.tls import NodeIdentity, TlsError, channel_options, node_credentials
+from pitstop.tls import NodeIdentity, TlsError, channel_options, open_channel
 from pitstop.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -76,26 +76,10 @@ def _keep(identity: NodeIdentity, answer: agent_pb2.JoinResponse) -> None:
         raise EnrollmentError(f"the scheduler's certificate cannot be used: {exc}") from exc
 
 
-def credentials(identity: NodeIdentity) -> grpc.ChannelCredentials:
-    """Channel credentials presenting the node's certificate (read fresh: a renewal
-    takes effect on the next connection)."""
-    creds: grpc.ChannelCredentials = node_credentials(identity)
-    return creds
-
-
-def aio_channel(identity: NodeIdentity | None, scheduler: str) -> grpc.aio.Channel:
-    """An asyncio channel to the scheduler: mutual TLS with `identity` on the scheduler's
-    node port, else plaintext to `scheduler`."""
-    if identity is None:
-        return grpc.aio.insecure_channel(scheduler)
-    target = identity.node_address(scheduler)
-    return grpc.aio.secure_channel(target, credentials(identity), options=channel_options())
-
-
 async def renew(identity: NodeIdentity, scheduler: str) -> None:
     """A new key and certificate now, authenticated by the current certificate."""
     request = agent_pb2.RenewRequest(csr_pem=identity.request().decode())
-    async with aio_channel(identity, scheduler) as channel:
+    async with open_channel(scheduler, identity, to_scheduler=True, aio=True) as channel:
         answer = await agent_pb2_grpc.EnrollmentServiceStub(channel).Renew(request, timeout=30)
     _keep(identity, answer)
     log.info(

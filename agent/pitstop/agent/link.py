@@ -28,9 +28,8 @@ from pitstop.agent.config import AgentSettings
 from pitstop.agent.executor import CommandExecutor, RankChannel, RankSupervision
 from pitstop.agent.gpu import GpuBackend
 from pitstop.agent.heartbeats import Heartbeats, StepSource, timestamp
-from pitstop.agent.identity import aio_channel
 from pitstop.agent.metrics import AgentMetrics
-from pitstop.tls import NodeIdentity
+from pitstop.tls import NodeIdentity, open_channel
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -198,7 +197,9 @@ class SchedulerLink:
             log.exception("building the registration failed")
             raise LinkDown(f"cannot build the registration: {exc}") from exc
         metadata = (("authorization", f"Bearer {self._token}"),) if self._token else None
-        channel = aio_channel(self._identity, self._settings.scheduler)
+        channel = open_channel(
+            self._settings.scheduler, self._identity, to_scheduler=True, aio=True
+        )
         call = agent_pb2_grpc.AgentServiceStub(channel).Connect(
             self._requests(register), metadata=metadata
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -38,6 +39,9 @@ from pitstop.tls import NodeIdentity, node_server_credentials
 from pitstop.v1 import checkpoint_pb2
 
 log = logging.getLogger(__name__)
+
+MEMBERS_FRESH_SECONDS = 10.0
+"""How long a daemon trusts the scheduler's answer that a node runs a job's rank."""
 
 _INLINE_CHECKSUM_BYTES = 4 << 20
 """Shards up to this size are checksummed on the event loop (under 0.5 ms of hashing):
@@ -94,7 +98,7 @@ class CheckpointDaemon:
             self._keep_replica,
         )
         self.skipped_snapshots = 0
-        self._members: dict[str, set[str]] = {}
+        self._members: dict[str, tuple[set[str], float]] = {}
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._sealed: asyncio.Queue[ShardRecord] = asyncio.Queue()
@@ -273,17 +277,18 @@ class CheckpointDaemon:
         self._keep_replica(record)
 
     async def is_member(self, job_id: str, node_id: str) -> bool:
-        """Whether `node_id` runs a rank of the job now, per the scheduler (asked again
-        when it was not, so a replacement placed a moment ago is known)."""
-        known = self._members.get(job_id)
-        if known is not None and node_id in known:
+        """Whether `node_id` runs a rank of the job now, per the scheduler: asked again
+        when it was not (a replacement placed a moment ago) and when the answer is older
+        than MEMBERS_FRESH_SECONDS (a node moved off the job loses access)."""
+        known, asked_at = self._members.get(job_id, (set(), 0.0))
+        if node_id in known and time.monotonic() - asked_at < MEMBERS_FRESH_SECONDS:
             return True
         members = await self.catalog.members(job_id)
         if members is None:
             raise Unavailable(
                 f"cannot ask the scheduler whether node {node_id} runs job {job_id}; retry"
             )
-        self._members[job_id] = members
+        self._members[job_id] = (members, time.monotonic())
         return node_id in members
 
     async def pull_chunks(self, shard: ShardId) -> AsyncIterator[checkpoint_pb2.ShardChunk]:

@@ -40,8 +40,15 @@ class Caller:
     roles: frozenset[Role]
     node_id: str = ""
     """The node whose certificate made the call (mutual TLS); "" for a person."""
-    issued_at: dt.datetime | None = None
-    """When that certificate was issued (a revocation refuses older ones)."""
+    certificate: bytes = b""
+    """That certificate (PEM), read only where its issue time matters."""
+
+    @property
+    def issued_at(self) -> dt.datetime | None:
+        """When the node's certificate was issued (a revocation refuses older ones)."""
+        if not self.certificate:
+            return None
+        return issued_at(x509.load_pem_x509_certificate(self.certificate))
 
     @property
     def actor(self) -> str:
@@ -132,11 +139,8 @@ def node_caller(context: grpc.aio.ServicerContext) -> Caller | None:
     node_id = names[0].decode()
     if node_id == SCHEDULER_NAME:  # the scheduler's own name is no node's
         return None
-    issued = None
-    pem = found.get("x509_pem_cert")
-    if pem:
-        issued = issued_at(x509.load_pem_x509_certificate(pem[0]))
-    return Caller(f"node:{node_id}", frozenset({Role.AGENT}), node_id, issued)
+    pem = found.get("x509_pem_cert") or [b""]
+    return Caller(f"node:{node_id}", frozenset({Role.AGENT}), node_id, pem[0])
 
 
 def authorize(caller: Caller, method: str, needed: Role) -> None:

@@ -142,6 +142,7 @@ class Session:
         self.last_snapshot: SnapshotResult | None = None
         self._capture = Capturer()
         self._snapshot_shapes: dict[int, Shape] = {}
+        self._shape_json: tuple[Shape | None, str] = (None, "")
         self._failed_snapshots = 0
         self._failing_since = 0  # failures in a row, for the log
 
@@ -446,10 +447,12 @@ class Session:
         if self.writer is None:
             return False
         tensors, metadata = self._capture(state)
-        metadata[SHAPE_KEY] = self.shape.to_json()
+        if self._shape_json[0] is not self.shape:  # worked out once per generation
+            self._shape_json = (self.shape, self.shape.to_json())
+        metadata[SHAPE_KEY] = self._shape_json[1]
         self._snapshot_shapes[state.step] = self.shape
-        if len(self._snapshot_shapes) > SHAPES_KEPT:
-            del self._snapshot_shapes[min(self._snapshot_shapes)]
+        if len(self._snapshot_shapes) > SHAPES_KEPT:  # the first kept is the oldest
+            del self._snapshot_shapes[next(iter(self._snapshot_shapes))]
         try:
             result = self.writer.snapshot(state.step, tensors, metadata)
             if self.device.type == "cuda":
