@@ -250,8 +250,6 @@ class LeaderElection:
                     task.result()  # surface a crash of the loops
                     raise RuntimeError("the leader loops ended on their own")
                 token, event_id = waiter.result()
-                if event_id is not None:
-                    await self.store.bus.announce([event_id])
                 if task is not None:
                     log.warning("%s lost the leader lease", self.holder)
                     self.token = None
@@ -263,6 +261,10 @@ class LeaderElection:
                     self.became_leader.set()
                     log.info("%s is the leader (fencing token %d)", self.holder, token)
                     task = asyncio.create_task(lead(token), name="leader-loops")
+                # Announced only once this process acts on it: a watcher that sees the
+                # event and asks whether this process leads must hear yes.
+                if event_id is not None:
+                    await self.store.bus.announce([event_id])
         finally:
             if waiter is not None:
                 waiter.cancel()
