@@ -18,8 +18,10 @@ from pathlib import Path
 
 import grpc
 
-from pitstop.tls import NodeIdentity, TlsError, channel_options, open_channel
-from pitstop.v1 import agent_pb2, agent_pb2_grpc
+from pitstop.enrollment import EnrollmentError, enroll, renew
+from pitstop.tls import NodeIdentity
+
+__all__ = ["EnrollmentError", "enroll", "identity_for", "keep_renewed", "renew"]
 
 log = logging.getLogger(__name__)
 
@@ -27,66 +29,8 @@ RETRY_SECONDS = 30.0
 """Wait after a failed renewal before trying again (the old certificate still works)."""
 
 
-class EnrollmentError(RuntimeError):
-    """The node cannot get a certificate; the message says what to do."""
-
-
 def identity_for(state_dir: Path, node_id: str) -> NodeIdentity:
     return NodeIdentity(state_dir / "tls", node_id)
-
-
-def enroll(identity: NodeIdentity, scheduler: str, join_token: str, ca_file: Path) -> None:
-    """Trade `join_token` for a certificate, unless the node already holds a valid one."""
-    if identity.enrolled:
-        return
-    if not join_token:
-        raise EnrollmentError(
-            f"node {identity.node_id} has no certificate in {identity.directory}: give a join "
-            "token (--join-token or PITSTOP_AGENT_JOIN_TOKEN; an admin makes one with "
-            "`pitstop token create --node-id ...`)"
-        )
-    try:
-        ca = ca_file.read_bytes()
-    except OSError as exc:
-        raise EnrollmentError(
-            f"ca_file {ca_file}: {exc.strerror}; copy the scheduler's tls/ca.crt here"
-        ) from exc
-    request = agent_pb2.JoinRequest(
-        join_token=join_token, node_id=identity.node_id, csr_pem=identity.request().decode()
-    )
-    credentials = grpc.ssl_channel_credentials(root_certificates=ca)
-    with grpc.secure_channel(scheduler, credentials, options=channel_options()) as channel:
-        try:
-            answer = agent_pb2_grpc.EnrollmentServiceStub(channel).Join(request, timeout=30)
-        except grpc.RpcError as exc:
-            raise EnrollmentError(
-                f"enrollment of node {identity.node_id} at {scheduler} refused: "
-                f"{exc.code().name} {exc.details()}"
-            ) from exc
-    _keep(identity, answer)
-    log.info("node %s enrolled: certificate in %s", identity.node_id, identity.cert_path)
-
-
-def _keep(identity: NodeIdentity, answer: agent_pb2.JoinResponse) -> None:
-    try:
-        identity.store(
-            answer.certificate_pem.encode(), answer.ca_certificate_pem.encode(), answer.node_port
-        )
-    except (TlsError, ValueError) as exc:
-        raise EnrollmentError(f"the scheduler's certificate cannot be used: {exc}") from exc
-
-
-async def renew(identity: NodeIdentity, scheduler: str) -> None:
-    """A new key and certificate now, authenticated by the current certificate."""
-    request = agent_pb2.RenewRequest(csr_pem=identity.request().decode())
-    async with open_channel(scheduler, identity, to_scheduler=True, aio=True) as channel:
-        answer = await agent_pb2_grpc.EnrollmentServiceStub(channel).Renew(request, timeout=30)
-    _keep(identity, answer)
-    log.info(
-        "node %s: certificate renewed, valid until %s",
-        identity.node_id,
-        identity.certificate().not_valid_after_utc,
-    )
 
 
 async def keep_renewed(identity: NodeIdentity, scheduler: str, stop: asyncio.Event) -> None:

@@ -46,6 +46,13 @@ class CheckpointdSettings(BaseSettings):
     """The node's identity (the agent's <state_dir>/tls, made when it enrolled): given,
     the daemon serves mutual TLS only (a node certificate of the cluster CA required of
     every caller: buddies, ranks, the agent) and presents it to the scheduler and peers."""
+    join_token: str = Field(default="", repr=False)
+    """A one-time join token: with tls_dir and no valid certificate there yet, the daemon
+    enrolls the node with it at start (the agent, sharing tls_dir, then finds it
+    enrolled). Better given as PITSTOP_CHECKPOINTD_JOIN_TOKEN than on the command line."""
+    ca_file: Path | None = None
+    """The cluster CA's certificate (the scheduler's tls/ca.crt), trusted to enroll;
+    default: tls_dir/ca.crt."""
     host: str = "0.0.0.0"
     """Address to serve on: the buddy's daemon must reach it."""
     port: int = Field(default=50061, ge=0, le=65535)

@@ -127,8 +127,9 @@ class CheckpointDaemon:
             if not self.identity.enrolled:
                 raise RuntimeError(
                     f"tls_dir {self.identity.directory} holds no valid certificate for node "
-                    f"{self.node_id}: start the node's agent with a join token first (it "
-                    "enrolls the node), or leave tls_dir unset"
+                    f"{self.node_id}: give a join token (--join-token or "
+                    "PITSTOP_CHECKPOINTD_JOIN_TOKEN; `pitstop token create --node-id ...`), "
+                    "start the node's agent with one first, or leave tls_dir unset"
                 )
             self.port = server.add_secure_port(where, node_server_credentials(self.identity))
         else:

@@ -17,6 +17,8 @@ from pydantic import ValidationError
 from pitstop.checkpointd.config import CheckpointdSettings, load_settings
 from pitstop.checkpointd.daemon import CheckpointDaemon
 from pitstop.checkpointd.instances import SHM_DIR, remove_stale_segments, segment_prefix
+from pitstop.enrollment import EnrollmentError, enroll
+from pitstop.tls import NodeIdentity
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="The pitstop checkpoint daemon.")
 log = logging.getLogger("pitstop.checkpointd")
@@ -56,6 +58,18 @@ def run(
         Path | None,
         typer.Option(help="The node's identity (the agent's <state_dir>/tls): mutual TLS"),
     ] = None,
+    join_token: Annotated[
+        str | None,
+        typer.Option(
+            help="One-time join token to enroll the node with at start (with --tls-dir); "
+            "better PITSTOP_CHECKPOINTD_JOIN_TOKEN, out of `ps`",
+            show_default=False,
+        ),
+    ] = None,
+    ca_file: Annotated[
+        Path | None,
+        typer.Option(help="The cluster CA certificate to enroll against [tls-dir/ca.crt]"),
+    ] = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT; then unlink every shared-memory segment and exit."""
     try:
@@ -74,6 +88,8 @@ def run(
             keep_durable=keep_durable,
             log_level=log_level,
             tls_dir=tls_dir,
+            join_token=join_token,
+            ca_file=ca_file,
         )
     except ValidationError as exc:
         _fail(f"invalid configuration: {_one_line(exc)}", EXIT_BAD_CONFIG)
@@ -89,7 +105,25 @@ def run(
         _fail(f"cannot start: {exc}", EXIT_CANNOT_START)
 
 
+def _enroll(settings: CheckpointdSettings) -> None:
+    """With a join token and no valid certificate in tls_dir yet: enroll the node (its
+    agent, sharing tls_dir, then finds it enrolled)."""
+    if settings.tls_dir is None or not settings.join_token:
+        return
+    identity = NodeIdentity(settings.tls_dir, settings.node_id)
+    try:
+        enroll(
+            identity,
+            settings.scheduler,
+            settings.join_token,
+            settings.ca_file or identity.ca_path,
+        )
+    except EnrollmentError as exc:
+        raise RuntimeError(str(exc)) from exc
+
+
 async def _serve(settings: CheckpointdSettings) -> None:
+    await asyncio.to_thread(_enroll, settings)
     daemon = CheckpointDaemon(settings)
     try:
         await daemon.start()
