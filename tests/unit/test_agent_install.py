@@ -6,6 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from pitstop.agent.config import load_settings
 from pitstop.agent.install import DEFAULT_EXECUTABLE, EXAMPLE_CONFIG, install, render_unit
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -60,3 +63,51 @@ def test_the_command_names_the_running_executable_and_says_what_it_did(tmp_path:
     assert f"ExecStart={AGENT_BINARY} run --config /etc/pitstop/agent.yaml\n" in unit.read_text()
     again = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
     assert f"kept {config}: it exists and is never overwritten" in again.stdout.splitlines()
+
+
+def test_a_join_token_is_installed_readable_by_root_only_and_turns_tls_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca = tmp_path / "ca.crt"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    command = [
+        str(AGENT_BINARY),
+        "install",
+        "--prefix",
+        str(tmp_path),
+        "--join-token",
+        "pst_join_abc",
+        "--ca-file",
+        str(ca),
+        "--scheduler",
+        "10.0.0.5:50051",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
+    env = tmp_path / "etc/pitstop/agent.env"
+    assert f"wrote {env}" in done.stdout.splitlines()
+    assert env.stat().st_mode & 0o777 == 0o600
+    assert env.read_text().splitlines() == [
+        "PITSTOP_AGENT_TLS=true",
+        "PITSTOP_AGENT_JOIN_TOKEN=pst_join_abc",
+        f"PITSTOP_AGENT_CA_FILE={ca}",
+        "PITSTOP_AGENT_SCHEDULER=10.0.0.5:50051",
+    ]
+    unit = (tmp_path / "etc/systemd/system/pitstop-agent.service").read_text()
+    assert "EnvironmentFile=-/etc/pitstop/agent.env\n" in unit
+    # The variables are the agent's own settings: they load, TLS on, the token given.
+    loaded = dict(line.split("=", 1) for line in env.read_text().splitlines())
+    for key, value in loaded.items():
+        monkeypatch.setenv(key, value)
+    settings = load_settings(None)
+    assert settings.tls
+    assert settings.join_token == "pst_join_abc"
+    assert settings.ca_file == ca
+    assert settings.scheduler == "10.0.0.5:50051"
+
+
+def test_a_join_token_without_its_ca_is_refused_naming_both(tmp_path: Path) -> None:
+    command = [str(AGENT_BINARY), "install", "--prefix", str(tmp_path), "--join-token", "t"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "give both --join-token and --ca-file" in done.stderr
+    assert not (tmp_path / "etc/pitstop/agent.env").exists()

@@ -15,6 +15,8 @@ from pathlib import Path
 UNIT_PATH = Path("etc/systemd/system/pitstop-agent.service")
 CONFIG_PATH = Path("etc/pitstop/agent.yaml")
 CONFIG_FILE = "/" + CONFIG_PATH.as_posix()
+ENV_PATH = Path("etc/pitstop/agent.env")
+ENV_FILE = "/" + ENV_PATH.as_posix()
 DEFAULT_EXECUTABLE = "/usr/local/bin/pitstop-agent"
 
 _UNIT = """\
@@ -25,6 +27,9 @@ After=network-online.target
 
 [Service]
 Type=simple
+# The node's enrollment (pitstop-agent install --join-token ...): the join token and
+# the cluster CA, kept out of the unit and the config, readable by root only.
+EnvironmentFile=-{env_file}
 ExecStart={executable} run --config {config}
 # Stop: SIGTERM to the agent only; it stops its ranks itself (SIGTERM, then SIGKILL
 # after their grace) and exits. Whatever is left after TimeoutStopSec gets SIGKILL.
@@ -140,7 +145,7 @@ EXAMPLE_CONFIG = """\
 
 def render_unit(executable: str = DEFAULT_EXECUTABLE) -> str:
     """The systemd unit that runs `executable` with the installed configuration."""
-    return _UNIT.format(executable=executable, config=CONFIG_FILE)
+    return _UNIT.format(executable=executable, config=CONFIG_FILE, env_file=ENV_FILE)
 
 
 def current_executable() -> str:
@@ -159,9 +164,34 @@ class InstallResult:
     kept: list[Path] = field(default_factory=list)
 
 
-def install(prefix: Path, executable: str = DEFAULT_EXECUTABLE) -> InstallResult:
+@dataclass(frozen=True)
+class Enrollment:
+    """How the node enrolls at its first start: mutual TLS with a certificate got for a
+    one-time join token, checking the scheduler against the cluster CA."""
+
+    join_token: str
+    ca_file: Path
+    scheduler: str = ""
+    """host:port of the scheduler's API; "": the config's."""
+
+    def environment(self) -> str:
+        lines = [
+            "PITSTOP_AGENT_TLS=true",
+            f"PITSTOP_AGENT_JOIN_TOKEN={self.join_token}",
+            f"PITSTOP_AGENT_CA_FILE={self.ca_file}",
+        ]
+        if self.scheduler:
+            lines.append(f"PITSTOP_AGENT_SCHEDULER={self.scheduler}")
+        return "\n".join(lines) + "\n"
+
+
+def install(
+    prefix: Path, executable: str = DEFAULT_EXECUTABLE, enrollment: Enrollment | None = None
+) -> InstallResult:
     """Write the unit (always: it belongs to the package) and the example configuration
-    (only when none exists: it belongs to the operator) under `prefix`."""
+    (only when none exists: it belongs to the operator) under `prefix`; with
+    `enrollment`, the environment file that enrolls the node (mode 0600, replaced: a
+    join token works once)."""
     result = InstallResult()
     unit = prefix / UNIT_PATH
     unit.parent.mkdir(parents=True, exist_ok=True)
@@ -176,4 +206,13 @@ def install(prefix: Path, executable: str = DEFAULT_EXECUTABLE) -> InstallResult
         result.kept.append(config)
     else:
         result.written.append(config)
+    if enrollment is not None:
+        env = prefix / ENV_PATH
+        partial = env.with_suffix(".env.partial")
+        partial.unlink(missing_ok=True)
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(enrollment.environment())
+        os.replace(partial, env)
+        result.written.append(env)
     return result

@@ -264,10 +264,43 @@ async def _serve(settings: AgentSettings, backend: GpuBackend) -> None:
 @app.command("install")
 def install_command(
     prefix: Annotated[Path, typer.Option(help="Root to install under")] = Path("/"),
+    join_token: Annotated[
+        str,
+        typer.Option(
+            envvar="PITSTOP_AGENT_JOIN_TOKEN",
+            help="One-time join token (pitstop token create --node-id ...): the node enrolls "
+            "with it at its first start and runs mutual TLS",
+            show_default=False,
+        ),
+    ] = "",
+    ca_file: Annotated[
+        Path | None,
+        typer.Option(help="The cluster CA certificate (the scheduler's tls/ca.crt)"),
+    ] = None,
+    scheduler: Annotated[
+        str, typer.Option(help="Scheduler host:port [the config's]", show_default=False)
+    ] = "",
 ) -> None:
-    """Write the systemd unit and an example /etc/pitstop/agent.yaml (kept if present)."""
+    """Write the systemd unit and an example /etc/pitstop/agent.yaml (kept if present);
+    with --join-token and --ca-file, /etc/pitstop/agent.env (0600) that enrolls the node
+    and turns mutual TLS on."""
+    enrollment = None
+    if join_token or ca_file is not None:
+        if not (join_token and ca_file is not None):
+            _fail(
+                "give both --join-token and --ca-file (the node enrolls with the token and "
+                "checks the scheduler against the CA)",
+                EXIT_BAD_CONFIG,
+            )
+        assert ca_file is not None
+        if not ca_file.is_file():
+            _fail(
+                f"--ca-file {ca_file} does not exist; copy the scheduler's tls/ca.crt",
+                EXIT_BAD_CONFIG,
+            )
+        enrollment = installer.Enrollment(join_token, ca_file.absolute(), scheduler)
     try:
-        result = installer.install(prefix, installer.current_executable())
+        result = installer.install(prefix, installer.current_executable(), enrollment)
     except OSError as exc:
         _fail(f"cannot install under {prefix}: {exc}", EXIT_CANNOT_START)
     for path in result.written:
