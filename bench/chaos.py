@@ -250,7 +250,7 @@ class Chaos:
         self.cluster, self.postgres, self.redis, self.args = cluster, postgres, redis, args
         self.client = cluster.client(timeout=30.0)
         # Polls give up at once: a scheduler that does not answer is asked next time.
-        self.poller = PitstopClient(cluster.scheduler_target, timeout=3.0, max_attempts=1)
+        self.poller = cluster.client(timeout=3.0, max_attempts=1)
         self.random = random.Random(args.seed)
         self.job = jobs_pb2.Job()  # as last read
         self.steps = Steps(cluster.state_dir, "")
@@ -635,6 +635,7 @@ def chaos_run(args: argparse.Namespace, root: Path, result: dict[str, Any], part
                 database_url=postgres.url,
                 redis_url=redis.url,
                 schedulers=2,
+                insecure=True,  # several schedulers: a local cluster of them runs insecure
                 agent_owns_checkpointd=True,
                 liveness_timeout=args.liveness_seconds,
                 progress=say,

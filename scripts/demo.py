@@ -219,8 +219,14 @@ def run_demo(args: argparse.Namespace) -> int:
                 progress=lambda m: console.print(f"  {m}"),
             )
         )
+        secure = (
+            "TLS, every node enrolled with a join token and on mutual TLS"
+            if cluster.tls
+            else "insecure"
+        )
         console.print(
-            f"scheduler at {cluster.scheduler_address}; nodes ready; a silent node is lost "
+            f"scheduler at {cluster.scheduler_address} ({secure}); nodes ready; a silent "
+            "node is lost "
             f"after {cluster.liveness_timeout:g} s; the run gives up after "
             f"{args.stall_seconds:.0f} s without a step or {deadline:.0f} s in all"
         )

@@ -499,7 +499,10 @@ class SchedulerProcess:
     @property
     def ca(self) -> Path | None:
         """The cluster CA's certificate, when the scheduler runs with TLS."""
-        return self.root / self.name / "tls" / "ca.crt" if self.node_address else None
+        if not self.node_address:
+            return None
+        shared = self.env.get("PITSTOP_TLS_DIR")
+        return (Path(shared) if shared else self.root / self.name / "tls") / "ca.crt"
 
     def channel(self) -> grpc.Channel:
         """A channel to the API: server TLS checked against the cluster CA when it is on."""

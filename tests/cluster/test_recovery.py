@@ -35,6 +35,7 @@ from conftest import (
     SchedulerThread,
     StoreUrls,
     follow_events,
+    free_port,
     run_mesh_ranks,
     scheduler_settings,
     unique,
@@ -289,7 +290,6 @@ class Cluster:
         self.jobs = jobs_pb2_grpc.JobServiceStub(scheduler.channel())
         self.node_api = nodes_pb2_grpc.NodeServiceStub(scheduler.channel())
         self.event_api = nodes_pb2_grpc.EventServiceStub(scheduler.channel())
-        self.catalog = checkpoint_pb2_grpc.CheckpointCatalogServiceStub(scheduler.channel())
         self.nodes: dict[str, Node] = {}
 
     network: Network | None = None
@@ -340,6 +340,22 @@ class Cluster:
                     )
                 )
             time.sleep(0.05)
+
+    def buddy_of(self, node_id: str) -> str:
+        """The node's snapshot buddy, asked of the catalog as the node itself (its agent
+        role comes from its certificate when the cluster runs mutual TLS)."""
+        node = self.nodes[node_id]
+        identity = identity_for(node.root / "agent", node_id) if node.tls else None
+        with open_channel(self.scheduler.address, identity, to_scheduler=True) as channel:
+            catalog = checkpoint_pb2_grpc.CheckpointCatalogServiceStub(channel)
+            request = checkpoint_pb2.GetBuddyRequest(node_id=node_id)
+            return str(catalog.GetBuddy(request, timeout=10).buddy_node_id)
+
+    def cli_options(self) -> list[str]:
+        """The `pitstop` CLI's options to reach this cluster's scheduler."""
+        return ["--server", self.scheduler.address] + (
+            ["--ca-cert", str(self.ca)] if self.ca is not None else []
+        )
 
     def follow(self, after: int, timeout: float, wait_for_ready: bool = False) -> follow_events:
         """The event stream after event `after`."""
@@ -522,8 +538,9 @@ def full_durable_store() -> bool:
 
 @pytest.fixture
 def tls() -> bool:
-    """Whether the cluster runs with mutual TLS (nodes enrolled); parametrized for it."""
-    return False
+    """Whether the cluster runs with mutual TLS (nodes enrolled): the secure default, as
+    `pitstop cluster up` runs; a test may parametrize it off."""
+    return True
 
 
 @pytest.fixture
@@ -703,9 +720,14 @@ def process_cluster(
             "PITSTOP_HEARTBEAT_INTERVAL_SECONDS": "0.5",
             "PITSTOP_LIVENESS_TIMEOUT_INTERVALS": str(LIVENESS_INTERVALS),
             "GRPC_VERBOSITY": "ERROR",
+            # Secure, one CA for every scheduler process; each keeps its node port across
+            # a restart (the nodes learned it at enrollment).
+            "PITSTOP_TLS": "true",
+            "PITSTOP_TLS_DIR": str(root / "tls"),
         }
         for i in range(standbys + 1):
-            running.schedulers.append(SchedulerProcess(root, f"scheduler-{i}", env))
+            own = env | {"PITSTOP_NODE_PORT": str(free_port())}
+            running.schedulers.append(SchedulerProcess(root, f"scheduler-{i}", own))
             stack.callback(running.schedulers[-1].stop)
         running.cluster = Cluster(running.schedulers[-1], root)
         stack.callback(running.cluster.stop)
@@ -791,7 +813,7 @@ def test_pause_then_resume_through_the_cli_skips_and_repeats_no_step(
         standby=False
     )  # returns once the ranks are stepping: the pause lands mid-run
     cli = CliRunner()
-    server = ["--server", cluster.scheduler.address]
+    server = cluster.cli_options()
     paused = cli.invoke(app, [*server, "job", "pause", job.id], catch_exceptions=False)
     assert paused.exit_code == 0, paused.output
     assert cluster.get(job.id).state == common_pb2.JOB_STATE_PAUSED
@@ -863,7 +885,7 @@ def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
     if fault not in IN_PLACE:
         assert victim.node_id in first.cause, goodput
     shown = CliRunner().invoke(
-        app, ["--server", cluster.scheduler.address, "job", "show", job.id], catch_exceptions=False
+        app, [*cluster.cli_options(), "job", "show", job.id], catch_exceptions=False
     )
     assert shown.exit_code == 0, shown.output
     assert "recoveries" in shown.output
@@ -994,19 +1016,13 @@ def test_two_nodes_failing_at_once_take_both_spares(
     durable flush yet, step 0) and still ends bitwise equal."""
     job = cluster.submit("--step-seconds", str(STEP_SECONDS))
     first = cluster.node_of(job, 1).node_id
-    buddy = cluster.catalog.GetBuddy(checkpoint_pb2.GetBuddyRequest(node_id=first)).buddy_node_id
+    buddy = cluster.buddy_of(first)
     workers = [a.node_id for a in job.rank_map.ranks if a.node_id != first]
     assert buddy in workers, (first, buddy)
     if pair == "buddies":
         second = buddy
     else:
-        second = next(
-            n
-            for n in workers
-            if n != buddy
-            and cluster.catalog.GetBuddy(checkpoint_pb2.GetBuddyRequest(node_id=n)).buddy_node_id
-            != first
-        )
+        second = next(n for n in workers if n != buddy and cluster.buddy_of(n) != first)
     cluster.wait_for_step(job, 1, random.randint(8, STEPS // 2))
     for node_id in (first, second):
         cluster.kill_node(node_id)
@@ -1055,8 +1071,10 @@ def test_a_corrupted_in_memory_shard_is_caught_and_restored_from_the_buddy(
     cluster.wait_for_step(job, rank, random.randint(8, STEPS // 2))
     (pid,) = cluster.rank_pids(victim.node_id)
     os.kill(pid, signal.SIGSTOP)  # it writes no newer snapshot while we corrupt
+    # The daemon takes calls from its own node only (mutual TLS with the node's identity).
+    identity = identity_for(victim.root / "agent", victim.node_id) if victim.tls else None
     daemon = checkpoint_pb2_grpc.CheckpointServiceStub(
-        grpc.insecure_channel(victim.checkpointd_address)
+        open_channel(victim.checkpointd_address, identity)
     )
 
     def newest_local() -> int:
@@ -1155,9 +1173,18 @@ def test_leader_failover_mid_run_and_the_new_leader_recovers_a_node(
     assert not standby.leading()
     job = cluster.submit("--step-seconds", str(STEP_SECONDS))
     cluster.wait_for_step(job, 0, random.randint(8, STEPS // 3))
+    log = cluster.event_api.List(nodes_pb2.ListEventsRequest(limit=1000))
+    (old_holder,) = {e.actor for e in log.events if e.kind == "scheduler.leader"}
     leader.kill()
-    cluster.wait(lambda e: e.kind == "scheduler.leader", "a scheduler.leader event")
-    assert standby.leading()
+    # The old leader may have re-taken its own lease (a late renewal on a busy machine)
+    # and logged that too: the handover is the event of another holder.
+    took_over = cluster.wait(
+        lambda e: e.kind == "scheduler.leader" and e.actor != old_holder,
+        "a scheduler.leader event of the standby",
+    )
+    assert int(took_over.attributes["token"]) > 1, took_over
+    # The event is committed before the process acts on it: wait for the act.
+    wait_until(standby.leading, "the standby reports that it leads")
     victim = cluster.node_of(job, 2)
     cluster.kill_node(victim.node_id)
     done = cluster.finish(job.id)

@@ -58,6 +58,7 @@ def cluster() -> Iterator[tuple[LocalCluster, OwnPostgres, OwnRedis]]:
             database_url=postgres.url,
             redis_url=redis.url,
             schedulers=2,
+            insecure=True,  # several schedulers: a local cluster of them runs insecure
             agent_owns_checkpointd=True,
             env={"PITSTOP_LEADER_LEASE_SECONDS": "1"},
             timeout=90,

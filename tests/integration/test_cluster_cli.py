@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from conftest import StoreUrls, unique
 
@@ -91,6 +93,33 @@ def cluster_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[
     )
 
 
+def pitstop_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(PITSTOP), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        timeout=CLI_TIMEOUT,
+        check=False,
+    )
+
+
+def plaintext_refused(address: str) -> bool:
+    """Whether a plaintext gRPC call to `address` fails its handshake: the port takes the
+    connection (it is no refused one) and answers nothing but UNAVAILABLE."""
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5):
+        pass  # something listens there
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary("/grpc.health.v1.Health/Check")
+        try:
+            call(b"", timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.UNAVAILABLE
+    return False
+
+
 def status_json(env: dict[str, str], state_dir: Path) -> Any:
     done = cluster_cli(env, "status", "--state-dir", str(state_dir), "--json")
     assert done.returncode == 0, done.stderr
@@ -138,6 +167,37 @@ def test_up_status_down(stores: StoreUrls, state_dir: Path, cli_env: dict[str, s
     }
     processes = status["processes"]
     nodes = ("node-1", "node-2", "spare-1")
+
+    # Secure by default: every gRPC port (the API, the nodes' port, each checkpoint
+    # daemon) answers a plaintext client with nothing but a failed handshake; the CLI
+    # works with the CA and the admin token the up printed, and not without the token.
+    assert status["tls"] is True
+    ports = [p["address"] for p in processes if p["address"]]
+    ports += [p["node_address"] for p in processes if p["node_address"]]
+    assert len(ports) == 5, processes  # scheduler, its node port, three checkpoint daemons
+    for port in ports:
+        assert plaintext_refused(port), port
+    ca = re.search(r"^export PITSTOP_CA_CERT=(\S+)$", up.stdout, re.MULTILINE)
+    token = re.search(r'^export PITSTOP_TOKEN="\$\(cat (\S+)\)"$', up.stdout, re.MULTILINE)
+    assert ca, up.stdout
+    assert token, up.stdout
+    assert (Path(token.group(1)).stat().st_mode & 0o777) == 0o600
+    secure_env = cli_env | {
+        "PITSTOP_SERVER": address,
+        "PITSTOP_CA_CERT": ca.group(1),
+        "PITSTOP_TOKEN": Path(token.group(1)).read_text().strip(),
+    }
+    listed = pitstop_cli(secure_env, "node", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert {n["id"] for n in json.loads(listed.stdout)} == set(nodes)
+    anonymous = pitstop_cli(
+        {k: v for k, v in secure_env.items() if k != "PITSTOP_TOKEN"}, "node", "list"
+    )
+    assert anonymous.returncode == 1
+    assert "UNAUTHENTICATED" in anonymous.stderr
+    plain = pitstop_cli(cli_env | {"PITSTOP_SERVER": address}, "--timeout", "3", "node", "list")
+    assert plain.returncode == 1
+    assert "pass --ca-cert" in plain.stderr
     assert sorted(p["name"] for p in processes) == sorted(
         ["scheduler"] + [f"{kind}-{node}" for kind in ("checkpointd", "agent") for node in nodes]
     )

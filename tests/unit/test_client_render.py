@@ -234,3 +234,9 @@ def test_pitstop_error_str() -> None:
     assert error.code is grpc.StatusCode.FAILED_PRECONDITION
     assert error.details == "job j-1 already ended"
     assert not error.unreachable
+
+
+def test_an_unreachable_scheduler_without_a_ca_suggests_tls() -> None:
+    error = PitstopError(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
+    line = describe_error(error, "h:1", token_given=False, tls=False)
+    assert line.endswith("if it serves TLS (the default), pass --ca-cert or set PITSTOP_CA_CERT")

@@ -90,7 +90,8 @@ def _invocations(name: str, service: dict[str, Any]) -> list[Invocation]:
 
     found = []
     for line in _script(service).replace("\\\n", " ").splitlines():
-        words = line.strip().removesuffix("&").strip()
+        words = line.strip().removeprefix("exec ").removesuffix("&").strip()
+        words = re.sub(r"\s+>\s*\S+$", "", words)  # its output redirected to a file
         if words.split(" ", 1)[0] in SCRIPTS:
             expanded = re.sub(r"\$\{(\w+)\}|\$(?!\()(\w+)", expand, words)
             binary, *args = shlex.split(expanded)
@@ -173,7 +174,7 @@ def test_command_parses_with_the_real_cli(service: str, invocation: Invocation) 
         config = params.pop("config", None)
         SETTINGS[binary](config, **params)  # raises on a value the daemon refuses
     else:
-        assert path == "pitstop job submit", path
+        assert path in ("pitstop job submit", "pitstop token create"), path
 
 
 def test_scheduler_listens_for_the_other_containers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -185,6 +186,10 @@ def test_scheduler_listens_for_the_other_containers(monkeypatch: pytest.MonkeyPa
         assert key.removeprefix("PITSTOP_").lower() in SchedulerSettings.model_fields, key
         monkeypatch.setenv(key, value)
     settings = scheduler_settings(params.pop("config", None), **params)
+    assert settings.tls, "secure by default: the scheduler serves TLS"
+    assert settings.tls_directory.is_relative_to(
+        next(v.split(":")[1] for v in service["volumes"] if v.startswith("scheduler:"))
+    ), "the CA lives in the scheduler's state volume"
     assert settings.host == "0.0.0.0"
     assert settings.metrics_host == "0.0.0.0"
     for url in (settings.database_url, settings.redis_url):
@@ -208,14 +213,40 @@ def test_nodes_point_at_the_scheduler_and_at_themselves() -> None:
         assert str(agent["gpus"]).startswith("sim:")
         # Reported to the scheduler: the buddy node's checkpointd dials it.
         assert agent["checkpointd_address"] == f"{name}:{checkpointd['port']}"
+        # Secure: the checkpoint daemon enrolls the node with its join token into the
+        # agent's identity, and both speak mutual TLS with it.
+        assert agent["tls"] is True, name
+        assert checkpointd["tls_dir"] == agent["state_dir"] / "tls", name
+        assert checkpointd["ca_file"] == agent["ca_file"], name
+        assert "/var/lib/pitstop/join/$node.token" in _script(service), name
+        assert service["depends_on"]["enroll"] == {"condition": "service_completed_successfully"}
         assert checkpointd["host"] == "0.0.0.0"
         assert agent["metrics_host"] == "0.0.0.0"
         assert f":{agent['metrics_port']}/healthz" in " ".join(service["healthcheck"]["test"])
 
 
+def test_enroll_gives_every_node_a_join_token_of_its_own() -> None:
+    service = _services()["enroll"]
+    assert service.get("restart") == "no"
+    assert service["depends_on"] == {"scheduler": {"condition": "service_healthy"}}
+    (loop,) = re.findall(r"^for node in (.+); do$", _script(service), re.MULTILINE)
+    assert sorted(loop.split()) == sorted(_nodes())
+    ((binary, args),) = _invocations("enroll", service)
+    path, params = _parse(binary, args)
+    assert path == "pitstop token create"
+    assert params["node_id"] == "enroll"  # $node, as the loop sets it per node
+    # The nodes read what enroll writes, and never the scheduler's private state.
+    for name, node in _nodes().items():
+        assert "join:/var/lib/pitstop/join:ro" in node["volumes"], name
+        assert not any(v.startswith("scheduler:") for v in node["volumes"]), name
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
 def test_node_script_is_valid_bash() -> None:
-    for name, service in _nodes().items():
+    for name, service in [
+        *_nodes().items(),
+        *((n, _services()[n]) for n in ("scheduler", "enroll", "example-job")),
+    ]:
         result = subprocess.run(
             ["bash", "-n"], input=_script(service), capture_output=True, text=True, check=False
         )

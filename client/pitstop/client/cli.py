@@ -16,7 +16,7 @@ from pitstop.client.cli_events import events
 from pitstop.client.cli_jobs import jobs_app
 from pitstop.client.cli_nodes import nodes_app
 from pitstop.client.cli_tokens import tokens_app
-from pitstop.client.client import DEFAULT_SERVER, SERVER_ENV, TOKEN_ENV
+from pitstop.client.client import CA_CERT_ENV, DEFAULT_SERVER, SERVER_ENV, TOKEN_ENV
 from pitstop.client.errors import PitstopError, code_name
 from pitstop.client.jobspec import JobSpecError
 
@@ -24,13 +24,16 @@ EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 
 
-def describe_error(error: PitstopError, server: str, token_given: bool) -> str:
+def describe_error(error: PitstopError, server: str, token_given: bool, tls: bool = True) -> str:
     """The one line a person sees for a failed call, with what to do about it."""
     if error.unreachable:
-        return (
+        line = (
             f"cannot reach the pitstop scheduler at {server} (UNAVAILABLE); "
             "start it with pitstop-scheduler or pass --server"
         )
+        if not tls:
+            line += f"; if it serves TLS (the default), pass --ca-cert or set {CA_CERT_ENV}"
+        return line
     if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return (
             f"the pitstop scheduler at {server} did not answer in time (DEADLINE_EXCEEDED); "
@@ -54,7 +57,8 @@ class _PitstopGroup(TyperGroup):
             settings = ctx.obj if isinstance(ctx.obj, Settings) else None
             server = settings.server if settings else DEFAULT_SERVER
             token_given = bool(settings and settings.token)
-            _fail(describe_error(error, server, token_given))
+            tls = bool(settings and settings.ca_cert)
+            _fail(describe_error(error, server, token_given, tls))
         except grpc.RpcError as error:  # a path that escaped the client's wrapping
             server = ctx.obj.server if isinstance(ctx.obj, Settings) else DEFAULT_SERVER
             _fail(describe_error(PitstopError.from_rpc_error(error), server, False))
@@ -100,7 +104,7 @@ def _global_options(
         Path | None,
         typer.Option(
             "--ca-cert",
-            envvar="PITSTOP_CA_CERT",
+            envvar=CA_CERT_ENV,
             dir_okay=False,
             help="CA certificate (PEM) to verify the scheduler with; enables TLS.",
         ),

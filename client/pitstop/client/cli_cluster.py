@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 from pitstop.client.cli_context import JsonFlag, console, print_json
-from pitstop.client.client import SERVER_ENV
+from pitstop.client.client import CA_CERT_ENV, SERVER_ENV, TOKEN_ENV
 from pitstop.client.enums import NODE_ROLES, NODE_STATES, enum_word
 from pitstop.client.errors import PitstopError
 from pitstop.client.localcluster import (
@@ -116,8 +116,20 @@ def up(
             show_default=False,
         ),
     ] = None,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="Plaintext everywhere and an open API (no CA, no enrollment, no token); "
+            "only for trying things out.",
+        ),
+    ] = False,
 ) -> None:
-    """Start a scheduler and each node's daemons, detached; wait until every node is ready."""
+    """Start a scheduler and each node's daemons, detached; wait until every node is ready.
+
+    Secure by default: the scheduler makes a cluster CA, every node enrolls with a
+    one-time join token and talks mutual TLS, and the API wants the cluster's admin
+    token (printed below as the variables the CLI reads)."""
     began = time.monotonic()
     with _cluster_errors(), _status_console().status("starting the cluster") as status:
         cluster = LocalCluster.up(
@@ -132,6 +144,7 @@ def up(
             timeout=timeout,
             liveness_timeout=liveness_timeout,
             progress=lambda message: status.update(message),
+            insecure=insecure,
         )
         ready = cluster.wait_ready(timeout=timeout)
     elapsed = time.monotonic() - began
@@ -146,6 +159,11 @@ def up(
         typer.echo(_network_line(cluster))
     typer.echo(f"stop it with: pitstop cluster down --state-dir {cluster.state_dir}")
     typer.echo(f"export {SERVER_ENV}={cluster.scheduler_address}")
+    if cluster.ca_cert is not None:
+        typer.echo(f"export {CA_CERT_ENV}={cluster.ca_cert}")
+        typer.echo(f'export {TOKEN_ENV}="$(cat {cluster.admin_token_file})"')
+    else:
+        typer.echo("insecure: plaintext wires, and the API open to anyone who reaches it")
 
 
 def _network_line(cluster: LocalCluster) -> str:
@@ -210,7 +228,7 @@ def status(state_dir: StateDirOption = DEFAULT_STATE_DIR, json_out: JsonFlag = F
     if alive.get("scheduler"):
         try:
             nodes = cluster.list_nodes(timeout=3.0)
-        except PitstopError as exc:
+        except (PitstopError, ClusterError) as exc:
             error = f"the scheduler at {cluster.scheduler_address} did not answer: {exc}"
     else:
         error = "the scheduler does not run"
@@ -221,6 +239,9 @@ def status(state_dir: StateDirOption = DEFAULT_STATE_DIR, json_out: JsonFlag = F
                 "running": any(alive.values()),
                 "scheduler_address": cluster.scheduler_address,
                 "liveness_timeout_seconds": cluster.liveness_timeout,
+                "tls": cluster.tls,
+                "ca_cert": None if cluster.ca_cert is None else str(cluster.ca_cert),
+                "admin_token_file": str(cluster.admin_token_file) if cluster.tls else None,
                 "processes": [
                     {
                         "name": p.name,
@@ -229,6 +250,7 @@ def status(state_dir: StateDirOption = DEFAULT_STATE_DIR, json_out: JsonFlag = F
                         "pid": p.pid,
                         "alive": alive[p.name],
                         "address": p.address or None,
+                        "node_address": p.node_address or None,
                         "log": str(p.log),
                     }
                     for p in cluster.processes

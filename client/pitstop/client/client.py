@@ -30,6 +30,7 @@ from pitstop.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2
 DEFAULT_SERVER = "127.0.0.1:50051"
 SERVER_ENV = "PITSTOP_SERVER"
 TOKEN_ENV = "PITSTOP_TOKEN"
+CA_CERT_ENV = "PITSTOP_CA_CERT"
 
 _M = TypeVar("_M", bound=Message)
 

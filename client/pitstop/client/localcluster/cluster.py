@@ -15,7 +15,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from pitstop.client.client import PitstopClient
 from pitstop.client.errors import PitstopError
 from pitstop.client.localcluster.errors import (
     ClusterAlreadyRunning,
@@ -87,6 +86,7 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
         progress: Progress | None = None,
         schedulers: int = 1,
         agent_owns_checkpointd: bool = False,
+        insecure: bool = False,
     ) -> Self:
         """Start a scheduler on 127.0.0.1:`port` (0: a free port) with embedded stores
         unless URLs are given, then a checkpointd and an agent for each of `nodes`
@@ -99,7 +99,9 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
         `schedulers` > 1 starts more scheduler processes (``scheduler-2``, ...) on free
         ports beside the first, on the same stores (give both URLs): one leads, the others
         stand by, and the nodes reach whichever answers (:attr:`scheduler_target`).
-        `agent_owns_checkpointd`: see the attribute of that name.
+        `agent_owns_checkpointd`: see the attribute of that name. The cluster is secure
+        (:attr:`tls`) unless `insecure`: a cluster CA, nodes enrolled with one-time join
+        tokens, mutual TLS on every node's wire, the API behind an admin token.
 
         Raises ClusterAlreadyRunning when an earlier cluster in `state_dir` still runs,
         ClusterStartError when a daemon fails or `timeout` passes; then nothing that
@@ -115,6 +117,12 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
             raise ClusterError(
                 f"schedulers={schedulers}: several schedulers share one PostgreSQL and one "
                 "Redis; give database_url and redis_url (embedded stores are per process)"
+            )
+        if schedulers > 1 and not insecure:
+            raise ClusterError(
+                f"schedulers={schedulers}: a local cluster of several schedulers runs insecure "
+                "only (each would need the CA and a node port of its own); ask for it with "
+                "insecure=True"
             )
         say = progress or (lambda _message: None)
         if netns:
@@ -138,7 +146,12 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
                 earlier._reap_leftovers()
                 (root / STATE_FILE).unlink(missing_ok=True)
             cluster = cls(
-                root, "", layout, env=dict(env or {}), agent_owns_checkpointd=agent_owns_checkpointd
+                root,
+                "",
+                layout,
+                env=dict(env or {}),
+                agent_owns_checkpointd=agent_owns_checkpointd,
+                tls=not insecure,
             )
             cluster._scheduler_options = (database_url, redis_url, liveness_timeout)
             deadline = time.monotonic() + timeout
@@ -184,13 +197,9 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
     ) -> None:
         self.down()
 
-    def client(self, timeout: float = 10.0) -> PitstopClient:
-        """A client for the cluster's schedulers; use it in a ``with`` block."""
-        return PitstopClient(self.scheduler_target, timeout=timeout)
-
     def list_nodes(self, timeout: float = 5.0) -> list[nodes_pb2.Node]:
         """The scheduler's nodes (PitstopError when it cannot be reached)."""
-        with PitstopClient(self.scheduler_target, timeout=timeout, max_attempts=1) as client:
+        with self.client(timeout=timeout, max_attempts=1) as client:
             return client.list_nodes()
 
     # Schedulers
@@ -279,7 +288,7 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
         seen: dict[str, nodes_pb2.Node] = {}
         last_error = ""
         shown = ""
-        with PitstopClient(self.scheduler_target, timeout=2.0, max_attempts=1) as client:
+        with self.client(timeout=2.0, max_attempts=1) as client:
             while True:
                 self._check_alive(wanted)
                 try:

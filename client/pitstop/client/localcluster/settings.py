@@ -20,6 +20,10 @@ LOCK_WAIT = 60.0
 """Seconds `down` waits for another command (an `up`, a node starting) to let go of the
 state dir."""
 STATE_FILE = "cluster.json"
+ADMIN_TOKEN_FILE = "admin.token"
+"""The local cluster's admin API token (mode 0600), in its state dir, with TLS on."""
+JOIN_TOKEN_TTL_SECONDS = 600
+"""How long the join token each node of a local cluster enrolls with lasts."""
 LOCK_FILE = "cluster.lock"
 CHECKPOINTD_MEMORY_BUDGET_BYTES = 256 << 20
 HEARTBEAT_INTERVAL = 0.25

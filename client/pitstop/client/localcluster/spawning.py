@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
+import secrets
 import shlex
 import shutil
 import socket
@@ -29,6 +31,7 @@ from pitstop.client.localcluster.settings import (
     DAEMON_ENV,
     HEARTBEAT_ENV,
     HEARTBEAT_INTERVAL,
+    JOIN_TOKEN_TTL_SECONDS,
     LIVENESS_ENV,
     SCHEDULER_ENV,
     liveness_of,
@@ -41,12 +44,14 @@ from pitstop.client.localcluster.statefile import (
     recorded,
 )
 from pitstop.client.netns import IFACE
+from pitstop.tls import NodeIdentity
 
 # The line each daemon prints once it serves (only at the start of a line: a traceback
 # quoting the print call must not match).
 _SCHEDULER_LINE = re.compile(r"^pitstop-scheduler listening on (\S+:\d+)\s*$")
 _CHECKPOINTD_LINE = re.compile(r"^pitstop-checkpointd \S+ listening on (\S+:\d+)\s")
 _METRICS_LINE = re.compile(r"^\S+ \S+ INFO \S+: metrics on http://(\S+:\d+)/metrics\s*$")
+_NODE_PORT_LINE = re.compile(r"^pitstop-scheduler nodes connect on (\S+:\d+)\s*$")
 # AF_UNIX paths hold 108 bytes with the terminating NUL.
 _MAX_SOCKET_PATH = 100
 
@@ -197,6 +202,8 @@ class ClusterSpawning(ClusterState):
         if redis_url:
             env["PITSTOP_REDIS_URL"] = redis_url
         host = "127.0.0.1" if self.network is None else self.network.gateway
+        if self.tls:
+            env.update(self._tls_env(name))
         argv = [
             binary("pitstop-scheduler"),
             "--state-dir",
@@ -226,15 +233,69 @@ class ClusterSpawning(ClusterState):
                     "scheduler using it? Give another --port (0 picks a free one)"
                 ) from exc
             raise
+        node_address = ""
+        if self.tls:
+            (node_address,) = self._await_lines([starting], _NODE_PORT_LINE, deadline)
         if name == "scheduler":
             self.scheduler_address = address
-        proc = replace(starting.process, address=address, metrics=metrics or "")
+        proc = replace(
+            starting.process, address=address, metrics=metrics or "", node_address=node_address
+        )
         self._update(proc)
         return proc
 
+    def _tls_env(self, name: str) -> dict[str, str]:
+        """A secure scheduler's settings: TLS with the CA in its state dir, the node port
+        it had (the nodes learned it at enrollment) or a free one, and the cluster's
+        admin token (made on first use, kept 0600) beside any configured ones."""
+        token_file = self.admin_token_file
+        if not token_file.exists():
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_urlsafe(32) + "\n")
+        token = self.admin_token() or ""
+        earlier = next((p for p in self.processes if p.name == name and p.node_address), None)
+        node_port = earlier.node_address.rsplit(":", 1)[1] if earlier is not None else "0"
+        admin = {
+            "name": "local-admin",
+            "role": "admin",
+            "sha256": hashlib.sha256(token.encode()).hexdigest(),
+        }
+        try:
+            configured = json.loads(os.environ.get("PITSTOP_TOKENS") or "[]")
+        except ValueError as exc:
+            raise ClusterError(f"PITSTOP_TOKENS is not a JSON list of tokens: {exc}") from exc
+        return {
+            "PITSTOP_TLS": "true",
+            "PITSTOP_NODE_PORT": node_port,
+            "PITSTOP_TOKENS": json.dumps([*configured, admin]),
+        }
+
+    def _join_tokens(self, specs: Sequence[NodeSpec]) -> dict[str, str]:
+        """A one-time join token for each node of `specs` not enrolled yet (with TLS)."""
+        if not self.tls:
+            return {}
+        wanted = [s.node_id for s in specs if not self._identity(s.node_id).enrolled]
+        if not wanted:
+            return {}
+        with self.client(timeout=10.0) as client:
+            return {
+                node_id: client.create_join_token(JOIN_TOKEN_TTL_SECONDS, node_id).token
+                for node_id in wanted
+            }
+
+    def _identity(self, node_id: str) -> NodeIdentity:
+        """The node's identity: its agent's state dir/tls, shared with its checkpointd."""
+        return NodeIdentity(self.state_dir / "nodes" / node_id / "agent" / "tls", node_id)
+
     def _start_nodes(self, specs: Sequence[NodeSpec], deadline: float) -> list[ClusterProcess]:
-        """Checkpoint daemons for `specs` together, then, once each listens, the agents."""
-        checkpointds = [self._spawn_checkpointd(spec) for spec in specs]
+        """Checkpoint daemons for `specs` together (enrolling each node that is not yet,
+        with TLS), then, once each listens, the agents."""
+        tokens = self._join_tokens(specs)
+        checkpointds = [
+            self._spawn_checkpointd(spec, tokens.get(spec.node_id, "")) for spec in specs
+        ]
         addresses = self._await_lines(checkpointds, _CHECKPOINTD_LINE, deadline)
         started: list[ClusterProcess] = []
         for starting, address in zip(checkpointds, addresses, strict=True):
@@ -272,17 +333,23 @@ class ClusterSpawning(ClusterState):
             # spare restores what a dead node flushed.
             "--durable-url",
             (self.state_dir / "durable").as_uri(),
+            *(["--tls-dir", str(self._identity(spec.node_id).directory)] if self.tls else []),
         ]
 
-    def _spawn_checkpointd(self, spec: NodeSpec) -> _Starting:
+    def _spawn_checkpointd(self, spec: NodeSpec, join_token: str = "") -> _Starting:
         # A daemon its agent starts again must come back at the same address: a fixed port.
         port = free_port(self._node_host(spec.node_id)) if self.agent_owns_checkpointd else 0
         argv = self._checkpointd_argv(spec, port)
+        env = self._daemon_env(CHECKPOINTD_ENV, f"checkpointd-{spec.node_id}")
+        if join_token and self.ca_cert is not None:
+            # Through the environment, out of `ps`: the daemon enrolls the node with it.
+            env["PITSTOP_CHECKPOINTD_JOIN_TOKEN"] = join_token
+            env["PITSTOP_CHECKPOINTD_CA_FILE"] = str(self.ca_cert)
         return self._spawn(
             f"checkpointd-{spec.node_id}",
             "checkpointd",
             self._in_namespace(spec.node_id, argv),
-            self._daemon_env(CHECKPOINTD_ENV, f"checkpointd-{spec.node_id}"),
+            env,
             f"the checkpoint daemon of {spec.node_id}",
             node_id=spec.node_id,
         )
@@ -316,6 +383,8 @@ class ClusterSpawning(ClusterState):
             "--metrics-port",
             "0",
         ]
+        if self.ca_cert is not None:  # enrolled by its checkpoint daemon, started first
+            argv += ["--tls", "--ca-file", str(self.ca_cert)]
         extra = {}
         if self.agent_owns_checkpointd:
             argv += [

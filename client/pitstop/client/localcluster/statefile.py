@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Self, cast
 
+import grpc
+
+from pitstop.client.client import PitstopClient
 from pitstop.client.localcluster.errors import ClusterError
 from pitstop.client.localcluster.processes import (
     POLL,
@@ -30,6 +33,7 @@ from pitstop.client.localcluster.processes import (
     tagged_processes,
 )
 from pitstop.client.localcluster.settings import (
+    ADMIN_TOKEN_FILE,
     DEFAULT_LIVENESS_TIMEOUT,
     DEFAULT_STATE_DIR,
     LOCK_FILE,
@@ -39,7 +43,16 @@ from pitstop.client.netns import Network
 
 Kind = Literal["scheduler", "checkpointd", "agent"]
 Role = Literal["worker", "spare"]
-_OWN_ENTRIES = {STATE_FILE, STATE_FILE + ".tmp", LOCK_FILE, "logs", "scheduler", "nodes", "durable"}
+_OWN_ENTRIES = {
+    STATE_FILE,
+    STATE_FILE + ".tmp",
+    LOCK_FILE,
+    ADMIN_TOKEN_FILE,
+    "logs",
+    "scheduler",
+    "nodes",
+    "durable",
+}
 _MORE_SCHEDULERS = re.compile(r"scheduler-\d+")
 """The state dirs (and names) of the schedulers beside the first: scheduler-2, ..."""
 
@@ -83,6 +96,9 @@ class ClusterProcess:
     for the daemon; None where /proc is missing."""
     metrics: str = ""
     """host:port of its /metrics (a scheduler's); empty when unknown."""
+    node_address: str = ""
+    """host:port where a scheduler with TLS takes the nodes' certificates (its node
+    port, which the nodes learned at enrollment: a restart must keep it)."""
 
     def alive(self) -> bool:
         """Whether the daemon still runs (a zombie or a reused pid does not count)."""
@@ -99,6 +115,7 @@ class ClusterProcess:
             "socket": self.socket,
             "start_ticks": self.start_ticks,
             "metrics": self.metrics,
+            "node_address": self.node_address,
         }
 
     @classmethod
@@ -117,6 +134,7 @@ class ClusterProcess:
             socket=str(data.get("socket") or ""),
             start_ticks=None if ticks is None else int(ticks),
             metrics=str(data.get("metrics") or ""),
+            node_address=str(data.get("node_address") or ""),
         )
 
     @classmethod
@@ -234,6 +252,11 @@ class ClusterState:
     """Each agent is given its checkpoint daemon's command and address (a fixed port) and
     starts the daemon again when it dies, as ``--checkpointd-command`` does in
     production; otherwise a dead checkpoint daemon stays dead until its node restarts."""
+    tls: bool = field(default=True, compare=False)
+    """Secure (the default): the scheduler serves TLS with a cluster CA of its own
+    (`ca_cert`), every node enrolls with a one-time join token and speaks mutual TLS,
+    and the API wants the admin token in `admin_token_file`. False only when asked for
+    (``--insecure``): every wire plaintext, the API open."""
     env: dict[str, str] = field(default_factory=dict, compare=False)
     """Extra environment (over os.environ) for every daemon started from this object;
     not recorded in cluster.json, so a loaded cluster starts nodes without it."""
@@ -275,6 +298,8 @@ class ClusterState:
                 Network.from_json(data["network"]) if data.get("network") else None,
                 float(data.get("liveness_timeout_seconds", DEFAULT_LIVENESS_TIMEOUT)),
                 bool(data.get("agent_owns_checkpointd", False)),
+                # A record from before TLS was the default ran insecure.
+                bool(data.get("tls", False)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ClusterError(
@@ -288,6 +313,49 @@ class ClusterState:
     @property
     def log_dir(self) -> Path:
         return self.state_dir / "logs"
+
+    @property
+    def ca_cert(self) -> Path | None:
+        """The cluster CA's certificate, to check the scheduler with (None: insecure)."""
+        return self.state_dir / "scheduler" / "tls" / "ca.crt" if self.tls else None
+
+    @property
+    def admin_token_file(self) -> Path:
+        """The local cluster's admin API token (mode 0600), when it runs with TLS."""
+        return self.state_dir / ADMIN_TOKEN_FILE
+
+    def admin_token(self) -> str | None:
+        """The admin token a client of this cluster sends (None: insecure, the API open)."""
+        if not self.tls:
+            return None
+        try:
+            return self.admin_token_file.read_text().strip()
+        except OSError as exc:
+            raise ClusterError(
+                f"cannot read the cluster's admin token {self.admin_token_file}: "
+                f"{exc.strerror}; run as the user who brought the cluster up"
+            ) from exc
+
+    def client(self, timeout: float = 10.0, max_attempts: int = 5) -> PitstopClient:
+        """A client for the cluster's schedulers, as its admin (checking the scheduler
+        against the cluster CA, with TLS); use it in a ``with`` block."""
+        credentials = None
+        if self.ca_cert is not None:
+            try:
+                ca = self.ca_cert.read_bytes()
+            except OSError as exc:
+                raise ClusterError(
+                    f"cannot read the cluster CA certificate {self.ca_cert}: {exc.strerror}; "
+                    "is the cluster up?"
+                ) from exc
+            credentials = grpc.ssl_channel_credentials(root_certificates=ca)
+        return PitstopClient(
+            self.scheduler_target,
+            self.admin_token(),
+            timeout,
+            credentials=credentials,
+            max_attempts=max_attempts,
+        )
 
     @property
     def schedulers(self) -> list[ClusterProcess]:
@@ -397,6 +465,7 @@ class ClusterState:
             "network": None if self.network is None else self.network.to_json(),
             "liveness_timeout_seconds": self.liveness_timeout,
             "agent_owns_checkpointd": self.agent_owns_checkpointd,
+            "tls": self.tls,
         }
         tmp = self.state_dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
