@@ -20,7 +20,7 @@ from fake_rank import NODE, TIMEOUT, ExitLog, RankNotices, start_command
 
 from pitstop.agent.gpu import FaultNotSupported, SimulatedBackend, open_backend
 from pitstop.agent.local import LocalEndpoint
-from pitstop.agent.rankclient import RankControlClient
+from pitstop.agent.rankclient import RANK_KEY_METADATA, RankControlClient
 from pitstop.agent.steps import StepBatcher
 from pitstop.agent.supervisor import RankSupervisor
 from pitstop.v1 import agent_pb2, common_pb2, rank_pb2, rank_pb2_grpc
@@ -59,16 +59,57 @@ async def agent(short_dir: Path, tmp_path: Path) -> AsyncIterator[Agent]:
     exits = ExitLog()
     supervisor = RankSupervisor(NODE, socket_path, tmp_path / "logs", exits, "127.0.0.1:7070")
     steps = StepBatcher()
+    # The test's own calls stand in for a process the agent started: they carry a key
+    # the supervisor takes besides those of the processes it really started.
+    started = supervisor.started
+    supervisor.started = lambda key: key == TEST_KEY or started(key)  # type: ignore[method-assign]
     endpoint = LocalEndpoint(socket_path, backend, supervisor, steps, "127.0.0.1:7070")
     await endpoint.start()
     channel = grpc.aio.insecure_channel(f"unix:{socket_path}")
-    yield Agent(
-        endpoint, supervisor, steps, exits, rank_pb2_grpc.RankControlStub(channel), socket_path
-    )
+    stub = Keyed(rank_pb2_grpc.RankControlStub(channel), TEST_KEY)
+    yield Agent(endpoint, supervisor, steps, exits, stub, socket_path)
     await supervisor.shutdown(grace_seconds=1.0)
     await channel.close()
     await endpoint.stop()
     backend.close()
+
+
+TEST_KEY = "the-test-is-a-process-the-agent-started"
+
+
+class Keyed:
+    """A RankControl stub whose every call carries `key` as the rank key."""
+
+    def __init__(self, stub: Any, key: str) -> None:
+        self._stub, self._key = stub, key
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._stub, name)
+        metadata = ((RANK_KEY_METADATA, self._key),)
+        return lambda request, **options: method(request, metadata=metadata, **options)
+
+
+async def test_only_processes_the_agent_started_may_call(
+    agent: Agent, notices: RankNotices
+) -> None:
+    """The socket is 0600; beyond that, a process of the same user that the agent did not
+    start (it has no rank key, or a wrong one) is refused, while a rank the agent
+    started attaches with the key it was given."""
+    socket = f"unix:{agent.socket_path}"
+    attach = rank_pb2.AttachRequest(job_id="job-key", rank=0)
+    async with grpc.aio.insecure_channel(socket) as plain:
+        refused = await rpc_error(rank_pb2_grpc.RankControlStub(plain).Attach(attach))
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "only from the processes it started" in (refused.details() or "")
+    async with grpc.aio.insecure_channel(socket) as guessing:
+        stub = Keyed(rank_pb2_grpc.RankControlStub(guessing), "guessed")
+        refused = await rpc_error(stub.Attach(attach))
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert (agent.socket_path.stat().st_mode & 0o777) == 0o600
+
+    await agent.supervisor.start_ranks(start_command("job-key", notices, "--attach", "--hold"))
+    ready = await notices.next(0)  # the rank attached with its own key
+    assert ready["checkpointd"] == "127.0.0.1:7070"
 
 
 def slow(gpu_index: int, multiplier: float) -> rank_pb2.LocalFaultRequest:
@@ -271,7 +312,7 @@ async def test_fault_injection_can_be_refused(agent: Agent, short_dir: Path) -> 
         await endpoint.start()
         try:
             async with grpc.aio.insecure_channel(f"unix:{endpoint.socket_path}") as channel:
-                stub = rank_pb2_grpc.RankControlStub(channel)
+                stub = Keyed(rank_pb2_grpc.RankControlStub(channel), TEST_KEY)
                 error = await rpc_error(stub.InjectFault(slow(0, 1.3)))
         finally:
             await endpoint.stop()

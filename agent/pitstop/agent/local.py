@@ -2,8 +2,10 @@
 
 Ranks attach, report steps and results, receive commands and acknowledge them;
 standby processes on a spare wait here to be handed a rank; drills inject faults.
-The socket file is the boundary: it is made mode 0600, so only the agent's user
-(the user the ranks run as) can reach it.
+The socket file is made mode 0600 in a 0700 directory, so only the agent's user (the
+user the ranks run as) can reach it; and every call must carry the secret rank key the
+agent gave the process it started (PITSTOP_RANK_KEY), so the user's other processes
+cannot talk to it either.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import socket
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,10 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from pitstop.agent.gpu.base import FaultNotSupported, GpuBackend
+from pitstop.agent.rankclient import RANK_KEY_ENV, RANK_KEY_METADATA
 from pitstop.agent.steps import StepBatcher
 from pitstop.agent.supervisor import RankSupervisor
+from pitstop.rpcguard import refusing
 from pitstop.v1 import rank_pb2, rank_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -90,7 +94,7 @@ class LocalEndpoint:
             )
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         _remove_stale_socket(path)
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=[_StartedHere(self.supervisor.started)])
         rank_pb2_grpc.add_RankControlServicer_to_server(_RankControlServicer(self), server)
         server.add_insecure_port(f"unix:{path}")
         await server.start()
@@ -401,6 +405,31 @@ class _RankControlServicer:
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return rank_pb2.LocalFaultResponse()
+
+
+class _StartedHere(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Refuses, PERMISSION_DENIED, every call that does not carry the rank key of a
+    process the agent started: the socket's mode keeps other users out, this keeps out
+    the user's other processes."""
+
+    def __init__(self, started: Callable[[str], bool]) -> None:
+        self._started = started
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        key = dict(details.invocation_metadata or ()).get(RANK_KEY_METADATA, "")
+        if handler is None or self._started(str(key)):
+            return handler
+        return refusing(
+            handler,
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"the agent's socket takes calls only from the processes it started (their "
+            f"{RANK_KEY_ENV} sent as {RANK_KEY_METADATA}); start ranks through the agent",
+        )
 
 
 class _Stopping(Exception):

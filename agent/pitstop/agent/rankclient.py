@@ -7,6 +7,7 @@ can use it directly.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -20,6 +21,10 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from pitstop.v1 import agent_pb2, rank_pb2, rank_pb2_grpc
 
 SOCKET_ENV = "PITSTOP_AGENT_SOCKET"
+RANK_KEY_ENV = "PITSTOP_RANK_KEY"
+"""A secret the agent gives each process it starts (a rank or a standby); every call
+to its socket must carry it (RANK_KEY_METADATA): only what the agent started may talk."""
+RANK_KEY_METADATA = "x-pitstop-rank-key"
 
 
 class RankControlClient:
@@ -41,7 +46,9 @@ class RankControlClient:
         """How much slower the rank's GPU runs (the agent's answer to attach and to each
         step report); 1 except on a simulated slow GPU."""
         self._channel: Any = grpc.insecure_channel(f"unix:{socket_path}")
-        self._stub: Any = rank_pb2_grpc.RankControlStub(self._channel)
+        self._stub: Any = _Keyed(
+            rank_pb2_grpc.RankControlStub(self._channel), os.environ.get(RANK_KEY_ENV, "")
+        )
         self._streams: list[Any] = []
         self._closed = False
 
@@ -161,3 +168,16 @@ class RankControlClient:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class _Keyed:
+    """The RankControl stub, its every call carrying the process's rank key (the agent
+    refuses calls without)."""
+
+    def __init__(self, stub: Any, key: str) -> None:
+        self._stub = stub
+        self._metadata = ((RANK_KEY_METADATA, key),) if key else ()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._stub, name)
+        return functools.partial(method, metadata=self._metadata)

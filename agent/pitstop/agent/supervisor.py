@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import itertools
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import time
@@ -28,6 +30,7 @@ from typing import BinaryIO
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from pitstop.agent.rankclient import RANK_KEY_ENV
 from pitstop.tls import TLS_DIR_ENV
 from pitstop.v1 import agent_pb2, common_pb2
 
@@ -56,6 +59,7 @@ class _Rank:
     step: int = 0
     result: dict[str, str] = field(default_factory=dict)
     watcher: asyncio.Task[None] | None = None
+    key: str = ""  # the secret it calls the agent's socket with (PITSTOP_RANK_KEY)
     standby: bool = False  # a standby process, not (yet) a rank
     beside: bool = False  # a standby beside the job's ranks, for restarting one in place
 
@@ -190,6 +194,7 @@ class RankSupervisor:
                     gpu,
                     process,
                     log_path,
+                    key=env[RANK_KEY_ENV],
                     standby=True,
                     beside=command.beside_ranks,
                 )
@@ -392,7 +397,18 @@ class RankSupervisor:
         )
         if self.tls_dir is not None:
             env[TLS_DIR_ENV] = str(self.tls_dir)
+        env[RANK_KEY_ENV] = secrets.token_urlsafe(24)
         return env
+
+    def started(self, key: str) -> bool:
+        """Whether `key` is the rank key of a process this supervisor started and still
+        watches (a rank, or a standby): the agent's socket takes calls from those only."""
+        if not key:
+            return False
+        entries = [*self._ranks.values(), *self._standbys.values()]
+        # Every entry compared, in constant time: timing says nothing about a key.
+        found = [hmac.compare_digest(e.key, key) for e in entries if e.key]
+        return any(found)
 
     def _rank_env(
         self,
@@ -427,7 +443,13 @@ class RankSupervisor:
         what = f"generation {generation} rank {assignment.rank}"
         process = await self._launch(command.job_id, command.command, env, cwd, log_path, what)
         entry = _Rank(
-            command.job_id, generation, assignment.rank, assignment.gpu_index, process, log_path
+            command.job_id,
+            generation,
+            assignment.rank,
+            assignment.gpu_index,
+            process,
+            log_path,
+            key=env[RANK_KEY_ENV],
         )
         self._ranks[(entry.job_id, entry.rank)] = entry
         self._watch_entry(entry)

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from pitstop.checkpointd import errors
+from pitstop.rpcguard import handler_like, refusing
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +84,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 def _refusing(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     message = "checkpointd needs authorization: Bearer <token> (the agent token)"
-
-    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield None  # pragma: no cover - abort raises
-
-    return _handler_like(handler, unary, streaming)
+    return refusing(handler, grpc.StatusCode.UNAUTHENTICATED, message)
 
 
 class _Undecodable:
@@ -165,31 +158,9 @@ def _wrapped(
 
         return call
 
-    return _handler_like(
+    return handler_like(
         handler,
         unary(handler.unary_unary or handler.stream_unary),
         streaming(handler.unary_stream or handler.stream_stream),
         _tolerant(handler.request_deserializer),
     )
-
-
-def _handler_like(
-    handler: grpc.RpcMethodHandler,
-    unary: Callable[..., Awaitable[Any]],
-    streaming: Callable[..., AsyncIterator[Any]],
-    deserializer: Callable[[bytes], Any] | None = None,
-) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s kind and (de)serializers (`deserializer` instead of its
-    request deserializer, when given), calling `unary` when it answers with one
-    message, `streaming` when it answers with a stream."""
-    kwargs = {
-        "request_deserializer": deserializer or handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary, **kwargs)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(unary, **kwargs)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(streaming, **kwargs)
-    return grpc.stream_stream_rpc_method_handler(streaming, **kwargs)
