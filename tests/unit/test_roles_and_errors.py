@@ -43,6 +43,7 @@ def test_the_api_has_every_service_of_the_design() -> None:
         "pitstop.v1.JobService",
         "pitstop.v1.NodeService",
         "pitstop.v1.EventService",
+        "pitstop.v1.TokenService",
         "pitstop.v1.AgentService",
         "pitstop.v1.EnrollmentService",
         "pitstop.v1.CheckpointService",

@@ -45,7 +45,7 @@ def _stub(stub_class: Any, channel: grpc.Channel) -> Any:
 
 
 class PitstopClient:
-    """A connection to the scheduler's JobService, NodeService and EventService.
+    """A connection to the scheduler's JobService, NodeService, TokenService and EventService.
 
     Every unary call gets a deadline of ``timeout`` seconds and is retried on
     UNAVAILABLE with bounded exponential backoff and jitter. Streams have no deadline;
@@ -88,6 +88,7 @@ class PitstopClient:
         self._jobs = _stub(jobs_pb2_grpc.JobServiceStub, self._channel)
         self._nodes = _stub(nodes_pb2_grpc.NodeServiceStub, self._channel)
         self._events = _stub(nodes_pb2_grpc.EventServiceStub, self._channel)
+        self._tokens = _stub(nodes_pb2_grpc.TokenServiceStub, self._channel)
 
     @classmethod
     def from_env(cls, server: str | None = None, token: str | None = None, **kwargs: Any) -> Self:
@@ -214,6 +215,31 @@ class PitstopClient:
         """A one-time join token for a node's enrollment (``node_id`` "": any one node)."""
         request = nodes_pb2.CreateJoinTokenRequest(ttl_seconds=ttl_seconds, node_id=node_id)
         return self._unary(self._nodes.CreateJoinToken, request, nodes_pb2.CreateJoinTokenResponse)
+
+    # API tokens
+
+    def create_api_token(
+        self, name: str, role: int, ttl_seconds: int = 0
+    ) -> nodes_pb2.CreateApiTokenResponse:
+        """An API token for a person or a script (admin), shown once: ``role`` is
+        ``common_pb2.ROLE_VIEWER``, ``ROLE_OPERATOR`` or ``ROLE_ADMIN``; ``ttl_seconds``
+        0 means it never expires."""
+        request = nodes_pb2.CreateApiTokenRequest(
+            name=name, role=cast(common_pb2.Role, role), ttl_seconds=ttl_seconds
+        )
+        return self._unary(self._tokens.Create, request, nodes_pb2.CreateApiTokenResponse)
+
+    def list_api_tokens(self) -> list[nodes_pb2.ApiToken]:
+        """Every API token (admin): configured ones first, then issued ones by name,
+        revoked and expired ones included; never a token or its hash."""
+        request = nodes_pb2.ListApiTokensRequest()
+        return list(self._unary(self._tokens.List, request, nodes_pb2.ListApiTokensResponse).tokens)
+
+    def revoke_api_token(self, name: str) -> nodes_pb2.ApiToken:
+        """Revoke an issued API token (admin); a no-op when it already is. A configured
+        token is FAILED_PRECONDITION: it is removed from the config file only."""
+        request = nodes_pb2.RevokeApiTokenRequest(name=name)
+        return self._unary(self._tokens.Revoke, request, nodes_pb2.ApiToken)
 
     # Events
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from google.protobuf.descriptor import EnumDescriptor
 
-from pitstop.v1 import common_pb2, jobs_pb2
+from pitstop.v1 import common_pb2, jobs_pb2, nodes_pb2
 
 JOB_STATES = common_pb2.JobState.DESCRIPTOR
 NODE_STATES = common_pb2.NodeState.DESCRIPTOR
@@ -14,6 +14,8 @@ XID_SOURCES = common_pb2.XidSource.DESCRIPTOR
 STRAGGLER_ACTIONS = jobs_pb2.StragglerAction.DESCRIPTOR
 INCIDENT_KINDS = jobs_pb2.IncidentKind.DESCRIPTOR
 INCIDENT_OUTCOMES = jobs_pb2.IncidentOutcome.DESCRIPTOR
+ROLES = common_pb2.Role.DESCRIPTOR
+API_TOKEN_SOURCES = nodes_pb2.ApiTokenSource.DESCRIPTOR
 
 
 def enum_prefix(enum: EnumDescriptor) -> str:

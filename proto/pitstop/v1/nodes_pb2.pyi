@@ -3,12 +3,22 @@ import datetime
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from pitstop.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ApiTokenSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    API_TOKEN_SOURCE_UNSPECIFIED: _ClassVar[ApiTokenSource]
+    API_TOKEN_SOURCE_CONFIG: _ClassVar[ApiTokenSource]
+    API_TOKEN_SOURCE_API: _ClassVar[ApiTokenSource]
+API_TOKEN_SOURCE_UNSPECIFIED: ApiTokenSource
+API_TOKEN_SOURCE_CONFIG: ApiTokenSource
+API_TOKEN_SOURCE_API: ApiTokenSource
 
 class Node(_message.Message):
     __slots__ = ("id", "role", "state", "reason", "labels", "inventory", "health", "connected", "last_heartbeat", "registered_at", "xid_history", "job_ids", "standby_job_ids")
@@ -137,3 +147,57 @@ class CreateJoinTokenResponse(_message.Message):
     expires_at: _timestamp_pb2.Timestamp
     node_id: str
     def __init__(self, token: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class ApiToken(_message.Message):
+    __slots__ = ("name", "role", "source", "created_at", "created_by", "expires_at", "revoked_at", "revoked_by")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_BY_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
+    REVOKED_BY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: _common_pb2.Role
+    source: ApiTokenSource
+    created_at: _timestamp_pb2.Timestamp
+    created_by: str
+    expires_at: _timestamp_pb2.Timestamp
+    revoked_at: _timestamp_pb2.Timestamp
+    revoked_by: str
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., source: _Optional[_Union[ApiTokenSource, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., created_by: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revoked_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revoked_by: _Optional[str] = ...) -> None: ...
+
+class CreateApiTokenRequest(_message.Message):
+    __slots__ = ("name", "role", "ttl_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: _common_pb2.Role
+    ttl_seconds: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+
+class CreateApiTokenResponse(_message.Message):
+    __slots__ = ("token", "record")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    record: ApiToken
+    def __init__(self, token: _Optional[str] = ..., record: _Optional[_Union[ApiToken, _Mapping]] = ...) -> None: ...
+
+class ListApiTokensRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListApiTokensResponse(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[ApiToken]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[ApiToken, _Mapping]]] = ...) -> None: ...
+
+class RevokeApiTokenRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...

@@ -460,6 +460,183 @@ class NodeService:
             _registered_method=True)
 
 
+class TokenServiceStub:
+    """API tokens: bearer tokens for people and scripts, issued by an admin and kept in
+    PostgreSQL as their SHA-256 only. Tokens in the scheduler's config file are listed
+    beside them but are changed only there.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Create = channel.unary_unary(
+                '/pitstop.v1.TokenService/Create',
+                request_serializer=pitstop_dot_v1_dot_nodes__pb2.CreateApiTokenRequest.SerializeToString,
+                response_deserializer=pitstop_dot_v1_dot_nodes__pb2.CreateApiTokenResponse.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/pitstop.v1.TokenService/List',
+                request_serializer=pitstop_dot_v1_dot_nodes__pb2.ListApiTokensRequest.SerializeToString,
+                response_deserializer=pitstop_dot_v1_dot_nodes__pb2.ListApiTokensResponse.FromString,
+                _registered_method=True)
+        self.Revoke = channel.unary_unary(
+                '/pitstop.v1.TokenService/Revoke',
+                request_serializer=pitstop_dot_v1_dot_nodes__pb2.RevokeApiTokenRequest.SerializeToString,
+                response_deserializer=pitstop_dot_v1_dot_nodes__pb2.ApiToken.FromString,
+                _registered_method=True)
+
+
+class TokenServiceServicer:
+    """API tokens: bearer tokens for people and scripts, issued by an admin and kept in
+    PostgreSQL as their SHA-256 only. Tokens in the scheduler's config file are listed
+    beside them but are changed only there.
+    """
+
+    def Create(self, request, context):
+        """A new API token, shown once. INVALID_ARGUMENT for a bad name or a role other than
+        viewer, operator or admin; FAILED_PRECONDITION when the name is taken (by an issued
+        or a configured token), or when the API is open and the token is not an admin's
+        (it would lock the admins out).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """Every token: configured ones first, then issued ones by name, revoked and expired
+        included. Never a token or its hash.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Revoke(self, request, context):
+        """Revoke an issued token: every scheduler process refuses it within a second, the one
+        answering at once. A no-op when already revoked; NOT_FOUND when unknown;
+        FAILED_PRECONDITION for a configured token (remove it from the config file) or for
+        the last admin token (it would lock the admins out).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_TokenServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Create': grpc.unary_unary_rpc_method_handler(
+                    servicer.Create,
+                    request_deserializer=pitstop_dot_v1_dot_nodes__pb2.CreateApiTokenRequest.FromString,
+                    response_serializer=pitstop_dot_v1_dot_nodes__pb2.CreateApiTokenResponse.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=pitstop_dot_v1_dot_nodes__pb2.ListApiTokensRequest.FromString,
+                    response_serializer=pitstop_dot_v1_dot_nodes__pb2.ListApiTokensResponse.SerializeToString,
+            ),
+            'Revoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.Revoke,
+                    request_deserializer=pitstop_dot_v1_dot_nodes__pb2.RevokeApiTokenRequest.FromString,
+                    response_serializer=pitstop_dot_v1_dot_nodes__pb2.ApiToken.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pitstop.v1.TokenService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pitstop.v1.TokenService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class TokenService:
+    """API tokens: bearer tokens for people and scripts, issued by an admin and kept in
+    PostgreSQL as their SHA-256 only. Tokens in the scheduler's config file are listed
+    beside them but are changed only there.
+    """
+
+    @staticmethod
+    def Create(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pitstop.v1.TokenService/Create',
+            pitstop_dot_v1_dot_nodes__pb2.CreateApiTokenRequest.SerializeToString,
+            pitstop_dot_v1_dot_nodes__pb2.CreateApiTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pitstop.v1.TokenService/List',
+            pitstop_dot_v1_dot_nodes__pb2.ListApiTokensRequest.SerializeToString,
+            pitstop_dot_v1_dot_nodes__pb2.ListApiTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Revoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pitstop.v1.TokenService/Revoke',
+            pitstop_dot_v1_dot_nodes__pb2.RevokeApiTokenRequest.SerializeToString,
+            pitstop_dot_v1_dot_nodes__pb2.ApiToken.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class EventServiceStub:
     """The append-only event log.
     """

@@ -1,10 +1,12 @@
 """Authorization: every RPC declares its role in the .proto (pitstop.v1.required_role);
 one interceptor checks the caller's bearer token against it.
 
-With no tokens configured the scheduler runs open: every caller is an admin (and, with
-TLS off, an agent). With TLS on, the agent role comes only from a node certificate of
-the cluster CA (mutual TLS): the caller is `node:<id>`, the certificate's common name,
-and the API checks that a node acts only as itself.
+Bearer tokens come from the config file and from PostgreSQL (issued by an admin through
+TokenService); the interceptor checks them in memory, against hashes only. With no token
+configured and none ever issued the scheduler runs open: every caller is an admin (and,
+with TLS off, an agent). With TLS on, the agent role comes only from a node certificate
+of the cluster CA (mutual TLS): the caller is `node:<id>`, the certificate's common
+name, and the API checks that a node acts only as itself.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from cryptography import x509
 from google.protobuf import descriptor_pool
 
 from pitstop.scheduler.config import ApiToken
-from pitstop.scheduler.domain import Role
+from pitstop.scheduler.domain import IssuedToken, Role
 from pitstop.scheduler.errors import PermissionDenied, Unauthenticated
 from pitstop.scheduler.rpcwrap import wrap_handler
 from pitstop.tls import SCHEDULER_NAME, issued_at
@@ -86,22 +88,72 @@ def required_role(method: str) -> Role | None:
     return Role(found.GetOptions().Extensions[common_pb2.required_role])  # type: ignore[index]
 
 
-class TokenBook:
-    """Bearer tokens and the callers they make. `nodes_by_certificate` (TLS on): the
-    agent role is a node certificate's, never a token's."""
+def utc_now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
 
-    def __init__(self, tokens: Sequence[ApiToken], nodes_by_certificate: bool = False) -> None:
-        withheld = {Role.AGENT} if nodes_by_certificate else set()
+
+@dataclass(frozen=True)
+class _KnownToken:
+    name: str
+    digest: bytes
+    """Hex SHA-256 of the token, as bytes (for hmac.compare_digest)."""
+    caller: Caller
+    expires_at: dt.datetime | None = None
+
+
+class TokenBook:
+    """Bearer tokens and the callers they make: the configured ones, and the issued ones
+    the database holds (kept current by an IssuedTokenRefresher). `nodes_by_certificate`
+    (TLS on): the agent role is a node certificate's, never a token's."""
+
+    def __init__(
+        self,
+        tokens: Sequence[ApiToken],
+        nodes_by_certificate: bool = False,
+        clock: Callable[[], dt.datetime] = utc_now,
+    ) -> None:
+        self._withheld = {Role.AGENT} if nodes_by_certificate else set()
         # Only the tokens' SHA-256 is kept (and configured, where the file gives sha256).
-        self._tokens = [
-            (t.digest, Caller(f"token:{t.name}", frozenset(_IMPLIED[t.role] - withheld)))
-            for t in tokens
-        ]
-        self._open = Caller(OPEN_CALLER.name, OPEN_CALLER.roles - withheld)
+        self._configured = tuple(
+            _KnownToken(t.name, t.digest, self._caller(t.name, t.role)) for t in tokens
+        )
+        self._issued: tuple[_KnownToken, ...] = ()
+        self._any_issued = False
+        self._clock = clock
+        self._open = Caller(OPEN_CALLER.name, OPEN_CALLER.roles - self._withheld)
+
+    def _caller(self, name: str, role: Role) -> Caller:
+        return Caller(f"token:{name}", frozenset(_IMPLIED[role] - self._withheld))
 
     @property
     def open(self) -> bool:
-        return not self._tokens
+        """No token configured and none ever issued. Once one was issued the API stays
+        closed, even when every issued token is revoked or expired: an expiry must not
+        hand the cluster to anyone who can reach it."""
+        return not self._configured and not self._any_issued
+
+    def _known(self, token: IssuedToken) -> _KnownToken:
+        caller = self._caller(token.name, token.role)
+        return _KnownToken(token.name, token.digest.encode(), caller, token.expires_at)
+
+    def replace_issued(self, tokens: Sequence[IssuedToken], any_issued: bool) -> None:
+        """Honour exactly these issued tokens from now on (the database's active ones)."""
+        self._issued = tuple(self._known(t) for t in tokens)
+        self._any_issued = self._any_issued or any_issued or bool(tokens)
+
+    def admit(self, token: IssuedToken) -> None:
+        """Honour a token this process just issued, before the next reload."""
+        self._issued = (*(t for t in self._issued if t.name != token.name), self._known(token))
+        self._any_issued = True
+
+    def withdraw(self, name: str) -> None:
+        """Stop honouring issued token `name` now: this process just revoked it."""
+        self._issued = tuple(t for t in self._issued if t.name != name)
+
+    @property
+    def issued_names(self) -> list[str]:
+        """The issued tokens honoured now, by name."""
+        return [t.name for t in self._issued]
 
     def caller_for(
         self, metadata: Sequence[tuple[str, str | bytes]] | None, node: Caller | None = None
@@ -122,10 +174,17 @@ class TokenBook:
         if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("authorization header must be 'Bearer <token>'")
         presented = hashlib.sha256(token.strip().encode()).hexdigest().encode()
-        for known, caller in self._tokens:
+        for known in (*self._configured, *self._issued):
             # Constant-time compare over every token: timing says nothing about which.
-            if hmac.compare_digest(known, presented):
-                return caller
+            if hmac.compare_digest(known.digest, presented):
+                # Checked here, not only at the next reload: expiry is to the second.
+                if known.expires_at is not None and self._clock() >= known.expires_at:
+                    raise Unauthenticated(
+                        f"token {known.name!r} expired at "
+                        f"{known.expires_at:%Y-%m-%d %H:%M:%S} UTC; ask an administrator "
+                        "for a new one"
+                    )
+                return known.caller
         raise Unauthenticated("unknown token; ask an administrator for a valid one")
 
 

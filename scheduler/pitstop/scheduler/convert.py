@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from google.protobuf import json_format, timestamp_pb2
 
+from pitstop.scheduler.config import ApiToken
 from pitstop.scheduler.db import models
-from pitstop.scheduler.domain import JobState, NodeRole, NodeState
+from pitstop.scheduler.domain import JobState, NodeRole, NodeState, Role
 from pitstop.scheduler.errors import InvalidArgument
 from pitstop.scheduler.hotstate import STANDBY_READY
 from pitstop.scheduler.services.jobs import spec_from_json
@@ -179,4 +180,27 @@ def event_to_pb(event: models.Event) -> common_pb2.Event:
         reason=event.reason,
         actor=event.actor,
         attributes={str(k): str(v) for k, v in event.attributes.items()},
+    )
+
+
+def issued_token_to_pb(row: models.ApiToken) -> nodes_pb2.ApiToken:
+    """An issued API token's record: never its hash."""
+    return nodes_pb2.ApiToken(
+        name=row.name,
+        role=cast(common_pb2.Role, Role[row.role.upper()].value),
+        source=nodes_pb2.API_TOKEN_SOURCE_API,
+        created_at=timestamp(row.created_at),
+        created_by=row.created_by,
+        expires_at=timestamp(row.expires_at),
+        revoked_at=timestamp(row.revoked_at),
+        revoked_by=row.revoked_by,
+    )
+
+
+def configured_token_to_pb(token: ApiToken) -> nodes_pb2.ApiToken:
+    """A token from the config file: its name and role only."""
+    return nodes_pb2.ApiToken(
+        name=token.name,
+        role=cast(common_pb2.Role, token.role.value),
+        source=nodes_pb2.API_TOKEN_SOURCE_CONFIG,
     )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import enum
+from dataclasses import dataclass
 
 
 class NodeRole(enum.StrEnum):
@@ -46,3 +48,19 @@ class Role(enum.IntEnum):
     ADMIN = 3
     AGENT = 4
     PUBLIC = 5
+
+
+ISSUABLE_ROLES = (Role.VIEWER, Role.OPERATOR, Role.ADMIN)
+"""The roles an API token may be issued with: the agent role is a node certificate's."""
+
+
+@dataclass(frozen=True)
+class IssuedToken:
+    """An issued API token as authorization needs it: never the token, only its hash."""
+
+    name: str
+    role: Role
+    digest: str
+    """Hex SHA-256 of the token."""
+    expires_at: dt.datetime | None
+    """None: it never expires."""

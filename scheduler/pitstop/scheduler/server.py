@@ -22,6 +22,7 @@ from pitstop.scheduler.api.enrollment import EnrollmentServicer
 from pitstop.scheduler.api.jobs import JobServicer
 from pitstop.scheduler.api.nodes import EventServicer, NodeServicer
 from pitstop.scheduler.api.rendezvous import RendezvousServicer
+from pitstop.scheduler.api.tokens import TokenServicer
 from pitstop.scheduler.auth import AuthorizationInterceptor, TokenBook
 from pitstop.scheduler.config import SchedulerSettings
 from pitstop.scheduler.db.engine import create_engine_for, migrate, session_factory
@@ -29,6 +30,7 @@ from pitstop.scheduler.embedded import EmbeddedStores, start_embedded
 from pitstop.scheduler.gateway import AgentGateway, CommandRouter
 from pitstop.scheduler.hotstate import EventBus, HotState
 from pitstop.scheduler.interceptors import ErrorMappingInterceptor
+from pitstop.scheduler.issued_tokens import IssuedTokenRefresher
 from pitstop.scheduler.leader import LeaderElection
 from pitstop.scheduler.liveness import LivenessMonitor
 from pitstop.scheduler.metrics import SchedulerMetrics
@@ -54,6 +56,7 @@ SERVICE_NAMES = (
     jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
     nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
     nodes_pb2.DESCRIPTOR.services_by_name["EventService"].full_name,
+    nodes_pb2.DESCRIPTOR.services_by_name["TokenService"].full_name,
     agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
     agent_pb2.DESCRIPTOR.services_by_name["EnrollmentService"].full_name,
     checkpoint_pb2.DESCRIPTOR.services_by_name["CheckpointCatalogService"].full_name,
@@ -141,10 +144,13 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         gateway = AgentGateway()
         ca = CertificateAuthority.load_or_create(settings.tls_directory) if settings.tls else None
         tokens = TokenBook(settings.tokens, nodes_by_certificate=settings.tls)
+        issued_tokens = IssuedTokenRefresher(store, tokens)
+        await issued_tokens.reload()  # before the first call: it may need an issued token
         if tokens.open:
             log.warning(
-                "no API tokens configured: the scheduler runs OPEN (every caller is admin). "
-                "Set tokens in the config file for anything but a local trial."
+                "no API tokens configured or issued: the scheduler runs OPEN (every caller "
+                "is admin). Set tokens in the config file, or issue an admin token (pitstop "
+                "token create --role admin --name NAME), for anything but a local trial."
             )
         server = grpc.aio.server(
             interceptors=[ErrorMappingInterceptor(), AuthorizationInterceptor(tokens)],
@@ -155,6 +161,9 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(store, hot, router), server)
         nodes_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(store, hot, router), server)
         nodes_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(store), server)
+        nodes_pb2_grpc.add_TokenServiceServicer_to_server(
+            TokenServicer(store, settings.tokens, issued_tokens), server
+        )
         checkpoint_pb2_grpc.add_CheckpointCatalogServiceServicer_to_server(
             CatalogServicer(store), server
         )
@@ -225,6 +234,7 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
     metrics.leader.set_function(lambda: 1.0 if election.leading else 0.0)
     await _report_health(health_servicer, engine, hot, store, metrics, election)
     scheduler._tasks.append(asyncio.create_task(metrics.watch_loop_lag(), name="loop-lag"))
+    scheduler._tasks.append(asyncio.create_task(issued_tokens.run(), name="api-tokens"))
     scheduler._tasks.append(
         asyncio.create_task(
             _health_loop(health_servicer, engine, hot, store, metrics, election), name="health"

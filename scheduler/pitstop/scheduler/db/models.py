@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    CheckConstraint,
     DateTime,
     Enum,
     ForeignKey,
@@ -291,6 +292,27 @@ class JoinToken(Base):
     created_by: Mapped[str] = mapped_column(String(128), default="")
     used_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
     used_by: Mapped[str] = mapped_column(String(253), default="")
+
+
+class ApiToken(Base):
+    """A bearer token issued to a person or a script (`pitstop token create --role`), kept
+    as its SHA-256 only: the token itself is shown once. Rows are never deleted, so a
+    revoked token's name stays taken and its history stays readable."""
+
+    __tablename__ = "api_tokens"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # viewer, operator or admin: the agent role is a node certificate's, never issued.
+    role: Mapped[str] = mapped_column(String(16))
+    digest: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(server_default=func.now())
+    created_by: Mapped[str] = mapped_column(String(128), default="")
+    # None: it never expires.
+    expires_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    revoked_by: Mapped[str] = mapped_column(String(128), default="")
+
+    __table_args__ = (CheckConstraint("role IN ('viewer', 'operator', 'admin')", name="role"),)
 
 
 class Lease(Base):
