@@ -56,6 +56,13 @@ class AgentGateway:
         queue.put_nowait(CloseStream(reason))
         return True
 
+    def close_all(self, reason: str) -> int:
+        """End every stream held here (shutdown: the agents reconnect to another scheduler
+        process rather than hold this one's grace); returns how many."""
+        for queue in self._queues.values():
+            queue.put_nowait(CloseStream(reason))
+        return len(self._queues)
+
     def connected(self, node_id: str) -> bool:
         return node_id in self._queues
 

@@ -102,6 +102,9 @@ class Scheduler:
         """Stop accepting calls, let in-flight ones finish within ``grace``, close the stores.
         Every step is bounded: a step that hangs is logged by name and shutdown goes on."""
         self.agents.stopping = True  # streams we close now are not lost nodes
+        # Agent streams never end by themselves: without this a stop always waited out
+        # the whole grace (and for an unreachable node's stream it still would).
+        self.agents.gateway.close_all("the scheduler process is stopping; reconnect")
         grace = self.settings.shutdown_grace_seconds if grace is None else grace
         await _bounded("stop the gRPC server", self.server.stop(grace), grace + STEP_SECONDS)
         for task in self._tasks:
