@@ -300,3 +300,53 @@ def test_buddy_falls_back_to_the_same_rack_and_skips_lost_nodes() -> None:
     fleet = [node("n1", "r1"), node("n2", "r1"), node("n3", "r2", NodeState.LOST)]
     assert choose_buddy(fleet[0], fleet).id == "n2"
     assert choose_buddy(fleet[0], fleet[:1]) is None
+
+
+def test_buddy_skips_nodes_being_replaced() -> None:
+    """An unhealthy node is being replaced and no restore counts its memory: a replica
+    pushed there would protect nothing, so it is no node's buddy."""
+    fleet = [node("n1", "r1"), node("n2", "r1"), node("n3", "r2", NodeState.UNHEALTHY)]
+    assert choose_buddy(fleet[0], fleet).id == "n2"
+
+
+def set_node(scheduler: SchedulerThread, node_id: str, state: NodeState, address: str) -> None:
+    """Put a registered node in `state` with a checkpoint daemon at `address`, directly."""
+    store = Store(session_factory(scheduler.scheduler.engine), scheduler.scheduler.bus)
+
+    async def write() -> None:
+        async with store.write() as session:
+            row = await session.get(models.Node, node_id)
+            assert row is not None
+            row.state, row.checkpointd_address = state, address
+
+    scheduler._call(write())
+
+
+def test_a_report_naming_a_buddy_being_replaced_is_told_to_ask_again(
+    scheduler: SchedulerThread, catalog: Any, job_id: str
+) -> None:
+    """A daemon keeps its buddy for a while; when that node turns unhealthy (a fatal Xid)
+    its next shard report hears so, and GetBuddy names another node: the replicas of the
+    steps after go where a restore counts them."""
+    for node_id, rack in (("ua", "r1"), ("ub", "r2"), ("uc", "r3")):
+        scheduler.register_node(node_id, gpus=1, rack=rack)
+        set_node(scheduler, node_id, NodeState.READY, f"{node_id}:7000")
+
+    def buddy(node_id: str) -> str:
+        request = checkpoint_pb2.GetBuddyRequest(node_id=node_id)
+        return str(catalog.GetBuddy(request).buddy_node_id)
+
+    def unfit(named: str) -> bool:
+        request = checkpoint_pb2.ReportShardsRequest(
+            node_id="ua", added=[shard(job_id, 0, 1, L)], buddy_node_id=named
+        )
+        return bool(catalog.ReportShards(request).buddy_unfit)
+
+    assert buddy("ua") == "ub"
+    assert not unfit("ub")
+    assert not unfit("")  # no buddy named: nothing to say
+    set_node(scheduler, "ub", NodeState.UNHEALTHY, "ub:7000")
+    assert unfit("ub")
+    assert buddy("ua") == "uc"
+    assert not unfit("uc")
+    assert unfit("nobody")  # a node the scheduler does not know holds nothing that counts

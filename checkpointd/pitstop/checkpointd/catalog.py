@@ -131,6 +131,7 @@ class CatalogClient:
                 removed_durable=[k for (_, tier), k in removed.items() if tier is Tier.DURABLE],
                 flush_errors=errors,
                 fresh_start=self._fresh_start,
+                buddy_node_id=self._buddy.node_id if self._buddy is not None else "",
             )
             try:
                 response = await self._stub.ReportShards(
@@ -157,6 +158,11 @@ class CatalogClient:
             self._fresh_start = False
             self.reports_sent += 1
             self.committed_steps.update(response.committed_steps)
+            if response.buddy_unfit and self._buddy is not None:
+                # Its node is lost or being replaced: replicas there would count for
+                # nothing. The next push asks for another buddy.
+                log.info("buddy %s can hold no replicas now; asking for another", self._buddy)
+                self.forget_buddy()
 
     @property
     def may_name_buddy(self) -> bool:

@@ -31,7 +31,11 @@ class CatalogServicer:
             settled = await catalog_service.report_shards(session, request)
         async with self.store.write() as session:  # the jobs' rows: briefly, on their own
             committed = await catalog_service.advance_jobs(session, settled)
-        return checkpoint_pb2.ReportShardsResponse(committed_steps=committed)
+        unfit = False
+        if request.buddy_node_id:
+            async with self.store.read() as session:
+                unfit = not await catalog_service.may_hold_replicas(session, request.buddy_node_id)
+        return checkpoint_pb2.ReportShardsResponse(committed_steps=committed, buddy_unfit=unfit)
 
     async def GetBuddy(  # noqa: N802
         self, request: checkpoint_pb2.GetBuddyRequest, context: grpc.aio.ServicerContext

@@ -304,12 +304,18 @@ async def restore_point(
     return response
 
 
+HOLDS_NO_COPIES = (NodeState.LOST, NodeState.UNHEALTHY)
+"""Nodes whose in-memory copies no restore counts: lost, or about to be replaced. A
+buddy is never one of them: a replica pushed there would protect nothing."""
+
+
 def choose_buddy(node: models.Node, candidates: Sequence[models.Node]) -> models.Node | None:
     """The next node after ``node`` in a ring ordered by failure domain (zone, block,
     rack), preferring one in another rack, else any other node: a buddy should not fail
-    with the node it protects. Lost nodes and nodes without a checkpointd are skipped."""
+    with the node it protects. Lost and unhealthy nodes (HOLDS_NO_COPIES) and nodes
+    without a checkpointd are skipped."""
     usable = sorted(
-        (n for n in candidates if n.state is not NodeState.LOST and n.checkpointd_address),
+        (n for n in candidates if n.state not in HOLDS_NO_COPIES and n.checkpointd_address),
         key=lambda n: (n.zone, n.block, n.rack, n.id),
     )
     others = [n for n in usable if n.id != node.id]
@@ -337,9 +343,7 @@ async def restorable_step(session: AsyncSession, job: models.Job) -> int:
     memory, then the durable store), and to step 0 when there is none, rather than
     asking for a shard nobody holds. Going back past the committed step is logged with
     the ranks that lack a copy."""
-    alive = select(models.Node.id).where(
-        models.Node.state.not_in((NodeState.LOST, NodeState.UNHEALTHY))
-    )
+    alive = select(models.Node.id).where(models.Node.state.not_in(HOLDS_NO_COPIES))
     held = (models.CheckpointShard.node_id == DURABLE_NODE) | models.CheckpointShard.node_id.in_(
         alive
     )
@@ -399,6 +403,14 @@ async def forget_node(session: AsyncSession, node_id: str) -> None:
     await session.execute(
         delete(models.CheckpointShard).where(models.CheckpointShard.node_id == node_id)
     )
+
+
+async def may_hold_replicas(session: AsyncSession, node_id: str) -> bool:
+    """Whether a replica pushed to `node_id` still counts (the node exists, has a
+    checkpoint daemon and is neither lost nor unhealthy): one lookup by key, cheap
+    enough for every shard report."""
+    node = await session.get(models.Node, node_id)
+    return node is not None and node.state not in HOLDS_NO_COPIES and bool(node.checkpointd_address)
 
 
 async def buddy_of(session: AsyncSession, node_id: str) -> models.Node | None:
