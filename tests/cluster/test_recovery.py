@@ -1385,16 +1385,13 @@ def hash_3d() -> str:
 
 @pytest.mark.parametrize("durable_every", [8])
 @pytest.mark.parametrize("gpus", [2])
+@pytest.mark.parametrize("fault", ["node_killed", "fatal_xid"])
 def test_the_3d_job_loses_a_node_and_ends_with_the_fault_free_hash(
-    cluster: Cluster, hash_3d: str, tmp_path: Path
+    cluster: Cluster, hash_3d: str, fault: str, tmp_path: Path
 ) -> None:
-    """A node killed at a random step: its TP pair moves to the spare together, every
-    other rank re-forms in place, and the job ends with torchrun's fault-free hash. Then,
-    leaving pitstop: torch.distributed.checkpoint loads the job's last durable flush
-    (step 16, which the nodes flush to one store) into a fresh 8-rank and a fresh 4-rank
-    (dp = 1) script, and both hold the weights the job ended with. (A fatal Xid is the
-    first failure of the shrink test below.)"""
-    fault = "node_killed"
+    """Then, leaving pitstop: torch.distributed.checkpoint loads the job's last durable
+    flush (step 16, which the nodes flush to one store) into a fresh 8-rank and a fresh
+    4-rank (dp = 1) script, and both hold the weights the job ended with."""
     spec = jobs_pb2.JobSpec(
         name=unique("llama3d"),
         command=[*EXAMPLE_3D, "--log-every", "1", "--step-seconds", str(STEP_SECONDS)],
@@ -1413,7 +1410,10 @@ def test_the_3d_job_loses_a_node_and_ends_with_the_fault_free_hash(
     victim = cluster.node_of(job, victim_rank)
     lost = sorted(a.rank for a in job.rank_map.ranks if a.node_id == victim.node_id)
     cluster.wait_for_step(job, victim_rank, at_step)
-    cluster.kill_node(victim.node_id)
+    if fault == "node_killed":
+        cluster.kill_node(victim.node_id)
+    else:
+        cluster.inject(victim.node_id, common_pb2.Fault(gpu_index=0, xid=79))
     done = cluster.finish(job.id)
     context = f"{fault} on {victim.node_id} (ranks {lost}) at step {at_step}"
     assert done.state == common_pb2.JOB_STATE_SUCCEEDED, context
@@ -1429,6 +1429,8 @@ def test_the_3d_job_loses_a_node_and_ends_with_the_fault_free_hash(
         joined = [m for m in JOINED_LINE.finditer(text) if int(m.group(1)) == rank]
         assert joined, (context, rank, text[-3000:])
         assert text.count(b'"shape": [2, 2, 2]') == 1, (context, rank)  # one process
+    if fault != "node_killed":
+        return  # the load is the same after either fault: once is enough
     reader = [str(DCP_3D), "--url", cluster.durable_url, "--job", job.id]
     wait_until(
         lambda: durable_step(cluster.durable_url, job.id) == STEPS_3D,

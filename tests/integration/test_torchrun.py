@@ -16,7 +16,11 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import SchedulerThread, unique
+from conftest import SchedulerThread, StoreUrls, tls_scheduler, unique
+
+from pitstop.enrollment import enroll
+from pitstop.tls import TLS_DIR_ENV, NodeIdentity
+from pitstop.v1 import nodes_pb2, nodes_pb2_grpc
 
 STEPS = 5
 LEARNING_RATE = 0.1
@@ -57,6 +61,32 @@ def expected_weights() -> list[float]:
 def test_two_torchrun_nodes_rendezvous_through_pitstop(
     scheduler: SchedulerThread, tmp_path: Path
 ) -> None:
+    run_two_nodes(scheduler.address, tmp_path, {})
+
+
+def test_under_mutual_tls_torchrun_meets_with_the_nodes_certificate(
+    stores: StoreUrls, tmp_path: Path
+) -> None:
+    """A secure scheduler takes the agent role only from a node certificate: torchrun
+    started by the agent finds the node's identity in PITSTOP_TLS_DIR and talks mutual
+    TLS to the scheduler's node port."""
+    scheduler = tls_scheduler(stores, tmp_path / "scheduler", [])
+    try:
+        assert scheduler.ca is not None
+        with scheduler.channel() as channel:
+            made = nodes_pb2_grpc.NodeServiceStub(channel).CreateJoinToken(
+                nodes_pb2.CreateJoinTokenRequest(node_id="tr-node"), timeout=10
+            )
+        identity = NodeIdentity(tmp_path / "tls", "tr-node")
+        enroll(identity, scheduler.address, made.token, scheduler.ca)
+        run_two_nodes(scheduler.address, tmp_path, {TLS_DIR_ENV: str(identity.directory)})
+    finally:
+        scheduler.stop()
+
+
+def run_two_nodes(address: str, tmp_path: Path, extra_env: dict[str, str]) -> None:
+    """Two one-rank torchrun "nodes" meeting at `address`; both must end with the weights
+    one process gets from the whole batch."""
     script = tmp_path / "job.py"
     script.write_text(JOB)
     results = tmp_path / "results"
@@ -69,7 +99,7 @@ def test_two_torchrun_nodes_rendezvous_through_pitstop(
         "--nproc-per-node=1",
         "--max-restarts=0",
         "--rdzv-backend=pitstop",
-        f"--rdzv-endpoint={scheduler.address}",
+        f"--rdzv-endpoint={address}",
         f"--rdzv-id={unique('torchrun')}",
         # Both "nodes" share this host; name it so rank 0's store is reachable.
         "--local-addr=127.0.0.1",
@@ -78,7 +108,7 @@ def test_two_torchrun_nodes_rendezvous_through_pitstop(
         str(script),
         str(results),
     ]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", **extra_env}
     logs = [tmp_path / f"node{i}.log" for i in range(2)]
     nodes = []
     for log in logs:

@@ -13,9 +13,14 @@ the c10d store its agents share. ``--rdzv-conf`` keys:
 ``token``
     bearer token with the agent role; default ``$PITSTOP_TOKEN`` (prefer the
     variable: a command line is visible to every user of the host).
+``tls_dir``
+    a node identity (the agent's ``<state_dir>/tls``): mutual TLS with the node's
+    certificate to the scheduler's node port, as every node of a secure cluster talks;
+    default ``$PITSTOP_TLS_DIR``, which the agent gives the processes it starts. With TLS
+    on, the agent role comes only from a node certificate, never from a token.
 ``ca_cert``
-    PEM file that signs the scheduler's certificate; without it the channel is
-    plaintext.
+    PEM file that signs the scheduler's certificate (server TLS, with ``token``); without
+    it or ``tls_dir`` the channel is plaintext.
 ``rpc_timeout``
     seconds one call to the scheduler may take, retries on UNAVAILABLE included
     (default 10).
@@ -62,6 +67,7 @@ import socket
 import struct
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -82,6 +88,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from pitstop.tls import TLS_DIR_ENV, NodeIdentity, open_channel
 from pitstop.v1 import rendezvous_pb2, rendezvous_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -290,6 +297,11 @@ def _float_param(params: RendezvousParameters, key: str, default: float) -> floa
 
 def _channel(target: str, params: RendezvousParameters) -> grpc.Channel:
     options = [("grpc.service_config", _RETRY_CONFIG), ("grpc.enable_retries", 1)]
+    tls_dir = params.get("tls_dir") or os.environ.get(TLS_DIR_ENV, "")
+    if tls_dir:
+        identity = NodeIdentity(Path(tls_dir), "")
+        channel: grpc.Channel = open_channel(target, identity, to_scheduler=True, options=options)
+        return channel
     ca_cert = params.get("ca_cert")
     if not ca_cert:
         return grpc.insecure_channel(target, options=options)
