@@ -1263,9 +1263,11 @@ def test_a_node_cut_off_by_its_network_namespace_is_replaced(
     restored = restored_steps(cluster, done)
     assert restored, cluster.logs(job.id)
     assert min(restored) > 0, restored
-    # A partitioned host is powered off, not asked to stop: its old rank, cut off inside a
-    # collective, would sit out the agent's whole stop grace (10 s of the suite).
+    # The partitioned host is powered off and its link comes back: the scheduler's end of
+    # the dead node's connection is then reset at once, instead of holding the
+    # scheduler's stop for its whole grace (10 s of the suite).
     cluster.kill_node(cut.node_id)
+    network.heal(cut.node_id)
 
 
 def dropping_first_sends(generation: int) -> tuple[Any, list[str]]:

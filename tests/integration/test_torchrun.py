@@ -70,6 +70,7 @@ def test_under_mutual_tls_torchrun_meets_with_the_nodes_certificate(
     """A secure scheduler takes the agent role only from a node certificate: torchrun
     started by the agent finds the node's identity in PITSTOP_TLS_DIR and talks mutual
     TLS to the scheduler's node port."""
+    (tmp_path / "scheduler").mkdir()
     scheduler = tls_scheduler(stores, tmp_path / "scheduler", [])
     try:
         assert scheduler.ca is not None
