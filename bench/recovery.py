@@ -127,18 +127,21 @@ def log_time(text: str) -> float:
 # pitstop -------------------------------------------------------------------------------
 
 
-def run_pitstop(args: argparse.Namespace, steps: int, root: Path) -> dict[str, Any]:
+def run_pitstop(
+    args: argparse.Namespace, steps: int, root: Path, insecure: bool = False
+) -> dict[str, Any]:
     faults = [Fault(args.every * (i + 1), KINDS[i % len(KINDS)]) for i in range(args.failures)]
     say(
-        f"pitstop: {args.workers} workers + {args.spares} spares, {len(faults)} failures, "
-        f"a silent node lost after {args.liveness_seconds:g} s"
+        f"pitstop{' (insecure)' if insecure else ''}: {args.workers} workers + {args.spares} "
+        f"spares, {len(faults)} failures, a silent node lost after {args.liveness_seconds:g} s"
     )
     with running_cluster(
-        root / "cluster",
+        root / ("cluster-insecure" if insecure else "cluster"),
         nodes=args.workers,
         spares=args.spares,
         port=0,
         liveness_timeout=args.liveness_seconds,
+        insecure=insecure,
     ) as cluster:
         spec = example_spec(
             "bench-recovery",
@@ -461,6 +464,34 @@ def peer_summary(peer: dict[str, Any], expected: str) -> dict[str, Any]:
     }
 
 
+def pitstop_summary(run: dict[str, Any], expected: str) -> dict[str, Any]:
+    """What one pitstop run measured, for the JSON line."""
+    rows = run["failures"]
+    return {
+        "failures": len(rows),
+        "by_kind": {k: sum(1 for r in rows if KINDS[int(r["kind_index"])] == k) for k in KINDS},
+        "detect_to_resume_seconds": summary([r["total"] for r in rows]),
+        "p50_by_kind": {
+            k: round(
+                statistics.median([r["total"] for r in rows if KINDS[int(r["kind_index"])] == k]),
+                3,
+            )
+            for k in KINDS
+            if any(KINDS[int(r["kind_index"])] == k for r in rows)
+        },
+        "detect_seconds": summary([r["detect"] for r in rows]),
+        "abort_seconds": summary([r["abort"] for r in rows]),
+        "training_stalled_seconds": summary([r["stalled"] for r in rows]),
+        "decide_seconds": summary([r["decide"] for r in rows]),
+        "restore_seconds": summary([r["restore"] for r in rows]),
+        "reform_seconds": summary([r["reform"] for r in rows]),
+        "steps_lost_per_failure": round(run["steps_lost_per_failure"], 2),
+        "goodput": round(run["goodput"], 4),
+        "wall_seconds": round(run["seconds"], 1),
+        "hash_equal": run["job"].result.get("final_weights_sha256") == expected,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--failures", type=int, default=20)
@@ -487,6 +518,12 @@ def main() -> int:
         type=float,
         default=DEFAULT_LIVENESS_TIMEOUT,
         help="a node silent this long is lost: a hung agent's detection deadline",
+    )
+    parser.add_argument(
+        "--insecure-too",
+        action="store_true",
+        help="also run pitstop insecure (plaintext, open API) after the secure default, "
+        "and report what TLS and enrollment cost",
     )
     parser.add_argument(
         "--load",
@@ -542,12 +579,12 @@ def measure(args: argparse.Namespace) -> int:
                         say=say,
                     )
             pitstop = run_pitstop(args, steps, root)
+            insecure = run_pitstop(args, steps, root, insecure=True) if args.insecure_too else None
     finally:
         if args.keep:
             say(f"kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    rows = pitstop["failures"]
     result: dict[str, Any] = {
         "bench": "recovery",
         "machine": {"cpus": os.cpu_count()},
@@ -556,33 +593,17 @@ def measure(args: argparse.Namespace) -> int:
         "step_seconds": args.step_seconds,
         "liveness_timeout_seconds": args.liveness_seconds,
         "cpu_load_procs": args.load,
-        "pitstop": {
-            "failures": len(rows),
-            "by_kind": {k: sum(1 for r in rows if KINDS[int(r["kind_index"])] == k) for k in KINDS},
-            "detect_to_resume_seconds": summary([r["total"] for r in rows]),
-            "p50_by_kind": {
-                k: round(
-                    statistics.median(
-                        [r["total"] for r in rows if KINDS[int(r["kind_index"])] == k]
-                    ),
-                    3,
-                )
-                for k in KINDS
-                if any(KINDS[int(r["kind_index"])] == k for r in rows)
-            },
-            "detect_seconds": summary([r["detect"] for r in rows]),
-            "abort_seconds": summary([r["abort"] for r in rows]),
-            "training_stalled_seconds": summary([r["stalled"] for r in rows]),
-            "decide_seconds": summary([r["decide"] for r in rows]),
-            "restore_seconds": summary([r["restore"] for r in rows]),
-            "reform_seconds": summary([r["reform"] for r in rows]),
-            "steps_lost_per_failure": round(pitstop["steps_lost_per_failure"], 2),
-            "goodput": round(pitstop["goodput"], 4),
-            "wall_seconds": round(pitstop["seconds"], 1),
-            "hash_equal": pitstop["job"].result.get("final_weights_sha256") == expected,
-        },
+        "pitstop": pitstop_summary(pitstop, expected),
         "targets": {"p50_seconds": 1.5, "p95_seconds": 2.5, "max_seconds": 4.0, "steps_lost": 1},
     }
+    if insecure is not None:
+        result["pitstop_insecure"] = pitstop_summary(insecure, expected)
+        result["secure_over_insecure_p50"] = round(
+            result["pitstop"]["detect_to_resume_seconds"]["p50"]
+            / result["pitstop_insecure"]["detect_to_resume_seconds"]["p50"],
+            3,
+        )
+
     if torchrun is not None:
         totals = [f["total"] for f in torchrun["failures"]]
         result["torchrun"] = {
