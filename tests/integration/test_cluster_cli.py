@@ -82,15 +82,7 @@ def cli_env(stores: StoreUrls) -> dict[str, str]:
 
 
 def cluster_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(PITSTOP), "cluster", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        timeout=CLI_TIMEOUT,
-        check=False,
-    )
+    return pitstop_cli(env, "cluster", *args)
 
 
 def pitstop_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
