@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextvars
 import datetime as dt
-import hashlib
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -25,7 +24,7 @@ from cryptography import x509
 from google.protobuf import descriptor_pool
 
 from pitstop.scheduler.config import ApiToken
-from pitstop.scheduler.domain import IssuedToken, Role
+from pitstop.scheduler.domain import IssuedToken, Role, token_digest
 from pitstop.scheduler.errors import PermissionDenied, Unauthenticated
 from pitstop.scheduler.rpcwrap import wrap_handler
 from pitstop.tls import SCHEDULER_NAME, issued_at
@@ -173,7 +172,7 @@ class TokenBook:
         scheme, _, token = value.partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("authorization header must be 'Bearer <token>'")
-        presented = hashlib.sha256(token.strip().encode()).hexdigest().encode()
+        presented = token_digest(token).encode()
         for known in (*self._configured, *self._issued):
             # Constant-time compare over every token: timing says nothing about which.
             if hmac.compare_digest(known.digest, presented):

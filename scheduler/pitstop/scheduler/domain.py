@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import hashlib
 from dataclasses import dataclass
 
 
@@ -48,6 +49,12 @@ class Role(enum.IntEnum):
     ADMIN = 3
     AGENT = 4
     PUBLIC = 5
+
+
+def token_digest(token: str) -> str:
+    """The hex SHA-256 of a secret token (surrounding whitespace ignored): all that is
+    kept of a join token or an API token, and what a presented one is compared by."""
+    return hashlib.sha256(token.strip().encode()).hexdigest()
 
 
 ISSUABLE_ROLES = (Role.VIEWER, Role.OPERATOR, Role.ADMIN)

@@ -29,12 +29,12 @@ class CatalogServicer:
             )
         async with self.store.write() as session:
             settled = await catalog_service.report_shards(session, request)
+            # In the report's own transaction: one lookup by key, no extra round trip.
+            unfit = bool(request.buddy_node_id) and not await catalog_service.may_hold_replicas(
+                session, request.buddy_node_id
+            )
         async with self.store.write() as session:  # the jobs' rows: briefly, on their own
             committed = await catalog_service.advance_jobs(session, settled)
-        unfit = False
-        if request.buddy_node_id:
-            async with self.store.read() as session:
-                unfit = not await catalog_service.may_hold_replicas(session, request.buddy_node_id)
         return checkpoint_pb2.ReportShardsResponse(committed_steps=committed, buddy_unfit=unfit)
 
     async def GetBuddy(  # noqa: N802

@@ -14,10 +14,10 @@ token cannot be revoked while no admin token is configured.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import re
 import secrets
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy import or_, select
 from sqlalchemy.exc import IntegrityError
@@ -25,17 +25,13 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.config import ApiToken
 from pitstop.scheduler.db import models
-from pitstop.scheduler.domain import ISSUABLE_ROLES, IssuedToken, Role
+from pitstop.scheduler.domain import ISSUABLE_ROLES, IssuedToken, Role, token_digest
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
 from pitstop.scheduler.services import events as event_service
 
 PREFIX = "pst_api_"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 _ROLE_WORDS = ", ".join(r.name.lower() for r in ISSUABLE_ROLES)
-
-
-def digest(token: str) -> str:
-    return hashlib.sha256(token.strip().encode()).hexdigest()
 
 
 def role_word(role: Role) -> str:
@@ -97,6 +93,12 @@ def active(row: models.ApiToken, now: dt.datetime) -> bool:
     return row.revoked_at is None and (row.expires_at is None or row.expires_at > now)
 
 
+def _active_at(now: dt.datetime) -> Any:
+    """`active` as SQL: not revoked, not expired at `now`."""
+    token = models.ApiToken
+    return token.revoked_at.is_(None) & or_(token.expires_at.is_(None), token.expires_at > now)
+
+
 def issued_token(row: models.ApiToken) -> IssuedToken:
     """What authorization keeps of a row."""
     return IssuedToken(row.name, Role[row.role.upper()], row.digest, row.expires_at)
@@ -148,7 +150,7 @@ async def create_token(
     row = models.ApiToken(
         name=name,
         role=role_word(role),
-        digest=digest(token),
+        digest=token_digest(token),
         created_at=now,
         created_by=actor,
         expires_at=now + ttl if ttl is not None else None,
@@ -192,9 +194,7 @@ async def revoke_token(
             .where(
                 or_(
                     models.ApiToken.name == name,
-                    (models.ApiToken.role == role_word(Role.ADMIN))
-                    & models.ApiToken.revoked_at.is_(None)
-                    & or_(models.ApiToken.expires_at.is_(None), models.ApiToken.expires_at > now),
+                    (models.ApiToken.role == role_word(Role.ADMIN)) & _active_at(now),
                 )
             )
             .order_by(models.ApiToken.name)
@@ -234,12 +234,6 @@ async def load_issued(
 ) -> tuple[tuple[IssuedToken, ...], bool]:
     """The tokens that authenticate now (not revoked, not expired), and whether any token
     was ever issued."""
-    rows = (
-        await session.scalars(
-            select(models.ApiToken)
-            .where(models.ApiToken.revoked_at.is_(None))
-            .where(or_(models.ApiToken.expires_at.is_(None), models.ApiToken.expires_at > now))
-        )
-    ).all()
+    rows = (await session.scalars(select(models.ApiToken).where(_active_at(now)))).all()
     tokens = tuple(issued_token(r) for r in rows)
     return tokens, bool(tokens) or await any_issued(session)

@@ -9,23 +9,19 @@ for this node, so two nodes racing with one token get one certificate between th
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import secrets
 
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import token_digest
 from pitstop.scheduler.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from pitstop.scheduler.services import events as event_service
 
 PREFIX = "pst_join_"
 DEFAULT_TTL = dt.timedelta(hours=1)
 MAX_TTL = dt.timedelta(days=7)
-
-
-def digest(token: str) -> str:
-    return hashlib.sha256(token.strip().encode()).hexdigest()
 
 
 async def create_token(
@@ -38,7 +34,7 @@ async def create_token(
         )
     token = PREFIX + secrets.token_urlsafe(32)
     row = models.JoinToken(
-        digest=digest(token),
+        digest=token_digest(token),
         node_id=node_id,
         expires_at=dt.datetime.now(dt.UTC) + ttl,
         created_by=actor,
@@ -62,7 +58,7 @@ async def use_token(session: AsyncSession, token: str, node_id: str) -> None:
     now = dt.datetime.now(dt.UTC)
     taken = await session.execute(
         update(models.JoinToken)
-        .where(models.JoinToken.digest == digest(token))
+        .where(models.JoinToken.digest == token_digest(token))
         .where(models.JoinToken.used_at.is_(None))
         .where(models.JoinToken.expires_at > now)
         .where(models.JoinToken.node_id.in_(("", node_id)))
@@ -71,7 +67,7 @@ async def use_token(session: AsyncSession, token: str, node_id: str) -> None:
     )
     if taken.first() is not None:
         return
-    row = await session.get(models.JoinToken, digest(token))
+    row = await session.get(models.JoinToken, token_digest(token))
     if row is None:
         why = "is not one this scheduler issued"
     elif row.used_at is not None:
