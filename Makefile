@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo demo-load test install check lint typecheck imports compose-check proto proto-check pytest bench clean
+.PHONY: demo demo-load test system-packages install check lint typecheck imports compose-check proto proto-check pytest bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,11 @@ demo: $(STAMP)
 demo-load: $(STAMP)
 	$(BIN)/python scripts/demo.py --load 2
 
-test: check pytest
+test: system-packages check pytest
+
+# Debian packages some tests run (promtool, chromium, Slurm): installed when root.
+system-packages:
+	@bash scripts/system_packages.sh
 
 check: proto-check lint typecheck imports compose-check
 
