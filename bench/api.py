@@ -184,6 +184,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         database_url=args.database_url,
         redis_url=args.redis_url,
         shutdown_grace_seconds=1.0,
+        dashboard_port=None,
     )
     started = time.perf_counter()
     scheduler = await start_scheduler(settings)

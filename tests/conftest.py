@@ -259,6 +259,7 @@ def scheduler_settings(stores: StoreUrls, state_dir: Path, **overrides: Any) -> 
         # Deciding loops only where a test asks for them, on a database of its own.
         "leader_loops": False,
         "metrics_port": None,
+        "dashboard_port": None,
         **overrides,
     }
     return SchedulerSettings(**values)
@@ -479,6 +480,8 @@ class SchedulerProcess:
                     str(self.port),
                     "--metrics-port",
                     str(self.metrics_port),
+                    "--dashboard-port",
+                    "0",
                 ],
                 stdout=subprocess.PIPE,
                 stderr=log,

@@ -34,6 +34,8 @@ def scheduler_process(state_dir: Path) -> Iterator[str]:
                 "0",
                 "--metrics-port",
                 "0",
+                "--dashboard-port",
+                "0",
             ],
             stdout=subprocess.PIPE,
             stderr=log,

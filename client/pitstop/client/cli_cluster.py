@@ -157,6 +157,9 @@ def up(
     out.print(nodes_table(ready, datetime.now(UTC)))
     if cluster.network is not None:
         typer.echo(_network_line(cluster))
+    if cluster.dashboard_url:
+        signin = f" (sign in with the token in {cluster.admin_token_file})" if cluster.tls else ""
+        typer.echo(f"dashboard: {cluster.dashboard_url}{signin}")
     typer.echo(f"stop it with: pitstop cluster down --state-dir {cluster.state_dir}")
     typer.echo(f"export {SERVER_ENV}={cluster.scheduler_address}")
     if cluster.ca_cert is not None:
@@ -242,6 +245,7 @@ def status(state_dir: StateDirOption = DEFAULT_STATE_DIR, json_out: JsonFlag = F
                 "tls": cluster.tls,
                 "ca_cert": None if cluster.ca_cert is None else str(cluster.ca_cert),
                 "admin_token_file": str(cluster.admin_token_file) if cluster.tls else None,
+                "dashboard_url": cluster.dashboard_url or None,
                 "processes": [
                     {
                         "name": p.name,

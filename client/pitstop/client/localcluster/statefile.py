@@ -99,6 +99,8 @@ class ClusterProcess:
     node_address: str = ""
     """host:port where a scheduler with TLS takes the nodes' certificates (its node
     port, which the nodes learned at enrollment: a restart must keep it)."""
+    dashboard: str = ""
+    """URL of its web dashboard (a scheduler's); empty when unknown."""
 
     def alive(self) -> bool:
         """Whether the daemon still runs (a zombie or a reused pid does not count)."""
@@ -116,6 +118,7 @@ class ClusterProcess:
             "start_ticks": self.start_ticks,
             "metrics": self.metrics,
             "node_address": self.node_address,
+            "dashboard": self.dashboard,
         }
 
     @classmethod
@@ -135,6 +138,7 @@ class ClusterProcess:
             start_ticks=None if ticks is None else int(ticks),
             metrics=str(data.get("metrics") or ""),
             node_address=str(data.get("node_address") or ""),
+            dashboard=str(data.get("dashboard") or ""),
         )
 
     @classmethod
@@ -318,6 +322,12 @@ class ClusterState:
     def ca_cert(self) -> Path | None:
         """The cluster CA's certificate, to check the scheduler with (None: insecure)."""
         return self.state_dir / "scheduler" / "tls" / "ca.crt" if self.tls else None
+
+    @property
+    def dashboard_url(self) -> str:
+        """The web dashboard of the first scheduler ("" when unknown). Sign in with the
+        admin token (admin_token_file) when the cluster runs with TLS."""
+        return next((p.dashboard for p in self.processes if p.kind == "scheduler"), "")
 
     @property
     def admin_token_file(self) -> Path:

@@ -1,0 +1,1 @@
+"""The scheduler's read-only web dashboard (see server.py)."""

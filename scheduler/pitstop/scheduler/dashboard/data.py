@@ -1,0 +1,350 @@
+"""What the dashboard shows, as plain JSON-ready dicts: the fleet, one node, the jobs,
+one job (with its recovery timeline), and a job's recent steps.
+
+Read-only: every function reads PostgreSQL through the store's read sessions, or Redis,
+and builds what the page draws. Nothing here decides or writes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from google.protobuf import json_format
+from sqlalchemy import select
+
+from pitstop.scheduler.convert import event_to_pb, job_to_pb, node_to_pb
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import TERMINAL_JOB_STATES, NodeRole, NodeState
+from pitstop.scheduler.hotstate import HotState
+from pitstop.scheduler.services import events as event_service
+from pitstop.scheduler.services import jobs as job_service
+from pitstop.scheduler.services import nodes as node_service
+from pitstop.scheduler.store import Store
+from pitstop.v1 import agent_pb2, common_pb2
+
+RECENT_EVENTS = 300
+JOBS_SHOWN = 50
+HEATMAP_STEPS = 40
+"""Steps the per-rank step-time heatmap covers."""
+LOSS_POINTS = 2000
+"""Steps the loss curve keeps (the newest)."""
+FIRST_READ_BATCHES = 4000
+"""Step batches read when a page first asks for a job: enough for the heatmap's window
+on a large job (one batch per node per flush), bounded for a huge one."""
+
+_VERDICTS: dict[int, str] = {
+    common_pb2.HEALTH_VERDICT_UNSPECIFIED: "unknown",
+    common_pb2.HEALTH_VERDICT_HEALTHY: "healthy",
+    common_pb2.HEALTH_VERDICT_APPLICATION: "application",
+    common_pb2.HEALTH_VERDICT_WARNING: "warning",
+    common_pb2.HEALTH_VERDICT_FATAL: "fatal",
+    common_pb2.HEALTH_VERDICT_DEGRADED: "degraded",
+}
+
+
+def _verdict(value: int) -> str:
+    return _VERDICTS.get(int(value), "unknown")
+
+
+def node_status(state: NodeState, role: NodeRole) -> str:
+    """The colour a node gets: its state, or `spare` for a ready spare."""
+    if state is NodeState.READY and role is NodeRole.SPARE:
+        return "spare"
+    return state.value
+
+
+def _node_row(node: models.Node, jobs: Sequence[str]) -> dict[str, Any]:
+    message = node_to_pb(node)
+    return {
+        "id": node.id,
+        "status": node_status(node.state, node.role),
+        "state": node.state.value,
+        "role": node.role.value,
+        "reason": node.reason,
+        "zone": node.zone,
+        "block": node.block,
+        "rack": node.rack,
+        "connected": node.connected,
+        "verdict": _verdict(message.health.verdict),
+        "gpus": [[g.index, _verdict(g.verdict)] for g in message.health.gpus],
+        "jobs": list(jobs),
+    }
+
+
+async def _jobs_by_node(store: Store) -> dict[str, list[str]]:
+    """The unfinished jobs whose current generation places a rank on each node."""
+    query = (
+        select(models.RankAssignment.node_id, models.Job.id)
+        .join(
+            models.Job,
+            (models.RankAssignment.job_id == models.Job.id)
+            & (models.RankAssignment.generation == models.Job.generation),
+        )
+        .where(models.Job.state.not_in(TERMINAL_JOB_STATES))
+        .distinct()
+    )
+    found: dict[str, list[str]] = {}
+    async with store.read() as session:
+        for node_id, job_id in (await session.execute(query)).all():
+            found.setdefault(node_id, []).append(job_id)
+    return found
+
+
+async def fleet(store: Store, node_ids: Iterable[str] | None = None) -> list[dict[str, Any]]:
+    """Every node (or the ones named), with the jobs on it; ordered by zone, block, rack
+    and id, the order the page groups them in."""
+    jobs = await _jobs_by_node(store)
+    async with store.read() as session:
+        nodes = await node_service.list_nodes(session, states=(), roles=())
+    wanted = None if node_ids is None else set(node_ids)
+    rows = [_node_row(n, jobs.get(n.id, ())) for n in nodes if wanted is None or n.id in wanted]
+    rows.sort(key=lambda r: (r["zone"], r["block"], r["rack"], r["id"]))
+    return rows
+
+
+async def node_detail(store: Store, hot: HotState, node_id: str) -> dict[str, Any]:
+    """One node as `pitstop node show` has it: health per GPU, Xid history, jobs."""
+    async with store.read() as session:
+        node = await node_service.get_node(session, node_id)
+        xids = await node_service.xid_history(session, node.id)
+        jobs = await node_service.active_jobs_on(session, node.id)
+    message = node_to_pb(node, xids=xids, job_ids=jobs, live_health=await hot.node_health(node.id))
+    detail = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    detail["status"] = node_status(node.state, node.role)
+    return detail
+
+
+async def job_list(store: Store) -> list[dict[str, Any]]:
+    """The newest jobs, newest first."""
+    async with store.read() as session:
+        jobs, _ = await job_service.list_jobs(
+            session, states=(), page_size=JOBS_SHOWN, page_token=""
+        )
+    return [
+        {"id": j.id, "name": j.name, "state": j.state.value, "step": j.current_step} for j in jobs
+    ]
+
+
+def incident_rows(goodput: dict[str, Any]) -> list[dict[str, Any]]:
+    """The recovery timeline: one bar per incident, split into its phases (seconds)."""
+    rows = []
+    for incident in goodput.get("incidents", []):
+        rows.append(
+            {
+                "cause": incident.get("cause", ""),
+                "kind": incident.get("kind", "INCIDENT_KIND_UNSPECIFIED")
+                .removeprefix("INCIDENT_KIND_")
+                .lower(),
+                "outcome": incident.get("outcome", "INCIDENT_OUTCOME_UNSPECIFIED")
+                .removeprefix("INCIDENT_OUTCOME_")
+                .lower(),
+                "failed_at": incident.get("failed_at", 0.0),
+                "detect": incident.get("detect_seconds", 0.0),
+                "decide": incident.get("decide_seconds", 0.0),
+                "resume": incident.get("resume_seconds", 0.0),
+                "lost_steps": int(incident.get("lost_steps", 0)),
+            }
+        )
+    return rows
+
+
+async def job_detail(store: Store, hot: HotState, job_id: str) -> dict[str, Any]:
+    """A job: state, generation, steps, goodput and its incidents, and where each rank
+    runs (node, zone, block, rack, its dp/pp/tp coordinates, straggler or not)."""
+    async with store.read() as session:
+        job = await job_service.get_job(session, job_id)
+        ranks = await job_service.current_ranks(session, job)
+        node_ids = {r.node_id for r in ranks}
+        nodes = {
+            n.id: n
+            for n in (
+                await session.scalars(select(models.Node).where(models.Node.id.in_(node_ids)))
+            ).all()
+        }
+    message = job_to_pb(job, ranks)
+    goodput = json_format.MessageToDict(
+        message.goodput, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    stats = {int(s["rank"]): s for s in await hot.rank_stats(job.id)}
+    rank_rows = []
+    for r in sorted(ranks, key=lambda r: r.rank):
+        node = nodes.get(r.node_id)
+        stat = stats.get(r.rank, {})
+        rank_rows.append(
+            [
+                r.rank,
+                r.node_id,
+                node.zone if node else "",
+                node.block if node else "",
+                node.rack if node else "",
+                r.dp,
+                r.pp,
+                r.tp,
+                bool(stat.get("straggler", False)),
+                round(float(stat.get("p50_seconds", 0.0)), 4),
+            ]
+        )
+    spec = message.spec
+    return {
+        "id": job.id,
+        "name": job.name,
+        "state": job.state.value,
+        "reason": job.reason,
+        "generation": job.generation,
+        "restarts": job.restarts,
+        "current_step": job.current_step,
+        "committed_step": job.committed_step,
+        "durable_step": job.durable_step,
+        "total_steps": int(getattr(spec, "total_steps", 0) or 0),
+        "goodput": {
+            "ratio": goodput.get("ratio", 0.0),
+            "productive_seconds": goodput.get("productive_seconds", 0.0),
+            "detect_seconds": goodput.get("detect_seconds", 0.0),
+            "recovery_seconds": goodput.get("recovery_seconds", 0.0),
+            "recompute_seconds": goodput.get("recompute_seconds", 0.0),
+            "recoveries": goodput.get("recoveries", 0),
+            "incident_count": goodput.get("incident_count", 0),
+        },
+        "incidents": incident_rows(goodput),
+        # [rank, node, zone, block, rack, dp, pp, tp, straggler, p50 seconds]
+        "ranks": rank_rows,
+        "result": dict(job.result),
+    }
+
+
+def event_row(event: models.Event) -> dict[str, Any]:
+    message = event_to_pb(event)
+    return {
+        "id": message.id,
+        "time": message.time.ToMilliseconds() / 1000.0,
+        "kind": message.kind,
+        "job": message.job_id,
+        "node": message.node_id,
+        "from": message.from_state,
+        "to": message.to_state,
+        "reason": message.reason,
+        "actor": message.actor,
+    }
+
+
+async def recent_events(store: Store, limit: int = RECENT_EVENTS) -> list[dict[str, Any]]:
+    async with store.read() as session:
+        rows = await event_service.list_events(session, after_id=-1, limit=limit)
+    return [event_row(r) for r in rows]
+
+
+async def events_after(store: Store, after_id: int) -> list[dict[str, Any]]:
+    async with store.read() as session:
+        rows = await event_service.list_events(session, after_id=after_id, limit=500)
+    return [event_row(r) for r in rows]
+
+
+@dataclass
+class _Step:
+    times: dict[int, float] = field(default_factory=dict)
+    losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    ended: float = 0.0
+
+
+@dataclass
+class StepFeed:
+    """A job's recent steps for one page: what is new since it last asked. Keeps the
+    heatmap's window and the loss curve, reads only the batches it has not seen."""
+
+    job_id: str
+    cursor: str = ""
+    steps: dict[int, _Step] = field(default_factory=dict)
+    loss: dict[int, float] = field(default_factory=dict)
+    started: bool = False
+
+    async def read(self, hot: HotState) -> list[agent_pb2.StepTimes]:
+        key = hot.steps_key(self.job_id)
+        entries: list[Any]
+        if not self.cursor:
+            newest = await hot.redis.xrevrange(key, count=FIRST_READ_BATCHES)
+            entries = list(reversed(cast(list[Any], newest or [])))
+        else:
+            entries = cast(
+                list[Any], await hot.redis.xrange(key, min=f"({self.cursor}", count=20_000)
+            )
+        batches = []
+        for entry_id, fields in entries or []:
+            self.cursor = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            batches.append(agent_pb2.StepTimes.FromString(fields[b"batch"]))
+        return batches
+
+    def add(self, batches: Iterable[agent_pb2.StepTimes]) -> set[int]:
+        """Fold batches in; returns the steps they touched that are still in the window."""
+        touched: set[int] = set()
+        for batch in batches:
+            for sample in batch.samples:
+                step = self.steps.setdefault(sample.step, _Step())
+                step.times[sample.rank] = sample.step_seconds
+                if sample.loss == sample.loss:  # not NaN
+                    step.losses.append(sample.loss)
+                step.tokens += sample.tokens
+                step.ended = max(step.ended, sample.time.ToMilliseconds() / 1000.0)
+                touched.add(sample.step)
+        for number in sorted(self.steps)[:-HEATMAP_STEPS]:
+            del self.steps[number]
+            touched.discard(number)
+        for number in touched:
+            losses = self.steps[number].losses
+            if losses:
+                self.loss[number] = statistics.fmean(losses)
+        for number in sorted(self.loss)[:-LOSS_POINTS]:
+            del self.loss[number]
+        return touched
+
+    async def update(self, hot: HotState, world_size: int) -> dict[str, Any] | None:
+        """What changed since the last update: heatmap columns of the steps that got
+        samples, their loss, the rates. The first update has the whole window and loss
+        curve; None when nothing is new."""
+        first, self.started = not self.started, True
+        touched = self.add(await self.read(hot))
+        if not touched and not first:
+            return None
+        shown = sorted(self.steps) if first else sorted(touched)
+        columns = [
+            {
+                "step": number,
+                "times": [
+                    None if (t := self.steps[number].times.get(rank)) is None else round(t, 4)
+                    for rank in range(world_size)
+                ],
+            }
+            for number in shown
+        ]
+        loss = (
+            sorted(self.loss.items())
+            if first
+            else [(n, self.loss[n]) for n in shown if n in self.loss]
+        )
+        return {
+            "job": self.job_id,
+            "reset": first,
+            "window": HEATMAP_STEPS,
+            "columns": columns,
+            "loss": [[n, round(v, 6)] for n, v in loss],
+            **_rates(self.steps),
+        }
+
+
+def _rates(steps: dict[int, _Step]) -> dict[str, float]:
+    """Step rate and tokens per second over the window's complete steps."""
+    ended = sorted((n, s) for n, s in steps.items() if s.ended)
+    if len(ended) < 2:
+        return {"steps_per_second": 0.0, "tokens_per_second": 0.0}
+    (_, first), (_, last) = ended[0], ended[-1]
+    span = last.ended - first.ended
+    if span <= 0:
+        return {"steps_per_second": 0.0, "tokens_per_second": 0.0}
+    tokens = sum(s.tokens for _, s in ended[1:])
+    return {
+        "steps_per_second": round((len(ended) - 1) / span, 3),
+        "tokens_per_second": round(tokens / span, 1),
+    }

@@ -1,0 +1,330 @@
+"""The web dashboard in a real browser (Debian's Chromium, headless, driven by
+Playwright): live through a fatal Xid on a local cluster, signed in with bearer tokens,
+and quick on a synthetic fleet of 1,000 nodes and a 4,000-rank job.
+
+Screenshots go to test-artifacts/dashboard/ (PITSTOP_TEST_ARTIFACTS overrides).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
+from google.protobuf import json_format, timestamp_pb2
+
+from pitstop.client.localcluster import LocalCluster, stop_cluster
+from pitstop.client.scenario import example_spec
+from pitstop.scheduler.config import ApiToken
+from pitstop.scheduler.db import models
+from pitstop.scheduler.db.engine import session_factory
+from pitstop.scheduler.domain import JobState, NodeRole, NodeState
+from pitstop.scheduler.services.jobs import spec_to_json
+from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = (
+    Path(os.environ.get("PITSTOP_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts"))
+    / "dashboard"
+)
+RENDER_BUDGET_MS = 2000.0
+
+playwright_api = pytest.importorskip(
+    "playwright.sync_api", reason="playwright is not installed: pip install -e '.[dev]'"
+)
+pytestmark = [
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="Debian's chromium is not installed (scripts/system_packages.sh installs it "
+        "as root: apt-get install chromium)",
+    ),
+    pytest.mark.timeout(240),
+]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with playwright_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage"]
+        )
+        yield chromium
+        chromium.close()
+
+
+def new_page(browser: Any) -> tuple[Any, list[str]]:
+    """A page, and the script errors it raises (a test ends by checking there are none)."""
+    page = browser.new_page(ignore_https_errors=True, viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    return page, errors
+
+
+# A live fault on a local cluster ----------------------------------------------------------
+
+
+@pytest.fixture
+def local(stores: StoreUrls) -> Iterator[LocalCluster]:
+    state_dir = Path(tempfile.mkdtemp(dir="/tmp", prefix="pd-"))
+    try:
+        cluster = LocalCluster.up(
+            state_dir,
+            nodes=2,
+            spares=1,
+            port=0,
+            database_url=stores.fresh_database(),
+            redis_url=stores.redis_url,
+            env={"PITSTOP_REDIS_PREFIX": f"{stores.redis_prefix}{unique('dash')}:"},
+            timeout=90,
+        )
+        cluster.wait_ready(timeout=90)
+        yield cluster
+    finally:
+        stop_cluster(state_dir, timeout=10.0)
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def test_a_fatal_xid_shows_live_the_node_unhealthy_and_the_recovery_bar(
+    local: LocalCluster, browser: Any
+) -> None:
+    assert local.dashboard_url.startswith("https://"), "a secure cluster serves it on TLS"
+    token = local.admin_token()
+    assert token
+    with local.client() as client:
+        job = client.submit_job(example_spec("dash", dp=2, steps=3000, step_seconds=0.05, spares=1))
+        page, errors = new_page(browser)
+        page.goto(f"{local.dashboard_url}?token={token}")
+        # The token went into a cookie and out of the address bar.
+        assert "token=" not in page.url
+        page.wait_for_selector("body[data-rendered='1']")
+        page.wait_for_selector("#job-state[data-state='running']", timeout=90_000)
+        page.wait_for_selector("#loss polyline", timeout=30_000)  # steps are flowing
+        page.evaluate("window.sameDocument = true")
+        page.screenshot(path=ARTIFACTS / "1-running.png", full_page=True)
+
+        running = client.get_job(job.id)
+        victim = next(r.node_id for r in running.rank_map.ranks if r.rank == 1)
+        cell = f".node[data-node='{victim}']"
+        assert page.get_attribute(cell, "data-state") == "ready"
+        client.inject_fault(victim, common_pb2.Fault(gpu_index=0, xid=79))
+
+        page.wait_for_selector(f"{cell}[data-state='unhealthy']", timeout=30_000)
+        page.wait_for_selector(".incident[data-outcome='resumed']", timeout=60_000)
+        # Live: the same document all along, never reloaded.
+        assert page.evaluate("window.sameDocument") is True
+        assert page.evaluate("performance.getEntriesByType('navigation').length") == 1
+        bar = page.locator(".incident[data-outcome='resumed']").first
+        assert victim in bar.inner_text()
+        assert bar.locator(".seg.detect").count() == 1
+        assert bar.locator(".seg.resume").count() == 1
+        page.screenshot(path=ARTIFACTS / "2-after-fatal-xid.png", full_page=True)
+
+        # The node's Xid history on click; the event log filtered to the node.
+        page.click(cell)
+        page.wait_for_selector("#xid-history tr")
+        assert "Xid 79" in page.inner_text("#xid-history")
+        page.fill("#event-filter", victim)
+        page.wait_for_function(
+            "node => [...document.querySelectorAll('#events tbody tr')].every("
+            "r => r.innerText.includes(node))",
+            arg=victim,
+        )
+        assert page.locator("#events tbody tr[data-kind='node.unhealthy']").count() >= 1
+        page.screenshot(path=ARTIFACTS / "3-node-xid-history.png", full_page=True)
+        assert errors == []
+        client.cancel_job(job.id, reason="the test is over")
+
+
+# Signing in, and a large synthetic fleet ---------------------------------------------------
+
+VIEWER = "viewer-token-for-the-dashboard-test"
+NODES, GPUS, RANKS, STEPS = 1000, 8, 4000, 40
+
+
+async def _synthetic(thread: SchedulerThread, job_id: str) -> None:
+    """1,000 nodes in 4 zones x 5 blocks x 25 racks (a few unhealthy, lost, spare,
+    cordoned), a 4,000-rank job (tp 8, pp 5, dp 100) on the first 500, 40 steps of
+    every rank in Redis, a straggler and three incidents."""
+    scheduler = thread.scheduler
+    states = {7: NodeState.UNHEALTHY, 8: NodeState.LOST, 9: NodeState.CORDONED}
+    healthy = {"verdict": "HEALTH_VERDICT_HEALTHY", "gpus": [{"index": g} for g in range(GPUS)]}
+    rows: list[Any] = []
+    for i in range(NODES):
+        rows.append(
+            models.Node(
+                id=f"{job_id}-n{i:04d}",
+                role=NodeRole.SPARE if i >= 980 else NodeRole.WORKER,
+                state=states.get(i % 100, NodeState.READY),
+                reason="synthetic",
+                zone=f"z{i // 250}",
+                block=f"b{(i // 50) % 5}",
+                rack=f"r{(i // 10) % 5:02d}",
+                connected=True,
+                health=healthy,
+            )
+        )
+    goodput = jobs_pb2.Goodput(ratio=0.97, recoveries=3, incident_count=3)
+    now = time.time()
+    for n in range(3):
+        goodput.incidents.add(
+            cause=f"{job_id}-n{n:04d} unhealthy",
+            kind=jobs_pb2.INCIDENT_KIND_NODE,
+            outcome=jobs_pb2.INCIDENT_OUTCOME_RESUMED,
+            failed_at=now - 300 + 60 * n,
+            detect_seconds=0.05,
+            decide_seconds=0.04,
+            resume_seconds=0.6 + n,
+            lost_steps=n,
+        )
+    spec = jobs_pb2.JobSpec(name="synthetic", command=["true"], tp=8, pp=5, dp=100)
+    rows.append(
+        models.Job(
+            id=job_id,
+            name="synthetic",
+            spec=spec_to_json(spec),
+            state=JobState.RUNNING,
+            generation=1,
+            current_step=STEPS,
+            goodput=json_format.MessageToDict(goodput),
+        )
+    )
+    for rank in range(RANKS):
+        rows.append(
+            models.RankAssignment(
+                job_id=job_id,
+                generation=1,
+                rank=rank,
+                node_id=f"{job_id}-n{rank // GPUS:04d}",
+                gpu_index=rank % GPUS,
+                local_rank=rank % GPUS,
+                tp=rank % 8,
+                pp=(rank // 8) % 5,
+                dp=rank // 40,
+            )
+        )
+    async with session_factory(scheduler.engine)() as session, session.begin():
+        session.add_all(rows[:NODES])
+        await session.flush()
+        session.add_all(rows[NODES:])
+    ended = timestamp_pb2.Timestamp()
+    for node in range(RANKS // GPUS):
+        batch = agent_pb2.StepTimes(job_id=job_id, generation=1)
+        for step in range(1, STEPS + 1):
+            ended.FromMilliseconds(int((now - 60 + step) * 1000))
+            for rank in range(node * GPUS, (node + 1) * GPUS):
+                batch.samples.add(
+                    rank=rank,
+                    step=step,
+                    step_seconds=1.0 + (0.6 if rank == 1234 else 0.001 * (rank % 7)),
+                    loss=8.0 / step,
+                    tokens=4096,
+                    time=ended,
+                )
+        await scheduler.hot.record_step_times(batch)
+    await scheduler.hot.set_rank_stats(
+        job_id,
+        [{"rank": 1234, "node_id": f"{job_id}-n0154", "straggler": True, "p50_seconds": 1.6}],
+    )
+
+
+@pytest.fixture
+def synthetic(stores: StoreUrls, tmp_path: Path) -> Iterator[tuple[str, str]]:
+    thread = SchedulerThread(
+        scheduler_settings(
+            stores,
+            tmp_path,
+            database_url=stores.fresh_database(),
+            redis_prefix=f"{stores.redis_prefix}{unique('dash')}:",
+            dashboard_port=0,
+            tokens=[ApiToken(token=VIEWER, role="viewer", name="viewer")],
+        )
+    )
+    try:
+        job_id = unique("j")[:24]
+        thread._call(_synthetic(thread, job_id), timeout=120)
+        url = thread.scheduler.dashboard_url
+        assert url.startswith("http://")
+        yield url, job_id
+    finally:
+        thread.stop()
+
+
+def get(url: str, token: str | None = None) -> tuple[int, Any]:
+    request = urllib.request.Request(url)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_only_a_token_holder_sees_the_fleet(synthetic: tuple[str, str]) -> None:
+    url, job_id = synthetic
+    status, body = get(f"{url}api/fleet")
+    assert status == 401
+    assert "Bearer" in body["error"]
+    status, body = get(f"{url}api/fleet", token="not-a-token-anyone-issued")
+    assert (status, body["error"]) == (401, "unknown token; ask an administrator for a valid one")
+    status, body = get(f"{url}api/fleet", token=VIEWER)
+    assert status == 200
+    assert len(body["nodes"]) == NODES
+    status, body = get(f"{url}api/jobs/{job_id}", token=VIEWER)
+    assert status == 200
+    assert len(body["ranks"]) == RANKS
+    status, body = get(f"{url}api/nodes/no-such-node", token=VIEWER)
+    assert status == 404
+    assert "no-such-node" in body["error"]
+
+
+def test_1000_nodes_and_a_4000_rank_job_render_within_two_seconds(
+    synthetic: tuple[str, str], browser: Any
+) -> None:
+    url, job_id = synthetic
+    page, errors = new_page(browser)
+    page.goto(url)
+    assert page.url.endswith("/login"), "no token: the sign-in form"
+    page.fill("input[name=token]", "wrong-token-0123456789")
+    page.click("button[type=submit]")
+    assert "unknown token" in page.inner_text(".error")
+    page.fill("input[name=token]", VIEWER)
+    page.click("button[type=submit]")
+    page.wait_for_selector("body[data-rendered='1']")
+
+    # Measured on a fresh load, signed in: from navigation start to fleet and job drawn.
+    timings = []
+    for _ in range(3):
+        page.goto(f"{url}?job={job_id}")
+        page.wait_for_selector("body[data-rendered='1']")
+        page.wait_for_function(
+            f"document.querySelector('[data-field=ranks]')?.innerText === '{RANKS}'"
+        )
+        timings.append(page.evaluate("window.pitstopRendered"))
+    median = sorted(timings)[1]
+    (ARTIFACTS / "render-1000-nodes-4000-ranks.json").write_text(
+        json.dumps({"nodes": NODES, "ranks": RANKS, "render_ms": timings, "median_ms": median})
+    )
+    assert page.locator("#fleet .node").count() == NODES
+    assert page.locator("#fleet .node[data-state='unhealthy']").count() == 10
+    assert page.locator(".incident").count() == 3
+    assert "1234" in page.inner_text("[data-field=stragglers]")
+    # The heatmap is painted (not the empty background) once the steps arrived.
+    page.wait_for_function(
+        "(() => { const c = document.getElementById('heatmap');"
+        " const d = c.getContext('2d').getImageData(c.width - 4, 10, 1, 1).data;"
+        " return d[3] > 0; })()"
+    )
+    page.screenshot(path=ARTIFACTS / "4-1000-nodes-4000-ranks.png", full_page=True)
+    assert errors == []
+    assert median < RENDER_BUDGET_MS, f"rendered in {timings} ms; the budget is 2 s"
