@@ -230,6 +230,14 @@ def run_demo(args: argparse.Namespace) -> int:
             f"after {cluster.liveness_timeout:g} s; the run gives up after "
             f"{args.stall_seconds:.0f} s without a step or {deadline:.0f} s in all"
         )
+        if cluster.dashboard_url:
+            signin = (
+                f" (sign in with the token in {cluster.admin_token_file}; its certificate is "
+                f"signed by the cluster CA {cluster.ca_cert})"
+                if cluster.tls
+                else ""
+            )
+            console.print(f"watch it live: {cluster.dashboard_url}{signin}")
         spec = example_spec(
             "demo-gpt",
             dp=args.workers,

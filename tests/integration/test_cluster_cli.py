@@ -7,6 +7,7 @@ running is brought down by the fixture.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -138,6 +141,16 @@ def up_args(stores: StoreUrls, state_dir: Path, nodes: int, spares: int, *extra:
     ]
 
 
+def plaintext_http_refused(url: str) -> bool:
+    """Plain HTTP to the dashboard's TLS port gets no page."""
+    plain = url.replace("https://", "http://")
+    try:
+        with urllib.request.urlopen(f"{plain}api/fleet", timeout=5):
+            return False
+    except (urllib.error.URLError, ConnectionError, http.client.HTTPException):
+        return True
+
+
 def test_up_status_down(stores: StoreUrls, state_dir: Path, cli_env: dict[str, str]) -> None:
     command = up_args(stores, state_dir, 2, 1, "--timeout", "90")
     up = cluster_cli(cli_env, *command)
@@ -190,6 +203,11 @@ def test_up_status_down(stores: StoreUrls, state_dir: Path, cli_env: dict[str, s
     plain = pitstop_cli(cli_env | {"PITSTOP_SERVER": address}, "--timeout", "3", "node", "list")
     assert plain.returncode == 1
     assert "pass --ca-cert" in plain.stderr
+    # The dashboard: printed by `up`, in the status, on TLS, and only for a token holder.
+    dashboard = status["dashboard_url"]
+    assert dashboard.startswith("https://127.0.0.1:"), status
+    assert f"dashboard: {dashboard} " in up.stdout
+    assert plaintext_http_refused(dashboard)
     assert sorted(p["name"] for p in processes) == sorted(
         ["scheduler"] + [f"{kind}-{node}" for kind in ("checkpointd", "agent") for node in nodes]
     )

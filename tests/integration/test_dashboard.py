@@ -22,6 +22,7 @@ import pytest
 from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
 from google.protobuf import json_format, timestamp_pb2
 
+from pitstop.client import PitstopClient
 from pitstop.client.localcluster import LocalCluster, stop_cluster
 from pitstop.client.scenario import example_spec
 from pitstop.scheduler.config import ApiToken
@@ -148,6 +149,7 @@ def test_a_fatal_xid_shows_live_the_node_unhealthy_and_the_recovery_bar(
 # Signing in, and a large synthetic fleet ---------------------------------------------------
 
 VIEWER = "viewer-token-for-the-dashboard-test"
+ADMIN = "admin-token-for-the-dashboard-test"
 NODES, GPUS, RANKS, STEPS = 1000, 8, 4000, 40
 
 
@@ -238,7 +240,7 @@ async def _synthetic(thread: SchedulerThread, job_id: str) -> None:
 
 
 @pytest.fixture
-def synthetic(stores: StoreUrls, tmp_path: Path) -> Iterator[tuple[str, str]]:
+def synthetic(stores: StoreUrls, tmp_path: Path) -> Iterator[tuple[str, str, str]]:
     thread = SchedulerThread(
         scheduler_settings(
             stores,
@@ -246,7 +248,10 @@ def synthetic(stores: StoreUrls, tmp_path: Path) -> Iterator[tuple[str, str]]:
             database_url=stores.fresh_database(),
             redis_prefix=f"{stores.redis_prefix}{unique('dash')}:",
             dashboard_port=0,
-            tokens=[ApiToken(token=VIEWER, role="viewer", name="viewer")],
+            tokens=[
+                ApiToken(token=VIEWER, role="viewer", name="viewer"),
+                ApiToken(token=ADMIN, role="admin", name="admin"),
+            ],
         )
     )
     try:
@@ -254,7 +259,7 @@ def synthetic(stores: StoreUrls, tmp_path: Path) -> Iterator[tuple[str, str]]:
         thread._call(_synthetic(thread, job_id), timeout=120)
         url = thread.scheduler.dashboard_url
         assert url.startswith("http://")
-        yield url, job_id
+        yield url, job_id, thread.address
     finally:
         thread.stop()
 
@@ -270,8 +275,8 @@ def get(url: str, token: str | None = None) -> tuple[int, Any]:
         return error.code, json.loads(error.read())
 
 
-def test_only_a_token_holder_sees_the_fleet(synthetic: tuple[str, str]) -> None:
-    url, job_id = synthetic
+def test_only_a_token_holder_sees_the_fleet(synthetic: tuple[str, str, str]) -> None:
+    url, job_id, _ = synthetic
     status, body = get(f"{url}api/fleet")
     assert status == 401
     assert "Bearer" in body["error"]
@@ -288,10 +293,31 @@ def test_only_a_token_holder_sees_the_fleet(synthetic: tuple[str, str]) -> None:
     assert "no-such-node" in body["error"]
 
 
+def test_a_token_revoked_mid_stream_ends_the_stream(synthetic: tuple[str, str, str]) -> None:
+    url, job_id, address = synthetic
+    with PitstopClient(address, token=ADMIN) as client:
+        issued = client.create_api_token(unique("watcher"), common_pb2.ROLE_VIEWER)
+        request = urllib.request.Request(f"{url}api/stream?job={job_id}")
+        request.add_header("Authorization", f"Bearer {issued.token}")
+        with urllib.request.urlopen(request, timeout=30) as stream:
+            assert stream.readline() == b"event: hello\n"
+            client.revoke_api_token(issued.record.name)
+            revoked = time.monotonic()
+            kinds = []
+            for line in stream:  # ends when the server ends the stream
+                if line.startswith(b"event: "):
+                    kinds.append(line.removeprefix(b"event: ").strip().decode())
+            ended = time.monotonic() - revoked
+    assert kinds[-1] == "denied", kinds
+    assert ended < 3.0, f"the stream went on {ended:.1f} s after the revocation"
+    status, _ = get(f"{url}api/fleet", token=issued.token)
+    assert status == 401
+
+
 def test_1000_nodes_and_a_4000_rank_job_render_within_two_seconds(
-    synthetic: tuple[str, str], browser: Any
+    synthetic: tuple[str, str, str], browser: Any
 ) -> None:
-    url, job_id = synthetic
+    url, job_id, _ = synthetic
     page, errors = new_page(browser)
     page.goto(url)
     assert page.url.endswith("/login"), "no token: the sign-in form"

@@ -10,6 +10,7 @@ a revoked token ends an open stream within a second.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -192,6 +193,11 @@ class Dashboard:
         presented = self._presented(request)
         try:
             await self._feed(response, request.query.get("job", ""), presented)
+        except Unauthenticated as exc:
+            # Revoked or expired mid-stream: say so, and end (the page shows it).
+            with contextlib.suppress(ConnectionResetError):
+                body = json.dumps({"error": str(exc)})
+                await response.write(f"event: denied\ndata: {body}\n\n".encode())
         except (ConnectionResetError, asyncio.CancelledError):
             pass
         finally:

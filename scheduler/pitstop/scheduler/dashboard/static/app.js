@@ -50,13 +50,20 @@ function connect() {
   source.addEventListener("job", (e) => onJob(JSON.parse(e.data)));
   source.addEventListener("steps", (e) => onSteps(JSON.parse(e.data)));
   source.addEventListener("events", (e) => onEvents(JSON.parse(e.data).events));
-  source.onerror = () => setLive("reconnecting"); // EventSource retries by itself
+  source.addEventListener("denied", (e) => {
+    source.close();
+    setLive("signed out");
+    $("live").title = JSON.parse(e.data).error;
+  });
+  // EventSource retries by itself; a refused sign-in (401) closes it for good.
+  source.onerror = () => setLive(source.readyState === EventSource.CLOSED ? "signed out" : "reconnecting");
 }
 
 function setLive(value) {
   const live = $("live");
   live.dataset.live = value;
   live.textContent = value === "live" ? "● live" : value;
+  if (value === "signed out") live.replaceChildren(el("a", { href: "/login", textContent: "signed out: sign in again" }));
 }
 
 // Coalesce redraws: many messages, one paint.
