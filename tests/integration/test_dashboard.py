@@ -291,6 +291,16 @@ def test_only_a_token_holder_sees_the_fleet(synthetic: tuple[str, str, str]) -> 
     status, body = get(f"{url}api/nodes/no-such-node", token=VIEWER)
     assert status == 404
     assert "no-such-node" in body["error"]
+    # A stale link to a job that does not exist: the page is told, and shows the rest.
+    request = urllib.request.Request(f"{url}api/stream?job=j-no-such-job")
+    request.add_header("Authorization", f"Bearer {VIEWER}")
+    with urllib.request.urlopen(request, timeout=30) as stream:
+        kinds = []
+        while "missing" not in kinds and len(kinds) < 6:
+            line = stream.readline()
+            if line.startswith(b"event: "):
+                kinds.append(line.removeprefix(b"event: ").strip().decode())
+    assert kinds == ["hello", "fleet", "jobs", "events", "missing"]
 
 
 def test_a_token_revoked_mid_stream_ends_the_stream(synthetic: tuple[str, str, str]) -> None:

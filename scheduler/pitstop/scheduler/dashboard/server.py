@@ -218,12 +218,17 @@ class Dashboard:
         await send("fleet", {"nodes": await data.fleet(self.store), "full": True})
         await send("jobs", {"jobs": jobs})
         await send("events", {"events": events})
-        feed = data.StepFeed(job_id) if job_id else None
         world_size = 0
         if job_id:
-            job = await data.job_detail(self.store, self.hot, job_id)
-            world_size = len(job["ranks"])
-            await send("job", job)
+            try:
+                job = await data.job_detail(self.store, self.hot, job_id)
+            except NotFound as exc:  # a stale ?job= link: say so, show the rest
+                await send("missing", {"job": job_id, "error": str(exc)})
+                job_id = ""
+            else:
+                world_size = len(job["ranks"])
+                await send("job", job)
+        feed = data.StepFeed(job_id) if job_id else None
         version = self.store.bus.version
         job_sent = time.monotonic()
         while not self._stopping.is_set():

@@ -48,6 +48,11 @@ function connect() {
   source.addEventListener("fleet", (e) => onFleet(JSON.parse(e.data)));
   source.addEventListener("jobs", (e) => onJobs(JSON.parse(e.data).jobs));
   source.addEventListener("job", (e) => onJob(JSON.parse(e.data)));
+  source.addEventListener("missing", (e) => {
+    const missing = JSON.parse(e.data);
+    state.job = "";
+    $("job-name").textContent = missing.error;
+  });
   source.addEventListener("steps", (e) => onSteps(JSON.parse(e.data)));
   source.addEventListener("events", (e) => onEvents(JSON.parse(e.data).events));
   source.addEventListener("denied", (e) => {
