@@ -247,6 +247,60 @@ def test_one_recovery_splits_into_detect_decide_resume_and_recompute() -> None:
     assert goodput.ratio == pytest.approx(15.0 / (15.0 + 1.2 + 2.8 + 1.0))
 
 
+def restored(t: float, at: float) -> JobEvent:
+    return JobEvent(t, "job.restored", "", "", {"generation": "2", "restored_at": f"{at:.6f}"})
+
+
+def test_the_ranks_restore_splits_the_resume_into_restore_and_re_form() -> None:
+    events = [
+        transition(0.0, "starting", "running"),
+        transition(
+            11.5, "running", "recovering", **failure(11.5, failed=10.0, detected=11.2, lost=2)
+        ),
+        transition(14.0, "recovering", "running"),
+        restored(14.3, at=12.9),  # every rank reported: the last restored at 12.9
+        transition(20.0, "running", "succeeded"),
+    ]
+    goodput = account(events, now=30.0, step_seconds=0.5)
+    (incident,) = goodput.incidents
+    assert incident.restore_seconds == pytest.approx(1.4)
+    assert incident.reform_seconds == pytest.approx(1.1)
+    assert incident.restore_seconds + incident.reform_seconds == pytest.approx(2.5)
+    stored = incident.to_json()
+    assert (stored["restore_seconds"], stored["reform_seconds"]) == (1.4, 1.1)
+    # The event changes no total: the resume was already counted.
+    assert goodput.recovery_seconds == pytest.approx(2.8)
+
+
+def test_a_restore_time_from_a_skewed_clock_stays_inside_the_resume() -> None:
+    base = [
+        transition(0.0, "starting", "running"),
+        transition(
+            11.5, "running", "recovering", **failure(11.5, failed=10.0, detected=11.2, lost=2)
+        ),
+        transition(14.0, "recovering", "running"),
+    ]
+    (early,) = account([*base, restored(14.3, at=9.0)], now=30.0, step_seconds=0.5).incidents
+    assert (early.restore_seconds, early.reform_seconds) == (0.0, 2.5)
+    (late,) = account([*base, restored(14.3, at=99.0)], now=30.0, step_seconds=0.5).incidents
+    assert (late.restore_seconds, late.reform_seconds) == (2.5, 0.0)
+
+
+def test_a_restore_after_a_newer_decision_belongs_to_no_incident() -> None:
+    events = [
+        transition(0.0, "starting", "running"),
+        transition(
+            11.5, "running", "recovering", **failure(11.5, failed=10.0, detected=11.2, lost=2)
+        ),
+        transition(14.0, "recovering", "running"),
+        rank_exit(15.0),
+        restored(15.5, at=13.0),
+    ]
+    first, second = account(events, now=30.0, step_seconds=0.5).incidents
+    assert (first.restored_at, second.restored_at) == (None, None)
+    assert first.restore_seconds is None
+
+
 def test_a_failure_during_a_recovery_is_not_counted_twice() -> None:
     events = [
         transition(0.0, "starting", "running"),

@@ -21,11 +21,16 @@ noticed it, and how many steps the restore gives up. The event's own time is whe
 decision committed. Each incident ends one way (:class:`Outcome`): the job steps again
 (``job.recovered``, ``job.running``: resumed), a later decision replaces its plan before
 that (superseded), the job ends first (failed, cancelled; succeeded: its ranks finished
-without reporting a step), or none yet (in progress). So, where both ends are known:
+without reporting a step), or none yet (in progress). Once every rank of the resumed
+generation has reported a step, ``job.restored`` (attribute ``restored_at``) says when
+the last of them had loaded the restore step, splitting the resume in two. So, where
+both ends are known:
 
     detect    = detected_at - failed_at
     decide    = decided_at  - detected_at
     resume    = resumed_at  - decided_at      (restore and re-form)
+      restore = restored_at - decided_at      (every rank holds the restore step)
+      re-form = resumed_at  - restored_at     (the process group again, the first step)
     recompute = lost_steps * step_seconds     (time spent redoing those steps)
 
 Incidents that follow one another before the job steps again share their lost time, so
@@ -47,6 +52,7 @@ INCIDENT = "incident."
 FALLBACK = "fallback"
 NODE_DECISIONS = ("job.recovering", "job.reconfigured")
 RESTART = "job.restarting"
+RESTORED = "job.restored"
 MAX_STORED_INCIDENTS = 50
 
 
@@ -103,6 +109,7 @@ class Incident:
     lost_steps: int = 0
     outcome: Outcome = Outcome.IN_PROGRESS
     ended_at: float | None = None  # when the outcome was settled
+    restored_at: float | None = None  # the last rank held the restore step (resumed only)
 
     @property
     def resumed(self) -> bool:
@@ -139,6 +146,14 @@ class Incident:
     def resume_seconds(self) -> float | None:
         return _span(self.decided_at, self.resumed_at)
 
+    @property
+    def restore_seconds(self) -> float | None:
+        return _span(self.decided_at, self.restored_at)
+
+    @property
+    def reform_seconds(self) -> float | None:
+        return _span(self.restored_at, self.resumed_at)
+
     def to_json(self) -> dict[str, Any]:
         """The proto's GoodputIncident: unknown times and spans are 0."""
         return {
@@ -153,6 +168,9 @@ class Incident:
             "detect_seconds": round(self.detect_seconds or 0.0, 4),
             "decide_seconds": round(self.decide_seconds or 0.0, 4),
             "resume_seconds": round(self.resume_seconds or 0.0, 4),
+            "restored_at": self.restored_at or 0.0,
+            "restore_seconds": round(self.restore_seconds or 0.0, 4),
+            "reform_seconds": round(self.reform_seconds or 0.0, 4),
             "lost_steps": self.lost_steps,
             "resumed": self.resumed,
         }
@@ -241,13 +259,24 @@ def account(events: Iterable[JobEvent], *, now: float, step_seconds: float) -> G
     running_since: float | None = None
     groups: list[list[Incident]] = []  # decisions between two times the job stepped
     open_group: list[Incident] = []
+    resumed: Incident | None = None  # the decision the job last got going on
     for event in events:
+        if event.kind == RESTORED:
+            restored_at = _number(event.attributes.get("restored_at"))
+            decided = resumed.decided_at if resumed is not None else None
+            back = resumed.resumed_at if resumed is not None else None
+            if resumed is not None and restored_at is not None and decided and back:
+                # Another host's clock: kept between the decision and the resumption.
+                resumed.restored_at = min(max(restored_at, decided), back)
+            resumed = None
+            continue
         kind = incident_kind(event)
         if kind is not None:
             latest = open_group[-1] if open_group else None
             if kind is IncidentKind.NODE and latest is not None and latest.waiting_for_capacity:
                 describe(event, latest)  # the decision the wait was for
             else:
+                resumed = None
                 if latest is not None:
                     latest.outcome, latest.ended_at = Outcome.SUPERSEDED, event.time
                 incident = Incident(kind=kind, cause="", opened_at=event.time)
@@ -269,6 +298,8 @@ def account(events: Iterable[JobEvent], *, now: float, step_seconds: float) -> G
             last = open_group[-1]
             last.outcome, last.ended_at = ended, event.time
             open_group = []
+            decided = last.decided_at is not None
+            resumed = last if ended is Outcome.RESUMED and decided else None
         if event.to_state == RUNNING:
             running_since = event.time
     if running_since is not None:

@@ -140,7 +140,7 @@ class Goodput(_message.Message):
     def __init__(self, productive_seconds: _Optional[float] = ..., detect_seconds: _Optional[float] = ..., recovery_seconds: _Optional[float] = ..., recompute_seconds: _Optional[float] = ..., ratio: _Optional[float] = ..., recoveries: _Optional[int] = ..., incidents: _Optional[_Iterable[_Union[GoodputIncident, _Mapping]]] = ..., incident_count: _Optional[int] = ...) -> None: ...
 
 class GoodputIncident(_message.Message):
-    __slots__ = ("cause", "failed_at", "detect_seconds", "decide_seconds", "resume_seconds", "lost_steps", "resumed", "kind", "outcome", "detected_at", "decided_at", "resumed_at", "ended_at")
+    __slots__ = ("cause", "failed_at", "detect_seconds", "decide_seconds", "resume_seconds", "lost_steps", "resumed", "kind", "outcome", "detected_at", "decided_at", "resumed_at", "ended_at", "restored_at", "restore_seconds", "reform_seconds")
     CAUSE_FIELD_NUMBER: _ClassVar[int]
     FAILED_AT_FIELD_NUMBER: _ClassVar[int]
     DETECT_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,9 @@ class GoodputIncident(_message.Message):
     DECIDED_AT_FIELD_NUMBER: _ClassVar[int]
     RESUMED_AT_FIELD_NUMBER: _ClassVar[int]
     ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_AT_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REFORM_SECONDS_FIELD_NUMBER: _ClassVar[int]
     cause: str
     failed_at: float
     detect_seconds: float
@@ -167,7 +170,10 @@ class GoodputIncident(_message.Message):
     decided_at: float
     resumed_at: float
     ended_at: float
-    def __init__(self, cause: _Optional[str] = ..., failed_at: _Optional[float] = ..., detect_seconds: _Optional[float] = ..., decide_seconds: _Optional[float] = ..., resume_seconds: _Optional[float] = ..., lost_steps: _Optional[int] = ..., resumed: _Optional[bool] = ..., kind: _Optional[_Union[IncidentKind, str]] = ..., outcome: _Optional[_Union[IncidentOutcome, str]] = ..., detected_at: _Optional[float] = ..., decided_at: _Optional[float] = ..., resumed_at: _Optional[float] = ..., ended_at: _Optional[float] = ...) -> None: ...
+    restored_at: float
+    restore_seconds: float
+    reform_seconds: float
+    def __init__(self, cause: _Optional[str] = ..., failed_at: _Optional[float] = ..., detect_seconds: _Optional[float] = ..., decide_seconds: _Optional[float] = ..., resume_seconds: _Optional[float] = ..., lost_steps: _Optional[int] = ..., resumed: _Optional[bool] = ..., kind: _Optional[_Union[IncidentKind, str]] = ..., outcome: _Optional[_Union[IncidentOutcome, str]] = ..., detected_at: _Optional[float] = ..., decided_at: _Optional[float] = ..., resumed_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., restored_at: _Optional[float] = ..., restore_seconds: _Optional[float] = ..., reform_seconds: _Optional[float] = ...) -> None: ...
 
 class RankStepStats(_message.Message):
     __slots__ = ("rank", "node_id", "p50_seconds", "p99_seconds", "straggler")

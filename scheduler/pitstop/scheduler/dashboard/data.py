@@ -145,6 +145,8 @@ def incident_rows(goodput: dict[str, Any]) -> list[dict[str, Any]]:
                 "detect": incident.get("detect_seconds", 0.0),
                 "decide": incident.get("decide_seconds", 0.0),
                 "resume": incident.get("resume_seconds", 0.0),
+                "restore": incident.get("restore_seconds", 0.0),
+                "reform": incident.get("reform_seconds", 0.0),
                 "lost_steps": int(incident.get("lost_steps", 0)),
             }
         )

@@ -277,16 +277,26 @@ function drawRecoveries(job) {
   const longest = Math.max(1, ...incidents.map((i) => i.detect + i.decide + i.resume));
   const rows = incidents.slice().reverse().map((i) => {
     const total = i.detect + i.decide + i.resume;
-    const seg = (phase, seconds) => el("span", {
-      class: `seg ${phase}`, title: `${phase}: ${fmt(seconds)} s`,
+    const seg = (phase, seconds, name = phase) => el("span", {
+      class: `seg ${phase}`, title: `${name}: ${fmt(seconds)} s`,
       style: `width:${(100 * seconds) / longest}%`,
     });
+    // Restore and re-form apart once every rank of the new generation said when it
+    // restored; until then (or for ranks that do not say) one resume segment.
+    const split = i.restore + i.reform > 0;
+    const phases = split
+      ? [seg("detect", i.detect), seg("decide", i.decide), seg("restore", i.restore),
+        seg("reform", i.reform, "re-form")]
+      : [seg("detect", i.detect), seg("decide", i.decide), seg("resume", i.resume, "restore + re-form")];
+    const parts = split
+      ? `${fmt(i.detect)} + ${fmt(i.decide)} + ${fmt(i.restore)} + ${fmt(i.reform)}`
+      : `${fmt(i.detect)} + ${fmt(i.decide)} + ${fmt(i.resume)}`;
     const when = i.failed_at ? new Date(i.failed_at * 1000).toLocaleTimeString() : "";
-    return el("div", { class: "incident", dataset: { kind: i.kind, outcome: i.outcome } },
+    return el("div", { class: "incident", dataset: { kind: i.kind, outcome: i.outcome, split: split ? "1" : "0" } },
       el("span", { class: "cause", textContent: `${when} ${i.cause}`, title: i.cause }),
-      el("span", { class: "bar" }, seg("detect", i.detect), seg("decide", i.decide), seg("resume", i.resume)),
+      el("span", { class: "bar" }, ...phases),
       el("span", { class: "numbers", textContent:
-        `${fmt(total)} s = ${fmt(i.detect)} + ${fmt(i.decide)} + ${fmt(i.resume)} · ` +
+        `${fmt(total)} s = ${parts} · ` +
         `${i.lost_steps} step${i.lost_steps === 1 ? "" : "s"} lost · ${i.outcome.replace("_", " ")}` }));
   });
   if (!rows.length) rows.push(el("p", { class: "muted", textContent: "no failure yet" }));
