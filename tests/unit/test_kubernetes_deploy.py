@@ -608,6 +608,18 @@ def test_the_production_install_keeps_the_store_urls_and_join_tokens_in_secrets(
     assert secret_data(docs, "pitstop-join-tokens") == {"gpu-node-1": "pst_join_example"}
 
 
+def test_the_store_urls_can_come_from_an_existing_secret(helm_home: dict[str, str]) -> None:
+    extra = ["--set", "stores.existingSecret=pitstop-db", "--set", "scheduler.replicas=2"]
+    text = helm(helm_home, *template_args(*extra)).stdout
+    docs = [d for d in yaml.load_all(text, Loader=_UniqueKeyLoader) if d]
+    assert not [d for d in docs if d["metadata"]["name"] == "pitstop-stores"]
+    env = container(pod_spec(docs, "Deployment"), "scheduler")["env"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in env if "valueFrom" in e}
+    assert refs["PITSTOP_DATABASE_URL"] == {"name": "pitstop-db", "key": "database-url"}
+    assert refs["PITSTOP_REDIS_URL"] == {"name": "pitstop-db", "key": "redis-url"}
+    assert find(docs, "Deployment")["spec"]["replicas"] == 2
+
+
 # Values the chart refuses, each saying which and what to do
 
 
