@@ -126,8 +126,8 @@ class AgentSettings(BaseSettings):
     kubernetes_node_name: str = ""
     """The Kubernetes Node this agent runs on; default: `node_id`."""
     kubernetes_publish_seconds: float = Field(default=10.0, gt=0)
-    """Seconds between re-applications of the condition (and taint); a change of the
-    verdict is published within a second."""
+    """Seconds between re-applications of the condition (and taint); a new verdict is
+    published within a second."""
     kubernetes_topology_labels: bool = False
     """At start, read the Node's labels and fill `zone`, `block`, `rack` and
     `nvlink_domain` where they are not given: each from the first label of its list

@@ -147,8 +147,8 @@ EXAMPLE_CONFIG = """\
 # Unknown after 3 periods without a verdict) and, with kubernetes_taints, the taint
 # pitstop.io/node-problem (PreferNoSchedule while degraded, NoSchedule on a warning or a
 # fatal verdict, none when healthy), re-applied every kubernetes_publish_seconds and
-# within a second of a change. Needs the kubernetes extra and a service account that may
-# get and patch nodes and nodes/status.
+# within a second of a new verdict. Needs the kubernetes extra and a service account
+# that may get and patch nodes and nodes/status.
 # kubernetes_node_conditions: false
 # kubernetes_taints: true
 

@@ -4,7 +4,8 @@ reads the Node, sends the patches it is given and keeps going.
 
 Level-triggered, as a controller: every `kubernetes_publish_seconds` the Node is read
 and the condition (and taint) re-applied from the latest verdict, whatever was sent
-before; a change of the verdict is published within a second. A failed call costs a
+before; a new verdict is published within a second (new reasons with the same verdict
+wait for the next round). A failed call costs a
 log line and a count (`pitstop_agent_kubernetes_publish_failures_total`); the next
 round tries again. It never touches the heartbeat path: it reads the verdict the last
 heartbeat computed.
@@ -139,7 +140,7 @@ class NodeConditionPublisher:
         self._grace = 3 * interval
         self._last: common_pb2.NodeHealth | None = None
         self._last_seen = 0.0
-        self._published: tuple[int, tuple[str, ...]] | None = None
+        self._published: int | None = None
         self.rounds = 0
         """Rounds that reached the API server (read the Node, patched what was due)."""
 
@@ -155,10 +156,10 @@ class NodeConditionPublisher:
         return None
 
     @staticmethod
-    def _key(health: common_pb2.NodeHealth | None) -> tuple[int, tuple[str, ...]]:
-        if health is None:
-            return (-1, ())
-        return (health.verdict, tuple(health.reasons))
+    def _key(health: common_pb2.NodeHealth | None) -> int:
+        # Only a new verdict goes out early: reasons that merely reword themselves (a
+        # temperature) wait for the next round, or a fleet would patch every second.
+        return -1 if health is None else health.verdict
 
     async def publish(self) -> None:
         """Read the Node and apply what the latest verdict calls for, once."""
@@ -189,7 +190,7 @@ class NodeConditionPublisher:
         self.rounds += 1
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Publish every `interval`, and within a second of a change, until `stop`."""
+        """Publish every `interval`, and within a second of a new verdict, until `stop`."""
         loop = asyncio.get_running_loop()
         while not stop.is_set():
             ok = False
