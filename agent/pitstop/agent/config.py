@@ -23,6 +23,22 @@ DEFAULT_STATE_DIR = Path("/var/lib/pitstop/agent")
 SOCKET_NAME = "agent.sock"
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
+# Node labels that name a failure domain, most common first: the well-known zone label;
+# GKE's, EKS's and Kueue's topology labels for blocks and racks (sub-blocks, network
+# node layers); NVIDIA GPU feature discovery's NVLink clique.
+ZONE_LABELS = ("topology.kubernetes.io/zone",)
+BLOCK_LABELS = (
+    "cloud.google.com/gce-topology-block",
+    "topology.k8s.aws/network-node-layer-2",
+    "cloud.provider.com/topology-block",
+)
+RACK_LABELS = (
+    "cloud.google.com/gce-topology-subblock",
+    "topology.k8s.aws/network-node-layer-3",
+    "cloud.provider.com/topology-rack",
+)
+NVLINK_DOMAIN_LABELS = ("nvidia.com/gpu.clique",)
+
 
 def check_gpus_spec(spec: str) -> str:
     """Return `spec`, normalised, if it names a GPU backend ("nvml" or "sim:N"); raise
@@ -97,6 +113,31 @@ class AgentSettings(BaseSettings):
     """Accept injected faults on the local socket; default true only for simulated GPUs."""
     reconnect_max_seconds: float = Field(default=2.0, gt=0)
     """Longest wait between attempts to reach the scheduler."""
+    kubernetes_node_conditions: bool = False
+    """Publish the node's health on its Kubernetes Node object: the condition
+    `PitstopNodeProblem` and, with `kubernetes_taints`, the taint
+    `pitstop.io/node-problem`, re-applied every `kubernetes_publish_seconds`, so other
+    schedulers avoid a sick node. Needs the `kubernetes` extra and a service account
+    allowed to get and patch nodes and nodes/status (the Helm chart's)."""
+    kubernetes_taints: bool = True
+    """With `kubernetes_node_conditions`: also taint the node (NoSchedule when a GPU is
+    failing, PreferNoSchedule while a node daemon is down; none when healthy). Off where
+    another controller (NVSentinel, a remediation operator) owns the node's taints."""
+    kubernetes_node_name: str = ""
+    """The Kubernetes Node this agent runs on; default: `node_id`."""
+    kubernetes_publish_seconds: float = Field(default=10.0, gt=0)
+    """Seconds between re-applications of the condition (and taint); a new verdict is
+    published within a second."""
+    kubernetes_topology_labels: bool = False
+    """At start, read the Node's labels and fill `zone`, `block`, `rack` and
+    `nvlink_domain` where they are not given: each from the first label of its list
+    below that the node carries."""
+    kubernetes_zone_labels: list[str] = Field(default_factory=lambda: list(ZONE_LABELS))
+    kubernetes_block_labels: list[str] = Field(default_factory=lambda: list(BLOCK_LABELS))
+    kubernetes_rack_labels: list[str] = Field(default_factory=lambda: list(RACK_LABELS))
+    kubernetes_nvlink_domain_labels: list[str] = Field(
+        default_factory=lambda: list(NVLINK_DOMAIN_LABELS)
+    )
     config_file: Path | None = None
 
     @model_validator(mode="before")

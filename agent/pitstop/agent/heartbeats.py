@@ -85,6 +85,9 @@ class Heartbeats:
         self._beat_now = asyncio.Event()
         self._dropped_seen = 0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.latest: common_pb2.NodeHealth | None = None
+        """The node's health as the last heartbeat judged it; None before the first.
+        What the Kubernetes publisher reads."""
 
     # Heartbeats and step times
 
@@ -131,6 +134,7 @@ class Heartbeats:
         health = with_conditions(health, [c for s in self._conditions for c in s.conditions()])
         running = self._supervisor.running()
         self._metrics.ranks_running.labels(self._settings.node_id).set(len(running))
+        self.latest = health
         beat = agent_pb2.Heartbeat(
             time=timestamp(self._clock()), health=health, running_ranks=running
         )

@@ -140,6 +140,31 @@ EXAMPLE_CONFIG = """\
 
 # Longest wait, in seconds, between attempts to reach the scheduler.
 # reconnect_max_seconds: 2.0
+
+# Kubernetes (the Helm chart turns these on). Publish the node's health on its Node
+# object, as the condition PitstopNodeProblem (False when healthy; True, reason
+# PitstopDegraded, PitstopWarning or PitstopFatal, with the reasons as its message;
+# Unknown after 3 periods without a verdict) and, with kubernetes_taints, the taint
+# pitstop.io/node-problem (PreferNoSchedule while degraded, NoSchedule on a warning or a
+# fatal verdict, none when healthy), re-applied every kubernetes_publish_seconds and
+# within a second of a new verdict. Needs the kubernetes extra and a service account
+# that may get and patch nodes and nodes/status.
+# kubernetes_node_conditions: false
+# kubernetes_taints: true
+
+# The Node this agent runs on. Empty: node_id.
+# kubernetes_node_name: ""
+# kubernetes_publish_seconds: 10.0
+
+# At start, fill zone, block, rack and nvlink_domain (those not given) from the Node's
+# labels, each from the first of its label keys below that the node carries.
+# kubernetes_topology_labels: false
+# kubernetes_zone_labels: [topology.kubernetes.io/zone]
+# kubernetes_block_labels: [cloud.google.com/gce-topology-block, \
+topology.k8s.aws/network-node-layer-2, cloud.provider.com/topology-block]
+# kubernetes_rack_labels: [cloud.google.com/gce-topology-subblock, \
+topology.k8s.aws/network-node-layer-3, cloud.provider.com/topology-rack]
+# kubernetes_nvlink_domain_labels: [nvidia.com/gpu.clique]
 """
 
 

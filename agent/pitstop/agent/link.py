@@ -120,6 +120,11 @@ class SchedulerLink:
         self.registered: agent_pb2.Registered | None = None
         """The scheduler's answer on the current or last stream."""
 
+    def latest_health(self) -> common_pb2.NodeHealth | None:
+        """The node's health as the last heartbeat judged it, while a stream is
+        registered (its heartbeats keep judging); None otherwise."""
+        return self._heartbeats.latest if self.connected else None
+
     @property
     def connected(self) -> bool:
         """Whether a stream is open and registered now."""

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from pitstop.agent import install as installer
+from pitstop.agent import k8s_publisher
 from pitstop.agent.checkpointd_watch import CheckpointdWatch
 from pitstop.agent.config import AgentSettings, load_settings
 from pitstop.agent.gpu import GpuBackend, GpuBackendError, open_backend
@@ -82,6 +83,7 @@ class NodeAgent:
         self.supervisor.standby_waits = self.local.standby_waits
         self.local.report_soon = self.link.beat_soon
         self.metrics_server: MetricsServer | None = None
+        self.node_conditions: k8s_publisher.NodeConditionPublisher | None = None
 
     async def _report_rank_exit(self, exited: agent_pb2.RankExited) -> None:
         await self.link.report_rank_exit(exited)
@@ -105,6 +107,8 @@ class NodeAgent:
             await asyncio.to_thread(
                 enroll, self.identity, self.settings.scheduler, self.settings.join_token, ca_file
             )
+        if self.settings.kubernetes_node_conditions or self.settings.kubernetes_topology_labels:
+            await self._start_kubernetes()
         await self.local.start()
         self.metrics_server = MetricsServer(
             self.metrics, self.settings.metrics_host, self.settings.metrics_port
@@ -113,13 +117,33 @@ class NodeAgent:
         if self.checkpointd is not None:
             self.checkpointd.start()
 
+    async def _start_kubernetes(self) -> None:
+        """Connect to the Kubernetes API; fill the topology labels from the Node's (before
+        the first registration sends them) and set up the condition publisher."""
+        settings = self.settings
+        api = await asyncio.to_thread(k8s_publisher.connect)
+        if settings.kubernetes_topology_labels:
+            for field, value in (await k8s_publisher.topology_from_node(settings, api)).items():
+                log.info("%s %r, from the node's labels", field, value)
+                setattr(settings, field, value)  # the link reads them at registration
+        if settings.kubernetes_node_conditions:
+            self.node_conditions = k8s_publisher.NodeConditionPublisher(
+                api,
+                k8s_publisher.node_name(settings),
+                self.link.latest_health,
+                self.metrics,
+                interval=settings.kubernetes_publish_seconds,
+                taints=settings.kubernetes_taints,
+            )
+
     async def run(self, stop: asyncio.Event) -> None:
-        """Talk to the scheduler until `stop` is set (renewing the certificate, with TLS)."""
-        if self.identity is None:
-            await self.link.run(stop)
-            return
+        """Talk to the scheduler until `stop` is set (renewing the certificate, with TLS;
+        publishing the node's health to Kubernetes, when asked)."""
         async with asyncio.TaskGroup() as tasks:
-            tasks.create_task(keep_renewed(self.identity, self.settings.scheduler, stop))
+            if self.identity is not None:
+                tasks.create_task(keep_renewed(self.identity, self.settings.scheduler, stop))
+            if self.node_conditions is not None:
+                tasks.create_task(self.node_conditions.run(stop))
             tasks.create_task(self.link.run(stop))
 
     async def close(self, grace_seconds: float = 10.0) -> None:

@@ -130,6 +130,13 @@ class AgentMetrics:
             node,
             registry=r,
         )
+        self.kubernetes_publish_failures = Counter(
+            _PREFIX + "kubernetes_publish_failures_total",
+            "Publications of the node's condition and taint to Kubernetes that failed "
+            "(the next one, a second to a period later, tries again).",
+            node,
+            registry=r,
+        )
         self.scheduler_connected.labels(node_id).set(0)
         for counter in (
             self.heartbeats,
@@ -137,6 +144,7 @@ class AgentMetrics:
             self.samples_dropped,
             self.drains,
             self.checkpointd_restarts,
+            self.kubernetes_publish_failures,
         ):
             counter.labels(node_id)
 
