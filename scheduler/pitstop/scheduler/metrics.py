@@ -1,8 +1,9 @@
 """Scheduler metrics on /metrics (prometheus-client, a registry of its own).
 
 Gauges of jobs and nodes by state are refreshed by every process from PostgreSQL on the
-health tick; the leader adds its decisions (recoveries, decision latency), and whichever
-process holds a node's stream observes its heartbeat lag.
+health tick; the leader adds its decisions (recoveries, decision latency) and the per-job
+series (`job`: see jobmetrics.py), and whichever process holds a node's stream observes
+its heartbeat lag.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState, NodeState
+from pitstop.scheduler.jobmetrics import JobMetrics
 
 LOOP_LAG_INTERVAL = 0.05
 LOOP_LAG_WINDOW = 60.0
@@ -86,6 +88,7 @@ class SchedulerMetrics:
             ["quantile"],
             registry=self.registry,
         )
+        self.job = JobMetrics(self.registry)
         self._lags: collections.deque[tuple[float, float]] = collections.deque()
         for quantile in (0.5, 0.99):
             self.loop_lag_quantile.labels(str(quantile)).set_function(
