@@ -23,7 +23,7 @@ def job_samples(registry: CollectorRegistry, job_id: str) -> list[str]:
         s.name
         for family in registry.collect()
         for s in family.samples
-        if s.labels.get("job") == job_id
+        if s.labels.get("job_id") == job_id
     ]
 
 
@@ -39,25 +39,25 @@ def test_steps_tokens_flops_and_loss_of_a_job() -> None:
     registry = CollectorRegistry()
     metrics = JobMetrics(registry)
     live(metrics)
-    assert value(registry, "pitstop_scheduler_job_steps_total", job="j1") == 0
+    assert value(registry, "pitstop_scheduler_job_steps_total", job_id="j1") == 0
     batch = [
         sample(r, s, tokens=100, loss=float(r + s), model_flops=600.0, peak_flops=1e3)
         for s in (1, 2)
         for r in (0, 1)
     ]
     metrics.observe_steps("j1", 1, batch, released=batch)
-    assert value(registry, "pitstop_scheduler_job_steps_total", job="j1") == 2
-    assert value(registry, "pitstop_scheduler_job_tokens_total", job="j1") == 400
-    assert value(registry, "pitstop_scheduler_job_model_flops_total", job="j1") == 2400
-    assert value(registry, "pitstop_scheduler_job_peak_flops", job="j1") == 2e3  # two GPUs
-    assert value(registry, "pitstop_scheduler_job_loss", job="j1") == 2.5  # step 2: 2, 3
+    assert value(registry, "pitstop_scheduler_job_steps_total", job_id="j1") == 2
+    assert value(registry, "pitstop_scheduler_job_tokens_total", job_id="j1") == 400
+    assert value(registry, "pitstop_scheduler_job_model_flops_total", job_id="j1") == 2400
+    assert value(registry, "pitstop_scheduler_job_peak_flops", job_id="j1") == 2e3  # two GPUs
+    assert value(registry, "pitstop_scheduler_job_loss", job_id="j1") == 2.5  # step 2: 2, 3
     # A late batch of an older step counts its tokens, not its step again.
     metrics.observe_steps("j1", 1, [sample(2, 2, tokens=100)], released=[])
-    assert value(registry, "pitstop_scheduler_job_steps_total", job="j1") == 2
-    assert value(registry, "pitstop_scheduler_job_tokens_total", job="j1") == 500
+    assert value(registry, "pitstop_scheduler_job_steps_total", job_id="j1") == 2
+    assert value(registry, "pitstop_scheduler_job_tokens_total", job_id="j1") == 500
     # A new generation restored at step 1: step 2 is done again and counts again.
     metrics.observe_steps("j1", 2, [sample(0, 2), sample(0, 3)], released=[])
-    assert value(registry, "pitstop_scheduler_job_steps_total", job="j1") == 4
+    assert value(registry, "pitstop_scheduler_job_steps_total", job_id="j1") == 4
 
 
 def test_a_script_that_states_no_flops_exports_no_mfu_inputs() -> None:
@@ -65,21 +65,21 @@ def test_a_script_that_states_no_flops_exports_no_mfu_inputs() -> None:
     metrics = JobMetrics(registry)
     live(metrics)
     metrics.observe_steps("j1", 1, [sample(0, 1, tokens=10)], released=[])
-    assert value(registry, "pitstop_scheduler_job_model_flops_total", job="j1") is None
-    assert value(registry, "pitstop_scheduler_job_peak_flops", job="j1") is None
+    assert value(registry, "pitstop_scheduler_job_model_flops_total", job_id="j1") is None
+    assert value(registry, "pitstop_scheduler_job_peak_flops", job_id="j1") is None
 
 
 def test_state_goodput_and_forgetting_a_job() -> None:
     registry = CollectorRegistry()
     metrics = JobMetrics(registry)
     live(metrics, JobState.STARTING)
-    assert value(registry, "pitstop_scheduler_job_goodput_ratio", job="j1") is None  # no time
+    assert value(registry, "pitstop_scheduler_job_goodput_ratio", job_id="j1") is None  # no time
     live(metrics, ratio=0.75, productive_seconds=3.0, detect_seconds=1.0)
-    assert value(registry, "pitstop_scheduler_job_state", job="j1", state="running") == 1
-    assert value(registry, "pitstop_scheduler_job_state", job="j1", state="starting") is None
-    assert value(registry, "pitstop_scheduler_job_goodput_ratio", job="j1") == 0.75
-    assert value(registry, "pitstop_scheduler_job_goodput_seconds", job="j1", part="detect") == 1
-    assert value(registry, "pitstop_scheduler_job_info", job="j1", name="gpt") == 1
+    assert value(registry, "pitstop_scheduler_job_state", job_id="j1", state="running") == 1
+    assert value(registry, "pitstop_scheduler_job_state", job_id="j1", state="starting") is None
+    assert value(registry, "pitstop_scheduler_job_goodput_ratio", job_id="j1") == 0.75
+    assert value(registry, "pitstop_scheduler_job_goodput_seconds", job_id="j1", part="detect") == 1
+    assert value(registry, "pitstop_scheduler_job_info", job_id="j1", name="gpt") == 1
     assert job_samples(registry, "j1")
     metrics.keep_only(set())  # it ended
     assert job_samples(registry, "j1") == []

@@ -1,7 +1,8 @@
 """Per-job metrics: what a training job's owner watches (step rate, tokens/s, loss, MFU,
 goodput, stragglers) and what each recovery cost, phase by phase.
 
-Labels are per job, never per rank: a 100,000-rank job is a handful of series. The
+Labels are per job (`job_id`: `job` is the label Prometheus gives every target), never
+per rank: a 100,000-rank job is a handful of series. The
 leader sets them from what it reads anyway (the live jobs' rows every follow tick, the
 step samples in Redis); no other process exports any, and a leader that loses the lease
 drops them (`forget_all`), so a former leader never shows a job frozen in time. Counters
@@ -51,10 +52,12 @@ class JobMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         def gauge(name: str, doc: str, *extra: str) -> Gauge:
-            return Gauge(f"pitstop_scheduler_job_{name}", doc, ["job", *extra], registry=registry)
+            return Gauge(
+                f"pitstop_scheduler_job_{name}", doc, ["job_id", *extra], registry=registry
+            )
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(f"pitstop_scheduler_job_{name}", doc, ["job"], registry=registry)
+            return Counter(f"pitstop_scheduler_job_{name}", doc, ["job_id"], registry=registry)
 
         self.info = gauge("info", "1 for every live job, labelled with its name.", "name")
         self.state = gauge("state", "1 for the live job's current state.", "state")
