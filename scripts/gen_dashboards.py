@@ -408,7 +408,7 @@ def fleet() -> Dashboard:
         stat(
             "Event-loop lag p99 (1 m)",
             "The worst scheduler's event-loop lag, 99th percentile over the last minute.",
-            'max(pitstop_scheduler_event_loop_lag_quantile_seconds{quantile="0.99"})',
+            'max(pitstop_scheduler_event_loop_lag_quantile_seconds{q="0.99"})',
             unit="s",
             thresholds=[(None, "green"), (0.05, "orange"), (0.1, "red")],
         ),
@@ -459,7 +459,7 @@ def fleet() -> Dashboard:
             "How late each scheduler's event loop runs a callback due now (the last minute).",
             target(
                 "pitstop_scheduler_event_loop_lag_quantile_seconds",
-                "{{instance}} p{{quantile}}",
+                "{{instance}} q{{q}}",
             ),
             unit="s",
         ),

@@ -42,6 +42,7 @@ class _Seen:
     name: str = ""
     state: str = ""
     generation: int = -1
+    step: int = 0  # the newest step reported, as the job's row keeps it
     counted_step: int = 0  # the newest step counted in this generation
     peaks: dict[int, float] = field(default_factory=dict)  # rank -> stated peak FLOP/s
     resumed_until: float | None = None  # the newest ended_at of an incident observed
@@ -169,7 +170,8 @@ class JobMetrics:
             self.state.labels(job_id, state.value).set(1)
             seen.state = state.value
         self.generation.labels(job_id).set(generation)
-        self.step.labels(job_id).set(step)
+        seen.step = max(seen.step, step)
+        self.step.labels(job_id).set(seen.step)
         parts = [float(goodput.get(f"{part}_seconds", 0.0)) for part in GOODPUT_PARTS]
         for part, seconds in zip(GOODPUT_PARTS, parts, strict=True):
             self.goodput_seconds.labels(job_id, part).set(seconds)
@@ -193,6 +195,8 @@ class JobMetrics:
             seen.generation, seen.peaks = generation, {}
             seen.counted_step = min(s.step for s in samples) - 1
         newest = max(s.step for s in samples)
+        seen.step = max(seen.step, newest)
+        self.step.labels(job_id).set(seen.step)
         if newest > seen.counted_step:
             self.steps.labels(job_id).inc(newest - seen.counted_step)
             seen.counted_step = newest

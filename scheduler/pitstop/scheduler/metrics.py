@@ -84,8 +84,8 @@ class SchedulerMetrics:
         )
         self.loop_lag_quantile = Gauge(
             "pitstop_scheduler_event_loop_lag_quantile_seconds",
-            "Event-loop lag over the last minute, by quantile (0.5, 0.99).",
-            ["quantile"],
+            "Event-loop lag over the last minute, by quantile q (0.5, 0.99).",
+            ["q"],  # not `quantile`: that label belongs to summaries (promtool check metrics)
             registry=self.registry,
         )
         self.job = JobMetrics(self.registry)
