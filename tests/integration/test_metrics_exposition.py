@@ -1,6 +1,7 @@
 """The /metrics a running scheduler and a running agent serve, scraped over HTTP while a
-job steps: promtool's `check metrics` accepts both, and the scheduler's per-job series
-say what the ranks reported (steps, tokens, loss, model FLOPs and peak for the MFU)."""
+job steps: the scheduler's per-job series say what the ranks reported (steps, tokens,
+loss, model FLOPs and peak for the MFU); a rank killed and restarted is one recovery in
+the phase histograms; promtool's `check metrics` accepts both outputs."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import AGENT_BINARY, SchedulerThread, StoreUrls, scheduler_settings, unique
 from fake_rank import FAKE_RANK
@@ -50,6 +52,20 @@ def wait_until(what: str, check: object, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+def rank_pid(job_id: str, rank: int) -> int:
+    """The pid of the job's rank `rank` (not a standby), by its environment."""
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if (env.get("PITSTOP_JOB_ID"), env.get("RANK")) == (job_id, str(rank)) and env.get(
+            "PITSTOP_STANDBY"
+        ) != "1":
+            return int(proc.pid)
+    raise AssertionError(f"no process of rank {rank} of {job_id}")
+
+
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pm-"))
@@ -80,27 +96,30 @@ def leading(stores: StoreUrls, tmp_path: Path) -> Iterator[SchedulerThread]:
 def agent(leading: SchedulerThread, short_dir: Path) -> Iterator[str]:
     """One real agent on simulated GPUs; yields its /metrics URL (as it printed it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-    proc = subprocess.Popen(
-        [
-            str(AGENT_BINARY),
-            "run",
-            "--node-id",
-            "m0",
-            "--scheduler",
-            leading.address,
-            "--gpus",
-            "sim:2",
-            "--state-dir",
-            str(short_dir / "m0"),
-            "--metrics-port",
-            "0",
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    log = short_dir / "agent.log"
+    with log.open("w") as errors:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [
+                str(AGENT_BINARY),
+                "run",
+                "--node-id",
+                "m0",
+                "--scheduler",
+                leading.address,
+                "--gpus",
+                "sim:2",
+                "--state-dir",
+                str(short_dir / "m0"),
+                "--metrics-port",
+                "0",
+                "--log-level",
+                "WARNING",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+            env=env,
+        )
     try:
         assert proc.stdout is not None
         started = proc.stdout.readline()
@@ -109,7 +128,10 @@ def agent(leading: SchedulerThread, short_dir: Path) -> Iterator[str]:
         yield found.group(1)
     finally:
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0
+        code = proc.wait(30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        assert code == 0, f"the agent exited {code}:\n{log.read_text()[-3000:]}"
 
 
 @needs_promtool
@@ -148,12 +170,7 @@ def test_scheduler_and_agent_metrics_pass_promtool_while_a_job_steps(
         )
 
     wait_until(f"{STEPS} steps of {job.id} on the scheduler's /metrics", stepped)
-    scheduler_text, agent_text = scrape(scheduler_url), scrape(agent)
-    for name, text in (("scheduler", scheduler_text), ("agent", agent_text)):
-        checked = promtool("check", "metrics", stdin=text)
-        assert checked.returncode == 0, f"{name}: {checked.stdout}{checked.stderr}\n{text}"
-
-    seen = samples(scheduler_text)
+    seen = samples(scrape(scheduler_url))
     tokens = 2 * STEPS * TOKENS_PER_STEP  # two ranks
     assert seen[("pitstop_scheduler_job_tokens_total", labels)] == tokens
     assert seen[("pitstop_scheduler_job_model_flops_total", labels)] == tokens * FLOPS_PER_TOKEN
@@ -162,10 +179,32 @@ def test_scheduler_and_agent_metrics_pass_promtool_while_a_job_steps(
     assert seen[("pitstop_scheduler_job_step", labels)] == STEPS
     assert seen[("pitstop_scheduler_job_state", labels | {("state", "running")})] == 1
     assert seen[("pitstop_scheduler_job_info", labels | {("name", spec.name)})] == 1
+
+    # Rank 0 dies: the job restarts it and steps again, a recovery of cause rank_exit.
+    os.kill(rank_pid(job.id, 0), signal.SIGKILL)
+    resumed = ("pitstop_scheduler_recovery_seconds_count", frozenset({("cause", "rank_exit")}))
+    wait_until("the recovery on /metrics", lambda: samples(scrape(scheduler_url)).get(resumed))
+    wait_until(
+        "the restarted rank's steps",
+        lambda: (
+            samples(scrape(scheduler_url))[("pitstop_scheduler_job_steps_total", labels)]
+            == 2 * STEPS
+        ),  # the new generation's steps count again
+    )
+    scheduler_text, agent_text = scrape(scheduler_url), scrape(agent)
+    for name, text in (("scheduler", scheduler_text), ("agent", agent_text)):
+        checked = promtool("check", "metrics", stdin=text)
+        assert checked.returncode == 0, f"{name}: {checked.stdout}{checked.stderr}\n{text}"
+    seen = samples(scheduler_text)
+    for phase in ("detect", "decide", "resume"):
+        key = frozenset({("phase", phase), ("cause", "rank_exit")})
+        assert seen[("pitstop_scheduler_recovery_phase_seconds_count", key)] == 1, phase
+    assert seen[resumed] == 1
+    assert seen[("pitstop_scheduler_job_generation", labels)] == 2
     reported = samples(agent_text)[
         ("pitstop_agent_steps_reported_total", frozenset({("node", "m0"), ("job_id", job.id)}))
     ]
-    assert reported == 2 * STEPS
+    assert reported == 4 * STEPS  # its node starts both its ranks anew
 
     jobs.Cancel(jobs_pb2.JobControlRequest(job_id=job.id))
     wait_until(
