@@ -160,6 +160,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=0, help="steps to report (with --attach)")
     parser.add_argument("--step-seconds", type=float, default=0.1)
     parser.add_argument("--noise", type=float, default=0.0, help="uniform +- share, seeded")
+    parser.add_argument("--flops-per-token", type=float, default=0.0, help="model FLOPs stated")
+    parser.add_argument("--peak-flops", type=float, default=0.0, help="peak FLOP/s stated")
     parser.add_argument("--result", action="append", default=[], help="KEY=VALUE to report")
     parser.add_argument("--wait-commands", action="store_true", help="obey commands until stop")
     parser.add_argument("--wait-go", action="store_true", help="wait for 'go' once ready")
@@ -210,7 +212,14 @@ def main() -> int:
         noise = random.Random(rank)  # seeded: a run is repeatable
         for step in range(1, args.steps + 1):
             seconds = args.step_seconds * multiplier * (1 + noise.uniform(-args.noise, args.noise))
-            client.report_step(step, seconds, loss=1.0 / step, tokens=64)
+            client.report_step(
+                step,
+                seconds,
+                loss=1.0 / step,
+                tokens=64,
+                model_flops=64 * args.flops_per_token,
+                peak_flops=args.peak_flops,
+            )
         if args.result:
             client.report_result(dict(item.split("=", 1) for item in args.result))
         ready.update(

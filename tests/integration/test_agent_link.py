@@ -715,7 +715,7 @@ async def test_step_times_go_out_before_the_next_heartbeat_once_1024_wait(
             batch = (await stream.next("step_times")).step_times
             assert (batch.job_id, batch.generation, len(batch.samples)) == ("job-a", 3, 1024)
             reported = agent.metrics.registry.get_sample_value(
-                "pitstop_agent_steps_reported_total", {"node": settings.node_id, "job": "job-a"}
+                "pitstop_agent_steps_reported_total", {"node": settings.node_id, "job_id": "job-a"}
             )
             assert reported == 1024
 

@@ -217,6 +217,7 @@ class FakeAgent(rank_pb2_grpc.RankControlServicer):
     def __init__(self, checkpointd: str) -> None:
         self.checkpointd = checkpointd
         self.steps: dict[int, int] = {}
+        self.samples: dict[int, agent_pb2.StepSample] = {}  # each rank's newest
         self.acks: dict[int, rank_pb2.RankAck] = {}
         self.results: dict[int, dict[str, str]] = {}
         self.streams: dict[int, queue.Queue[rank_pb2.RankCommand | None]] = {}
@@ -237,6 +238,7 @@ class FakeAgent(rank_pb2_grpc.RankControlServicer):
     def ReportStep(self, request: Any, context: Any) -> Any:  # noqa: N802
         with self._changed:
             self.steps[request.rank] = max(self.steps.get(request.rank, 0), request.sample.step)
+            self.samples[request.rank] = request.sample
             self._changed.notify_all()
         return rank_pb2.StepReportResponse()
 
@@ -293,8 +295,21 @@ def agent(checkpointd: str) -> Iterator[FakeAgent]:
 def test_pause_resume_and_stop_act_at_one_boundary(agent: FakeAgent, processes: list[Proc]) -> None:
     job = f"job-{uuid.uuid4().hex[:6]}"
     env = agent.env(PITSTOP_JOB_ID=job, PITSTOP_GENERATION="1", PITSTOP_COMMAND_WAIT="0.5")
-    processes += start_ranks(2, ["--steps", "100000"], **env)
+    processes += start_ranks(2, ["--steps", "100000", "--peak-flops", "1e12"], **env)
     agent.wait(lambda: min(agent.steps.get(r, 0) for r in range(2)) >= 3)
+    # Each step carries the model FLOPs of the rank's tokens and its GPU's peak (MFU).
+    import torch
+
+    from pitstop.trainer.example import Job, model_flops_per_token, parse_args
+
+    args = parse_args([])
+    model = Job(args, torch.device("cpu")).make_state().model
+    per_token = model_flops_per_token(model, args.layers, args.dim, args.context)
+    for rank in range(2):
+        sample = agent.samples[rank]
+        assert sample.tokens == 2 * 4 * 32  # 2 of 4 shards, 4 sequences of 32 tokens
+        assert sample.model_flops == sample.tokens * per_token
+        assert sample.peak_flops == 1e12
     # Only the chief hears the pause at first: after PITSTOP_COMMAND_WAIT it makes
     # both ranks pause anyway, and rank 1 acknowledges its copy when it comes.
     agent.send(0, 1, pause=agent_pb2.PauseJob(job_id=job))

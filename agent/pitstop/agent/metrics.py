@@ -94,12 +94,15 @@ class AgentMetrics:
             _PREFIX + "ranks_running", "Rank processes supervised now.", node, registry=r
         )
         self.rank_exits = Counter(
-            _PREFIX + "rank_exits_total", "Rank processes that ended.", ("node", "job"), registry=r
+            _PREFIX + "rank_exits_total",
+            "Rank processes that ended.",
+            ("node", "job_id"),
+            registry=r,
         )
         self.steps_reported = Counter(
             _PREFIX + "steps_reported_total",
             "Step samples sent to the scheduler.",
-            ("node", "job"),
+            ("node", "job_id"),
             registry=r,
         )
         self.samples_dropped = Counter(

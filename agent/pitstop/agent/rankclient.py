@@ -91,8 +91,12 @@ class RankControlClient:
         loss: float = 0.0,
         tokens: int = 0,
         checkpoint_step: bool = False,
+        model_flops: float = 0.0,
+        peak_flops: float = 0.0,
     ) -> bool:
-        """Report a finished step; True when a command waits on the command stream."""
+        """Report a finished step; True when a command waits on the command stream.
+        `model_flops`: the model FLOPs of the step's `tokens` on this rank; `peak_flops`:
+        the peak FLOP/s of its accelerator (0: not stated; see StepSample)."""
         now = Timestamp()
         now.FromNanoseconds(time.time_ns())
         sample = agent_pb2.StepSample(
@@ -103,6 +107,8 @@ class RankControlClient:
             tokens=tokens,
             checkpoint_step=checkpoint_step,
             time=now,
+            model_flops=model_flops,
+            peak_flops=peak_flops,
         )
         request = rank_pb2.StepReport(
             job_id=self.job_id, rank=self.rank, generation=self.generation, sample=sample

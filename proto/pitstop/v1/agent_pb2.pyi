@@ -55,7 +55,7 @@ class Heartbeat(_message.Message):
     def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., health: _Optional[_Union[_common_pb2.NodeHealth, _Mapping]] = ..., running_ranks: _Optional[_Iterable[_Union[RunningRank, _Mapping]]] = ...) -> None: ...
 
 class StepSample(_message.Message):
-    __slots__ = ("rank", "step", "step_seconds", "loss", "tokens", "checkpoint_step", "time")
+    __slots__ = ("rank", "step", "step_seconds", "loss", "tokens", "checkpoint_step", "time", "model_flops", "peak_flops")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class StepSample(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_FLOPS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     step_seconds: float
@@ -70,7 +72,9 @@ class StepSample(_message.Message):
     tokens: int
     checkpoint_step: bool
     time: _timestamp_pb2.Timestamp
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., checkpoint_step: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    model_flops: float
+    peak_flops: float
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., checkpoint_step: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model_flops: _Optional[float] = ..., peak_flops: _Optional[float] = ...) -> None: ...
 
 class StepTimes(_message.Message):
     __slots__ = ("job_id", "generation", "samples")

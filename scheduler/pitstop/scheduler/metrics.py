@@ -1,8 +1,9 @@
 """Scheduler metrics on /metrics (prometheus-client, a registry of its own).
 
 Gauges of jobs and nodes by state are refreshed by every process from PostgreSQL on the
-health tick; the leader adds its decisions (recoveries, decision latency), and whichever
-process holds a node's stream observes its heartbeat lag.
+health tick; the leader adds its decisions (recoveries, decision latency) and the per-job
+series (`job`: see jobmetrics.py), and whichever process holds a node's stream observes
+its heartbeat lag.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState, NodeState
+from pitstop.scheduler.jobmetrics import JobMetrics
 
 LOOP_LAG_INTERVAL = 0.05
 LOOP_LAG_WINDOW = 60.0
@@ -82,10 +84,11 @@ class SchedulerMetrics:
         )
         self.loop_lag_quantile = Gauge(
             "pitstop_scheduler_event_loop_lag_quantile_seconds",
-            "Event-loop lag over the last minute, by quantile (0.5, 0.99).",
-            ["quantile"],
+            "Event-loop lag over the last minute, by quantile q (0.5, 0.99).",
+            ["q"],  # not `quantile`: that label belongs to summaries (promtool check metrics)
             registry=self.registry,
         )
+        self.job = JobMetrics(self.registry)
         self._lags: collections.deque[tuple[float, float]] = collections.deque()
         for quantile in (0.5, 0.99):
             self.loop_lag_quantile.labels(str(quantile)).set_function(

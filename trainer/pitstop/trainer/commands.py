@@ -45,6 +45,8 @@ STOP, RECONFIGURE, PAUSE, RESUME = "stop", "reconfigure", "pause", "resume"
 AGREED_KINDS = (STOP, RECONFIGURE, PAUSE)
 """Kinds the ranks agree on, in the order they win when several are due at once."""
 _FORCEABLE = frozenset({STOP, PAUSE})
+Flops = tuple[float, float]
+"""A step's (model FLOPs, the accelerator's peak FLOP/s); zeros when not stated."""
 _RETRY_FIRST, _RETRY_MAX = 0.2, 5.0
 
 
@@ -243,27 +245,42 @@ class StepReporter:
 
     def __init__(self, report: Callable[..., bool], max_queued: int = 1024) -> None:
         self._report = report
-        self._queue: queue.Queue[tuple[int, float, float | torch.Tensor, int] | None]
+        self._queue: queue.Queue[tuple[int, float, float | torch.Tensor, int, Flops] | None]
         self._queue = queue.Queue(max_queued)
         self._failures = 0
         self._thread = threading.Thread(target=self._send, name="pitstop-steps", daemon=True)
         self._thread.start()
 
-    def put(self, step: int, seconds: float, loss: float | torch.Tensor, tokens: int) -> None:
-        """Queue one finished step. A tensor loss is read on the reporting thread, so a
-        GPU loss does not make the training thread wait for the device."""
+    def put(
+        self,
+        step: int,
+        seconds: float,
+        loss: float | torch.Tensor,
+        tokens: int,
+        flops: Flops = (0.0, 0.0),
+    ) -> None:
+        """Queue one finished step; `flops`: its (model FLOPs, the accelerator's peak
+        FLOP/s), zeros when not stated. A tensor loss is read on the reporting thread, so
+        a GPU loss does not make the training thread wait for the device."""
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
         try:
-            self._queue.put_nowait((step, seconds, loss, tokens))
+            self._queue.put_nowait((step, seconds, loss, tokens, flops))
         except queue.Full:
             log.debug("step report queue full: step %d not reported", step)
 
     def _send(self) -> None:
         while (item := self._queue.get()) is not None:
-            step, seconds, loss, tokens = item
+            step, seconds, loss, tokens, (model_flops, peak_flops) = item
             try:
-                self._report(step, seconds, loss=float(loss), tokens=tokens)
+                self._report(
+                    step,
+                    seconds,
+                    loss=float(loss),
+                    tokens=tokens,
+                    model_flops=model_flops,
+                    peak_flops=peak_flops,
+                )
                 self._failures = 0
             except grpc.RpcError as exc:
                 self._failures += 1

@@ -266,7 +266,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "stretches it (demos and fault tests use it to fail a run mid-way and to show a "
         "straggler; the weights do not change)",
     )
+    parser.add_argument(
+        "--peak-flops",
+        type=float,
+        default=0.0,
+        help="peak FLOP/s of each rank's accelerator at the training precision, for the "
+        "job's MFU (e.g. 989e12: an H100 SXM in dense BF16); 0: unknown, no MFU",
+    )
     return parser.parse_args(argv)
+
+
+def model_flops_per_token(model: nn.Module, layers: int, dim: int, context: int) -> float:
+    """Training FLOPs per token, forward and backward: 6 per weight outside the
+    embeddings, plus attention's 12 x layers x dim x context (the PaLM paper's count)."""
+    weights = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if not name.startswith(("token.", "position."))
+    )
+    return float(6 * weights + 12 * layers * dim * context)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -280,6 +298,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         state = session.restore(default=job.make_state)
         if args.save_dir:
             load_saved(state, Path(args.save_dir))
+        session.set_flops(
+            model_flops_per_token=model_flops_per_token(
+                state.model, args.layers, args.dim, args.context
+            ),
+            peak_flops=args.peak_flops,
+        )
         if args.shards < session.world_size:
             raise SystemExit(f"--shards {args.shards} is below the world size {session.world_size}")
         for step in session.steps(state, until=args.steps):

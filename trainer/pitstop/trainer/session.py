@@ -2,6 +2,7 @@
 
     with Session.from_env() as session:
         state = session.restore(default=make_state)
+        session.set_flops(model_flops_per_token=6 * parameters, peak_flops=989e12)  # MFU
         for step in session.steps(state, until=total_steps):
             with session.guard():              # a lost peer: roll back, not crash
                 loss = train_step(state)       # collectives inside session.waiting()
@@ -45,6 +46,7 @@ from __future__ import annotations
 import ctypes
 import inspect
 import logging
+import math
 import os
 import signal
 import sys
@@ -112,6 +114,9 @@ class Session:
         config: RankConfig,
         control: RankControlClient | None = None,
         writer: SnapshotWriter | None = None,
+        *,
+        model_flops_per_token: float = 0.0,
+        peak_flops: float = 0.0,
     ) -> None:
         self.config = config
         self.rank, self.world_size = config.rank, config.world_size
@@ -145,11 +150,19 @@ class Session:
         self._shape_json: tuple[Shape | None, str] = (None, "")
         self._failed_snapshots = 0
         self._failing_since = 0  # failures in a row, for the log
+        self.model_flops_per_token = 0.0
+        """Model FLOPs per token (forward and backward), reported with every step; 0: not
+        stated. With `peak_flops`, the scheduler exports the job's MFU."""
+        self.peak_flops = 0.0
+        """Peak FLOP/s of this rank's accelerator at the training precision; 0: unknown."""
+        self.set_flops(model_flops_per_token=model_flops_per_token, peak_flops=peak_flops)
 
     @classmethod
-    def from_env(cls) -> Session:
+    def from_env(cls, *, model_flops_per_token: float = 0.0, peak_flops: float = 0.0) -> Session:
         """The session for this process: attached to the agent when PITSTOP_AGENT_SOCKET
-        is set, a do-nothing session otherwise."""
+        is set, a do-nothing session otherwise. `model_flops_per_token` and `peak_flops`:
+        see `set_flops` (both optional)."""
+        flops = _checked_flops(model_flops_per_token, peak_flops)  # before attaching
         config = RankConfig.from_env()
         if config.agent_socket:
             _die_with_the_agent()
@@ -170,7 +183,7 @@ class Session:
             checkpointd = checkpointd or attached.checkpointd_address
             if attached.restore_step:
                 config = replace(config, restore_step=int(attached.restore_step))
-        session = cls(config, control)
+        session = cls(config, control, model_flops_per_token=flops[0], peak_flops=flops[1])
         try:
             session._connect(checkpointd)
         except BaseException:
@@ -206,6 +219,16 @@ class Session:
             )
         elif not config.standby:
             self.device = group.device_for(0)
+
+    def set_flops(self, *, model_flops_per_token: float, peak_flops: float = 0.0) -> None:
+        """State what the job's MFU is computed from, reported with every later step:
+        the model's FLOPs per token of training (forward and backward: about 6 x its
+        parameters, plus attention), and the peak FLOP/s of this rank's accelerator at the
+        training precision (e.g. 989e12 for an H100 SXM in dense BF16). 0 means not
+        stated. Call it once the model is built, where its size is known."""
+        self.model_flops_per_token, self.peak_flops = _checked_flops(
+            model_flops_per_token, peak_flops
+        )
 
     @property
     def is_chief(self) -> bool:
@@ -432,7 +455,8 @@ class Session:
             # `seconds` was taken before the snapshot, so its stall is in no step's time
             # and the step is not reported as a checkpoint step: it counts in straggler
             # statistics (with a snapshot every step, excluding them would exclude all).
-            self._reporter.put(step, seconds, loss, tokens)
+            flops = (tokens * self.model_flops_per_token, self.peak_flops)
+            self._reporter.put(step, seconds, loss, tokens, flops)
 
     @property
     def snapshot_failures(self) -> int:
@@ -537,6 +561,28 @@ class Session:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _checked_flops(model_flops_per_token: float, peak_flops: float) -> tuple[float, float]:
+    """The two FLOPs figures as floats; a negative, infinite or non-numeric one is refused
+    with its name, its value and what to give instead."""
+    checked = []
+    for name, value in (
+        ("model_flops_per_token", model_flops_per_token),
+        ("peak_flops", peak_flops),
+    ):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number) or number < 0:
+            raise ValueError(
+                f"Session {name}={value!r}: give a finite number of FLOPs, 0 or more "
+                "(0: not stated), e.g. model_flops_per_token=6 * parameters, "
+                "peak_flops=989e12"
+            )
+        checked.append(number)
+    return checked[0], checked[1]
 
 
 _PR_SET_PDEATHSIG = 1

@@ -99,6 +99,17 @@ class StepFollower:
             }
         for gone in [j for j in self.watches if j not in jobs]:
             del self.watches[gone]
+        metrics = self.leader.metrics.job
+        metrics.keep_only(jobs)
+        for job in jobs.values():
+            metrics.observe_job(
+                job.id,
+                name=job.name,
+                state=job.state,
+                generation=job.generation,
+                step=job.current_step,
+                goodput=job.goodput or {},
+            )
         if not jobs:
             return
         cursors = {j: self.watch(j).stream_id for j in jobs}
@@ -144,9 +155,10 @@ class StepFollower:
                 )
                 set_deadline(row, None)
                 changed = True
+            account = None
             if changed or leader.clock() >= watch.goodput_at:
                 await session.flush()  # the transition's event counts
-                await goodput.refresh(session, row, step_seconds=watch.step_seconds())
+                account = await goodput.refresh(session, row, step_seconds=watch.step_seconds())
                 watch.goodput_at = leader.clock() + GOODPUT_REFRESH_SECONDS
             for finding in findings:
                 record_event(
@@ -158,10 +170,19 @@ class StepFollower:
                     attributes={"rank": str(finding.rank), "slowdown": f"{finding.slowdown:.3f}"},
                 )
         watch.findings = []  # committed
+        metrics = leader.metrics.job
+        metrics.observe_steps(job.id, job.generation, samples, released)
+        if account is not None:
+            metrics.observe_account(job.id, account)
         stats = [
             s.to_proto(placement.ranks[s.rank].node_id if s.rank < placement.world_size else "")
             for s in detector.stats()
         ]
+        metrics.observe_ranks(
+            job.id,
+            step_seconds=watch.step_seconds(),
+            stragglers=sum(1 for s in stats if s.straggler),
+        )
         await leader.hot.set_rank_stats(
             job.id,
             [

@@ -13,7 +13,7 @@ import time
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pitstop.health.goodput import JobEvent, account, epoch, incident_attributes
+from pitstop.health.goodput import Goodput, JobEvent, account, epoch, incident_attributes
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import NodeState
 from pitstop.scheduler.hotstate import HotState
@@ -21,8 +21,8 @@ from pitstop.scheduler.hotstate import HotState
 NODE_FAILURE_KINDS = ("node.lost", "node.unhealthy")
 
 
-async def refresh(session: AsyncSession, job: models.Job, *, step_seconds: float) -> None:
-    """Recompute the job's account from its events and store it on the row."""
+async def refresh(session: AsyncSession, job: models.Job, *, step_seconds: float) -> Goodput:
+    """Recompute the job's account from its events and store it on the row; returns it."""
     rows = (
         await session.execute(
             select(
@@ -49,7 +49,9 @@ async def refresh(session: AsyncSession, job: models.Job, *, step_seconds: float
         )
         for t, kind, src, dst, attrs, reason in rows
     ]
-    job.goodput = account(events, now=time.time(), step_seconds=step_seconds).to_json()
+    result = account(events, now=time.time(), step_seconds=step_seconds)
+    job.goodput = result.to_json()
+    return result
 
 
 async def node_incident(
