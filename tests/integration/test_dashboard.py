@@ -124,10 +124,15 @@ def test_a_fatal_xid_shows_live_the_node_unhealthy_and_the_recovery_bar(
         # Live: the same document all along, never reloaded.
         assert page.evaluate("window.sameDocument") is True
         assert page.evaluate("performance.getEntriesByType('navigation').length") == 1
-        bar = page.locator(".incident[data-outcome='resumed']").first
+        # Once every rank of the new generation reported, the bar splits the resume into
+        # restore (the spare loaded the snapshot) and re-form (the group, the first step).
+        split = ".incident[data-outcome='resumed'][data-split='1']"
+        page.wait_for_selector(split, timeout=30_000)
+        bar = page.locator(split).first
         assert victim in bar.inner_text()
-        assert bar.locator(".seg.detect").count() == 1
-        assert bar.locator(".seg.resume").count() == 1
+        for phase in ("detect", "decide", "restore", "reform"):
+            assert bar.locator(f".seg.{phase}").count() == 1, phase
+        assert page.locator("#events tbody tr[data-kind='job.restored']").count() == 1
         page.screenshot(path=ARTIFACTS / "2-after-fatal-xid.png", full_page=True)
 
         # The node's Xid history on click; the event log filtered to the node.

@@ -93,10 +93,14 @@ class RankControlClient:
         checkpoint_step: bool = False,
         model_flops: float = 0.0,
         peak_flops: float = 0.0,
+        restored_at: float = 0.0,
+        restored_from: str = "",
     ) -> bool:
         """Report a finished step; True when a command waits on the command stream.
         `model_flops`: the model FLOPs of the step's `tokens` on this rank; `peak_flops`:
-        the peak FLOP/s of its accelerator (0: not stated; see StepSample)."""
+        the peak FLOP/s of its accelerator (0: not stated; see StepSample). `restored_at`
+        (epoch seconds, 0: not this step) and `restored_from`: on the first step after a
+        restore, when and from where the rank loaded it."""
         now = Timestamp()
         now.FromNanoseconds(time.time_ns())
         sample = agent_pb2.StepSample(
@@ -110,6 +114,9 @@ class RankControlClient:
             model_flops=model_flops,
             peak_flops=peak_flops,
         )
+        if restored_at > 0:
+            sample.restored_at.FromNanoseconds(int(restored_at * 1e9))
+            sample.restored_from = restored_from
         request = rank_pb2.StepReport(
             job_id=self.job_id, rank=self.rank, generation=self.generation, sample=sample
         )

@@ -55,7 +55,7 @@ class Heartbeat(_message.Message):
     def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., health: _Optional[_Union[_common_pb2.NodeHealth, _Mapping]] = ..., running_ranks: _Optional[_Iterable[_Union[RunningRank, _Mapping]]] = ...) -> None: ...
 
 class StepSample(_message.Message):
-    __slots__ = ("rank", "step", "step_seconds", "loss", "tokens", "checkpoint_step", "time", "model_flops", "peak_flops")
+    __slots__ = ("rank", "step", "step_seconds", "loss", "tokens", "checkpoint_step", "time", "model_flops", "peak_flops", "restored_at", "restored_from")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class StepSample(_message.Message):
     TIME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FLOPS_FIELD_NUMBER: _ClassVar[int]
     PEAK_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_AT_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     step_seconds: float
@@ -74,7 +76,9 @@ class StepSample(_message.Message):
     time: _timestamp_pb2.Timestamp
     model_flops: float
     peak_flops: float
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., checkpoint_step: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model_flops: _Optional[float] = ..., peak_flops: _Optional[float] = ...) -> None: ...
+    restored_at: _timestamp_pb2.Timestamp
+    restored_from: str
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., checkpoint_step: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model_flops: _Optional[float] = ..., peak_flops: _Optional[float] = ..., restored_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., restored_from: _Optional[str] = ...) -> None: ...
 
 class StepTimes(_message.Message):
     __slots__ = ("job_id", "generation", "samples")

@@ -10,9 +10,9 @@ count what this process saw while it led: dashboards take rate() and sum by job.
 
 The recovery histograms are observed once per incident, when the job steps again: its
 detect, decide and resume phases (pitstop.health.goodput: failure -> noticed -> decided
--> the new generation's first step; resume is restore and re-form together, as the
-scheduler sees them) and the total, labelled by what the decision answered (node,
-rank_exit, fallback).
+-> the new generation's first step; resume is restore and re-form together) and the
+total, labelled by what the decision answered (node, rank_exit, fallback); restore and
+reform once job.restored says when the last rank held the restore step.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class _Seen:
     counted_step: int = 0  # the newest step counted in this generation
     peaks: dict[int, float] = field(default_factory=dict)  # rank -> stated peak FLOP/s
     resumed_until: float | None = None  # the newest ended_at of an incident observed
+    restored_until: float = 0.0  # the newest restored_at of an incident observed
 
 
 class JobMetrics:
@@ -109,8 +110,10 @@ class JobMetrics:
             "pitstop_scheduler_recovery_phase_seconds",
             "Seconds each phase of a recovery took (detect: failure to noticed; decide: to "
             "the decision; resume: to the new generation's first step, restore and re-form "
-            "together), by phase and cause (node, rank_exit, fallback); one observation per "
-            "recovery that got the job stepping again.",
+            "together; restore: to every rank holding the restore step; reform: from there "
+            "to the first step), by phase and cause (node, rank_exit, fallback); one "
+            "observation per recovery that got the job stepping again (restore and reform "
+            "once its ranks said when they restored).",
             ["phase", "cause"],
             buckets=RECOVERY_BUCKETS,
             registry=registry,
@@ -243,6 +246,19 @@ class JobMetrics:
                 )
             self.lost_steps.labels(cause).inc(incident.lost_steps)
             seen.resumed_until = max(seen.resumed_until or 0.0, incident.ended_at or 0.0)
+        # Restore and re-form are known later (job.restored, once every rank reported).
+        for incident in account.incidents:
+            restored = incident.restored_at
+            if restored is None or restored <= seen.restored_until:
+                continue
+            cause = incident.kind.value
+            for phase, seconds in (
+                ("restore", incident.restore_seconds),
+                ("reform", incident.reform_seconds),
+            ):
+                if seconds is not None:
+                    self.phase_seconds.labels(phase, cause).observe(seconds)
+            seen.restored_until = restored
 
     def keep_only(self, job_ids: Collection[str]) -> None:
         """Drop the series of every job not in `job_ids` (it ended)."""

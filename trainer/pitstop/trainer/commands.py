@@ -46,6 +46,8 @@ AGREED_KINDS = (STOP, RECONFIGURE, PAUSE)
 """Kinds the ranks agree on, in the order they win when several are due at once."""
 _FORCEABLE = frozenset({STOP, PAUSE})
 Flops = tuple[float, float]
+Restored = tuple[float, str]
+"""When (epoch seconds) and from where a rank loaded its restore step."""
 """A step's (model FLOPs, the accelerator's peak FLOP/s); zeros when not stated."""
 _RETRY_FIRST, _RETRY_MAX = 0.2, 5.0
 
@@ -245,7 +247,9 @@ class StepReporter:
 
     def __init__(self, report: Callable[..., bool], max_queued: int = 1024) -> None:
         self._report = report
-        self._queue: queue.Queue[tuple[int, float, float | torch.Tensor, int, Flops] | None]
+        self._queue: queue.Queue[
+            tuple[int, float, float | torch.Tensor, int, Flops, Restored | None] | None
+        ]
         self._queue = queue.Queue(max_queued)
         self._failures = 0
         self._thread = threading.Thread(target=self._send, name="pitstop-steps", daemon=True)
@@ -258,20 +262,23 @@ class StepReporter:
         loss: float | torch.Tensor,
         tokens: int,
         flops: Flops = (0.0, 0.0),
+        restored: Restored | None = None,
     ) -> None:
-        """Queue one finished step; `flops`: its (model FLOPs, the accelerator's peak
+        """Queue one finished step; `restored`: on the first step after a restore, when
+        and from where the rank loaded it; `flops`: its (model FLOPs, the accelerator's peak
         FLOP/s), zeros when not stated. A tensor loss is read on the reporting thread, so
         a GPU loss does not make the training thread wait for the device."""
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
         try:
-            self._queue.put_nowait((step, seconds, loss, tokens, flops))
+            self._queue.put_nowait((step, seconds, loss, tokens, flops, restored))
         except queue.Full:
             log.debug("step report queue full: step %d not reported", step)
 
     def _send(self) -> None:
         while (item := self._queue.get()) is not None:
-            step, seconds, loss, tokens, (model_flops, peak_flops) = item
+            step, seconds, loss, tokens, (model_flops, peak_flops), restored = item
+            restored_at, restored_from = restored or (0.0, "")
             try:
                 self._report(
                     step,
@@ -280,6 +287,8 @@ class StepReporter:
                     tokens=tokens,
                     model_flops=model_flops,
                     peak_flops=peak_flops,
+                    restored_at=restored_at,
+                    restored_from=restored_from,
                 )
                 self._failures = 0
             except grpc.RpcError as exc:

@@ -150,6 +150,7 @@ class Session:
         self._shape_json: tuple[Shape | None, str] = (None, "")
         self._failed_snapshots = 0
         self._failing_since = 0  # failures in a row, for the log
+        self._restored: tuple[float, str] | None = None  # when and whence, for the next step
         self.model_flops_per_token = 0.0
         """Model FLOPs per token (forward and backward), reported with every step; 0: not
         stated. With `peak_flops`, the scheduler exports the job's MFU."""
@@ -318,6 +319,7 @@ class Session:
                 tensors, metadata = self._resharded(state, step, restored, taken, written)
         apply(state, tensors, metadata)
         log.info("rank %d restored step %d from %s", self.rank, step, restored.source)
+        self._restored = (time.time(), restored.source)  # told with the next step
 
     def _restore(self, step: int, rank: int, into: dict[str, torch.Tensor] | None) -> RestoredState:
         assert self.writer is not None
@@ -456,7 +458,8 @@ class Session:
             # and the step is not reported as a checkpoint step: it counts in straggler
             # statistics (with a snapshot every step, excluding them would exclude all).
             flops = (tokens * self.model_flops_per_token, self.peak_flops)
-            self._reporter.put(step, seconds, loss, tokens, flops)
+            restored, self._restored = self._restored, None
+            self._reporter.put(step, seconds, loss, tokens, flops, restored)
 
     @property
     def snapshot_failures(self) -> int:

@@ -5,7 +5,10 @@ keep the goodput account fresh."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass, field
+
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.health.straggler import StragglerDetector, StragglerFinding, StragglerPolicy
 from pitstop.scheduler.db import models
@@ -36,6 +39,10 @@ class JobWatch:
     # Straggler findings whose events are not committed yet (the detector reports each
     # once: a transaction that fails must not lose one).
     findings: list[StragglerFinding] = field(default_factory=list)
+    # This generation's ranks that said when they loaded the restore step (rank -> epoch
+    # seconds, source), and whether job.restored has been recorded for it.
+    restored: dict[int, tuple[float, str]] = field(default_factory=dict)
+    restored_told: bool = False
 
     def release_in_step_order(
         self, fresh: list[agent_pb2.StepSample], world_size: int, now: float, hold: float
@@ -131,6 +138,7 @@ class StepFollower:
             watch.detector = StragglerDetector(StragglerPolicy.from_proto(spec.straggler))
             watch.detector_generation = job.generation
             watch.held, watch.rank_max, watch.findings = [], {}, []
+            watch.restored, watch.restored_told = {}, False
         detector = watch.detector
         async with leader.store.write() as session:
             row = await locked_job(leader, session, job.id)
@@ -154,6 +162,8 @@ class StepFollower:
                     reason=f"ranks are stepping (step {newest})",
                 )
                 set_deadline(row, None)
+                changed = True
+            if _record_restored(session, row, watch, samples, placement.world_size):
                 changed = True
             account = None
             if changed or leader.clock() >= watch.goodput_at:
@@ -201,3 +211,42 @@ class StepFollower:
                 if finding.straggler and finding.rank < placement.world_size:
                     node_id = placement.ranks[finding.rank].node_id
                     self.swaps.setdefault(job.id, set()).add(node_id)
+
+
+def _record_restored(
+    session: AsyncSession,
+    job: models.Job,
+    watch: JobWatch,
+    samples: list[agent_pb2.StepSample],
+    world_size: int,
+) -> bool:
+    """Once every rank of the generation has reported a step, record when the last of
+    those that loaded the restore step had it (job.restored): the goodput account splits
+    the recovery's resume there into restore and re-form. True when recorded."""
+    for sample in samples:
+        if sample.HasField("restored_at"):
+            at = sample.restored_at.ToNanoseconds() / 1e9
+            watch.restored[sample.rank] = (at, sample.restored_from or "unknown")
+    if watch.restored_told or not watch.restored or len(watch.rank_max) < world_size:
+        return False
+    if job.state is not JobState.RUNNING:
+        return False
+    watch.restored_told = True
+    last = max(at for at, _ in watch.restored.values())
+    sources = Counter(source for _, source in watch.restored.values())
+    record_event(
+        session,
+        "job.restored",
+        actor="scheduler",
+        job_id=job.id,
+        reason=(
+            f"every rank holds step {job.restore_step}: {len(watch.restored)} of {world_size} "
+            f"loaded it ({', '.join(f'{n} from {src}' for src, n in sorted(sources.items()))})"
+        ),
+        attributes={
+            "generation": str(job.generation),
+            "restored_at": f"{last:.6f}",
+            "restore_step": str(job.restore_step),
+        },
+    )
+    return True
