@@ -21,6 +21,7 @@ mkdir -p -m 700 "$dir" "$logs"
 role=worker
 if ((SLURM_NODEID >= ${PITSTOP_SLURM_WORKERS:-0})); then role=spare; fi
 addr=$(scontrol show node -o "$node" | sed -n 's/.* NodeAddr=\([^ ]*\).*/\1/p')
+addr=${addr:-$(hostname)}
 
 rack="" block="" zone="" top=1
 while read -r line; do

@@ -302,3 +302,15 @@ def test_a_newly_failed_node_waits_for_its_allocation_to_be_known() -> None:
         {"n2": failed("n2")}, {}, {"n2": slurm("n2")}, {}, idle_spares=0, replacements=True
     )
     assert decided(plan) == {}
+
+
+def test_a_settled_drain_needs_nothing_from_slurm() -> None:
+    """Slurm showed the drain once: later passes decide from the record alone (no sinfo),
+    and can still ask for the replacement."""
+    done = {"n2": record("n2", drained=True)}
+    assert (
+        decided(decide_pass({"n2": failed("n2")}, done, {}, {}, idle_spares=1, replacements=True))
+        == {}
+    )
+    plan = decide_pass({"n2": failed("n2")}, done, {}, {}, idle_spares=0, replacements=True)
+    assert decided(plan) == {"name_replacement": ["n2"]}

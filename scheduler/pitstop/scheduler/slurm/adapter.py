@@ -42,6 +42,7 @@ from pitstop.scheduler.slurm.decide import (
     drain_reason,
     plan_drains,
     plan_submissions,
+    settled,
 )
 from pitstop.scheduler.store import Store
 
@@ -120,7 +121,11 @@ class SlurmAdapter:
         failed, records, idle_spares = await self._read()
         if not failed and not records:
             return
-        names = [f.slurm_node for f in failed.values()] + [r.slurm_node for r in records.values()]
+        names = [
+            want.slurm_node
+            for want in failed.values()
+            if want.node_id not in records or not settled(want, records[want.node_id])
+        ]
         try:
             observed = await self.slurm.nodes(names)
         except SlurmUnavailable as exc:

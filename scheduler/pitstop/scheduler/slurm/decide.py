@@ -104,20 +104,22 @@ def plan_drains(
     idle_spares: int,
     replacements: bool,
 ) -> DrainPlan:
-    """Compare the failed nodes with their records and with what Slurm shows
-    (`allocations`: the running jobs on each failed node without a record yet, by Slurm
-    name; a node missing there is decided in a later pass)."""
+    """Compare the failed nodes with their records and with what Slurm shows: `observed`
+    needs only the nodes not `settled`, `allocations` (the running jobs on a node) only
+    the failed nodes without a record yet, by Slurm name; a node missing there is
+    decided in a later pass."""
     plan = DrainPlan(clear=sorted(set(records) - set(failed)))
     for node_id in sorted(failed):
         want = failed[node_id]
         record = records.get(node_id)
-        seen = observed.get(want.slurm_node)
-        if seen is None:
-            plan.unknown.append(want)
-            continue
         if record is not None and record.allocation_ended:
             continue
-        if record is None:
+        if record is not None and settled(want, record):
+            drained = True
+        elif (seen := observed.get(want.slurm_node)) is None:
+            plan.unknown.append(want)
+            continue
+        elif record is None:
             jobs = allocations.get(want.slurm_node)
             if jobs is None:
                 continue
@@ -126,23 +128,33 @@ def plan_drains(
                 plan.release.append(Release(want, ending[0].job_id if ending else ""))
                 continue
             plan.create.append(want)
-            drained = False
+            drained = _drive(plan, want, seen)
         elif (record.slurm_node, record.reason) != (want.slurm_node, want.reason):
             plan.retarget.append(want)
-            drained = False
+            drained = _drive(plan, want, seen)
         else:
-            drained = record.drained
-        if not drained:
-            theirs = not seen.reason.startswith(REASON_PREFIX)
-            if seen.drained and (seen.reason == want.reason or theirs):
-                plan.confirm.append(Confirmation(node_id, seen, foreign=theirs))
-                drained = True
-            else:
-                plan.drain.append(want)
+            drained = _drive(plan, want, seen)
         asked = record is not None and bool(record.replacement_name)
         if replacements and drained and not asked and idle_spares <= 0:
             plan.name_replacement.append(node_id)
     return plan
+
+
+def settled(want: FailedNode, record: DrainRecord) -> bool:
+    """Nothing to ask Slurm about this failed node: its allocation ended, or Slurm was
+    seen showing the very drain wanted."""
+    same = (record.slurm_node, record.reason) == (want.slurm_node, want.reason)
+    return record.allocation_ended or (record.drained and same)
+
+
+def _drive(plan: DrainPlan, want: FailedNode, seen: SlurmNode) -> bool:
+    """Confirm the drain Slurm shows (True), or ask for it (False)."""
+    theirs = not seen.reason.startswith(REASON_PREFIX)
+    if seen.drained and (seen.reason == want.reason or theirs):
+        plan.confirm.append(Confirmation(want.node_id, seen, foreign=theirs))
+        return True
+    plan.drain.append(want)
+    return False
 
 
 @dataclass
