@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,40 @@ class SchedulerSettings(BaseSettings):
     # Names and addresses the scheduler's certificate carries beside "pitstop-scheduler".
     tls_hosts: list[str] = Field(default_factory=lambda: ["localhost", "127.0.0.1"])
     node_certificate_ttl_seconds: float = Field(default=24 * 3600.0, ge=60)
+    # The Slurm adapter (pitstop.scheduler.slurm), off unless asked for: the leader drains
+    # in Slurm every node it finds unhealthy or lost, with the reason, and asks for a
+    # replacement allocation (slurm_replacement_command) when no idle spare is left.
+    slurm_adapter: bool = False
+    slurm_reconcile_seconds: float = Field(default=1.0, gt=0)
+    # Where scontrol, sinfo, squeue and sbatch are; None: on PATH.
+    slurm_bin_dir: Path | None = None
+    # pitstop node id -> Slurm node name, where they differ (default: the same name).
+    slurm_node_names: dict[str, str] = Field(default_factory=dict)
+    # Run (split as a shell would, no shell) to ask for one replacement node, e.g.
+    # "sbatch --nodes=1 deploy/slurm/pitstop.sbatch --spares"; empty: never. It gets
+    # SBATCH_JOB_NAME=<slurm_replacement_job_prefix>-<node>-<random> (do not give --job-name)
+    # and PITSTOP_SLURM_REPLACES=<node id>, and none of the scheduler's secrets.
+    slurm_replacement_command: str = ""
+    slurm_replacement_job_prefix: str = Field(
+        default="pitstop-replace", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+    )
+    slurm_command_timeout_seconds: float = Field(default=15.0, gt=0)
+
+    @field_validator("slurm_replacement_command")
+    @classmethod
+    def _command_splits(cls, value: str) -> str:
+        try:
+            words = shlex.split(value)
+        except ValueError as exc:
+            raise ValueError(
+                f"{value!r} cannot be split as a shell would ({exc}); fix its quotes"
+            ) from None
+        if any(w == "--job-name" or w.startswith(("--job-name=", "-J")) for w in words):
+            raise ValueError(
+                f"{value!r} names the job itself; leave --job-name out (the adapter names "
+                "each request, to find it again after a restart)"
+            )
+        return value
 
     @property
     def tls_directory(self) -> Path:

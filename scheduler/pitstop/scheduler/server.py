@@ -37,6 +37,7 @@ from pitstop.scheduler.leader import LeaderElection
 from pitstop.scheduler.liveness import LivenessMonitor
 from pitstop.scheduler.metrics import SchedulerMetrics
 from pitstop.scheduler.reconcile import Reconciler, Timeouts
+from pitstop.scheduler.slurm import SlurmAdapter
 from pitstop.scheduler.store import Store
 from pitstop.tls import CertificateAuthority, cert_pem, key_pem, new_key
 from pitstop.v1 import (
@@ -286,12 +287,17 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         timeouts=Timeouts(settings.recovery_timeout_seconds, settings.restart_timeout_seconds),
     )
     scheduler.election = election
+    slurm = (
+        SlurmAdapter.from_settings(settings, store, election) if settings.slurm_adapter else None
+    )
 
     async def lead(token: int) -> None:
         del token  # every deciding transaction re-checks it through the election
         async with asyncio.TaskGroup() as loops:
             loops.create_task(liveness.run())
             loops.create_task(reconciler.run(settings.reconcile_tick_seconds))
+            if slurm is not None:
+                loops.create_task(slurm.run(settings.slurm_reconcile_seconds))
 
     if settings.leader_loops:
         scheduler._tasks.append(asyncio.create_task(election.run(lead), name="election"))

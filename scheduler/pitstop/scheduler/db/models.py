@@ -335,3 +335,31 @@ class RendezvousState(Base):
     state: Mapped[bytes] = mapped_column(LargeBinary)
     token: Mapped[int] = mapped_column(BigInteger)
     updated_at: Mapped[dt.datetime] = mapped_column(server_default=func.now(), onupdate=func.now())
+
+
+class SlurmDrain(Base):
+    """The Slurm adapter's work on one failed node (pitstop.scheduler.slurm): the drain it
+    wants Slurm to show, when Slurm was first seen showing it, and the replacement
+    allocation asked for in the node's place. The row lives while the node stays
+    unhealthy or lost; the name is written before the request is made, so a restarted
+    or new leader finds a request in flight by it and never asks twice."""
+
+    __tablename__ = "slurm_drains"
+
+    node_id: Mapped[str] = mapped_column(
+        ForeignKey("nodes.id", ondelete="CASCADE"), primary_key=True
+    )
+    slurm_node: Mapped[str] = mapped_column(String(253))
+    # The reason the node is drained with in Slurm ("pitstop: lost: ...").
+    reason: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(server_default=func.now())
+    # When Slurm was first seen showing the node drained; None: the drain is re-sent.
+    drained_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    # The replacement allocation's Slurm job name ("" until one is wanted) and id ("" until
+    # Slurm has accepted it).
+    replacement_job_name: Mapped[str] = mapped_column(String(128), default="", server_default="")
+    replacement_job_id: Mapped[str] = mapped_column(String(32), default="", server_default="")
+    replacement_requested_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    # The node was lost as its Slurm allocation ended (no running job on it, or one the
+    # recipe marked ending): no failure, nothing to drain while this row lives.
+    allocation_ended: Mapped[bool] = mapped_column(Boolean, default=False, server_default="false")

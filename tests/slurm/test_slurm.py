@@ -1,0 +1,288 @@
+"""pitstop inside a real Slurm cluster (tests/slurm/slurm_cluster.py: munged, slurmctld and
+four slurmd in multiple-slurmd mode, two racks in topology.conf). The recipe
+deploy/slurm/pitstop.sbatch runs examples/jobs/gpt-slurm.yaml in one allocation of 2
+workers and a spare, its scheduler on the batch host with the Slurm adapter on. One
+worker's daemons (agent and checkpoint daemon) are killed with kill -9 mid-run: the job
+still ends with the final-weights hash of a fault-free standalone run, the node is
+drained in Slurm with pitstop's reason, and, its spare taken, the adapter's replacement
+allocation lands on the fourth node, which joins as a spare."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import yaml
+from conftest import AgentStream, SchedulerProcess, StoreUrls, unique
+from slurm_cluster import SlurmCluster, missing, running_slurm
+
+from pitstop.checkpointd.instances import remove_stale_segments
+from pitstop.checkpointd.slots import segment_prefix
+
+SKIP = missing()
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(SKIP is not None, reason=SKIP or ""),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "deploy" / "slurm" / "pitstop.sbatch"
+SPEC = REPO / "examples" / "jobs" / "gpt-slurm.yaml"
+NODES = ["n1", "n2", "n3", "n4"]
+SWITCHES = {"rack-a": ["n1", "n2"], "rack-b": ["n3", "n4"]}
+WAIT = 150.0
+KILL_AT_STEP = 3
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    with running_slurm(tmp_path_factory.mktemp("slurm"), NODES, SWITCHES) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def nodes_back(slurm: SlurmCluster) -> Iterator[None]:
+    """After a test: its jobs cancelled, its drained nodes resumed, the shared memory of
+    the checkpoint daemons it killed unlinked, whatever the test's outcome."""
+    yield
+    slurm.cancel_all()
+    drained = [n.name for n in slurm.sinfo().values() if n.state.startswith("drain")]
+    if drained:
+        slurm.run(["scontrol", "update", f"nodename={','.join(drained)}", "state=resume"])
+    for node in NODES:
+        remove_stale_segments(segment_prefix(node))
+
+
+def fault_free_hash(result: dict[str, str]) -> threading.Thread:
+    """The spec's command run alone in one process, unpaced, in the background: the hash
+    every run must end with (the example's does not depend on the world size)."""
+    command = yaml.safe_load(SPEC.read_text())["command"]
+    at = command.index("--step-seconds")
+    argv = [sys.executable, *command[1:at] + command[at + 2 :], "--log-every", "0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+
+    def run() -> None:
+        done = subprocess.run(argv, capture_output=True, env=env, timeout=WAIT, check=True)
+        result["hash"] = json.loads(done.stdout.splitlines()[-1])["final_weights_sha256"]
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def until(what: str, check: Callable[[], Any], explain: Callable[[], str]) -> Any:
+    """Poll `check` until it returns something true; fail after WAIT with `explain()`."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        found = check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {WAIT:g} s: {what}\n{explain()}")
+        time.sleep(0.2)
+
+
+@pytest.mark.usefixtures("nodes_back")
+def test_a_job_in_an_sbatch_allocation_outlives_a_killed_node_which_slurm_drains(
+    slurm: SlurmCluster, stores: StoreUrls, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    reference: dict[str, str] = {}
+    standalone = fault_free_hash(reference)
+    database = stores.fresh_database()
+    shared, nodes = tmp_path / "shared", tmp_path / "nodes"
+    env = {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{slurm.env['PATH']}",
+        "PITSTOP_DATABASE_URL": database,
+        "PITSTOP_REDIS_URL": stores.redis_url,
+        "PITSTOP_REDIS_PREFIX": f"{stores.redis_prefix}{unique('slurm')}:",
+        "PITSTOP_SLURM_SHARED_DIR": str(shared),
+        "PITSTOP_SLURM_NODE_DIR": str(nodes),
+        "PITSTOP_AGENT_GPUS": "sim:1",
+        "PITSTOP_AGENT_METRICS_PORT": "0",
+        "PITSTOP_HEARTBEAT_INTERVAL_SECONDS": "0.25",
+        "PITSTOP_LIVENESS_TIMEOUT_INTERVALS": "8",
+        "PITSTOP_LIVENESS_STARTUP_GRACE_SECONDS": "0",
+        "GRPC_VERBOSITY": "ERROR",
+    }
+    out = tmp_path / "pitstop.out"
+    batch = slurm.sbatch(["--nodes=3", f"--output={out}", str(RECIPE), str(SPEC)], env)
+
+    def explain() -> str:
+        logs = [*sorted((shared / "logs").glob("*.log")), shared / "scheduler.log", out]
+        tails = [
+            f"--- {p.name}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-25:])
+            for p in logs
+            if p.exists()
+        ]
+        return "\n".join([f"Slurm: {slurm.jobs()} {slurm.sinfo()}", *tails])
+
+    def query(sql: str) -> list[tuple[Any, ...]]:
+        """Rows of the recipe's scheduler's database (none before it made its tables)."""
+        with psycopg.connect(database, autocommit=True) as conn:
+            try:
+                return conn.execute(sql).fetchall()
+            except psycopg.errors.UndefinedTable:
+                return []
+
+    def stepping() -> bool:
+        found = query("SELECT current_step FROM jobs")
+        return bool(found) and found[0][0] >= KILL_AT_STEP
+
+    until(f"the job at step {KILL_AT_STEP}", stepping, explain)
+    for daemon in ("agent", "checkpointd"):
+        os.kill(int((nodes / "n2" / f"{daemon}.pid").read_text()), signal.SIGKILL)
+
+    drained = until(
+        "n2 drained in Slurm with pitstop's reason",
+        lambda: (
+            (n := slurm.sinfo()["n2"]).state.startswith("drain")
+            and n.reason.startswith("pitstop: lost")
+            and n
+        ),
+        explain,
+    )
+    replacement = until(
+        "a replacement node joined as a spare",
+        lambda: query("SELECT id FROM nodes WHERE id = 'n4' AND role = 'spare' AND connected"),
+        explain,
+    )
+    ended = slurm.wait_job(batch, WAIT)
+    assert (ended["JobState"], ended["ExitCode"]) == ("COMPLETED", "0:0"), explain()
+    job = json.loads((shared / "job.json").read_text())
+    standalone.join(WAIT)
+    assert job["state"] == "JOB_STATE_SUCCEEDED"
+    assert job["result"]["final_weights_sha256"] == reference["hash"]
+    # the spare (n3, rack-b) took n2's rank: the job ran on n1 and n3 in the end
+    assert {r["node_id"] for r in job["rank_map"]["ranks"]} == {"n1", "n3"}
+
+    assert drained.reason.startswith("pitstop: lost:")
+    events = query(
+        "SELECT kind, node_id, reason, attributes FROM events WHERE kind IN "
+        "('node.slurm_drained', 'node.slurm_replacement_requested') ORDER BY id"
+    )
+    assert [(k, n) for k, n, _, _ in events] == [
+        ("node.slurm_drained", "n2"),
+        ("node.slurm_replacement_requested", "n2"),
+    ]
+    assert events[0][2] == drained.reason
+    replacement_job = events[1][3]["slurm_job_id"]
+    assert slurm.job(replacement_job)["NodeList"] == "n4"
+    assert replacement == [("n4",)]
+    # the allocation's end (its daemons stopped) drained nothing more
+    assert {n.name for n in slurm.sinfo().values() if n.state.startswith("drain")} == {"n2"}
+    labels = dict(query("SELECT id, rack || '/' || block FROM nodes"))
+    assert labels == {
+        "n1": "rack-a/top",
+        "n2": "rack-a/top",
+        "n3": "rack-b/top",
+        "n4": "rack-b/top",
+    }
+    print(f"pitstop in Slurm: {time.monotonic() - started:.1f} s")
+
+
+REPLACE = """#!/bin/bash
+# Stands in for sbatch: submits the replacement (a placeholder job), then never answers,
+# so that the scheduler running it dies between the request and its record.
+echo "$$" >>{submissions}
+sbatch --nodes=1 --output=/dev/null --wrap "sleep 600"
+exec sleep 600
+"""
+
+
+@pytest.mark.usefixtures("nodes_back")
+def test_the_drain_and_the_replacement_survive_scheduler_restarts(
+    slurm: SlurmCluster, stores: StoreUrls, tmp_path: Path
+) -> None:
+    """n3 is lost while slurmctld is down (the adapter cannot drain it); the scheduler is
+    killed; a new one, Slurm back, drains it and asks for a replacement, and is killed
+    before it records the request; a third finds the request in Slurm by its name and
+    does not ask again."""
+    hold = slurm.sbatch(["--nodelist=n3", "--output=/dev/null", "--wrap", "sleep 600"])
+    submissions = tmp_path / "submissions"
+    script = tmp_path / "replace.sh"
+    script.write_text(REPLACE.format(submissions=submissions))
+    script.chmod(0o755)
+    database = stores.fresh_database()
+    env = {k: v for k, v in slurm.env.items() if not k.startswith("PITSTOP_")} | {
+        "PITSTOP_DATABASE_URL": database,
+        "PITSTOP_REDIS_URL": stores.redis_url,
+        "PITSTOP_REDIS_PREFIX": f"{stores.redis_prefix}{unique('slurm')}:",
+        "PITSTOP_SLURM_ADAPTER": "true",
+        "PITSTOP_SLURM_RECONCILE_SECONDS": "0.3",
+        "PITSTOP_SLURM_COMMAND_TIMEOUT_SECONDS": "600",
+        "PITSTOP_SLURM_REPLACEMENT_COMMAND": str(script),
+        "PITSTOP_SLURM_REPLACEMENT_JOB_PREFIX": "restarts",
+        "GRPC_VERBOSITY": "NONE",
+    }
+    schedulers: list[SchedulerProcess] = []
+
+    def scheduler(name: str) -> SchedulerProcess:
+        schedulers.append(SchedulerProcess(tmp_path, name, env))
+        return schedulers[-1]
+
+    def query(sql: str) -> list[tuple[Any, ...]]:
+        with psycopg.connect(database, autocommit=True) as conn:
+            return conn.execute(sql).fetchall()
+
+    def explain() -> str:
+        logs = [tmp_path / f"{s.name}.log" for s in schedulers]
+        return "\n".join(
+            [f"Slurm: {slurm.jobs()} {slurm.sinfo()}"]
+            + [f"--- {p.name}:\n{p.read_text(errors='replace')[-3000:]}" for p in logs]
+        )
+
+    try:
+        until("n3 allocated", lambda: slurm.job(hold).get("JobState") == "RUNNING", explain)
+        slurm.stop_controller()
+        first = scheduler("first")
+        AgentStream(first.channel(), "n3", 1, "z1", "b1", "r1", "worker").close()
+        until(
+            "the adapter found Slurm unreachable",
+            lambda: "Slurm did not answer" in (tmp_path / "first.log").read_text(),
+            explain,
+        )
+        first.kill()
+        slurm.start_controller()
+        second = scheduler("second")
+        until(
+            "n3 drained and its replacement submitted",
+            lambda: (
+                submissions.exists()
+                and [n for n in slurm.jobs().values() if n.startswith("restarts-n3-")]
+            ),
+            explain,
+        )
+        second.kill()
+        os.kill(int(submissions.read_text().split()[0]), signal.SIGKILL)  # its sbatch stand-in
+        third = scheduler("third")
+        requested = until(
+            "the replacement recorded",
+            lambda: query(
+                "SELECT reason FROM events WHERE kind = 'node.slurm_replacement_requested'"
+            ),
+            explain,
+        )
+        third.stop()
+        seen = slurm.sinfo()["n3"]
+        assert (seen.state, seen.reason) == ("draining", "pitstop: lost: agent stream closed")
+        assert len(submissions.read_text().split()) == 1  # asked for once, over three leaders
+        replacements = [n for n in slurm.jobs().values() if n.startswith("restarts-n3-")]
+        assert len(replacements) == 1
+        assert "found in Slurm by its name" in requested[0][0]
+        drained = query("SELECT reason FROM events WHERE kind = 'node.slurm_drained'")
+        assert drained == [("pitstop: lost: agent stream closed",)]
+    finally:
+        for process in schedulers:
+            process.stop()
