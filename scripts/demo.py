@@ -130,7 +130,7 @@ def summary(
         "at step",
         "detect",
         "decide",
-        "resume",
+        "resume (restore + re-form)",
         "total",
         "steps lost",
     ):
@@ -148,7 +148,12 @@ def summary(
             str(fault.step),
             f"{detect:.2f} s",
             f"{incident.decide_seconds:.2f} s",
-            f"{incident.resume_seconds:.2f} s",
+            f"{incident.resume_seconds:.2f} s"
+            + (
+                f" ({incident.restore_seconds:.2f} + {incident.reform_seconds:.2f})"
+                if incident.restore_seconds + incident.reform_seconds > 0
+                else ""
+            ),
             f"[bold]{total:.2f} s[/bold]",
             str(incident.lost_steps),
         )
