@@ -14,14 +14,16 @@ ranks batched per node with each heartbeat, a CommandAck for every command.
 
 Phases, each measured over --window seconds of wall time:
 
-* idle: heartbeats only. Per heartbeat: Redis commands (INFO commandstats deltas) and
+* idle: heartbeats only. Heartbeats ingested: the count of the scheduler's
+  pitstop_scheduler_heartbeat_lag_seconds histogram (one observation a heartbeat
+  handled). Per heartbeat: Redis commands (INFO commandstats deltas) and
   PostgreSQL transactions and rows (pg_stat_database deltas; its counters reach the
   view within about a second of each transaction, so edges blur by that much).
 * load: the job of the fleet's size runs (TP 8 x PP 16 x DP = N*8/128: at 12,500 nodes
   the 99,968-rank job of DESIGN.md) at --step-seconds a step: heartbeats with 8 running
   ranks and a step batch a node per step. The step batch's own cost is the load phase's
   minus the idle phase's, per batch.
-  In both: heartbeats/s the scheduler ingested (Redis ZADDs of liveness deadlines), its
+  In both: heartbeats/s the scheduler ingested, streams reopened (a broken stream), its
   CPU (% of one core, and ms per 1,000 heartbeats), event-loop lag (its
   pitstop_scheduler_event_loop_lag_seconds histogram over the window: p99 as the bucket
   bound, and the 1-minute p99 gauge), the CPU of the simulator, PostgreSQL and Redis.
@@ -146,7 +148,9 @@ class Fleet:
         self.received: dict[int, dict[str, float]] = {}
         self.command_bytes: dict[int, int] = {}
 
-    def ranks_of(self, job_id: str, rank_map: common_pb2.RankMap) -> dict[str, list[tuple[int, int]]]:
+    def ranks_of(
+        self, job_id: str, rank_map: common_pb2.RankMap
+    ) -> dict[str, list[tuple[int, int]]]:
         key = (job_id, rank_map.generation)
         if key not in self._maps:
             by_node: dict[str, list[tuple[int, int]]] = {}
@@ -239,7 +243,7 @@ class SimNode:
                 await self.session()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 (a broken stream: reconnect, as the agent)
+            except Exception:  # a broken stream: reconnect, as the agent does
                 pass
             self.registered.clear()
             if self.dead or self.hung:
@@ -311,7 +315,9 @@ class SimNode:
                     pcie_link_width=16,
                     pcie_link_width_max=16,
                     verdict=(
-                        common_pb2.HEALTH_VERDICT_FATAL if fatal else common_pb2.HEALTH_VERDICT_HEALTHY
+                        common_pb2.HEALTH_VERDICT_FATAL
+                        if fatal
+                        else common_pb2.HEALTH_VERDICT_HEALTHY
                     ),
                     reasons=["Xid 79 (GPU has fallen off the bus)"] if fatal else [],
                 )
@@ -483,15 +489,31 @@ class Scheduler:
 
     def metrics(self) -> dict[str, Any]:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as reply:  # noqa: S310 (our own)
+        with urllib.request.urlopen(url, timeout=5) as reply:
             text = reply.read().decode()
-        out: dict[str, Any] = {"lag_buckets": {}, "leader": 0.0, "lag_gauge": {}}
+        out: dict[str, Any] = {
+            "lag_buckets": {},
+            "leader": 0.0,
+            "lag_gauge": {},
+            "beats": 0.0,
+            "decisions": 0.0,
+            "decision_seconds": 0.0,
+        }
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == "pitstop_scheduler_event_loop_lag_seconds_bucket":
                     out["lag_buckets"][float(sample.labels["le"])] = sample.value
                 elif sample.name == "pitstop_scheduler_event_loop_lag_quantile_seconds":
                     out["lag_gauge"][sample.labels["quantile"]] = sample.value
+                elif sample.name.startswith("pitstop_scheduler_decision_seconds_") and (
+                    sample.labels.get("decision") == "recovery"
+                ):
+                    if sample.name.endswith("_count"):
+                        out["decisions"] = sample.value
+                    elif sample.name.endswith("_sum"):
+                        out["decision_seconds"] = sample.value
+                elif sample.name == "pitstop_scheduler_heartbeat_lag_seconds_count":
+                    out["beats"] = sample.value
                 elif sample.name == "pitstop_scheduler_leader":
                     out["leader"] = sample.value
         return out
@@ -603,7 +625,12 @@ class Window:
         redis_delta = {k: v for k, v in redis_delta.items() if v}
         pg_delta = {k: v - a["pg"][k] - (1 if k == "xacts" else 0) for k, v in b["pg"].items()}
         sent = {k: v - a["sent"][k] for k, v in b["sent"].items()}
-        ingested = redis_delta.get("zadd", 0)
+        # Heartbeats the scheduler processes handled: their heartbeat-lag observations.
+        ingested = sum(
+            mb["beats"] - ma["beats"]
+            for ma, mb in zip(a["metrics"], b["metrics"], strict=True)
+            if ma and mb
+        )
         cpus = [y - x for x, y in zip(a["sched_cpu"], b["sched_cpu"], strict=True)]
         lags = [
             lag_p99(ma["lag_buckets"], mb["lag_buckets"]) if ma and mb else None
@@ -744,7 +771,9 @@ class Run:
         self.fleet.nodes = [
             SimNode(self.fleet, i, spare=i >= self.n, target=i % self.k) for i in range(total)
         ]
-        say(f"N={self.n}: {total} nodes ({self.spares} spares) registering on {self.k} scheduler(s)")
+        say(
+            f"N={self.n}: {total} nodes ({self.spares} spares) registering on {self.k} scheduler(s)"
+        )
         self.registration_seconds = await connect_fleet(self.fleet, 300)
         say(f"N={self.n}: registered in {self.registration_seconds:.1f} s; load {load()}")
         self.events = Events(pg.url)
@@ -766,7 +795,8 @@ class Run:
         return {n.node_id for n in self.fleet.nodes if self.job_id in n.jobs}
 
     async def start_job(self) -> dict[str, Any]:
-        assert self.fleet is not None and self.events is not None
+        assert self.fleet is not None
+        assert self.events is not None
         spec = job_spec(self.dp, min(self.spares, 8))
         ranks = self.dp * RANKS_PER_REPLICA
         live = next(s for s in self.schedulers if s.alive())
@@ -797,9 +827,20 @@ class Run:
             "start_ranks_bytes": self.fleet.command_bytes.get(1),
         }
 
+    def decision_totals(self) -> tuple[float, float]:
+        """Recovery decisions made so far by every live scheduler, and their seconds."""
+        count = total = 0.0
+        for s in self.schedulers:
+            if s.alive():
+                with contextlib.suppress(OSError):
+                    m = s.metrics()
+                    count, total = count + m["decisions"], total + m["decision_seconds"]
+        return count, total
+
     async def failure(self, kind: str, on_scheduler: int | None = None) -> dict[str, Any]:
         """Inject one failure on a node of the job; detect, decide, fan-out, resume."""
-        assert self.fleet is not None and self.events is not None
+        assert self.fleet is not None
+        assert self.events is not None
         candidates = [
             n
             for n in self.fleet.nodes
@@ -812,6 +853,7 @@ class Run:
         ]
         node = random.choice(candidates[1:] or candidates)
         await asyncio.to_thread(self.events.since)  # skip what happened before
+        before = await asyncio.to_thread(self.decision_totals)
         t0 = time.time()
         if kind == "stream":
             node.dead = True
@@ -821,18 +863,16 @@ class Run:
         else:
             node.inject_xid()
         node_kinds = ("node.lost",) if kind in ("stream", "hung") else ("node.unhealthy",)
-        detected = await self.events.wait(
-            lambda e: e[1] in node_kinds and e[2] == node.node_id, 60
-        )
-        decided = await self.events.wait(
-            lambda e: e[1] in DECISIONS and e[3] == self.job_id, 60
-        )
+        detected = await self.events.wait(lambda e: e[1] in node_kinds and e[2] == node.node_id, 60)
+        decided = await self.events.wait(lambda e: e[1] in DECISIONS and e[3] == self.job_id, 60)
         row: dict[str, Any] = {"kind": kind, "node": node.node_id}
         if detected is None or decided is None:
             row["error"] = "no detection" if detected is None else "no decision"
             return row
         generation = await asyncio.to_thread(self.events.generation, self.job_id)
-        expected = (self.job_nodes() - {node.node_id}) | set(self.fleet.received.get(generation, {}))
+        expected = (self.job_nodes() - {node.node_id}) | set(
+            self.fleet.received.get(generation, {})
+        )
         with contextlib.suppress(RuntimeError):
             await wait_for(
                 lambda: len(self.fleet.received.get(generation, {})) >= self.dp * 16, 60, "fan-out"
@@ -841,6 +881,12 @@ class Run:
         recovered = await self.events.wait(
             lambda e: e[1] in ("job.recovered", "job.running") and e[3] == self.job_id, 60
         )
+        after = await asyncio.to_thread(self.decision_totals)
+        made = after[0] - before[0]
+        if made > 0:
+            # The recovery decisions' own time, start to commit (the scheduler's histogram):
+            # the event's time is its transaction's start; the fan-out counts from there.
+            row["decision_transaction_seconds"] = round((after[1] - before[1]) / made, 4)
         row.update(
             detect_seconds=round(detected[4] - t0, 4),
             decide_seconds=round(decided[4] - detected[4], 4),
@@ -866,6 +912,22 @@ def quantile(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+def linear(points: list[tuple[int, float]]) -> dict[str, Any] | None:
+    """y = c + d * N by least squares: d is the cost of one more node."""
+    if len(points) < 2:
+        return None
+    xs, ys = [float(n) for n, _ in points], [y for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    d = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0.0
+    c = my - d * mx
+    return {
+        "intercept": float(f"{c:.4g}"),
+        "per_node": float(f"{d:.4g}"),
+        "at_12500": float(f"{c + d * FULL_FLEET:.4g}"),
+    }
 
 
 def fit(points: list[tuple[int, float]]) -> dict[str, Any] | None:
@@ -942,7 +1004,8 @@ async def measure_scaleout(root: Path, n: int, args: argparse.Namespace) -> dict
 
 async def failover(run: Run) -> dict[str, Any]:
     """kill -9 of the leader under load, a fatal Xid at once on a survivor's node."""
-    assert run.fleet is not None and run.events is not None
+    assert run.fleet is not None
+    assert run.events is not None
     leader = None
     for i, s in enumerate(run.schedulers):
         if (await asyncio.to_thread(s.metrics))["leader"] == 1.0:
@@ -1007,6 +1070,15 @@ def summarize(sizes: list[dict[str, Any]]) -> dict[str, Any]:
         "redis_calls_per_heartbeat": fit(series(lambda s: s["idle"]["redis_calls_per_heartbeat"])),
         "pg_xacts_per_heartbeat_load": fit(series(lambda s: s["load"]["pg_xacts_per_heartbeat"])),
     }
+    for name in ("scheduler_cpu_pct_total", "redis_cpu_pct", "postgres_cpu_pct"):
+        for phase in ("idle", "load"):
+            fits[f"linear_{name}_{phase}"] = linear(series(lambda s, p=phase, x=name: s[p][x]))
+    fits["linear_pg_xacts_per_s_load"] = linear(
+        series(lambda s: s["load"]["pg"]["xacts"] / s["load"]["seconds"])
+    )
+    fits["linear_redis_calls_per_s_load"] = linear(
+        series(lambda s: s["load"]["_redis_total"] / s["load"]["seconds"])
+    )
     for kind in ("stream", "xid", "hung"):
         for key in ("detect_seconds", "decide_seconds", "fanout_seconds"):
             fits[f"{kind}_{key}_p99"] = fit(

@@ -18,6 +18,7 @@ import grpc
 from google.protobuf import json_format
 
 from pitstop.scheduler.api.agent_input import check_agent_message
+from pitstop.scheduler.api.agent_writes import AckWriter, JobGenerations
 from pitstop.scheduler.auth import current_caller
 from pitstop.scheduler.convert import NODE_ROLE_TO_PB, NODE_STATE_TO_PB, node_roles_from_pb
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied
@@ -94,6 +95,9 @@ class AgentServicer:
         self.metrics = metrics
         # Set while the scheduler shuts down: streams it closes itself are not failures.
         self.stopping = False
+        # Acks and the stale-process check stay off each stream's reader (agent_writes).
+        self.acks = AckWriter(store)
+        self.generations = JobGenerations(store)
 
     async def Connect(  # noqa: N802 (gRPC method name)
         self,
@@ -284,6 +288,8 @@ class AgentServicer:
         if not running or now < state.ended_check_at:
             return
         state.ended_check_at = now + ENDED_CHECK_SECONDS
+        if await self.generations.all_current(running):
+            return
         async with self.store.read() as session:
             stale = await job_service.stale_processes(session, state.node_id, running)
         for job_id, ranks in sorted(stale.items()):
@@ -302,10 +308,7 @@ class AgentServicer:
             return
         sent = state.commands.pop(ack.command_id)
         if ack.ok and sent is not None:
-            async with self.store.write() as session:
-                await node_command_service.acknowledge(
-                    session, sent.job_id, state.node_id, sent.generation, sent.actions
-                )
+            self.acks.add(sent.job_id, state.node_id, sent.generation, sent.actions)
         if not ack.ok:
             async with self.store.write() as session:
                 record_event(
