@@ -974,7 +974,7 @@ async def measure_size(root: Path, n: int, args: argparse.Namespace) -> dict[str
         )
         failures = []
         for trial in range(args.trials):
-            for kind in ("stream", "xid", "hung"):
+            for kind in args.kinds:
                 say(f"N={n}: failure {kind} #{trial + 1}")
                 row = await run.failure(kind)
                 row.pop("_decided_at", None)
@@ -1159,6 +1159,13 @@ def main() -> int:
     add("--trials", type=int, default=2, help="failures of each kind per size")
     add("--interval", type=float, default=1.0, help="heartbeat interval (the scheduler's)")
     add("--step-seconds", type=float, default=2.0, help="the job's step time")
+    add(
+        "--kinds",
+        nargs="+",
+        choices=("stream", "xid", "hung"),
+        default=["stream", "xid", "hung"],
+        help="failure kinds to inject",
+    )
     add("--scaleout-nodes", type=int, default=1000)
     add("--skip-scaleout", action="store_true")
     add("--keep", action="store_true", help="keep the run directory (scheduler logs)")
