@@ -147,6 +147,23 @@ class Fleet:
         # generation -> node id -> when its command for it arrived
         self.received: dict[int, dict[str, float]] = {}
         self.command_bytes: dict[int, int] = {}
+        # The simulator's own event-loop lag (sampled every 50 ms), largest since read:
+        # a late simulator sends late heartbeats, which is not the scheduler's fault.
+        self.lag_max = 0.0
+        self._lag_task: asyncio.Task[None] | None = None
+
+    def watch_lag(self) -> None:
+        async def watch() -> None:
+            while True:
+                before = time.monotonic()
+                await asyncio.sleep(0.05)
+                self.lag_max = max(self.lag_max, time.monotonic() - before - 0.05)
+
+        self._lag_task = asyncio.create_task(watch())
+
+    def take_lag(self) -> float:
+        lag, self.lag_max = self.lag_max, 0.0
+        return lag
 
     def ranks_of(
         self, job_id: str, rank_map: common_pb2.RankMap
@@ -163,6 +180,8 @@ class Fleet:
         return next(n for n in self.nodes if n.node_id == node_id)
 
     async def close(self) -> None:
+        if self._lag_task is not None:
+            self._lag_task.cancel()
         for node in self.nodes:
             node.dead = True
             node.cancel()
@@ -496,6 +515,7 @@ class Scheduler:
             "leader": 0.0,
             "lag_gauge": {},
             "beats": 0.0,
+            "beat_lag_buckets": {},
             "decisions": 0.0,
             "decision_seconds": 0.0,
         }
@@ -512,6 +532,8 @@ class Scheduler:
                         out["decisions"] = sample.value
                     elif sample.name.endswith("_sum"):
                         out["decision_seconds"] = sample.value
+                elif sample.name == "pitstop_scheduler_heartbeat_lag_seconds_bucket":
+                    out["beat_lag_buckets"][float(sample.labels["le"])] = sample.value
                 elif sample.name == "pitstop_scheduler_heartbeat_lag_seconds_count":
                     out["beats"] = sample.value
                 elif sample.name == "pitstop_scheduler_leader":
@@ -618,6 +640,7 @@ class Window:
 
     async def measure(self, seconds: float) -> dict[str, Any]:
         a = await asyncio.to_thread(self.read)
+        self.fleet.take_lag()
         await asyncio.sleep(seconds)
         b = await asyncio.to_thread(self.read)
         span = b["t"] - a["t"]
@@ -637,6 +660,10 @@ class Window:
             for ma, mb in zip(a["metrics"], b["metrics"], strict=True)
         ]
         gauges = [m["lag_gauge"].get("0.99") if m else None for m in b["metrics"]]
+        beat_lags = [
+            lag_p99(ma["beat_lag_buckets"], mb["beat_lag_buckets"]) if ma and mb else None
+            for ma, mb in zip(a["metrics"], b["metrics"], strict=True)
+        ]
         beats = max(sent["heartbeat"], 1)
         return {
             "seconds": round(span, 1),
@@ -653,6 +680,8 @@ class Window:
             "redis_cpu_pct": round(100 * (b["redis_cpu"] - a["redis_cpu"]) / span, 1),
             "loop_lag_p99_seconds": lags,
             "loop_lag_p99_gauge_1min": gauges,
+            "heartbeat_lag_p99_seconds": beat_lags,
+            "simulator_loop_lag_max_seconds": round(self.fleet.take_lag(), 3),
             "redis_calls": redis_delta,
             "redis_calls_per_heartbeat": round(sum(redis_delta.values()) / beats, 3),
             "pg": pg_delta,
@@ -768,6 +797,7 @@ class Run:
             [s.target for s in self.schedulers], self.args.interval, self.args.step_seconds
         )
         total = self.n + self.spares
+        self.fleet.watch_lag()
         self.fleet.nodes = [
             SimNode(self.fleet, i, spare=i >= self.n, target=i % self.k) for i in range(total)
         ]
@@ -808,6 +838,7 @@ class Run:
         began = time.time()
         self.job_id = await asyncio.to_thread(submit)
         submitted = time.time()
+        self.fleet.take_lag()
         nodes = ranks // GPUS
         await wait_for(
             lambda: len(self.fleet.received.get(1, {})) >= nodes, 300, "StartRanks everywhere"
@@ -817,6 +848,7 @@ class Run:
             lambda e: e[1] == "job.running" and e[3] == self.job_id, 300
         )
         return {
+            "simulator_loop_lag_max_seconds": round(self.fleet.take_lag(), 3),
             "ranks": ranks,
             "nodes": nodes,
             "dp": self.dp,
@@ -1038,6 +1070,9 @@ async def failover(run: Run) -> dict[str, Any]:
 def brief(window: dict[str, Any]) -> str:
     return (
         f"{window['heartbeats_ingested_per_s']} hb/s, sched CPU {window['scheduler_cpu_pct']}%, "
+        f"hb lag p99 {window['heartbeat_lag_p99_seconds']}, "
+        f"sim lag max {window['simulator_loop_lag_max_seconds']}, "
+        f"reopened {window['streams_reopened']}, "
         f"sim {window['simulator_cpu_pct']}%, lag p99 {window['loop_lag_p99_seconds']}, "
         f"redis/hb {window['redis_calls_per_heartbeat']}, pg xacts/hb "
         f"{window['pg_xacts_per_heartbeat']}, load {window['loadavg']}"
