@@ -1,9 +1,10 @@
 """Scale benchmark: real scheduler processes under a simulated fleet speaking the real
 agent protocol, measured at several fleet sizes and fitted to 12,500 nodes.
 
-Per fleet size N (--nodes, default 250 500 1000 2000) the benchmark starts a PostgreSQL
-and a Redis of its own (the machine's binaries, fresh per size, so their statistics are
-the scheduler's alone) and one `pitstop-scheduler` process on them, insecure: no TLS
+Per fleet size N (--nodes, default 100 200 300 400: on the shared 2-core machine the
+scheduler of today declares healthy nodes lost beyond about 500; README "Scale") the
+benchmark starts a PostgreSQL and a Redis of its own (the machine's binaries, fresh per
+size, so their statistics are the scheduler's alone) and one `pitstop-scheduler` process on them, insecure: no TLS
 and no enrollment (a node's certificate would change the stream's set-up, not what it
 carries). The simulated fleet lives in this process, asyncio, no torch: N 8-GPU nodes in
 zones, blocks and racks (8 nodes a rack, 49 racks a block, 8 blocks a zone) plus 2% hot
@@ -47,8 +48,9 @@ the fleet) and extrapolated to 12,500 nodes, shown beside the targets: detect p9
 is shown, and judged beyond the deadline), decide p99 < 100 ms, fan-out < 1 s, loop lag
 p99 < 100 ms, one scheduler process under one core for ingest.
 
-    .venv/bin/python bench/scale.py [--nodes 250 500 1000 2000] [--window 20]
-        [--trials 2] [--scaleout-nodes 1000] [--skip-scaleout]
+    .venv/bin/python bench/scale.py [--nodes 100 200 300 400] [--window 15]
+        [--trials 2] [--scaleout-nodes 300] [--skip-scaleout | --only-scaleout]
+        [--kinds stream xid hung] [--refit OLD.json]
 
 The machine is shared: the JSON records os.getloadavg() at each phase. Progress goes to
 stderr; the last line of stdout is one JSON object. On any end (Ctrl-C, SIGTERM, SIGHUP
@@ -80,9 +82,9 @@ from typing import Any
 import grpc
 import psutil
 import psycopg
-import redis
 from google.protobuf.timestamp_pb2 import Timestamp
 from prometheus_client.parser import text_string_to_metric_families
+from redis import Redis as SyncRedis
 
 from pitstop.client.client import PitstopClient
 from pitstop.client.localcluster.spawning import free_port
@@ -308,7 +310,7 @@ class SimNode:
             yield message
 
     def running(self) -> list[agent_pb2.RunningRank]:
-        out = []
+        out: list[agent_pb2.RunningRank] = []
         for job_id, job in self.jobs.items():
             step = self.reported_step.get(job_id, job.restore_step)
             out.extend(
@@ -594,10 +596,10 @@ def lag_p99(before: dict[float, float], after: dict[float, float]) -> float | No
 class Stores:
     postgres: OwnPostgres
     redis: OwnRedis
-    r: redis.Redis = field(init=False)
+    r: SyncRedis = field(init=False)
 
     def __post_init__(self) -> None:
-        self.r = redis.Redis.from_url(self.redis.url)
+        self.r = SyncRedis.from_url(self.redis.url)
 
     def redis_calls(self) -> dict[str, int]:
         stats = self.r.info("commandstats")
@@ -719,7 +721,7 @@ class Events:
             pending += await asyncio.to_thread(self.since)
             for event in pending:
                 if match(event):
-                    return event
+                    return tuple(event)
             await asyncio.sleep(0.02)
         return None
 
@@ -934,6 +936,12 @@ class Run:
             loadavg=load(),
             _decided_at=decided[4],
         )
+        tx = row.get("decision_transaction_seconds")
+        if tx is not None:
+            # decide = the failure seen -> its decision committed; fan-out from the commit.
+            row["decide_to_commit_seconds"] = round(row["decide_seconds"] + tx, 4)
+            if row.get("fanout_seconds") is not None:
+                row["fanout_after_commit_seconds"] = round(max(row["fanout_seconds"] - tx, 0), 4)
         if kind == "hung":
             row["deadline_seconds"] = self.args.interval * 2.5
         return row
@@ -1119,20 +1127,20 @@ def summarize(sizes: list[dict[str, Any]]) -> dict[str, Any]:
             fits[f"{kind}_{key}_p99"] = fit(
                 series(lambda s, k=kind, x=key: quantile(failures(s, k, x), 0.99))
             )
-    fits["decide_seconds_p99"] = fit(
-        series(
-            lambda s: quantile(
-                [f["decide_seconds"] for f in s["failures"] if "decide_seconds" in f], 0.99
-            )
-        )
-    )
-    fits["fanout_seconds_p99"] = fit(
-        series(
-            lambda s: quantile(
-                [f["fanout_seconds"] for f in s["failures"] if f.get("fanout_seconds")], 0.99
-            )
-        )
-    )
+
+    def p99(s: dict[str, Any], key: str) -> float | None:
+        return quantile([f[key] for f in s["failures"] if f.get(key) is not None], 0.99)
+
+    for key in (
+        "decide_seconds",
+        "decide_to_commit_seconds",
+        "decision_transaction_seconds",
+        "fanout_seconds",
+        "fanout_after_commit_seconds",
+        "fanout_first_to_last_seconds",
+    ):
+        fits[f"{key}_p99"] = fit(series(lambda s, k=key: p99(s, k)))
+        fits[f"linear_{key}_p99"] = linear(series(lambda s, k=key: p99(s, k)))
     fits["detect_seconds_p99_stream_and_xid"] = fit(
         series(
             lambda s: quantile(
@@ -1153,11 +1161,14 @@ def verdicts(fits: dict[str, Any]) -> dict[str, Any]:
         f = fits.get(name)
         return None if f is None else f["at_12500"]
 
-    cores = at("scheduler_cpu_pct_load")
+    # CPU: the linear fit (a fixed part plus a cost per node), not the power law, whose
+    # exponent the fixed part drags below 1 at these sizes.
+    linear_cpu = fits.get("linear_scheduler_cpu_pct_total_load")
+    cores = None if linear_cpu is None else linear_cpu["at_12500"]
     checks = {
         "detect_p99_seconds": at("detect_seconds_p99_stream_and_xid"),
-        "decide_p99_seconds": at("decide_seconds_p99"),
-        "fanout_seconds": at("fanout_seconds_p99"),
+        "decide_p99_seconds": at("decide_to_commit_seconds_p99"),
+        "fanout_seconds": at("fanout_after_commit_seconds_p99"),
         "loop_lag_p99_seconds": at("loop_lag_p99_seconds_load"),
         "ingest_cpu_cores": None if cores is None else cores / 100,
     }
@@ -1173,11 +1184,12 @@ def verdicts(fits: dict[str, Any]) -> dict[str, Any]:
 
 async def bench(args: argparse.Namespace, root: Path, result: dict[str, Any]) -> None:
     sizes: list[dict[str, Any]] = result.setdefault("sizes", [])
-    for n in args.nodes:
-        sizes.append(await measure_size(root, n, args))
-        await asyncio.sleep(1)
-    result["fits"] = summarize(sizes)
-    result["targets_at_12500"] = verdicts(result["fits"])
+    if not args.only_scaleout:
+        for n in args.nodes:
+            sizes.append(await measure_size(root, n, args))
+            await asyncio.sleep(1)
+        result["fits"] = summarize(sizes)
+        result["targets_at_12500"] = verdicts(result["fits"])
     if not args.skip_scaleout:
         result["scaleout"] = await measure_scaleout(root, args.scaleout_nodes, args)
 
@@ -1189,8 +1201,8 @@ def main() -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
-    add("--nodes", type=int, nargs="+", default=[250, 500, 1000, 2000])
-    add("--window", type=float, default=20.0, help="seconds per measured phase")
+    add("--nodes", type=int, nargs="+", default=[100, 200, 300, 400])
+    add("--window", type=float, default=15.0, help="seconds per measured phase")
     add("--trials", type=int, default=2, help="failures of each kind per size")
     add("--interval", type=float, default=1.0, help="heartbeat interval (the scheduler's)")
     add("--step-seconds", type=float, default=2.0, help="the job's step time")
@@ -1201,14 +1213,31 @@ def main() -> int:
         default=["stream", "xid", "hung"],
         help="failure kinds to inject",
     )
-    add("--scaleout-nodes", type=int, default=1000)
+    add("--scaleout-nodes", type=int, default=300)
     add("--skip-scaleout", action="store_true")
+    add("--only-scaleout", action="store_true", help="only the 1/2/3-process runs and failover")
     add("--keep", action="store_true", help="keep the run directory (scheduler logs)")
+    add("--refit", type=Path, metavar="JSON", help="fit again the sizes of an earlier run's output")
     args = parser.parse_args()
     if any(n < 16 for n in args.nodes) or args.scaleout_nodes < 16:
         parser.error(f"--nodes {args.nodes}: give 16 or more nodes (one 128-rank replica)")
     if args.window <= 0 or args.trials < 0:
         parser.error("give a positive --window and --trials 0 or more")
+    if args.refit:
+        old = json.loads(args.refit.read_text().strip().splitlines()[-1])
+        for size in old["sizes"]:
+            for row in size["failures"]:
+                tx = row.get("decision_transaction_seconds")
+                if tx is not None and "decide_seconds" in row:
+                    row["decide_to_commit_seconds"] = round(row["decide_seconds"] + tx, 4)
+                    if row.get("fanout_seconds") is not None:
+                        row["fanout_after_commit_seconds"] = round(
+                            max(row["fanout_seconds"] - tx, 0), 4
+                        )
+        old["fits"] = summarize(old["sizes"])
+        old["targets_at_12500"] = verdicts(old["fits"])
+        print(json.dumps(old))
+        return 0
     root = Path(tempfile.mkdtemp(prefix="pitstop-scale-", dir="/tmp"))
     result: dict[str, Any] = {
         "bench": "scale",

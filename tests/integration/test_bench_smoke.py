@@ -121,5 +121,6 @@ def test_scale_benchmark_prints_one_json_line() -> None:
     for failure in size["failures"]:
         assert "error" not in failure, failure
         assert failure["detect_seconds"] >= 0
+        assert failure["decide_to_commit_seconds"] >= failure["decide_seconds"]
         assert failure["nodes_told"] >= 16  # every node of the job has its command
         assert failure["fanout_seconds"] is not None
