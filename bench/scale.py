@@ -7,11 +7,12 @@ benchmark starts a PostgreSQL and a Redis of its own (the machine's binaries, fr
 size, so their statistics are the scheduler's alone) and one `pitstop-scheduler` process
 on them, insecure: no TLS and no enrollment (a node's certificate would change the
 stream's set-up, not what it carries). The simulated fleet lives in this process,
-asyncio, no torch: N 8-GPU nodes in zones, blocks and racks (8 nodes a rack, 49 racks a block, 8 blocks a zone) plus 2% hot
-spares (at least 8), each with its own channel and `AgentService.Connect` stream, as an
-agent has: Register (inventory, labels, role), a Heartbeat every interval the scheduler
-gives (default 1 s: node health with 8 GPUs, the running ranks), the step times of its
-ranks batched per node with each heartbeat, a CommandAck for every command.
+asyncio, no torch: N 8-GPU nodes in zones, blocks and racks (8 nodes a rack, 49 racks a
+block, 8 blocks a zone) plus 2% hot spares (at least 8), each with its own channel and
+`AgentService.Connect` stream, as an agent has: Register (inventory, labels, role), a
+Heartbeat every interval the scheduler gives (default 1 s: node health with 8 GPUs, the
+running ranks), the step times of its ranks batched per node with each heartbeat, a
+CommandAck for every command.
 
 Phases, each measured over --window seconds of wall time:
 
