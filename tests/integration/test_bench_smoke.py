@@ -53,3 +53,74 @@ def test_placement_benchmark_prints_one_json_line() -> None:
     assert report["bench"] == "placement"
     assert report["gang"]["ranks"] == 8 * 16 * 781
     assert report["place"]["ranks"] == report["gang"]["ranks"]
+
+
+def test_goodput_simulation_prints_one_json_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "bench/goodput_sim.py", "--seeds", "2", "--days", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode in (0, 1), result.stderr  # 1: pitstop under its target
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["bench"] == "goodput_sim"
+    policies = report["policies"]
+    assert set(policies) == {"checkpoint_restart", "torchrun_elastic", "pitstop"}
+    for row in policies.values():
+        assert 0 < row["goodput_mean"] < 1
+        assert row["failures_mean"] > 0
+    # Same failures for all: in-memory recovery in seconds beats restarts in minutes.
+    assert policies["pitstop"]["goodput_mean"] > policies["torchrun_elastic"]["goodput_mean"]
+    assert (
+        policies["torchrun_elastic"]["goodput_mean"]
+        > policies["checkpoint_restart"]["goodput_mean"]
+    )
+    assert result.returncode == (0 if report["target"]["met"] else 1)
+
+
+def test_scale_benchmark_prints_one_json_line() -> None:
+    """Real scheduler, PostgreSQL and Redis; 16 simulated nodes and 8 spares; a broken
+    stream and a fatal Xid detected, decided and fanned out to every node of the job."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "bench/scale.py",
+            "--nodes",
+            "16",
+            "--window",
+            "2",
+            "--trials",
+            "1",
+            "--step-seconds",
+            "0.5",
+            "--kinds",
+            "stream",
+            "xid",
+            "--skip-scaleout",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["bench"] == "scale"
+    (size,) = report["sizes"]
+    assert size["nodes"] == 16
+    assert size["job"]["ranks"] == 128
+    assert size["load"]["heartbeats_ingested_per_s"] > 0
+    assert size["load"]["step_batches_per_s"] > 0
+    assert size["load"]["streams_reopened"] == 0
+    kinds = [f["kind"] for f in size["failures"]]
+    assert kinds == ["stream", "xid"]
+    for failure in size["failures"]:
+        assert "error" not in failure, failure
+        assert failure["detect_seconds"] >= 0
+        assert failure["decide_to_commit_seconds"] >= failure["decide_seconds"]
+        assert failure["nodes_told"] >= 16  # every node of the job has its command
+        assert failure["fanout_seconds"] is not None

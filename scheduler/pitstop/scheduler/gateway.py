@@ -132,11 +132,15 @@ class CommandRouter:
                         if "close" in data:
                             self.gateway.close(data["node"], data["close"])
                             continue
+                        # Every process hears every command: only the one holding the
+                        # node's stream decodes it (a command carries the job's whole rank
+                        # map; bench/scale.py saw fan-out slow with each process added).
+                        if not self.gateway.connected(data["node"]):
+                            continue
                         message = agent_pb2.SchedulerMessage.FromString(
                             bytes.fromhex(data["message"])
                         )
-                        if self.gateway.connected(data["node"]):
-                            await self.gateway.forward(data["node"], message)
+                        await self.gateway.forward(data["node"], message)
                 finally:
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
             except asyncio.CancelledError:

@@ -25,6 +25,12 @@ STANDBY_READY = "standby_ready"
 
 log = logging.getLogger(__name__)
 
+MAX_CONNECTIONS = 64
+"""Redis connections per scheduler process. A call finding all of them busy waits for
+one (up to POOL_WAIT_SECONDS) instead of failing: redis-py's plain pool raised
+MaxConnectionsError past 100 at once, which ended agent streams under a fleet's load."""
+POOL_WAIT_SECONDS = 2.0
+
 
 class HotState:
     """Typed access to the scheduler's Redis keys, all under one prefix."""
@@ -34,13 +40,23 @@ class HotState:
         self.prefix = prefix
         self.events_channel = f"{prefix}events"
         self.deadlines_key = f"{prefix}liveness"
+        # Heartbeats waiting for the next write (node id -> deadline, live health, expiry),
+        # the future their callers await, and the task writing them.
+        self._beats: dict[str, tuple[float, str, int]] = {}
+        self._beats_written: asyncio.Future[None] | None = None
+        self._beat_writer: asyncio.Task[None] | None = None
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "pitstop:") -> HotState:
-        client = aioredis.Redis.from_url(
-            url, socket_connect_timeout=2, socket_timeout=2, health_check_interval=10
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=POOL_WAIT_SECONDS,
+            socket_connect_timeout=2,
+            socket_timeout=2,
+            health_check_interval=10,
         )
-        return cls(client, prefix)
+        return cls(aioredis.Redis.from_pool(pool), prefix)
 
     def node_health_key(self, node_id: str) -> str:
         return f"{self.prefix}node:{node_id}:health"
@@ -49,6 +65,10 @@ class HotState:
         return bool(await self.redis.ping())
 
     async def close(self) -> None:
+        if self._beat_writer is not None:
+            self._beat_writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beat_writer
         await self.redis.aclose()
 
     async def notify_event(self, event_id: int) -> None:
@@ -70,10 +90,36 @@ class HotState:
         and ``standby_ready``: the jobs whose standby process there waits for a rank)."""
         at = time.time() if now is None else now
         live = json.dumps({**(health or {}), "received_at": at})
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(self.deadlines_key, {node_id: at + deadline_s})
-            pipe.set(self.node_health_key(node_id), live, ex=max(int(deadline_s * 10), 60))
-            await pipe.execute()
+        # Every stream's heartbeats go out together: one pipeline (one ZADD for all the
+        # deadlines) per write, one write in flight; what arrives meanwhile waits for the
+        # next. Returns once this heartbeat is in Redis, raising what the write raised.
+        self._beats[node_id] = (at + deadline_s, live, max(int(deadline_s * 10), 60))
+        if self._beats_written is None:
+            self._beats_written = asyncio.get_running_loop().create_future()
+            self._beats_written.add_done_callback(_retrieved)
+        written = self._beats_written
+        if self._beat_writer is None or self._beat_writer.done():
+            self._beat_writer = asyncio.create_task(self._write_beats(), name="heartbeat-writer")
+        await asyncio.shield(written)
+
+    async def _write_beats(self) -> None:
+        while self._beats:
+            beats, self._beats = self._beats, {}
+            written, self._beats_written = self._beats_written, None
+            assert written is not None
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.zadd(self.deadlines_key, {node: d for node, (d, _, _) in beats.items()})
+                    for node, (_, live, expiry) in beats.items():
+                        pipe.set(self.node_health_key(node), live, ex=expiry)
+                    await pipe.execute()
+            except asyncio.CancelledError:
+                written.cancel()
+                raise
+            except Exception as exc:  # every heartbeat of the write fails with it
+                written.set_exception(exc)
+            else:
+                written.set_result(None)
 
     async def ready_standbys(self, job_id: str, node_ids: Iterable[str]) -> set[str]:
         """Which of `node_ids` hold a standby process of `job_id` that waits for a rank
@@ -179,6 +225,12 @@ class HotState:
             pipe.zrem(self.deadlines_key, node_id)
             pipe.delete(self.node_health_key(node_id))
             await pipe.execute()
+
+
+def _retrieved(future: asyncio.Future[None]) -> None:
+    """A failed write whose waiters all left is not an unretrieved exception."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _text(value: bytes | str) -> str:

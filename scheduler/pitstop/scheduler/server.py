@@ -128,6 +128,7 @@ class Scheduler:
             await _bounded("release the leader lease", self.election.release(), STEP_SECONDS)
         for stop in self._stoppers:
             await _bounded("stop the command router", stop(), STEP_SECONDS)
+        await _bounded("stop the acknowledgement writer", self.agents.acks.stop(), STEP_SECONDS)
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop)
         if self.dashboard is not None:

@@ -18,6 +18,7 @@ import grpc
 from google.protobuf import json_format
 
 from pitstop.scheduler.api.agent_input import check_agent_message
+from pitstop.scheduler.api.agent_writes import AckWriter, JobGenerations
 from pitstop.scheduler.auth import current_caller
 from pitstop.scheduler.convert import NODE_ROLE_TO_PB, NODE_STATE_TO_PB, node_roles_from_pb
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied
@@ -51,6 +52,9 @@ class StreamState:
     # Commands sent down this stream and not yet acknowledged: id -> what an ack means.
     commands: dict[int, SentCommand | None] = field(default_factory=dict)
     ended_check_at: float = 0.0
+    # The stale-process check in flight: it reads PostgreSQL, so it runs beside the
+    # stream's reader, never in its way (the next heartbeat must not wait for a pool).
+    stale_check: asyncio.Task[None] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,9 @@ class AgentServicer:
         self.metrics = metrics
         # Set while the scheduler shuts down: streams it closes itself are not failures.
         self.stopping = False
+        # Acks and the stale-process check stay off each stream's reader (agent_writes).
+        self.acks = AckWriter(store)
+        self.generations = JobGenerations(store)
 
     async def Connect(  # noqa: N802 (gRPC method name)
         self,
@@ -128,7 +135,9 @@ class AgentServicer:
                 state.commands[item.command_id] = _tracked(item)
                 yield item
         finally:
-            pending = [t for t in (getter, reader) if t is not None and not t.done()]
+            pending = [
+                t for t in (getter, reader, state.stale_check) if t is not None and not t.done()
+            ]
             for task in pending:
                 task.cancel()
             if pending:
@@ -265,7 +274,7 @@ class AgentServicer:
             {r.job_id for r in beat.running_ranks if r.standby and r.ready}
         )
         await self.hot.record_heartbeat(state.node_id, self.liveness_timeout, health)
-        await self._stop_stale(state, beat)
+        self._check_stale_soon(state, beat)
         reasons = tuple(beat.health.reasons)
         if (beat.health.verdict, reasons) == (state.verdict, state.reasons):
             return
@@ -273,17 +282,35 @@ class AgentServicer:
         async with self.store.write() as session:
             await health_service.apply_health(session, state.node_id, beat.health)
 
-    async def _stop_stale(self, state: StreamState, beat: agent_pb2.Heartbeat) -> None:
+    def _check_stale_soon(self, state: StreamState, beat: agent_pb2.Heartbeat) -> None:
+        """Start `_stop_stale` beside the reader, every few seconds at most, one at a time."""
+        now = asyncio.get_running_loop().time()
+        if not beat.running_ranks or now < state.ended_check_at:
+            return
+        if state.stale_check is not None and not state.stale_check.done():
+            return
+        state.ended_check_at = now + ENDED_CHECK_SECONDS
+        running = [(r.job_id, r.generation, r.rank, r.standby) for r in beat.running_ranks]
+        state.stale_check = asyncio.create_task(self._stop_stale_logged(state, running))
+
+    async def _stop_stale_logged(
+        self, state: StreamState, running: list[tuple[str, int, int, bool]]
+    ) -> None:
+        try:
+            await self._stop_stale(state, running)
+        except Exception:  # the next heartbeats try again
+            log.warning("node %s: stale-process check failed", state.node_id, exc_info=True)
+
+    async def _stop_stale(
+        self, state: StreamState, running: list[tuple[str, int, int, bool]]
+    ) -> None:
         """Stop the node's processes of jobs that ended, and its ranks left behind in an
         older generation of a job that runs on without them. The leader tells a node
         when a job ends or leaves it, but that message can be lost (a leader change, a
         node cut off or frozen meanwhile), and nothing may run on — or hold a GPU —
-        for nothing. Every few seconds at most."""
-        running = [(r.job_id, r.generation, r.rank, r.standby) for r in beat.running_ranks]
-        now = asyncio.get_running_loop().time()
-        if not running or now < state.ended_check_at:
+        for nothing."""
+        if await self.generations.all_current(running):
             return
-        state.ended_check_at = now + ENDED_CHECK_SECONDS
         async with self.store.read() as session:
             stale = await job_service.stale_processes(session, state.node_id, running)
         for job_id, ranks in sorted(stale.items()):
@@ -302,10 +329,7 @@ class AgentServicer:
             return
         sent = state.commands.pop(ack.command_id)
         if ack.ok and sent is not None:
-            async with self.store.write() as session:
-                await node_command_service.acknowledge(
-                    session, sent.job_id, state.node_id, sent.generation, sent.actions
-                )
+            self.acks.add(sent.job_id, state.node_id, sent.generation, sent.actions)
         if not ack.ok:
             async with self.store.write() as session:
                 record_event(

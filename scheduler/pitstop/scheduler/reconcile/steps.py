@@ -10,18 +10,28 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pitstop.health.straggler import StragglerDetector, StragglerFinding, StragglerPolicy
+from pitstop.health.straggler import (
+    RankStats,
+    StragglerDetector,
+    StragglerFinding,
+    StragglerPolicy,
+)
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState
 from pitstop.scheduler.reconcile.context import RUNNABLE, Leader, locked_job, set_deadline
 from pitstop.scheduler.services import goodput, lifecycle
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.jobs import spec_from_json
+from pitstop.scheduler.topology import Placement
 from pitstop.v1 import agent_pb2
 
 GOODPUT_REFRESH_SECONDS = 1.0
 STEP_HOLD_SECONDS = 5.0
 """Longest a step sample waits for the job's other ranks before the detector sees it."""
+RANK_STATS_SECONDS = 2.0
+"""Per-rank statistics are published (and the typical step time worked out) at most this
+often, and at once when a straggler is flagged or cleared: every rank's window is sorted
+for them, 100,000 ranks at full scale, which every follow pass (5 a second) did."""
 
 
 @dataclass
@@ -36,6 +46,10 @@ class JobWatch:
     held: list[tuple[float, agent_pb2.StepSample]] = field(default_factory=list)
     rank_max: dict[int, int] = field(default_factory=dict)
     goodput_at: float = 0.0
+    stats_at: float = 0.0
+    placement: Placement | None = None
+    placement_generation: int = 0
+    typical_step_seconds: float = 0.0
     # Straggler findings whose events are not committed yet (the detector reports each
     # once: a transaction that fails must not lose one).
     findings: list[StragglerFinding] = field(default_factory=list)
@@ -63,11 +77,19 @@ class JobWatch:
         return ready
 
     def step_seconds(self) -> float:
-        """The job's typical step time: the median of its ranks' medians (0 if unknown)."""
+        """The job's typical step time: the median of its ranks' medians (0 if unknown),
+        as of the last statistics published."""
         if self.detector is None:
             return 0.0
-        medians = sorted(s.p50_seconds for s in self.detector.stats())
-        return medians[len(medians) // 2] if medians else 0.0
+        if not self.typical_step_seconds:
+            self.typical_step_seconds = typical(self.detector.stats())
+        return self.typical_step_seconds
+
+
+def typical(stats: list[RankStats]) -> float:
+    """The median of the ranks' median step times (0 with none)."""
+    medians = sorted(s.p50_seconds for s in stats)
+    return medians[len(medians) // 2] if medians else 0.0
 
 
 class StepFollower:
@@ -144,7 +166,11 @@ class StepFollower:
             row = await locked_job(leader, session, job.id)
             if row is None or row.generation != job.generation:
                 return
-            placement = await lifecycle.rank_map(session, row)
+            # A generation's rank map never changes: read once, not every pass.
+            if watch.placement is None or watch.placement_generation != row.generation:
+                watch.placement = await lifecycle.rank_map(session, row)
+                watch.placement_generation = row.generation
+            placement = watch.placement
             released = watch.release_in_step_order(
                 samples, placement.world_size, leader.clock(), STEP_HOLD_SECONDS
             )
@@ -184,9 +210,14 @@ class StepFollower:
         metrics.observe_steps(job.id, job.generation, samples, released)
         if account is not None:
             metrics.observe_account(job.id, account)
+        if leader.clock() < watch.stats_at and not findings:
+            return
+        watch.stats_at = leader.clock() + RANK_STATS_SECONDS
+        computed = detector.stats()
+        watch.typical_step_seconds = typical(computed)
         stats = [
             s.to_proto(placement.ranks[s.rank].node_id if s.rank < placement.world_size else "")
-            for s in detector.stats()
+            for s in computed
         ]
         metrics.observe_ranks(
             job.id,
@@ -206,11 +237,16 @@ class StepFollower:
                 for s in stats
             ],
         )
-        if spec.straggler.action == 2:  # STRAGGLER_ACTION_SWAP
+        self._swap_out(job.id, spec.straggler.action, findings, placement)
+
+    def _swap_out(
+        self, job_id: str, action: int, findings: list[StragglerFinding], placement: Placement
+    ) -> None:
+        if action == 2:  # STRAGGLER_ACTION_SWAP
             for finding in findings:
                 if finding.straggler and finding.rank < placement.world_size:
                     node_id = placement.ranks[finding.rank].node_id
-                    self.swaps.setdefault(job.id, set()).add(node_id)
+                    self.swaps.setdefault(job_id, set()).add(node_id)
 
 
 def _record_restored(

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, insert, select
 from sqlalchemy.ext.asyncio import AsyncSession
-from sqlalchemy.orm import selectinload
 
 from pitstop.scheduler import jobstate
 from pitstop.scheduler.db import models
@@ -57,22 +56,36 @@ def transition(
 
 
 async def topology_inputs(session: AsyncSession) -> tuple[list[NodeInfo], list[tuple[str, int]]]:
-    """Every node as placement sees it, and every booked GPU."""
-    nodes = (
-        await session.scalars(select(models.Node).options(selectinload(models.Node.gpus)))
-    ).all()
+    """Every node as placement sees it, and every booked GPU. Plain rows, not ORM
+    objects: a decision reads the whole fleet (12,500 nodes, 100,000 GPUs)."""
+    gpus: dict[str, list[int]] = {}
+    for node_id, index in await session.execute(
+        select(models.Gpu.node_id, models.Gpu.index).order_by(models.Gpu.node_id, models.Gpu.index)
+    ):
+        gpus.setdefault(node_id, []).append(index)
+    nodes = await session.execute(
+        select(
+            models.Node.id,
+            models.Node.zone,
+            models.Node.block,
+            models.Node.rack,
+            models.Node.role,
+            models.Node.state,
+            models.Node.nvlink_domain,
+        ).order_by(models.Node.id)
+    )
     infos = [
         NodeInfo(
-            node_id=n.id,
-            zone=n.zone,
-            block=n.block,
-            rack=n.rack,
-            role=n.role.value,
-            state=n.state.value,
-            gpu_indexes=tuple(g.index for g in n.gpus),
-            nvlink_domain=n.nvlink_domain,
+            node_id=node_id,
+            zone=zone,
+            block=block,
+            rack=rack,
+            role=role.value,
+            state=state.value,
+            gpu_indexes=tuple(gpus.get(node_id, ())),
+            nvlink_domain=nvlink_domain,
         )
-        for n in nodes
+        for node_id, zone, block, rack, role, state, nvlink_domain in nodes
     ]
     booked = await session.execute(select(models.GpuBooking.node_id, models.GpuBooking.gpu_index))
     return infos, [(node, gpu) for node, gpu in booked]
@@ -80,44 +93,50 @@ async def topology_inputs(session: AsyncSession) -> tuple[list[NodeInfo], list[t
 
 async def rank_map(session: AsyncSession, job: models.Job) -> Placement:
     """The job's current generation as a Placement (empty before placement)."""
-    rows = (
-        await session.scalars(
-            select(models.RankAssignment)
-            .where(models.RankAssignment.job_id == job.id)
-            .where(models.RankAssignment.generation == job.generation)
-            .order_by(models.RankAssignment.rank)
-        )
-    ).all()
-    return Placement(
-        tuple(
-            RankSlot(r.rank, r.node_id, r.gpu_index, r.local_rank, r.dp, r.pp, r.tp) for r in rows
-        )
+    a = models.RankAssignment
+    rows = await session.execute(
+        select(a.rank, a.node_id, a.gpu_index, a.local_rank, a.dp, a.pp, a.tp)
+        .where(a.job_id == job.id)
+        .where(a.generation == job.generation)
+        .order_by(a.rank)
     )
+    return Placement(tuple(RankSlot(*row) for row in rows))
 
 
 async def write_generation(session: AsyncSession, job: models.Job, placement: Placement) -> None:
-    """Bump the generation, write its rank map and re-book exactly its GPUs."""
+    """Bump the generation, write its rank map and re-book exactly its GPUs: bulk
+    inserts (multi-row INSERTs), not ORM objects: a map is 100,000 rows at full scale."""
     job.generation += 1
-    session.add_all(
-        models.RankAssignment(
-            job_id=job.id,
-            generation=job.generation,
-            rank=s.rank,
-            node_id=s.node_id,
-            gpu_index=s.gpu_index,
-            local_rank=s.local_rank,
-            dp=s.dp,
-            pp=s.pp,
-            tp=s.tp,
-        )
-        for s in placement.ranks
+    await session.flush()  # the job's row first
+    if not placement.ranks:
+        await release_gpus(session, job.id)
+        return
+    await session.execute(
+        insert(models.RankAssignment),
+        [
+            {
+                "job_id": job.id,
+                "generation": job.generation,
+                "rank": s.rank,
+                "node_id": s.node_id,
+                "gpu_index": s.gpu_index,
+                "local_rank": s.local_rank,
+                "dp": s.dp,
+                "pp": s.pp,
+                "tp": s.tp,
+            }
+            for s in placement.ranks
+        ],
     )
     await release_gpus(session, job.id)
-    session.add_all(
-        models.GpuBooking(node_id=s.node_id, gpu_index=s.gpu_index, job_id=job.id, rank=s.rank)
-        for s in placement.ranks
+    # A double booking fails here, inside the transaction.
+    await session.execute(
+        insert(models.GpuBooking),
+        [
+            {"node_id": s.node_id, "gpu_index": s.gpu_index, "job_id": job.id, "rank": s.rank}
+            for s in placement.ranks
+        ],
     )
-    await session.flush()  # a double booking fails here, inside the transaction
 
 
 async def release_gpus(session: AsyncSession, job_id: str) -> None:

@@ -137,3 +137,20 @@ async def acknowledge(
         .where(models.NodeCommand.action.in_([a.value for a in actions]))
         .values(acked_generation=func.greatest(models.NodeCommand.acked_generation, generation))
     )
+
+
+async def acknowledge_nodes(
+    session: AsyncSession,
+    job_id: str,
+    node_ids: list[str],
+    generation: int,
+    actions: tuple[NodeAction, ...],
+) -> None:
+    """`acknowledge` for many nodes of one job, generation and actions: one statement."""
+    await session.execute(
+        update(models.NodeCommand)
+        .where(and_(models.NodeCommand.job_id == job_id, models.NodeCommand.node_id.in_(node_ids)))
+        .where(models.NodeCommand.generation <= generation)
+        .where(models.NodeCommand.action.in_([a.value for a in actions]))
+        .values(acked_generation=func.greatest(models.NodeCommand.acked_generation, generation))
+    )

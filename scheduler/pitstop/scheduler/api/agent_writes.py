@@ -1,0 +1,128 @@
+"""What agent streams write to PostgreSQL, kept off the stream's own path.
+
+A stream reads its messages one at a time, so anything its reader awaits holds up the
+node's next heartbeat. Command acknowledgements came back from every node of a job at
+once after each decision (12,500 of them for the 99,968-rank job), one transaction each
+through a pool of ten connections, and heartbeats queued behind them until healthy nodes
+passed their liveness deadline (bench/scale.py: 250 nodes). Here they are written
+together, one transaction per write, one write in flight; the reader does not wait.
+A write that fails loses nothing a decision needs: the leader re-sends every command
+not acknowledged and the agent acknowledges a repeat again.
+
+Likewise the check for processes of ended or superseded jobs (`stale_processes`) asks
+PostgreSQL only when a node reports a job or a generation this process has not seen
+current within the last second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+
+from sqlalchemy import select
+
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import JobState
+from pitstop.scheduler.services import node_commands as node_command_service
+from pitstop.scheduler.store import Store
+
+log = logging.getLogger(__name__)
+
+GENERATIONS_FRESH_SECONDS = 1.0
+"""How long a job's state and generation, as read, answer the stale-process check."""
+
+AckKey = tuple[str, int, tuple[node_command_service.NodeAction, ...]]
+
+
+class AckWriter:
+    """Acknowledgements of every stream of this process, written in batches."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._pending: dict[AckKey, set[str]] = {}
+        self._writer: asyncio.Task[None] | None = None
+
+    def add(
+        self,
+        job_id: str,
+        node_id: str,
+        generation: int,
+        actions: tuple[node_command_service.NodeAction, ...],
+    ) -> None:
+        """Record that the node's agent carried out the job's command; returns at once."""
+        self._pending.setdefault((job_id, generation, actions), set()).add(node_id)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write(), name="ack-writer")
+
+    async def _write(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, {}
+            try:
+                async with self.store.write() as session:
+                    for (job_id, generation, actions), nodes in sorted(
+                        batch.items(), key=lambda kv: (kv[0][0], kv[0][1])
+                    ):
+                        await node_command_service.acknowledge_nodes(
+                            session, job_id, sorted(nodes), generation, actions
+                        )
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # The leader re-sends what is not acknowledged; the agents ack again.
+                log.warning("could not record %d acknowledgements", len(batch), exc_info=True)
+
+    async def stop(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+
+
+class JobGenerations:
+    """Each job's state and generation as last read, for the stale-process check."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._known: dict[str, tuple[JobState, int, float]] = {}
+        self._reading: asyncio.Lock = asyncio.Lock()
+
+    async def all_current(self, running: Sequence[tuple[str, int, int, bool]]) -> bool:
+        """True when every process reported runs a live job's current generation (or is
+        a standby): nothing to stop, without asking PostgreSQL again within a second."""
+        ids = {job_id for job_id, *_ in running}
+        now = time.monotonic()
+        if any(
+            job_id not in self._known or self._known[job_id][2] < now - GENERATIONS_FRESH_SECONDS
+            for job_id in ids
+        ):
+            async with self._reading:  # one read for every stream asking at once
+                stale = [
+                    j
+                    for j in ids
+                    if j not in self._known
+                    or self._known[j][2] < time.monotonic() - GENERATIONS_FRESH_SECONDS
+                ]
+                if stale:
+                    await self._read(stale)
+        for job_id, generation, _rank, standby in running:
+            known = self._known.get(job_id)
+            if known is None:
+                continue  # unknown to the database: the full check ignores it too
+            state, current, _ = known
+            if state.terminal or (not standby and generation < current):
+                return False
+        return True
+
+    async def _read(self, job_ids: list[str]) -> None:
+        async with self.store.read() as session:
+            rows = await session.execute(
+                select(models.Job.id, models.Job.state, models.Job.generation).where(
+                    models.Job.id.in_(sorted(job_ids))
+                )
+            )
+            at = time.monotonic()
+            for job_id, state, generation in rows.all():
+                self._known[job_id] = (state, int(generation), at)
