@@ -48,7 +48,9 @@ def test_placement_benchmark_prints_one_json_line() -> None:
         text=True,
         timeout=120,
     )
-    assert result.returncode == 0, result.stderr
+    # 1: a target missed, which a busy machine may do: the bench measures, this test
+    # checks that it runs and reports (a crash is another status and no JSON).
+    assert result.returncode in (0, 1), result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["bench"] == "placement"
     assert report["gang"]["ranks"] == 8 * 16 * 781
