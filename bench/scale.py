@@ -527,7 +527,7 @@ class Scheduler:
                 if sample.name == "pitstop_scheduler_event_loop_lag_seconds_bucket":
                     out["lag_buckets"][float(sample.labels["le"])] = sample.value
                 elif sample.name == "pitstop_scheduler_event_loop_lag_quantile_seconds":
-                    out["lag_gauge"][sample.labels["quantile"]] = sample.value
+                    out["lag_gauge"][sample.labels["q"]] = sample.value
                 elif sample.name.startswith("pitstop_scheduler_decision_seconds_") and (
                     sample.labels.get("decision") == "recovery"
                 ):

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 
 from pitstop.scheduler.auth import TokenBook, utc_now
+from pitstop.scheduler.cancelling import reraise_if_cancelling
 from pitstop.scheduler.domain import IssuedToken
 from pitstop.scheduler.services import api_tokens
 from pitstop.scheduler.store import Store
@@ -82,6 +83,7 @@ class IssuedTokenRefresher:
             try:
                 await self.reload()
             except Exception as exc:
+                reraise_if_cancelling()
                 if not self._failing:
                     log.warning("cannot reload API tokens from PostgreSQL: %s", exc)
                 self._failing = True

@@ -304,13 +304,19 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
                 task.result()
             return
         where = io.StringIO()
+        stuck = []
         for other in asyncio.all_tasks():  # the loops' own tasks, under the task group
             frames = other.get_stack()
             if other is task or any(c in f.f_code.co_filename for f in frames for c in _LOOP_CODE):
                 other.print_stack(file=where)
+                stuck.append(other)
         log.error(
             "the leader loops have not stopped %.0fs after losing the lease; this process "
-            "cannot lead again until they do. They wait in:\n%s",
+            "cannot lead again until they do. They wait in:\n%s\nCancelling them again.",
             STUCK_LOOPS_SECONDS,
             where.getvalue(),
         )
+        # A cancellation swallowed by a call it interrupted (a driver that made it an
+        # ordinary error) is delivered again, at the await the loop waits in now.
+        for other in stuck:
+            other.cancel()

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from pitstop.scheduler.cancelling import reraise_if_cancelling
 from pitstop.scheduler.gateway import AgentGateway
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.services import health as health_service
@@ -69,6 +70,7 @@ class LivenessMonitor:
             except asyncio.CancelledError:
                 raise
             except Exception:
+                reraise_if_cancelling()
                 # A store outage must not end the loop; the next tick retries.
                 log.warning("liveness scan failed; retrying", exc_info=True)
             await asyncio.sleep(self.tick)
@@ -89,4 +91,5 @@ class LivenessMonitor:
         try:
             await self.hot.extend_deadlines(self.clock() + late)
         except Exception:
+            reraise_if_cancelling()
             log.warning("could not push back the heartbeat deadlines", exc_info=True)

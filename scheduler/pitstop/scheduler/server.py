@@ -25,6 +25,7 @@ from pitstop.scheduler.api.nodes import EventServicer, NodeServicer
 from pitstop.scheduler.api.rendezvous import RendezvousServicer
 from pitstop.scheduler.api.tokens import TokenServicer
 from pitstop.scheduler.auth import AuthorizationInterceptor, TokenBook
+from pitstop.scheduler.cancelling import reraise_if_cancelling
 from pitstop.scheduler.config import SchedulerSettings
 from pitstop.scheduler.dashboard.server import Dashboard, tls_context
 from pitstop.scheduler.db.engine import create_engine_for, migrate, session_factory
@@ -313,6 +314,7 @@ async def _stores_reachable(engine: AsyncEngine, hot: HotState) -> bool:
                 await conn.execute(text("SELECT 1"))
             return await hot.ping()
     except Exception:
+        reraise_if_cancelling()
         return False
 
 

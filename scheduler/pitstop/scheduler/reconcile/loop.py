@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from pitstop.scheduler.cancelling import reraise_if_cancelling
 from pitstop.scheduler.gateway import CommandRouter
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.leader import LeaderElection
@@ -74,6 +75,7 @@ class Reconciler:
             except asyncio.CancelledError:
                 raise
             except Exception:
+                reraise_if_cancelling()
                 log.exception("reconcile loop %s failed; the next pass retries", name)
             self.leader.metrics.tick_seconds.labels(name).observe(time.perf_counter() - started)
             if woken:
@@ -93,6 +95,7 @@ class Reconciler:
             except asyncio.CancelledError:
                 raise
             except Exception:
+                reraise_if_cancelling()
                 log.exception("reconcile step %s failed; the next pass retries", step.__name__)
         await commands.send_due(self.leader)
         await self.recovery.refresh_accounts()

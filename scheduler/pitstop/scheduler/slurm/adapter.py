@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from sqlalchemy import exists, func, select
 
+from pitstop.scheduler.cancelling import reraise_if_cancelling
 from pitstop.scheduler.config import SchedulerSettings
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import NodeRole, NodeState
@@ -108,6 +109,7 @@ class SlurmAdapter:
             except asyncio.CancelledError:
                 raise
             except Exception:
+                reraise_if_cancelling()
                 log.exception("slurm adapter pass failed; the next pass retries")
             await bus.wait(seen, interval)
             await asyncio.sleep(MIN_PASS_GAP_SECONDS)
