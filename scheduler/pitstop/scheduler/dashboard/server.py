@@ -200,6 +200,8 @@ class Dashboard:
                 await response.write(f"event: denied\ndata: {body}\n\n".encode())
         except (ConnectionResetError, asyncio.CancelledError):
             pass
+        except Exception as exc:  # a store outage: end it; the page reconnects by itself
+            log.warning("dashboard stream ended: %s", exc)
         finally:
             self._streams.discard(task)
         return response
