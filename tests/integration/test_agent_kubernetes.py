@@ -9,14 +9,13 @@ an API server would receive it, and what the agent does with the Node it reads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,10 @@ import pytest
 from conftest import SchedulerThread, unique
 from kube_api import NodeStore, gpu_node, kube_api, write_kubeconfig
 from kubernetes import client
+from test_agent_link import running_agent
 
 from pitstop.agent.config import AgentSettings
-from pitstop.agent.gpu import open_backend
 from pitstop.agent.k8s_publisher import NodeConditionPublisher, connect
-from pitstop.agent.main import NodeAgent
 from pitstop.agent.metrics import AgentMetrics
 from pitstop.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
 
@@ -168,20 +166,6 @@ async def test_a_lost_verdict_stands_for_a_grace_then_turns_unknown() -> None:
         assert condition is not None
         assert (condition["status"], condition["reason"]) == ("Unknown", "PitstopNoVerdict")
         assert our_taints(store) == [("fatal", "NoSchedule")], "taints stay without a verdict"
-
-
-@contextlib.asynccontextmanager
-async def running_agent(settings: AgentSettings) -> AsyncIterator[NodeAgent]:
-    agent = NodeAgent(settings, open_backend(settings.gpus, settings.node_id))
-    await agent.start()
-    stop = asyncio.Event()
-    run = asyncio.create_task(agent.run(stop))
-    try:
-        yield agent
-    finally:
-        stop.set()
-        await asyncio.wait_for(run, TIMEOUT)
-        await agent.close(grace_seconds=2.0)
 
 
 @pytest.fixture

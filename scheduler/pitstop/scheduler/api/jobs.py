@@ -41,13 +41,7 @@ class JobServicer:
     async def Get(  # noqa: N802
         self, request: jobs_pb2.GetJobRequest, context: grpc.aio.ServicerContext
     ) -> jobs_pb2.Job:
-        async with self.store.read() as session:
-            job = await job_service.get_job(session, request.job_id)
-            ranks = await job_service.current_ranks(session, job)
-        message = job_to_pb(job, ranks)
-        stats = await self.hot.rank_stats(job.id)
-        message.rank_stats.extend(jobs_pb2.RankStepStats(**s) for s in stats)
-        return message
+        return await job_in_full(self.store, self.hot, request.job_id)
 
     async def List(  # noqa: N802
         self, request: jobs_pb2.ListJobsRequest, context: grpc.aio.ServicerContext
@@ -119,3 +113,15 @@ class JobServicer:
             until=lambda e: e.to_state in _TERMINAL_NAMES,
         ):
             yield event
+
+
+async def job_in_full(store: Store, hot: HotState, job_id: str) -> jobs_pb2.Job:
+    """One job as `pitstop job show` and the dashboard have it: its current rank map
+    and the per-rank step statistics from Redis."""
+    async with store.read() as session:
+        job = await job_service.get_job(session, job_id)
+        ranks = await job_service.current_ranks(session, job)
+    message = job_to_pb(job, ranks)
+    stats = await hot.rank_stats(job.id)
+    message.rank_stats.extend(jobs_pb2.RankStepStats(**s) for s in stats)
+    return message

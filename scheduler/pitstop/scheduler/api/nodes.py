@@ -49,13 +49,7 @@ class NodeServicer:
     async def Get(  # noqa: N802
         self, request: nodes_pb2.GetNodeRequest, context: grpc.aio.ServicerContext
     ) -> nodes_pb2.Node:
-        async with self.store.read() as session:
-            node = await node_service.get_node(session, request.node_id)
-            xids = await node_service.xid_history(session, node.id)
-            jobs = await node_service.active_jobs_on(session, node.id)
-        return node_to_pb(
-            node, xids=xids, job_ids=jobs, live_health=await self._live_health(node.id)
-        )
+        return await node_in_full(self.store, self.hot, request.node_id)
 
     async def Cordon(  # noqa: N802
         self, request: nodes_pb2.NodeControlRequest, context: grpc.aio.ServicerContext
@@ -187,3 +181,13 @@ class EventServicer:
             after_id=request.after_event_id,
         ):
             yield event
+
+
+async def node_in_full(store: Store, hot: HotState, node_id: str) -> nodes_pb2.Node:
+    """One node as `pitstop node show` and the dashboard have it: its Xid history, the
+    jobs on it, and its live health from Redis."""
+    async with store.read() as session:
+        node = await node_service.get_node(session, node_id)
+        xids = await node_service.xid_history(session, node.id)
+        jobs = await node_service.active_jobs_on(session, node.id)
+    return node_to_pb(node, xids=xids, job_ids=jobs, live_health=await hot.node_health(node.id))

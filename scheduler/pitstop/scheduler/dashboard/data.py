@@ -15,7 +15,9 @@ from typing import Any, cast
 from google.protobuf import json_format
 from sqlalchemy import select
 
-from pitstop.scheduler.convert import event_to_pb, job_to_pb, node_to_pb
+from pitstop.scheduler.api.jobs import job_in_full
+from pitstop.scheduler.api.nodes import node_in_full
+from pitstop.scheduler.convert import event_to_pb, node_to_pb
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import TERMINAL_JOB_STATES, NodeRole, NodeState
 from pitstop.scheduler.hotstate import HotState
@@ -47,6 +49,11 @@ _VERDICTS: dict[int, str] = {
 
 def _verdict(value: int) -> str:
     return _VERDICTS.get(int(value), "unknown")
+
+
+def _word(name: str, prefix: str) -> str:
+    """An enum value's proto name as the domain's word: NODE_STATE_READY -> ready."""
+    return name.removeprefix(prefix).lower()
 
 
 def node_status(state: NodeState, role: NodeRole) -> str:
@@ -107,13 +114,12 @@ async def fleet(store: Store, node_ids: Iterable[str] | None = None) -> list[dic
 
 async def node_detail(store: Store, hot: HotState, node_id: str) -> dict[str, Any]:
     """One node as `pitstop node show` has it: health per GPU, Xid history, jobs."""
-    async with store.read() as session:
-        node = await node_service.get_node(session, node_id)
-        xids = await node_service.xid_history(session, node.id)
-        jobs = await node_service.active_jobs_on(session, node.id)
-    message = node_to_pb(node, xids=xids, job_ids=jobs, live_health=await hot.node_health(node.id))
+    message = await node_in_full(store, hot, node_id)
     detail = json_format.MessageToDict(message, preserving_proto_field_name=True)
-    detail["status"] = node_status(node.state, node.role)
+    detail["status"] = node_status(
+        NodeState(_word(common_pb2.NodeState.Name(message.state), "NODE_STATE_")),
+        NodeRole(_word(common_pb2.NodeRole.Name(message.role), "NODE_ROLE_")),
+    )
     return detail
 
 
@@ -156,25 +162,19 @@ def incident_rows(goodput: dict[str, Any]) -> list[dict[str, Any]]:
 async def job_detail(store: Store, hot: HotState, job_id: str) -> dict[str, Any]:
     """A job: state, generation, steps, goodput and its incidents, and where each rank
     runs (node, zone, block, rack, its dp/pp/tp coordinates, straggler or not)."""
+    message = await job_in_full(store, hot, job_id)
+    ranks = sorted(message.rank_map.ranks, key=lambda r: r.rank)
     async with store.read() as session:
-        job = await job_service.get_job(session, job_id)
-        ranks = await job_service.current_ranks(session, job)
-        node_ids = {r.node_id for r in ranks}
-        nodes = {
-            n.id: n
-            for n in (
-                await session.scalars(select(models.Node).where(models.Node.id.in_(node_ids)))
-            ).all()
-        }
-    message = job_to_pb(job, ranks)
+        query = select(models.Node).where(models.Node.id.in_({r.node_id for r in ranks}))
+        nodes = {n.id: n for n in (await session.scalars(query)).all()}
     goodput = json_format.MessageToDict(
         message.goodput, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
-    stats = {int(s["rank"]): s for s in await hot.rank_stats(job.id)}
+    stats = {s.rank: s for s in message.rank_stats}
     rank_rows = []
-    for r in sorted(ranks, key=lambda r: r.rank):
+    for r in ranks:
         node = nodes.get(r.node_id)
-        stat = stats.get(r.rank, {})
+        stat = stats.get(r.rank)
         rank_rows.append(
             [
                 r.rank,
@@ -185,21 +185,21 @@ async def job_detail(store: Store, hot: HotState, job_id: str) -> dict[str, Any]
                 r.dp,
                 r.pp,
                 r.tp,
-                bool(stat.get("straggler", False)),
-                round(float(stat.get("p50_seconds", 0.0)), 4),
+                bool(stat and stat.straggler),
+                round(stat.p50_seconds, 4) if stat else 0.0,
             ]
         )
     spec = message.spec
     return {
-        "id": job.id,
-        "name": job.name,
-        "state": job.state.value,
-        "reason": job.reason,
-        "generation": job.generation,
-        "restarts": job.restarts,
-        "current_step": job.current_step,
-        "committed_step": job.committed_step,
-        "durable_step": job.durable_step,
+        "id": message.id,
+        "name": spec.name,
+        "state": _word(common_pb2.JobState.Name(message.state), "JOB_STATE_"),
+        "reason": message.reason,
+        "generation": message.generation,
+        "restarts": message.restarts,
+        "current_step": message.current_step,
+        "committed_step": message.committed_step,
+        "durable_step": message.durable_step,
         "total_steps": int(getattr(spec, "total_steps", 0) or 0),
         "goodput": {
             "ratio": goodput.get("ratio", 0.0),
@@ -213,7 +213,7 @@ async def job_detail(store: Store, hot: HotState, job_id: str) -> dict[str, Any]
         "incidents": incident_rows(goodput),
         # [rank, node, zone, block, rack, dp, pp, tp, straggler, p50 seconds]
         "ranks": rank_rows,
-        "result": dict(job.result),
+        "result": dict(message.result),
     }
 
 

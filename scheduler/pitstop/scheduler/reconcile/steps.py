@@ -259,11 +259,13 @@ def _record_restored(
     """Once every rank of the generation has reported a step, record when the last of
     those that loaded the restore step had it (job.restored): the goodput account splits
     the recovery's resume there into restore and re-form. True when recorded."""
+    if watch.restored_told:
+        return False
     for sample in samples:
         if sample.HasField("restored_at"):
             at = sample.restored_at.ToNanoseconds() / 1e9
             watch.restored[sample.rank] = (at, sample.restored_from or "unknown")
-    if watch.restored_told or not watch.restored or len(watch.rank_max) < world_size:
+    if not watch.restored or len(watch.rank_max) < world_size:
         return False
     if job.state is not JobState.RUNNING:
         return False
