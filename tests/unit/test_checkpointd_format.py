@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 import safetensors
-from hypothesis import given
+from fuzzing import FUZZ_TIMEOUT, fuzz_settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pitstop.checkpointd.format import (
@@ -173,6 +174,9 @@ def _header(doc: object) -> bytes:
         (_header({"t": {"dtype": "U8", "shape": [1], "data_offsets": [1, 2]}}) + b"ab", "starts"),
         (_header({"t": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}) + b"ab", "end"),
         (_header({"t": 5}), "not an object"),
+        # Found by the slot fuzzer: a dtype that is not a str (a list cannot be hashed).
+        (_header({"w": {"shape": [], "dtype": [], "data_offsets": [0, 0]}}), "dtype"),
+        (_header({"w": {"shape": [], "dtype": {}, "data_offsets": [0, 0]}}), "dtype"),
     ],
 )
 def test_invalid_shards_are_refused(shard: bytes, message: str) -> None:
@@ -221,3 +225,46 @@ def test_any_layout_round_trips_through_safetensors(
     loaded = dict(safetensors.deserialize(shard))
     for spec in planned:
         assert len(loaded[spec.name]["data"]) == DTYPE_SIZES[spec.dtype] * math.prod(spec.shape)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner),
+    max_leaves=10,
+)
+_infos = st.fixed_dictionaries(
+    {},
+    optional={
+        "dtype": st.sampled_from(sorted(DTYPE_SIZES)) | _json,
+        "shape": st.lists(st.integers(-2, 2**40), max_size=3) | _json,
+        "data_offsets": st.lists(st.integers(-4, 2**40), min_size=2, max_size=2) | _json,
+    },
+)
+_docs = st.dictionaries(
+    st.sampled_from(["w", "b", "__metadata__", ""]) | st.text(max_size=4),
+    _infos | _json,
+    max_size=4,
+)
+
+
+@FUZZ_TIMEOUT
+@fuzz_settings(300)
+@given(doc=_docs, length=st.none() | st.integers(0, 2**64 - 1), tail=st.binary(max_size=64))
+@example(doc={"w": {"shape": [], "dtype": [], "data_offsets": [0, 0]}}, length=None, tail=b"")
+@example(
+    doc={"w": {"shape": [True], "dtype": "U8", "data_offsets": [0, 1]}}, length=None, tail=b"x"
+)
+@example(doc={"__metadata__": [["a", "b"]]}, length=None, tail=b"")
+def test_any_header_is_read_or_refused_as_a_format_error(
+    doc: dict[str, object], length: int | None, tail: bytes
+) -> None:
+    """The bytes of a slot are the rank's to write: whatever they hold, reading them
+    gives a layout or a ShardFormatError, never another exception (which the daemon
+    could only answer as INTERNAL)."""
+    raw = json.dumps(doc).encode()
+    shard = struct.pack("<Q", len(raw) if length is None else length) + raw + tail
+    try:
+        layout = read_layout(shard)
+    except ShardFormatError:
+        return
+    assert layout.size == len(shard)

@@ -254,7 +254,7 @@ def _entry(name: str, info: object) -> TensorEntry:
 def _check_spec(name: object, dtype: object, shape: tuple[int, ...]) -> None:
     if not isinstance(name, str) or not name or name == METADATA_KEY:
         raise ShardFormatError(f"tensor name {name!r}: use a non-empty str, not {METADATA_KEY}")
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:  # a list is unhashable
         known = ", ".join(DTYPE_SIZES)
         raise ShardFormatError(f"tensor {name!r}: dtype {dtype!r} is not one of {known}")
     if any(d < 0 for d in shape):
