@@ -8,7 +8,8 @@ import grpc
 import psycopg
 import pytest
 from conftest import SchedulerThread
-from hypothesis import HealthCheck, given, settings
+from fuzzing import FUZZ_TIMEOUT, fuzz_settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc
@@ -60,11 +61,8 @@ def counts(db: psycopg.Connection[Any]) -> tuple[int, int]:
     return int(jobs), int(events)
 
 
-@settings(
-    max_examples=150,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@FUZZ_TIMEOUT
+@fuzz_settings(150)
 @given(spec=specs, request_id=st.one_of(st.just(""), text))
 def test_submit_is_accepted_whole_or_refused_with_nothing_written(
     scheduler: SchedulerThread,

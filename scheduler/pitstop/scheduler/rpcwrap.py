@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
 
 from pitstop.scheduler.errors import InvalidArgument
 
@@ -41,15 +43,66 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
     return decode
 
 
+def nul_field(message: Message, prefix: str = "") -> tuple[str, str] | None:
+    """The first string field of `message` (nested messages, lists and maps included)
+    that holds a NUL character, as (dotted path, value); None when none does.
+
+    PostgreSQL text cannot hold NUL: such a value is never one the scheduler can store or
+    look up, so a request carrying one is refused before any handler sees it."""
+    for field, value in message.ListFields():
+        path = f"{prefix}{field.name}"
+        if field.type == FieldDescriptor.TYPE_STRING:
+            values = value if field.is_repeated else [value]
+            for i, text in enumerate(values):
+                if "\x00" in text:
+                    return (f"{path}[{i}]" if field.is_repeated else path), text
+        elif field.message_type is not None:
+            if field.message_type.GetOptions().map_entry:
+                found = _nul_in_map(path, field.message_type, value)
+            elif field.is_repeated:
+                found = next(
+                    (f for i, v in enumerate(value) if (f := nul_field(v, f"{path}[{i}]."))),
+                    None,
+                )
+            else:
+                found = nul_field(value, f"{path}.")
+            if found is not None:
+                return found
+    return None
+
+
+def _nul_in_map(path: str, entry: Descriptor, mapping: Any) -> tuple[str, str] | None:
+    keyed_by_text = entry.fields_by_name["key"].type == FieldDescriptor.TYPE_STRING
+    value_field = entry.fields_by_name["value"]
+    for key, value in mapping.items():
+        if keyed_by_text and "\x00" in key:
+            return f"{path} key", key
+        if value_field.type == FieldDescriptor.TYPE_STRING and "\x00" in value:
+            return f"{path}[{key!r}]", value
+        if value_field.message_type is not None:
+            found = nul_field(value, f"{path}[{key!r}].")
+            if found is not None:
+                return found
+    return None
+
+
 def _checked(request: Any) -> Any:
     if isinstance(request, _Undecodable):
         raise request.refuse()
+    if isinstance(request, Message):
+        found = nul_field(request)
+        if found is not None:
+            raise InvalidArgument(found[0], found[1], "remove the NUL character")
     return request
 
 
 async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    # A stream's messages (an agent's heartbeats, step times) come often and are
+    # checked by their handlers: only whether each decoded.
     async for request in requests:
-        yield _checked(request)
+        if isinstance(request, _Undecodable):
+            raise request.refuse()
+        yield request
 
 
 def wrap_handler(
