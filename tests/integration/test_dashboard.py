@@ -1,6 +1,7 @@
 """The web dashboard in a real browser (Debian's Chromium, headless, driven by
 Playwright): live through a fatal Xid on a local cluster, signed in with bearer tokens,
-and quick on a synthetic fleet of 1,000 nodes and a 4,000-rank job.
+and complete on a synthetic fleet of 1,000 nodes and a 4,000-rank job (how fast that
+renders is bench/dashboard.py's to measure, not a test's to assert).
 
 Screenshots go to test-artifacts/dashboard/ (PITSTOP_TEST_ARTIFACTS overrides).
 """
@@ -20,24 +21,19 @@ from typing import Any
 
 import pytest
 from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
-from google.protobuf import json_format, timestamp_pb2
 
 from pitstop.client import PitstopClient
 from pitstop.client.localcluster import LocalCluster, stop_cluster
 from pitstop.client.scenario import example_spec
 from pitstop.scheduler.config import ApiToken
-from pitstop.scheduler.db import models
-from pitstop.scheduler.db.engine import session_factory
-from pitstop.scheduler.domain import JobState, NodeRole, NodeState
-from pitstop.scheduler.services.jobs import spec_to_json
-from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2
+from pitstop.scheduler.dashboard import synthetic as synthetic_fleet
+from pitstop.v1 import common_pb2
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = (
     Path(os.environ.get("PITSTOP_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts"))
     / "dashboard"
 )
-RENDER_BUDGET_MS = 2000.0
 
 playwright_api = pytest.importorskip(
     "playwright.sync_api", reason="playwright is not installed: pip install -e '.[dev]'"
@@ -155,93 +151,7 @@ def test_a_fatal_xid_shows_live_the_node_unhealthy_and_the_recovery_bar(
 
 VIEWER = "viewer-token-for-the-dashboard-test"
 ADMIN = "admin-token-for-the-dashboard-test"
-NODES, GPUS, RANKS, STEPS = 1000, 8, 4000, 40
-
-
-async def _synthetic(thread: SchedulerThread, job_id: str) -> None:
-    """1,000 nodes in 4 zones x 5 blocks x 25 racks (a few unhealthy, lost, spare,
-    cordoned), a 4,000-rank job (tp 8, pp 5, dp 100) on the first 500, 40 steps of
-    every rank in Redis, a straggler and three incidents."""
-    scheduler = thread.scheduler
-    states = {7: NodeState.UNHEALTHY, 8: NodeState.LOST, 9: NodeState.CORDONED}
-    healthy = {"verdict": "HEALTH_VERDICT_HEALTHY", "gpus": [{"index": g} for g in range(GPUS)]}
-    rows: list[Any] = []
-    for i in range(NODES):
-        rows.append(
-            models.Node(
-                id=f"{job_id}-n{i:04d}",
-                role=NodeRole.SPARE if i >= 980 else NodeRole.WORKER,
-                state=states.get(i % 100, NodeState.READY),
-                reason="synthetic",
-                zone=f"z{i // 250}",
-                block=f"b{(i // 50) % 5}",
-                rack=f"r{(i // 10) % 5:02d}",
-                connected=True,
-                health=healthy,
-            )
-        )
-    goodput = jobs_pb2.Goodput(ratio=0.97, recoveries=3, incident_count=3)
-    now = time.time()
-    for n in range(3):
-        goodput.incidents.add(
-            cause=f"{job_id}-n{n:04d} unhealthy",
-            kind=jobs_pb2.INCIDENT_KIND_NODE,
-            outcome=jobs_pb2.INCIDENT_OUTCOME_RESUMED,
-            failed_at=now - 300 + 60 * n,
-            detect_seconds=0.05,
-            decide_seconds=0.04,
-            resume_seconds=0.6 + n,
-            lost_steps=n,
-        )
-    spec = jobs_pb2.JobSpec(name="synthetic", command=["true"], tp=8, pp=5, dp=100)
-    rows.append(
-        models.Job(
-            id=job_id,
-            name="synthetic",
-            spec=spec_to_json(spec),
-            state=JobState.RUNNING,
-            generation=1,
-            current_step=STEPS,
-            goodput=json_format.MessageToDict(goodput),
-        )
-    )
-    for rank in range(RANKS):
-        rows.append(
-            models.RankAssignment(
-                job_id=job_id,
-                generation=1,
-                rank=rank,
-                node_id=f"{job_id}-n{rank // GPUS:04d}",
-                gpu_index=rank % GPUS,
-                local_rank=rank % GPUS,
-                tp=rank % 8,
-                pp=(rank // 8) % 5,
-                dp=rank // 40,
-            )
-        )
-    async with session_factory(scheduler.engine)() as session, session.begin():
-        session.add_all(rows[:NODES])
-        await session.flush()
-        session.add_all(rows[NODES:])
-    ended = timestamp_pb2.Timestamp()
-    for node in range(RANKS // GPUS):
-        batch = agent_pb2.StepTimes(job_id=job_id, generation=1)
-        for step in range(1, STEPS + 1):
-            ended.FromMilliseconds(int((now - 60 + step) * 1000))
-            for rank in range(node * GPUS, (node + 1) * GPUS):
-                batch.samples.add(
-                    rank=rank,
-                    step=step,
-                    step_seconds=1.0 + (0.6 if rank == 1234 else 0.001 * (rank % 7)),
-                    loss=8.0 / step,
-                    tokens=4096,
-                    time=ended,
-                )
-        await scheduler.hot.record_step_times(batch)
-    await scheduler.hot.set_rank_stats(
-        job_id,
-        [{"rank": 1234, "node_id": f"{job_id}-n0154", "straggler": True, "p50_seconds": 1.6}],
-    )
+NODES, RANKS = synthetic_fleet.NODES, synthetic_fleet.RANKS
 
 
 @pytest.fixture
@@ -261,7 +171,7 @@ def synthetic(stores: StoreUrls, tmp_path: Path) -> Iterator[tuple[str, str, str
     )
     try:
         job_id = unique("j")[:24]
-        thread._call(_synthetic(thread, job_id), timeout=120)
+        thread._call(synthetic_fleet.seed_fleet(thread.scheduler, job_id), timeout=120)
         url = thread.scheduler.dashboard_url
         assert url.startswith("http://")
         yield url, job_id, thread.address
@@ -322,14 +232,14 @@ def test_a_token_revoked_mid_stream_ends_the_stream(synthetic: tuple[str, str, s
             for line in stream:  # ends when the server ends the stream
                 if line.startswith(b"event: "):
                     kinds.append(line.removeprefix(b"event: ").strip().decode())
-            ended = time.monotonic() - revoked
+                # A hang guard only: the stream ends at its next tick (each second).
+                assert time.monotonic() - revoked < 60, f"still streaming: {kinds}"
     assert kinds[-1] == "denied", kinds
-    assert ended < 3.0, f"the stream went on {ended:.1f} s after the revocation"
     status, _ = get(f"{url}api/fleet", token=issued.token)
     assert status == 401
 
 
-def test_1000_nodes_and_a_4000_rank_job_render_within_two_seconds(
+def test_1000_nodes_and_a_4000_rank_job_render_completely(
     synthetic: tuple[str, str, str], browser: Any
 ) -> None:
     url, job_id, _ = synthetic
@@ -343,19 +253,10 @@ def test_1000_nodes_and_a_4000_rank_job_render_within_two_seconds(
     page.click("button[type=submit]")
     page.wait_for_selector("body[data-rendered='1']")
 
-    # Measured on a fresh load, signed in: from navigation start to fleet and job drawn.
-    timings = []
-    for _ in range(3):
-        page.goto(f"{url}?job={job_id}")
-        page.wait_for_selector("body[data-rendered='1']")
-        page.wait_for_function(
-            f"document.querySelector('[data-field=ranks]')?.innerText === '{RANKS}'"
-        )
-        timings.append(page.evaluate("window.pitstopRendered"))
-    median = sorted(timings)[1]
-    (ARTIFACTS / "render-1000-nodes-4000-ranks.json").write_text(
-        json.dumps({"nodes": NODES, "ranks": RANKS, "render_ms": timings, "median_ms": median})
-    )
+    # A fresh load, signed in, of the job: the fleet and the job drawn in full.
+    page.goto(f"{url}?job={job_id}")
+    page.wait_for_selector("body[data-rendered='1']")
+    page.wait_for_function(f"document.querySelector('[data-field=ranks]')?.innerText === '{RANKS}'")
     assert page.locator("#fleet .node").count() == NODES
     assert page.locator("#fleet .node[data-state='unhealthy']").count() == 10
     assert page.locator(".incident").count() == 3
@@ -368,4 +269,3 @@ def test_1000_nodes_and_a_4000_rank_job_render_within_two_seconds(
     )
     page.screenshot(path=ARTIFACTS / "4-1000-nodes-4000-ranks.png", full_page=True)
     assert errors == []
-    assert median < RENDER_BUDGET_MS, f"rendered in {timings} ms; the budget is 2 s"
