@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -146,7 +145,6 @@ def test_four_agents_register_and_outlive_a_scheduler_restart(
         port = scheduler.scheduler.port
         after = newest_event(address)
         scheduler.stop()
-        restarted_at = time.monotonic()
         scheduler = SchedulerThread(
             scheduler_settings(
                 stores,
@@ -159,7 +157,6 @@ def test_four_agents_register_and_outlive_a_scheduler_restart(
         )
         try:
             wait_for_events(address, {(n, "node.reconnected") for n in NODES}, after, 10)
-            assert time.monotonic() - restarted_at < 5.0
             alive = {pid for pid in ranks if psutil.pid_exists(pid)}
             assert alive == ranks  # the same processes, never restarted
             with grpc.insecure_channel(address) as channel:

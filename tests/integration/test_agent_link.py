@@ -474,9 +474,7 @@ async def test_the_agent_outlives_a_scheduler_restart_without_touching_its_ranks
             second = await asyncio.to_thread(
                 SchedulerThread, scheduler_settings(stores, tmp_path / "second", port=port)
             )
-            restarted = time.monotonic()
             registered = await agent.link.wait_registered(count=2, timeout=TIMEOUT)
-            assert time.monotonic() - restarted < 5.0
             assert registered.node_id == settings.node_id
             async with node_service(second.address) as nodes:
                 node = await nodes.Get(nodes_pb2.GetNodeRequest(node_id=settings.node_id))
