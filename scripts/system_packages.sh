@@ -8,6 +8,7 @@
 #   chromium     chromium     the dashboard's browser test (headless)
 #   slurmctld    slurm-wlm    the Slurm test (slurmctld, slurmd, sbatch, srun)
 #   munge        munge        Slurm's authentication
+#   ip           iproute2     network namespaces that cut a node off (cluster tests)
 set -uo pipefail
 
 NEEDED=(
@@ -15,6 +16,7 @@ NEEDED=(
     "chromium chromium"
     "slurmctld slurm-wlm"
     "munge munge"
+    "ip iproute2"
 )
 
 missing=()

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,6 +37,47 @@ from pitstop.tls import channel_options
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, nodes_pb2, nodes_pb2_grpc
 
 RUN_ID = uuid.uuid4().hex[:10]
+
+# Where `make test` sets up everything the tests need by itself (root on Debian: the
+# Debian packages by apt-get, helm and the Python packages from their registries), a
+# skip means that set-up failed: it fails the test, saying so. Only a test that needs
+# hardware the machine lacks (an NVIDIA GPU) may skip there; its reason starts with
+# NO_HARDWARE.
+NO_HARDWARE = "hardware: "
+SETS_UP_EVERYTHING = (
+    os.geteuid() == 0 and Path("/etc/debian_version").exists() and bool(shutil.which("apt-get"))
+)
+
+
+def _skip_reason(longrepr: Any) -> str:
+    text = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return str(text).removeprefix("Skipped: ")
+
+
+def _a_failed_set_up(report: pytest.CollectReport | pytest.TestReport) -> None:
+    if not (SETS_UP_EVERYTHING and report.skipped) or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report.longrepr)
+    if reason.startswith(NO_HARDWARE):
+        return
+    report.outcome = "failed"
+    report.longrepr = (
+        f"skipped on a machine that sets up everything the tests need (root on Debian): "
+        f"{reason}. `make test` should have installed it (scripts/system_packages.sh, "
+        "scripts/install_helm.sh, pip install -e '.[dev]'); see what it printed."
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    _a_failed_set_up(outcome.get_result())  # type: ignore[attr-defined]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    _a_failed_set_up(outcome.get_result())  # type: ignore[attr-defined]
 
 
 @dataclass

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import NO_HARDWARE
 
 pynvml = pytest.importorskip("pynvml")
 
@@ -36,7 +37,8 @@ def nvml_init_error() -> str | None:
 
 NVML_UNAVAILABLE = nvml_init_error()
 needs_nvml = pytest.mark.skipif(
-    NVML_UNAVAILABLE is not None, reason=f"NVML cannot initialise here: {NVML_UNAVAILABLE}"
+    NVML_UNAVAILABLE is not None,
+    reason=f"{NO_HARDWARE}NVML cannot initialise here (no NVIDIA GPU?): {NVML_UNAVAILABLE}",
 )
 
 
@@ -57,7 +59,9 @@ def test_real_gpus() -> None:
     assert not any(t.name == "pitstop-nvml-xid-watch" for t in threading.enumerate())
 
 
-@pytest.mark.skipif(NVML_UNAVAILABLE is None, reason="NVML works here")
+@pytest.mark.skipif(
+    NVML_UNAVAILABLE is None, reason=f"{NO_HARDWARE}NVML works here: no driver-less case to try"
+)
 def test_open_backend_without_a_driver_says_what_to_do() -> None:
     with pytest.raises(GpuBackendError, match=r"--gpus sim:8") as raised:
         open_backend("nvml", "node-a")
