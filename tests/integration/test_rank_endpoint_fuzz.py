@@ -149,7 +149,7 @@ def assert_still_serving(rank_endpoint: RankEndpoint) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
-@fuzz_settings(30)
+@fuzz_settings(20)
 @given(data=st.data())
 def test_any_rank_request_is_answered_or_refused_clearly(
     rank_endpoint: RankEndpoint, name: str, data: Any
