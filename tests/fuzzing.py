@@ -19,7 +19,7 @@ import grpc
 import pytest
 from conftest import SchedulerProcess, StoreUrls, tls_scheduler, unique
 from google.protobuf import timestamp_pb2
-from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 from hypothesis import HealthCheck, settings
@@ -57,6 +57,35 @@ def fuzz_settings(examples: int) -> settings:
         deadline=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
+
+
+def call_method(
+    channel: grpc.Channel,
+    method: MethodDescriptor,
+    request: Message,
+    metadata: tuple[tuple[str, str], ...] | None,
+    timeout: float,
+    *,
+    until_deadline: bool = False,
+) -> None:
+    """Call `method` (unary or server-streaming) with `request` and read every answer.
+    `until_deadline`: a call that only ends at its deadline (a Watch, a wait for a
+    command) is not refused when it reaches it."""
+    path = f"/{method.containing_service.full_name}/{method.name}"
+    serialize = type(request).SerializeToString
+    reply = GetMessageClass(method.output_type).FromString
+    try:
+        if method.server_streaming:
+            for _ in channel.unary_stream(path, serialize, reply)(
+                request, timeout=timeout, metadata=metadata
+            ):
+                pass
+        else:
+            channel.unary_unary(path, serialize, reply)(request, timeout=timeout, metadata=metadata)
+    except grpc.RpcError as err:
+        waited = err.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+        if not (waited and until_deadline):
+            raise
 
 
 def assert_clear(err: grpc.RpcError, what: object, also: frozenset[Any] = frozenset()) -> None:

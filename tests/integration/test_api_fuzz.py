@@ -21,13 +21,13 @@ from fuzzing import (
     FUZZ_TIMEOUT,
     Enrolled,
     assert_clear,
+    call_method,
     enrolled_node,
     fuzz_settings,
     messages,
     register,
 )
 from google.protobuf.descriptor import MethodDescriptor
-from google.protobuf.message_factory import GetMessageClass
 from hypothesis import event, given
 from hypothesis import strategies as st
 
@@ -88,29 +88,10 @@ def api(node: Enrolled) -> Iterator[grpc.Channel]:
 
 
 def call(channel: grpc.Channel, method: MethodDescriptor, request: Any, token: str) -> None:
-    path = f"/{method.containing_service.full_name}/{method.name}"
-    reply = GetMessageClass(method.output_type)
     metadata = (("authorization", f"Bearer {token}"),) if token else None
-    if method.server_streaming:
-        stream = channel.unary_stream(
-            path,
-            request_serializer=type(request).SerializeToString,
-            response_deserializer=reply.FromString,
-        )
-        responses = stream(request, timeout=WATCH_TIMEOUT, metadata=metadata)
-        try:
-            for _ in responses:
-                pass
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
-                raise
-        return
-    unary = channel.unary_unary(
-        path,
-        request_serializer=type(request).SerializeToString,
-        response_deserializer=reply.FromString,
-    )
-    unary(request, timeout=TIMEOUT, metadata=metadata)
+    streams = method.server_streaming
+    timeout = WATCH_TIMEOUT if streams else TIMEOUT
+    call_method(channel, method, request, metadata, timeout, until_deadline=streams)
 
 
 def assert_still_serving(node: Enrolled, api: grpc.Channel) -> None:

@@ -23,9 +23,8 @@ from typing import Any
 import grpc
 import pytest
 from fake_rank import NODE, ExitLog
-from fuzzing import FUZZ_TIMEOUT, assert_clear, fuzz_settings, messages
+from fuzzing import FUZZ_TIMEOUT, assert_clear, call_method, fuzz_settings, messages
 from google.protobuf.descriptor import MethodDescriptor
-from google.protobuf.message_factory import GetMessageClass
 from hypothesis import event, given
 from hypothesis import strategies as st
 
@@ -97,23 +96,10 @@ class RankEndpoint:
         self.loop.close()
 
     def call(self, method: MethodDescriptor, request: Any) -> None:
-        path = f"/pitstop.v1.RankControl/{method.name}"
-        reply = GetMessageClass(method.output_type).FromString
+        waits = method.name in WAITING
+        timeout = WAIT_TIMEOUT if waits else TIMEOUT
         metadata = ((RANK_KEY_METADATA, KEY),)
-        serialize = type(request).SerializeToString
-        timeout = WAIT_TIMEOUT if method.name in WAITING else TIMEOUT
-        try:
-            if method.server_streaming:
-                stream = self.channel.unary_stream(path, serialize, reply)
-                for _ in stream(request, timeout=timeout, metadata=metadata):
-                    pass
-            else:
-                unary = self.channel.unary_unary(path, serialize, reply)
-                unary(request, timeout=timeout, metadata=metadata)
-        except grpc.RpcError as err:
-            waited = err.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
-            if not (waited and method.name in WAITING):
-                raise
+        call_method(self.channel, method, request, metadata, timeout, until_deadline=waits)
 
 
 @pytest.fixture

@@ -60,10 +60,11 @@ def nul_field(message: Message, prefix: str = "") -> tuple[str, str] | None:
             if field.message_type.GetOptions().map_entry:
                 found = _nul_in_map(path, field.message_type, value)
             elif field.is_repeated:
-                found = next(
-                    (f for i, v in enumerate(value) if (f := nul_field(v, f"{path}[{i}]."))),
-                    None,
-                )
+                found = None
+                for i, item in enumerate(value):
+                    found = nul_field(item, f"{path}[{i}].")
+                    if found is not None:
+                        break
             else:
                 found = nul_field(value, f"{path}.")
             if found is not None:

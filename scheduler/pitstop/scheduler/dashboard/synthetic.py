@@ -60,11 +60,6 @@ def straggler(ranks: int = RANKS) -> int:
     return STRAGGLER_RANK % ranks
 
 
-def unhealthy_nodes(nodes: int = NODES) -> int:
-    """How many of ``nodes`` synthetic nodes are unhealthy (10 of the default 1,000)."""
-    return sum(1 for i in range(nodes) if _STATES.get(i % 100) is NodeState.UNHEALTHY)
-
-
 def check_size(nodes: int, ranks: int) -> None:
     """Raise ValueError unless ``nodes`` and ``ranks`` make a fleet `seed_fleet` can write."""
     group = GPUS * PP
