@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.db import models
@@ -45,13 +46,17 @@ async def list_events(
     job_id: str = "",
     node_id: str = "",
     after_id: int = 0,
+    through_id: int | None = None,
     limit: int = 100,
 ) -> Sequence[models.Event]:
-    """Events with id > ``after_id``, oldest first. A negative ``after_id`` asks for the
-    newest ``limit`` events (still oldest first): what a person wants to look at."""
+    """Events with id > ``after_id`` (and <= ``through_id`` where given), oldest first.
+    A negative ``after_id`` asks for the newest ``limit`` events (still oldest first):
+    what a person wants to look at."""
     query = select(models.Event)
     if after_id >= 0:
         query = query.where(models.Event.id > after_id)
+    if through_id is not None:
+        query = query.where(models.Event.id <= through_id)
     if job_id:
         query = query.where(models.Event.job_id == job_id)
     if node_id:
@@ -65,3 +70,28 @@ async def list_events(
 
 async def newest_event_id(session: AsyncSession) -> int:
     return int(await session.scalar(select(func.coalesce(func.max(models.Event.id), 0))) or 0)
+
+
+@dataclass(frozen=True)
+class LogView:
+    """The ids of the events after a point, as one snapshot of the database saw them,
+    and that snapshot's transaction horizon: every transaction with an id below
+    ``xmin`` had ended; every one that started later has an id at or above ``xmax``."""
+
+    xmin: int
+    xmax: int
+    ids: list[int]
+
+
+_LOG_VIEW = text(
+    "SELECT pg_snapshot_xmin(s)::text::bigint, pg_snapshot_xmax(s)::text::bigint,"
+    " ARRAY(SELECT id FROM events WHERE id > :after ORDER BY id LIMIT :limit)"
+    " FROM pg_current_snapshot() AS s"
+)
+
+
+async def log_view(session: AsyncSession, after_id: int, limit: int) -> LogView:
+    """Every event id after ``after_id`` (whatever its job or node), up to ``limit``,
+    with the horizon of the one snapshot they were read in."""
+    row = (await session.execute(_LOG_VIEW, {"after": after_id, "limit": limit})).one()
+    return LogView(xmin=int(row[0]), xmax=int(row[1]), ids=list(row[2]))
