@@ -243,9 +243,13 @@ class OwnPostgres(_Server):
             "--encoding=UTF8",
             "--no-sync",
         ]
+        # As the server is started: through a fresh interpreter that takes the user and
+        # execs initdb. subprocess's user= would fork() this process whole, with every
+        # thread's state (gRPC's, in a test or the CLI), and initdb was seen to die by
+        # SIGSEGV, its log empty, when started that way.
         with (self.folder / "initdb.log").open("ab") as out:
             done = subprocess.run(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, user=owner
+                self._wrapped(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
             )
         if done.returncode != 0:
             raise ClusterStartError(
