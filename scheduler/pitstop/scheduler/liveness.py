@@ -43,19 +43,22 @@ class LivenessMonitor:
         self.clock = clock
 
     async def scan_once(self) -> list[str]:
-        """Mark every node whose deadline passed LOST; returns them."""
+        """Mark every node whose deadline passed LOST, all in one transaction (a mass
+        expiry costs one commit, not one per node); returns them."""
         now = self.clock()
         lost = await self.hot.expired_nodes(now)
-        for i, node_id in enumerate(lost):
-            reason = "no heartbeat before the liveness deadline (agent hung or cut off)"
-            try:
-                async with self.store.write() as session:
-                    await health_service.mark_lost(session, node_id, reason=reason)
-            except BaseException:
-                # Not recorded (a deadlock, the database down): the claims go back, or a
-                # hung agent, which sends nothing more, would never be declared lost.
-                await asyncio.shield(self.hot.reclaimable(lost[i:], now))
-                raise
+        if not lost:
+            return []
+        reason = "no heartbeat before the liveness deadline (agent hung or cut off)"
+        try:
+            async with self.store.write() as session:
+                await health_service.mark_all_lost(session, lost, reason=reason)
+        except BaseException:
+            # Not recorded (a deadlock, the database down): the claims go back, or a
+            # hung agent, which sends nothing more, would never be declared lost.
+            await asyncio.shield(self.hot.reclaimable(lost, now))
+            raise
+        for node_id in lost:
             # Its stream, if still open, is stale: end it so the agent must register again.
             self.gateway.close(node_id, reason)
             log.warning("node %s lost: %s", node_id, reason)

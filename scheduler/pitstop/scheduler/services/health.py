@@ -13,6 +13,7 @@ node state change, with its event, in the caller's transaction:
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from typing import Any
 
 from google.protobuf import json_format
@@ -143,16 +144,38 @@ async def apply_health(
 async def mark_lost(session: AsyncSession, node_id: str, *, reason: str) -> bool:
     """LOST with its event, unless already lost. An unhealthy node stays unhealthy (the
     worse news) but is recorded as disconnected. True if the state changed."""
-    node = await _locked_node(session, node_id)
-    if node is None:
-        return False
-    node.connected = False
-    if node.state in _LIVE:
-        move_node(session, node, NodeState.LOST, kind="node.lost", reason=reason, actor="scheduler")
-        await catalog.forget_node(session, node_id)
-        return True
-    record_event(session, "node.disconnected", actor="scheduler", node_id=node_id, reason=reason)
-    return False
+    return bool(await mark_all_lost(session, [node_id], reason=reason))
+
+
+async def mark_all_lost(
+    session: AsyncSession, node_ids: Sequence[str], *, reason: str
+) -> list[str]:
+    """``mark_lost`` for any number of nodes in the session's one transaction: one
+    statement locks their rows (in id order, so two callers never deadlock on each
+    other), one forgets the shards their daemons held; the state changes and events go
+    out in the flush's batches. Returns the nodes that became LOST."""
+    nodes = (
+        await session.scalars(
+            select(models.Node)
+            .where(models.Node.id.in_(sorted(set(node_ids))))
+            .order_by(models.Node.id)
+            .with_for_update(key_share=True)
+        )
+    ).all()
+    lost = []
+    for node in nodes:
+        node.connected = False
+        if node.state in _LIVE:
+            move_node(
+                session, node, NodeState.LOST, kind="node.lost", reason=reason, actor="scheduler"
+            )
+            lost.append(node.id)
+        else:
+            record_event(
+                session, "node.disconnected", actor="scheduler", node_id=node.id, reason=reason
+            )
+    await catalog.forget_nodes(session, lost)
+    return lost
 
 
 def health_verdict(health_json: dict[str, Any]) -> int:
