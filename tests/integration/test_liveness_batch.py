@@ -23,14 +23,6 @@ SILENT = 200
 DEADLINE = "no heartbeat before the liveness deadline (agent hung or cut off)"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 async def hot(stores: StoreUrls) -> AsyncIterator[HotState]:
     state = HotState.from_url(stores.redis_url, f"{stores.redis_prefix}{unique('batch')}:")
@@ -62,15 +54,19 @@ async def test_a_mass_expiry_is_lost_in_one_scan_and_one_transaction(
         for node_id in [*silent, beating]:
             session.add(models.Node(id=node_id, rack=rack, state=NodeState.READY, connected=True))
         session.add(models.Node(id=unhealthy, rack=rack, state=NodeState.UNHEALTHY, connected=True))
-    clock = Clock()
+    now = 1_000.0  # the beats' time; the scan looks 10 s later
     for node_id in [*silent, unhealthy]:
-        await hot.record_heartbeat(node_id, 2.0, now=clock.now)
-    await hot.record_heartbeat(beating, 60.0, now=clock.now)
+        await hot.record_heartbeat(node_id, 2.0, now=now)
+    await hot.record_heartbeat(beating, 60.0, now=now)
     scan = LivenessMonitor(
-        store, hot, AgentGateway(), tick_seconds=0.5, startup_grace_seconds=0.0, clock=clock
+        store,
+        hot,
+        AgentGateway(),
+        tick_seconds=0.5,
+        startup_grace_seconds=0.0,
+        clock=lambda: now + 10.0,
     )
 
-    clock.now += 10.0
     assert sorted(await scan.scan_once()) == sorted([*silent, unhealthy])
     assert await scan.scan_once() == []  # each expiry is claimed once
 
