@@ -13,17 +13,22 @@ Linux only; needs root and iproute2 (``ip``). Used by ``pitstop cluster up --net
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import ipaddress
 import os
 import shutil
 import subprocess
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 SUBNETS = ipaddress.IPv4Network("10.232.0.0/16")
 """The /24s a cluster's network is taken from: the first one no address here is in."""
+LOCK = "/run/lock/pitstop-netns.lock"
+"""Held while a network picks its subnet and claims it, so two made at once (two
+clusters, two tests side by side) never pick the same one."""
 IFACE = "pst0"
 """The name of each node's end of its link, inside its namespace."""
 
@@ -155,17 +160,22 @@ def create(node_ids: Sequence[str], tag: str | None = None) -> Network:
     if len(node_ids) > 253:
         raise NetnsError(f"{len(node_ids)} nodes do not fit one /24 network; use at most 253")
     tag = tag or uuid.uuid4().hex[:6]
-    subnet = free_subnet()
-    hosts = subnet.hosts()
-    gateway = str(next(hosts))
-    links = tuple(
-        NodeLink(node_id, f"pitstop-{tag}-{node_id}", f"pst{tag}n{index}", str(next(hosts)))
-        for index, node_id in enumerate(node_ids)
-    )
-    network = Network(f"pst{tag}br", gateway, subnet.prefixlen, links)
+    with _subnet_lock():
+        subnet = free_subnet()
+        hosts = subnet.hosts()
+        gateway = str(next(hosts))
+        links = tuple(
+            NodeLink(node_id, f"pitstop-{tag}-{node_id}", f"pst{tag}n{index}", str(next(hosts)))
+            for index, node_id in enumerate(node_ids)
+        )
+        network = Network(f"pst{tag}br", gateway, subnet.prefixlen, links)
+        try:  # the bridge's address claims the subnet
+            _ip("link", "add", network.bridge, "type", "bridge")
+            _ip("addr", "add", f"{gateway}/{subnet.prefixlen}", "dev", network.bridge)
+        except BaseException:
+            destroy(network)
+            raise
     try:
-        _ip("link", "add", network.bridge, "type", "bridge")
-        _ip("addr", "add", f"{gateway}/{subnet.prefixlen}", "dev", network.bridge)
         _ip("link", "set", network.bridge, "up")
         for link in links:
             _ip("netns", "add", link.namespace)
@@ -182,6 +192,15 @@ def create(node_ids: Sequence[str], tag: str | None = None) -> Network:
         destroy(network)
         raise
     return network
+
+
+@contextlib.contextmanager
+def _subnet_lock() -> Iterator[None]:
+    """An exclusive lock on `LOCK`, across processes, released on exit."""
+    os.makedirs(os.path.dirname(LOCK), exist_ok=True)
+    with open(LOCK, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
 
 
 def destroy(network: Network) -> list[str]:
