@@ -214,7 +214,9 @@ def destroy(network: Network) -> list[str]:
     links = set(_listed(["-o", "link", "show"], field=1))
     for name in [link.outside for link in network.links] + [network.bridge]:
         if name in links:
-            problems += _try("link", "del", name)
+            # A veth pair goes with its namespace, a moment later: listed above, it
+            # may be gone by now, which is what was asked.
+            problems += [p for p in _try("link", "del", name) if "Cannot find device" not in p]
     return problems
 
 
