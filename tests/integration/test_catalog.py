@@ -55,10 +55,13 @@ def catalog(scheduler: SchedulerThread) -> Any:
 
 
 @pytest.fixture
-def job_id(scheduler: SchedulerThread) -> str:
+def job_id(scheduler: SchedulerThread, db: Any) -> str:
+    """A job of 2 ranks in its first generation, as once placed (the shards say 1)."""
     jobs = jobs_pb2_grpc.JobServiceStub(scheduler.channel())
-    spec = jobs_pb2.JobSpec(name=unique("ckpt"), command=["x"], dp=2)  # 2 ranks
-    return str(jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job.id)
+    spec = jobs_pb2.JobSpec(name=unique("ckpt"), command=["x"], dp=2)
+    job_id = str(jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job.id)
+    db.execute("UPDATE jobs SET generation = 1 WHERE id = %s", (job_id,))
+    return job_id
 
 
 def report(catalog: Any, node: str, *shards: checkpoint_pb2.ShardInfo) -> dict[str, int]:
@@ -88,7 +91,9 @@ def test_a_report_never_waits_for_a_job_row_a_decision_holds(
 ) -> None:
     """Reports are telemetry: a deciding transaction holding the job's row must not make
     them queue (nor queue behind them). The step is committed on record at once; the
-    job's pointer moves with the next report after the row is free."""
+    job's pointer moves to it with the next report after the row is free, even one that
+    commits nothing (the daemons keep the pointer's step: a step committed under a held
+    row and never pointed to would be dropped from memory as the job steps on)."""
     jobs = jobs_pb2_grpc.JobServiceStub(scheduler.channel())
     with psycopg.connect(stores.database_url) as decision:
         decision.execute("SELECT id FROM jobs WHERE id = %s FOR NO KEY UPDATE", (job_id,))
@@ -106,7 +111,8 @@ def test_a_report_never_waits_for_a_job_row_a_decision_holds(
         }
         decision.rollback()
     assert jobs.Get(jobs_pb2.GetJobRequest(job_id=job_id)).committed_step == 0
-    assert report(catalog, "a", shard(job_id, 0, 6, L), shard(job_id, 1, 6, L)) == {job_id: 0}
+    assert report(catalog, "a", shard(job_id, 0, 6, L), shard(job_id, 1, 6, L)) == {job_id: 5}
+    assert jobs.Get(jobs_pb2.GetJobRequest(job_id=job_id)).committed_step == 5
     assert report(catalog, "b", shard(job_id, 0, 6, R), shard(job_id, 1, 6, R)) == {job_id: 6}
     assert jobs.Get(jobs_pb2.GetJobRequest(job_id=job_id)).committed_step == 6
 
@@ -162,7 +168,11 @@ def test_while_a_recovery_is_in_flight_daemons_are_told_to_keep_its_restore_step
     assert report(catalog, "a", *both) == {job_id: 0}
     assert report(catalog, "b", shard(job_id, 0, 5, R), shard(job_id, 1, 5, R)) == {job_id: 5}
     # The recovery restores step 7: newer than the committed step, whole on live nodes.
-    db.execute("UPDATE jobs SET state = 'recovering', restore_step = 7 WHERE id = %s", (job_id,))
+    # Its new generation is 2; the old one's ranks step on and commit step 30.
+    db.execute(
+        "UPDATE jobs SET state = 'recovering', restore_step = 7, generation = 2 WHERE id = %s",
+        (job_id,),
+    )
     newer = (shard(job_id, 0, 30, L), shard(job_id, 1, 30, L))
     assert report(catalog, "a", *newer) == {job_id: 7}
     assert report(catalog, "b", shard(job_id, 0, 30, R), shard(job_id, 1, 30, R)) == {job_id: 7}

@@ -152,10 +152,13 @@ async def advance_jobs(session: AsyncSession, settled: dict[str, Settled]) -> di
     never backwards, and the committed step not while the job recovers (daemons keep the
     committed step in memory, and the restore point a recovery chose must outlive the
     steps the survivors take and commit before they reach the Reconfigure). A job whose
-    row another transaction holds (a decision) is skipped, not waited for: the next
-    report moves it on. Returns the step each job's daemons must keep (`retained_step`)."""
+    row another transaction holds (a decision, the step telemetry) is skipped, not waited
+    for: the next report moves it on, to the newest step its generation has committed,
+    not only to what that report settled. Returns the step each job's daemons must keep
+    (`retained_step`)."""
     for job_id, found in sorted(settled.items()):
-        await _advance(session, job_id, models.Job.committed_step, found.committed)
+        committed = max(found.committed, await _newest_committed(session, job_id))
+        await _advance(session, job_id, models.Job.committed_step, committed)
         await _advance(session, job_id, models.Job.durable_step, found.durable)
     if not settled:
         return {}
@@ -165,6 +168,24 @@ async def advance_jobs(session: AsyncSession, settled: dict[str, Settled]) -> di
         .execution_options(populate_existing=True)
     )
     return {job.id: retained_step(job) for job in rows}
+
+
+async def _newest_committed(session: AsyncSession, job_id: str) -> int:
+    """The newest step above the job's committed pointer that its current generation has
+    committed (0: none). A step committed by a report whose advance was skipped would
+    otherwise wait for a newer one to commit, and the daemons, told to keep only the
+    older pointer's step, would drop it: a recovery then finds no whole step in memory.
+    An index range over the few steps above the pointer, not the job's history."""
+    checkpoint, job = models.Checkpoint, models.Job
+    newest = await session.scalar(
+        select(func.max(checkpoint.step))
+        .join(job, job.id == checkpoint.job_id)
+        .where(checkpoint.job_id == job_id)
+        .where(checkpoint.step > job.committed_step)
+        .where(checkpoint.generation == job.generation)
+        .where(checkpoint.committed.is_(True))
+    )
+    return int(newest or 0)
 
 
 async def _advance(session: AsyncSession, job_id: str, column: Any, step: int) -> None:
