@@ -83,6 +83,8 @@ def cpu_load() -> Iterator[None]:
 STEPS = 30
 STEP_SECONDS = 0.05  # each step's work paced (the exchange and snapshot come on top), so a
 # fault lands mid-run
+SLOW_STEP_SECONDS = 0.2  # where a fault waits for a committed step, which trails the
+# ranks by the daemons' reports (seconds on a busy machine): the run must outlast it
 # A silent node is lost after 8 beats of 0.5 s (4 s, as in the local cluster). A shorter
 # deadline declared live nodes lost while a CPU load and four ranks starved the 2-core
 # machine; a stream that breaks is noticed at once either way.
@@ -474,6 +476,13 @@ class Cluster:
             )
 
         wait_until(reached, f"rank {rank} logs step {step}")
+
+    def wait_for_commit(self, job: jobs_pb2.Job) -> None:
+        """Until the catalog has committed a step of the job (every rank's snapshot on
+        two nodes): from then on a single node's loss restores from memory. Before it,
+        a recovery rightly starts over; on a busy machine the daemons' reports reach
+        the scheduler seconds after the ranks log their steps."""
+        wait_until(lambda: self.get(job.id).committed_step >= 1, f"a committed step of {job.id}")
 
     def rank_pids(self, node_id: str) -> list[int]:
         """The rank processes the node's agent started (found by their agent socket)."""
@@ -1007,7 +1016,7 @@ def test_two_nodes_failing_at_once_take_both_spares(
     the job goes on from memory. A node and its buddy hold both copies of one rank's
     newest steps: the job goes back to the newest step still whole (here, with no
     durable flush yet, step 0) and still ends bitwise equal."""
-    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    job = cluster.submit("--step-seconds", str(SLOW_STEP_SECONDS))
     first = cluster.node_of(job, 1).node_id
     buddy = cluster.buddy_of(first)
     workers = [a.node_id for a in job.rank_map.ranks if a.node_id != first]
@@ -1017,6 +1026,8 @@ def test_two_nodes_failing_at_once_take_both_spares(
     else:
         second = next(n for n in workers if n != buddy and cluster.buddy_of(n) != first)
     cluster.wait_for_step(job, 1, random.randint(8, STEPS // 2))
+    if pair == "apart":
+        cluster.wait_for_commit(job)
     for node_id in (first, second):
         cluster.kill_node(node_id)
     done = cluster.finish(job.id)
@@ -1030,10 +1041,16 @@ def test_a_node_lost_during_a_recovery_is_replaced_too(
     cluster: Cluster, standalone_hash: str
 ) -> None:
     """The second node dies while the job is still recovering from the first: the
-    recovery in flight is superseded by a new generation, and nothing is lost."""
-    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
-    first, second = cluster.node_of(job, 0).node_id, cluster.node_of(job, 3).node_id
+    recovery in flight is superseded by a new generation, and nothing is lost. The
+    second is not in a buddy pair with the first (that loses both copies of a rank's
+    newest steps: test_two_nodes_failing_at_once_take_both_spares[buddies])."""
+    job = cluster.submit("--step-seconds", str(SLOW_STEP_SECONDS))
+    first = cluster.node_of(job, 0).node_id
+    buddy = cluster.buddy_of(first)
+    workers = [a.node_id for a in job.rank_map.ranks if a.node_id != first]
+    second = next(n for n in workers if n != buddy and cluster.buddy_of(n) != first)
     cluster.wait_for_step(job, 0, random.randint(8, STEPS // 2))
+    cluster.wait_for_commit(job)
     cluster.kill_node(first)
     cluster.job_event(job.id, "job.recovering")
     assert cluster.get(job.id).state == common_pb2.JOB_STATE_RECOVERING
