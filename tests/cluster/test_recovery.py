@@ -68,8 +68,8 @@ from pitstop.v1 import (
 # logs; pytest's own timeout (only the test's stacks) is the backstop for a hang elsewhere.
 WAIT_TIMEOUT = 150.0
 # One worker runs the whole matrix, one scenario at a time, beside the rest of the suite
-# on the others (`make test` runs pytest-xdist with --dist loadgroup).
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(360), pytest.mark.xdist_group("cluster")]
+# on the other (`make test` runs pytest-xdist with --dist loadfile: a file is one unit).
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(360)]
 
 
 @pytest.fixture(scope="module", autouse=True)
