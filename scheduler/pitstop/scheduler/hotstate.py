@@ -40,6 +40,8 @@ class HotState:
         self.prefix = prefix
         self.events_channel = f"{prefix}events"
         self.deadlines_key = f"{prefix}liveness"
+        self.stream_holders_key = f"{prefix}stream-holders"
+        """Hash: node id -> the scheduler process holding its agent stream."""
         # Heartbeats waiting for the next write (node id -> deadline, live health, expiry),
         # the future their callers await, and the task writing them.
         self._beats: dict[str, tuple[float, str, int]] = {}
@@ -139,7 +141,8 @@ class HotState:
 
     @property
     def commands_channel(self) -> str:
-        """Pub/sub channel of commands for the process holding a node's stream."""
+        """Pub/sub channel of commands for whichever process holds a node's stream; each
+        process also listens on this name with its own id appended."""
         return f"{self.prefix}node-commands"
 
     async def node_health(self, node_id: str) -> dict[str, Any] | None:

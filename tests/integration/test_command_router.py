@@ -1,0 +1,158 @@
+"""Commands for a node whose agent stream another scheduler process holds go to that
+process alone, over real Redis pub/sub, as protobuf bytes; a holder that is unknown,
+gone or stale falls back to the shared channel, where the process holding the stream
+forwards the command. No command is lost to a wrong guess."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Any
+
+import pytest
+from conftest import StoreUrls, unique
+
+from pitstop.scheduler.gateway import AgentGateway, CommandRouter
+from pitstop.scheduler.hotstate import HotState
+from pitstop.v1 import agent_pb2
+
+DEADLINE = 10.0
+
+
+class Process:
+    """One scheduler process's share: its Redis client, gateway and router."""
+
+    def __init__(self, hot: HotState) -> None:
+        self.hot = hot
+        self.gateway = AgentGateway()
+        self.router = CommandRouter(self.gateway, hot)
+        self.queues: dict[str, asyncio.Queue[Any]] = {}
+
+    def take(self, node_id: str) -> None:
+        """Hold the node's stream, as Connect does."""
+        self.queues[node_id] = self.gateway.attach(node_id)
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Until `condition` holds; the condition, not the time, ends the wait."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        await asyncio.sleep(0.01)
+
+
+async def received(queue: asyncio.Queue[Any]) -> agent_pb2.SchedulerMessage:
+    item = await asyncio.wait_for(queue.get(), DEADLINE)
+    assert isinstance(item, agent_pb2.SchedulerMessage), item
+    return item
+
+
+@pytest.fixture
+async def processes(stores: StoreUrls) -> AsyncIterator[Callable[[], Awaitable[Process]]]:
+    prefix = f"{stores.redis_prefix}{unique('router')}:"
+    async with AsyncExitStack() as stack:
+
+        async def start() -> Process:
+            hot = HotState.from_url(stores.redis_url, prefix)
+            stack.push_async_callback(hot.redis.aclose)
+            process = Process(hot)
+            process.router.start()
+            stack.push_async_callback(process.router.stop)
+            # Subscribed (the routers' two channels each) before the test sends anything.
+            await until_subscribed(hot, process.router.own_channel)
+            return process
+
+        yield start
+        first = HotState.from_url(stores.redis_url, prefix)
+        await first.redis.delete(first.stream_holders_key)
+        await first.redis.aclose()
+
+
+async def until_subscribed(hot: HotState, channel: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + DEADLINE
+    while not (await hot.redis.pubsub_numsub(channel))[0][1]:
+        if loop.time() > deadline:
+            raise AssertionError(f"nobody subscribed to {channel}")
+        await asyncio.sleep(0.01)
+
+
+def start_ranks(job_id: str) -> agent_pb2.SchedulerMessage:
+    message = agent_pb2.SchedulerMessage()
+    message.start_ranks.job_id = job_id
+    return message
+
+
+async def test_a_command_goes_to_the_holding_process_alone_as_protobuf(
+    processes: Callable[[], Awaitable[Process]],
+) -> None:
+    sender, holder, bystander = await processes(), await processes(), await processes()
+    holder.take("n1")
+    await until(lambda: sender.router.holders.get("n1") == holder.router.process_id, "notice")
+    # What crosses the shared channel while the command is sent: nothing for n1.
+    shared = sender.hot.redis.pubsub(ignore_subscribe_messages=True)
+    await shared.subscribe(sender.router.channel)
+    try:
+        assert await sender.router.send("n1", start_ranks("j-1")) == 0
+        got = await received(holder.queues["n1"])
+        assert got.start_ranks.job_id == "j-1"
+        assert got.command_id > 0
+        frame = await shared.get_message(timeout=0.5)
+        assert frame is None, frame
+    finally:
+        await shared.aclose()  # type: ignore[no-untyped-call]
+    assert not bystander.gateway.connected("n1")
+
+
+async def test_a_process_started_later_learns_the_holders_from_redis(
+    processes: Callable[[], Awaitable[Process]],
+) -> None:
+    holder = await processes()
+    holder.take("n2")
+    await until(lambda: holder.router.holders.get("n2") == holder.router.process_id, "claim")
+    probe = await processes()  # its claim went to Redis before this process existed
+    await until(lambda: probe.router.holders.get("n2") == holder.router.process_id, "loaded")
+    late = await processes()
+    assert await late.router.send("n2", start_ranks("j-2")) == 0
+    assert (await received(holder.queues["n2"])).start_ranks.job_id == "j-2"
+
+
+async def test_a_gone_or_stale_holder_costs_no_command(
+    processes: Callable[[], Awaitable[Process]],
+) -> None:
+    sender, old, new = await processes(), await processes(), await processes()
+    new.take("n3")
+    await until(lambda: sender.router.holders.get("n3") == new.router.process_id, "notice")
+    # A holder process that is gone: nobody hears its channel, so everyone is asked.
+    sender.router.holders["n3"] = "0123456789ab"
+    assert await sender.router.send("n3", start_ranks("j-gone")) == 0
+    assert (await received(new.queues["n3"])).start_ranks.job_id == "j-gone"
+    # A stale holder (the stream moved, its notice lost): that process passes it on.
+    sender.router.holders["n3"] = old.router.process_id
+    assert await sender.router.send("n3", start_ranks("j-moved")) == 0
+    assert (await received(new.queues["n3"])).start_ranks.job_id == "j-moved"
+
+
+async def test_a_frame_nobody_can_read_does_not_stop_the_routing(
+    processes: Callable[[], Awaitable[Process]],
+) -> None:
+    sender, holder = await processes(), await processes()
+    holder.take("n4")
+    await until(lambda: sender.router.holders.get("n4") == holder.router.process_id, "notice")
+    await sender.hot.redis.publish(holder.router.own_channel, b"no node id here")
+    await sender.hot.redis.publish(holder.router.own_channel, b"Mn4\0not protobuf \xff\xff")
+    assert await sender.router.send("n4", start_ranks("j-4")) == 0
+    assert (await received(holder.queues["n4"])).start_ranks.job_id == "j-4"
+
+
+async def test_closing_a_stream_reaches_the_process_that_holds_it(
+    processes: Callable[[], Awaitable[Process]],
+) -> None:
+    sender, holder = await processes(), await processes()
+    holder.take("n5")
+    await sender.router.close("n5", "revoked")
+    item = await asyncio.wait_for(holder.queues["n5"].get(), DEADLINE)
+    assert getattr(item, "reason", None) == "revoked", item
