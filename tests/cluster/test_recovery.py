@@ -68,7 +68,7 @@ from pitstop.v1 import (
 # logs; pytest's own timeout (only the test's stacks) is the backstop for a hang elsewhere.
 WAIT_TIMEOUT = 150.0
 # One worker runs the whole matrix, one scenario at a time, beside the rest of the suite
-# on the other (`make test` runs pytest-xdist with --dist loadfile: a file is one unit).
+# on the other (`make test` runs pytest-xdist; tests/conftest.py's MatrixApart).
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(360)]
 
 
