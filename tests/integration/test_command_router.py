@@ -44,6 +44,16 @@ async def until(condition: Callable[[], bool], what: str) -> None:
         await asyncio.sleep(0.01)
 
 
+async def taken(holder: Process, node_id: str, *heard_by: Process) -> None:
+    """`holder` takes the node's stream; until `heard_by` know it holds it."""
+    holder.take(node_id)
+
+    def heard() -> bool:
+        return all(p.router.holders.get(node_id) == holder.router.process_id for p in heard_by)
+
+    await until(heard, f"the notice that {node_id} is held")
+
+
 async def received(queue: asyncio.Queue[Any]) -> agent_pb2.SchedulerMessage:
     item = await asyncio.wait_for(queue.get(), DEADLINE)
     assert isinstance(item, agent_pb2.SchedulerMessage), item
@@ -90,8 +100,7 @@ async def test_a_command_goes_to_the_holding_process_alone_as_protobuf(
     processes: Callable[[], Awaitable[Process]],
 ) -> None:
     sender, holder, bystander = await processes(), await processes(), await processes()
-    holder.take("n1")
-    await until(lambda: sender.router.holders.get("n1") == holder.router.process_id, "notice")
+    await taken(holder, "n1", sender)
     # What crosses the shared channel while the command is sent: nothing for n1.
     shared = sender.hot.redis.pubsub(ignore_subscribe_messages=True)
     await shared.subscribe(sender.router.channel)
@@ -124,8 +133,7 @@ async def test_a_gone_or_stale_holder_costs_no_command(
     processes: Callable[[], Awaitable[Process]],
 ) -> None:
     sender, old, new = await processes(), await processes(), await processes()
-    new.take("n3")
-    await until(lambda: sender.router.holders.get("n3") == new.router.process_id, "notice")
+    await taken(new, "n3", sender)
     # A holder process that is gone: nobody hears its channel, so everyone is asked.
     sender.router.holders["n3"] = "0123456789ab"
     assert await sender.router.send("n3", start_ranks("j-gone")) == 0
@@ -140,8 +148,7 @@ async def test_a_frame_nobody_can_read_does_not_stop_the_routing(
     processes: Callable[[], Awaitable[Process]],
 ) -> None:
     sender, holder = await processes(), await processes()
-    holder.take("n4")
-    await until(lambda: sender.router.holders.get("n4") == holder.router.process_id, "notice")
+    await taken(holder, "n4", sender)
     await sender.hot.redis.publish(holder.router.own_channel, b"no node id here")
     await sender.hot.redis.publish(holder.router.own_channel, b"Mn4\0not protobuf \xff\xff")
     assert await sender.router.send("n4", start_ranks("j-4")) == 0
