@@ -59,7 +59,7 @@ compose-check:
 	else echo "docker-compose not installed or no compose file: compose check skipped"; fi
 
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist load
+	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python bench/api.py

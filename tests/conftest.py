@@ -80,35 +80,6 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     _a_failed_set_up(outcome.get_result())  # type: ignore[attr-defined]
 
 
-FAULT_MATRIX = "tests/cluster/"
-"""Its scenarios each start a whole cluster: they run one at a time, on one worker."""
-
-
-class MatrixApart:
-    """`make test`'s xdist scheduling (`-n 2 --dist load`): the fault matrix is one unit
-    of work, so one worker runs its scenarios one cluster at a time, and every other
-    test is a unit of its own that whichever worker is free takes. (pytest-xdist's
-    `loadgroup` would do this by `xdist_group` marks, but with pytest 9 it ignores
-    them: it rewrites `item._nodeid`, which pytest 9 no longer reads.)"""
-
-    @staticmethod
-    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-        if config.getvalue("dist") != "load":
-            return None
-        from xdist.scheduler import LoadScopeScheduling
-
-        class Scheduling(LoadScopeScheduling):  # type: ignore[misc]
-            def _split_scope(self, nodeid: str) -> str:
-                return FAULT_MATRIX if nodeid.startswith(FAULT_MATRIX) else nodeid
-
-        return Scheduling(config, log)
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    if config.pluginmanager.hasplugin("xdist"):  # its hook is unknown without it
-        config.pluginmanager.register(MatrixApart(), "pitstop-matrix-apart")
-
-
 @dataclass
 class StoreUrls:
     database_url: str

@@ -67,8 +67,6 @@ from pitstop.v1 import (
 # A scenario waits up to WAIT_TIMEOUT for each event and then fails with the cluster's
 # logs; pytest's own timeout (only the test's stacks) is the backstop for a hang elsewhere.
 WAIT_TIMEOUT = 150.0
-# One worker runs the whole matrix, one scenario at a time, beside the rest of the suite
-# on the other (`make test` runs pytest-xdist; tests/conftest.py's MatrixApart).
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(360)]
 
 
