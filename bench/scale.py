@@ -470,6 +470,7 @@ class Scheduler:
             PITSTOP_HOST="127.0.0.1",
             PITSTOP_PORT=str(self.port),
             PITSTOP_METRICS_PORT=str(self.metrics_port),
+            PITSTOP_DASHBOARD_PORT="0",  # a free one each: several processes side by side
             PITSTOP_STATE_DIR=str(root / name),
             PITSTOP_LOG_LEVEL="WARNING",
             GRPC_VERBOSITY="ERROR",
