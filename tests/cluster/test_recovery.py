@@ -482,6 +482,14 @@ class Cluster:
         the scheduler seconds after the ranks log their steps."""
         wait_until(lambda: self.get(job.id).committed_step >= 1, f"a committed step of {job.id}")
 
+    def apart_from(self, job: jobs_pb2.Job, first: str) -> str:
+        """A worker of the job in no buddy pair with `first`: neither holds the other's
+        replicas, so losing both leaves every rank a copy."""
+        buddy = self.buddy_of(first)
+        workers = [a.node_id for a in job.rank_map.ranks if a.node_id != first]
+        assert buddy in workers, (first, buddy)
+        return next(n for n in workers if n != buddy and self.buddy_of(n) != first)
+
     def rank_pids(self, node_id: str) -> list[int]:
         """The rank processes the node's agent started (found by their agent socket)."""
         socket = str(self.nodes[node_id].root / "agent" / SOCKET_NAME)
@@ -1016,13 +1024,8 @@ def test_two_nodes_failing_at_once_take_both_spares(
     durable flush yet, step 0) and still ends bitwise equal."""
     job = cluster.submit("--step-seconds", str(SLOW_STEP_SECONDS))
     first = cluster.node_of(job, 1).node_id
-    buddy = cluster.buddy_of(first)
-    workers = [a.node_id for a in job.rank_map.ranks if a.node_id != first]
-    assert buddy in workers, (first, buddy)
-    if pair == "buddies":
-        second = buddy
-    else:
-        second = next(n for n in workers if n != buddy and cluster.buddy_of(n) != first)
+    second = cluster.buddy_of(first) if pair == "buddies" else cluster.apart_from(job, first)
+    assert second in {a.node_id for a in job.rank_map.ranks} - {first}, (first, second)
     cluster.wait_for_step(job, 1, random.randint(8, STEPS // 2))
     if pair == "apart":
         cluster.wait_for_commit(job)
@@ -1044,9 +1047,7 @@ def test_a_node_lost_during_a_recovery_is_replaced_too(
     newest steps: test_two_nodes_failing_at_once_take_both_spares[buddies])."""
     job = cluster.submit("--step-seconds", str(SLOW_STEP_SECONDS))
     first = cluster.node_of(job, 0).node_id
-    buddy = cluster.buddy_of(first)
-    workers = [a.node_id for a in job.rank_map.ranks if a.node_id != first]
-    second = next(n for n in workers if n != buddy and cluster.buddy_of(n) != first)
+    second = cluster.apart_from(job, first)
     cluster.wait_for_step(job, 0, random.randint(8, STEPS // 2))
     cluster.wait_for_commit(job)
     cluster.kill_node(first)
@@ -1225,7 +1226,7 @@ def test_a_postgresql_restart_mid_run_loses_nothing(
     process_cluster.restart_postgres()
     done = cluster.finish(job.id)
     check_result(done, standalone_hash)
-    assert done.generation == 1
+    assert done.generation == 1, cluster.logs(job.id)  # nothing was recovered
     for rank in range(4):
         assert steps_logged(cluster, done, rank) == list(range(1, STEPS + 1))
     assert node_lost_events(cluster) == []
