@@ -68,6 +68,18 @@ def _a_failed_set_up(report: pytest.CollectReport | pytest.TestReport) -> None:
     )
 
 
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (a CI timeout, `kill`) ends the run as Ctrl-C does: every fixture's
+    teardown runs and stops what it started (scheduler processes, clusters, their
+    ranks). Without it the interpreter died at once and left them running."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
