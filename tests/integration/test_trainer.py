@@ -42,7 +42,7 @@ pytest.importorskip("torch")
 
 STEPS = 40
 TIMEOUT = 90.0  # a guard against a hang only: a run takes about 10 s alone, and took
-# over 30 s beside the fault matrix on the 2-core machine (`make test`)
+# over 30 s beside the fault matrix on the 2-core machine (under pytest-xdist)
 EXAMPLE = [sys.executable, "-m", "pitstop.trainer.example", "--steps", str(STEPS)]
 
 
