@@ -282,6 +282,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Train; print and report the final weights' hash. 0 also when stopped early."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # On CUDA, deterministic algorithms refuse cuBLAS matrix products unless cuBLAS
+    # keeps a fixed workspace per stream (read when its handle is made: set it first).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(args.threads)
     with Session.from_env() as session:
