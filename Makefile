@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo demo-load test system-packages helm install check lint typecheck imports compose-check proto proto-check pytest bench clean
+.PHONY: demo demo-load test system-packages helm install check lint typecheck imports compose-check proto proto-check pytest bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,13 @@ pytest: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/api.py
+
+# The checks that need an NVIDIA GPU (tests marked gpu, tests/gpu): each skips, saying
+# why, on a machine without one. Their numbers, one JSON line per check, are printed and
+# appended to $(GPU_REPORT).
+GPU_REPORT ?= test-artifacts/gpu-check.jsonl
+gpu-check: $(STAMP)
+	PITSTOP_GPU_REPORT=$(GPU_REPORT) $(BIN)/python -m pytest -q -m gpu -rs -s tests/gpu
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .state
