@@ -44,18 +44,19 @@ def _median(values: list[float]) -> float:
 
 
 def _fits(total: int) -> str:
-    """Why a `total`-byte snapshot cannot run here ("" when it can): the daemon's two
-    segments (the newest snapshot and the next one's slot) in /dev/shm, the writer's
-    pinned staging buffer and the pinned copy beside them in host memory, and the
-    tensors with their restored copy on the GPU."""
+    """Why a `total`-byte snapshot cannot run here ("" when it can): the daemon's
+    segments in /dev/shm (the newest snapshot, the next one's slot, and at times a third
+    while the oldest is given back), the writer's pinned staging buffer and the pinned
+    copy beside them in host memory, and the tensors with their restored copy on the
+    GPU."""
     import torch
 
     shm_free = shutil.disk_usage(SHM_DIR).free
     host_free = psutil.virtual_memory().available
     gpu_free, _ = torch.cuda.mem_get_info()
     needs = {
-        f"{SHM_DIR} free": (shm_free, 2.2 * total),
-        "host memory available": (host_free, 4.5 * total),  # 2 segments + 2 pinned buffers
+        f"{SHM_DIR} free": (shm_free, 3.2 * total),
+        "host memory available": (host_free, 5.5 * total),  # 3 segments + 2 pinned buffers
         "GPU memory free": (gpu_free, 2.2 * total),  # the tensors and their restored copy
     }
     short = [
@@ -69,13 +70,15 @@ def _fits(total: int) -> str:
 @pytest.fixture
 def daemon(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
     """A real checkpoint daemon process, no scheduler: it keeps the newest snapshot and
-    leases the next one's slot as it seals; no durable flush during the check."""
+    leases the next one's slot as it seals; no durable flush during the check. Its budget
+    has room for three slots and their headers: a snapshot's slot is asked for while the
+    one before the newest is still being given back."""
     total = int(request.node.callspec.params["gigabytes"]) * GB
     node_id = f"gpu-stall-{uuid.uuid4().hex[:6]}"
     started = DaemonProcess(
         node_id,
         tmp_path / "checkpointd",
-        memory_budget_bytes=str(3 * total),
+        memory_budget_bytes=str(4 * total),
         keep_in_memory="1",
         flush_every_steps="1000000000",
         log_level="WARNING",
