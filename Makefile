@@ -58,8 +58,16 @@ compose-check:
 		docker-compose -f docker-compose.yml config --quiet && echo "docker-compose.yml is valid"; \
 	else echo "docker-compose not installed or no compose file: compose check skipped"; fi
 
+# Two passes: every test but the fault matrix and Slurm on two pytest-xdist workers (most
+# of them wait on processes, sockets and deadlines more than they compute), then the
+# `cluster`-marked tests in one process, alone, since a fault-matrix scenario needs both
+# cores. The second pass runs after failed tests too, so one run shows every failure, but
+# not after an interrupt (Ctrl-C, SIGTERM: pytest's exit status 2) or an error of pytest's.
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -q
+	@$(BIN)/python -m pytest -q -m 'not cluster' -n 2; first=$$?; \
+	if [ $$first -gt 1 ]; then exit $$first; fi; \
+	$(BIN)/python -m pytest -q -m cluster; second=$$?; \
+	if [ $$second -ne 0 ]; then exit $$second; fi; exit $$first
 
 bench: $(STAMP)
 	$(BIN)/python bench/api.py

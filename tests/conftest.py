@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 import psycopg
 import pytest
 import redis
@@ -68,7 +69,20 @@ def _a_failed_set_up(report: pytest.CollectReport | pytest.TestReport) -> None:
     )
 
 
+_config: list[pytest.Config] = []
+
+
 def _terminated(signum: int, frame: object) -> None:
+    if _config and _config[0].pluginmanager.hasplugin("dsession"):
+        # A pytest-xdist controller runs no fixture: its children are the workers. Each
+        # gets the signal now and tears down as below, then reports to the controller,
+        # which ends the run as interrupted (xdist's own path for Ctrl-C in a worker).
+        # Left to xdist's shutdown, a worker is interrupted only after 5 s and killed
+        # after 10, in the middle of a slow teardown.
+        for worker in psutil.Process().children():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.send_signal(signum)
+        return
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
@@ -76,6 +90,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """SIGTERM (a CI timeout, `kill`) ends the run as Ctrl-C does: every fixture's
     teardown runs and stops what it started (scheduler processes, clusters, their
     ranks). Without it the interpreter died at once and left them running."""
+    _config[:] = [config]
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminated)
 
