@@ -71,8 +71,8 @@ def _fits(total: int) -> str:
 def daemon(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[DaemonProcess]:
     """A real checkpoint daemon process, no scheduler: it keeps the newest snapshot and
     leases the next one's slot as it seals; no durable flush during the check. Its budget
-    has room for three slots and their headers: a snapshot's slot is asked for while the
-    one before the newest is still being given back."""
+    is four states: on an H100 it asked for a third slot while two were in use (a slot
+    is the state and its header), and three states refused the fourth snapshot."""
     total = int(request.node.callspec.params["gigabytes"]) * GB
     node_id = f"gpu-stall-{uuid.uuid4().hex[:6]}"
     started = DaemonProcess(
