@@ -10,59 +10,20 @@ one GPU, so this needs two."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import NO_HARDWARE, free_port
+from conftest import NO_HARDWARE
 from gpu_env import cuda, machine, needs_two_gpus, report
+from integration.abandon_harness import run_ranks
 
 pytestmark = [pytest.mark.gpu, needs_two_gpus, pytest.mark.timeout(180)]
 
-RANK = Path(__file__).with_name("nccl_abandon_rank.py")
 WORLD = 2
 # Seconds from being told to out of the collective: far below the 60 s a rank that does
 # not abandon waits, far above what it takes. A hang guard, not a speed bound.
 OUT_WITHIN = 10.0
 WAIT = 90.0  # for the processes to start, form the group (NCCL's first init) and report
-
-
-def run_ranks(out: Path) -> tuple[dict[int, dict[str, object]], dict[int, float]]:
-    """Start the ranks and wait for each to report or to exit stuck. Returns the reports
-    and when each stuck rank's exit was seen."""
-    from pitstop.trainer import group
-
-    common = ["--world", str(WORLD), "--rendezvous", f"127.0.0.1:{free_port()}"]
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, str(RANK), "--rank", str(rank), *common, "--out", str(out)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for rank in range(WORLD)
-    ]
-    stuck: dict[int, float] = {}
-    try:
-        deadline = time.monotonic() + WAIT
-        while not all((out / f"rank-{r}.json").exists() or r in stuck for r in range(WORLD)):
-            for r in range(WORLD):
-                if r not in stuck and ranks[r].poll() == group.STUCK_EXIT_CODE:
-                    stuck[r] = time.time()
-            ended = (None, 0, group.STUCK_EXIT_CODE)
-            failed = [r for r in range(WORLD) if ranks[r].poll() not in ended]
-            if failed or time.monotonic() > deadline:
-                pytest.fail(f"ranks never all reported: {_outputs(ranks)}")
-            time.sleep(0.05)  # a poll of the ranks' reports, bounded by the deadline
-        for rank in ranks:
-            rank.wait(WAIT)
-    finally:
-        for rank in ranks:
-            rank.kill()
-            rank.wait()
-    left = [r for r in range(WORLD) if r not in stuck]
-    return {r: json.loads((out / f"rank-{r}.json").read_text()) for r in left}, stuck
 
 
 def test_both_nccl_ranks_leave_a_blocked_collective_once_told(tmp_path: Path) -> None:
@@ -72,7 +33,7 @@ def test_both_nccl_ranks_leave_a_blocked_collective_once_told(tmp_path: Path) ->
             f"{NO_HARDWARE}NCCL refuses two ranks on one GPU: {WORLD} ranks need {WORLD} "
             f"GPUs visible to CUDA, and {torch.cuda.device_count()} are"
         )
-    reports, stuck = run_ranks(tmp_path)
+    reports, stuck = run_ranks("reconfigure", tmp_path, WORLD, WAIT, cuda=True)
     told = {
         rank: float(json.loads((tmp_path / f"told-{rank}.json").read_text())["at"])
         for rank in range(WORLD)
@@ -99,13 +60,3 @@ def test_both_nccl_ranks_leave_a_blocked_collective_once_told(tmp_path: Path) ->
         if rank in told and told[rank] <= at:  # else out before told: its peer's abort
             assert at - told[rank] < OUT_WITHIN, (rank, numbers)
     assert max(out_at.values()) - first_told < OUT_WITHIN, numbers
-
-
-def _outputs(ranks: list[subprocess.Popen[bytes]]) -> str:
-    texts = []
-    for number, rank in enumerate(ranks):
-        if rank.poll() is None:
-            rank.kill()
-        output = rank.communicate()[0].decode(errors="replace")
-        texts.append(f"rank {number} (exit {rank.returncode}):\n{output[-3000:]}")
-    return "\n".join(texts)

@@ -2,7 +2,7 @@
 `group.form` (collective timeout 60 s), all-reduces in a loop, and reports when its
 collective ended and how.
 
-    python abandon_rank.py --rank R --world 4 --rendezvous HOST:PORT --out DIR --fault F
+    python abandon_rank.py --rank R --world 4 --rendezvous HOST:PORT --out DIR --fault F [--cuda]
 
 With `--fault kill`, the last rank SIGKILLs itself from a second thread while its main
 thread all-reduces, after writing the time to DIR/left.json. With `--fault reconfigure`,
@@ -12,7 +12,11 @@ a Reconfigure arrives (`group.abandon(older_than=2)`), the last rank first and t
 runs inside `group.collectives()`, as a Session's step does: a rank whose abandoned
 collective does not end (gloo's partly written send) exits with group.STUCK_EXIT_CODE
 after the grace. Every rank whose collective ends writes DIR/rank-R.json: when
-(time.time()), when it was told (null: not yet), the error.
+(time.time()), when it was told (null: not yet), the error and the backend.
+
+With `--cuda` each rank computes on its own GPU (NCCL, which refuses two ranks on one
+GPU) and waits for each all-reduce on the CPU, as a step that reads its loss does; an
+abandon then aborts the NCCL communicator (tests/gpu/test_gpu_nccl_abandon.py).
 """
 
 from __future__ import annotations
@@ -68,18 +72,28 @@ def main() -> None:
     parser.add_argument("--rendezvous", required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--fault", choices=["kill", "reconfigure"], required=True)
+    parser.add_argument("--cuda", action="store_true", help="one GPU per rank, NCCL")
     args = parser.parse_args()
+    device = group.device_for(args.rank) if args.cuda else torch.device("cpu")
     group.form(
         args.rank,
         args.world,
         COLLECTIVE_TIMEOUT,
         rendezvous_address=args.rendezvous,
+        device=device,
         wait=COLLECTIVE_TIMEOUT,
         generation=1,
     )
-    tensor = torch.ones(1 << 16)
-    for _ in range(WARM_UP):
+    backend = str(dist.get_backend())
+    tensor = torch.ones(1 << 16, device=device)
+
+    def all_reduce() -> None:
         dist.all_reduce(tensor)
+        if device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+
+    for _ in range(WARM_UP):
+        all_reduce()
     fault = Fault(args.fault, args.rank, args.world, args.out)
     if args.fault == "reconfigure" or args.rank == args.world - 1:
         fault.start()
@@ -87,7 +101,7 @@ def main() -> None:
         with group.collectives(grace=GRACE):
             while True:
                 fault.started.set()
-                dist.all_reduce(tensor)
+                all_reduce()
     except Exception as exc:  # the collective a peer left
         ended, told = time.time(), fault.told
         error = f"{type(exc).__name__}: {exc}"[:300]
@@ -99,6 +113,7 @@ def main() -> None:
         "told": told,
         "same_generation_shut": fault.same_generation_shut,
         "error": error,
+        "backend": backend,
     }
     (args.out / f"rank-{args.rank}.json").write_text(json.dumps(record))
     os._exit(0)  # skip destroying a group whose peers are gone
