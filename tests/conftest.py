@@ -611,6 +611,47 @@ class SchedulerProcess:
             channel.close()
 
 
+class ForkServerProcess:
+    """`python -m pitstop.agent.forkserver` on `socket_path`, having imported `preload`
+    (comma-separated): agents given `--fork-server socket_path` fork their ranks from it.
+    A context manager; it stops the server (SIGTERM, SIGKILL after 30 s)."""
+
+    def __init__(self, socket_path: Path, preload: str, env: dict[str, str]) -> None:
+        self.socket_path = socket_path
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pitstop.agent.forkserver",
+                *("--socket", str(socket_path), "--preload", preload),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # said once it listens (after the imports)
+        assert "listening on" in line, f"the fork server did not start: {line!r}"
+
+    def __enter__(self) -> ForkServerProcess:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
 class PostgresProcess:
     """An embedded PostgreSQL owned by a small process of its own: initdb and pg_ctl run
     from a fresh, single-threaded interpreter, not from this test process and its gRPC

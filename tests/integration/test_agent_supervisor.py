@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from conftest import ForkServerProcess
 from fake_rank import NODE, ExitLog, RankNotices, start_command, wait_gone
 
+from pitstop.agent.forkserver import ForkServerClient
 from pitstop.agent.supervisor import STANDBY_NICE, RankSupervisor
 from pitstop.v1 import agent_pb2
 
@@ -38,15 +40,40 @@ def exits() -> ExitLog:
     return ExitLog()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
+def fork_server() -> Iterator[ForkServerProcess]:
+    """A fork server for this module's fake ranks (nothing to preload: they import no
+    torch)."""
+    folder = Path(tempfile.mkdtemp(dir="/tmp", prefix="ps-fork-"))
+    try:
+        with ForkServerProcess(folder / "fork.sock", "", dict(os.environ)) as server:
+            yield server
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(params=["fresh", "forked"])
 async def supervisor(
-    short_dir: Path, tmp_path: Path, exits: ExitLog
+    request: pytest.FixtureRequest, short_dir: Path, tmp_path: Path, exits: ExitLog
 ) -> AsyncIterator[RankSupervisor]:
+    """The supervisor starting fresh processes, and the same forking them from a fork
+    server: every test holds both ways."""
+    fork_server = None
+    if request.param == "forked":
+        server: ForkServerProcess = request.getfixturevalue("fork_server")
+        fork_server = ForkServerClient(server.socket_path)
     supervisor = RankSupervisor(
-        NODE, short_dir / "agent.sock", tmp_path / "logs", exits, checkpointd_address="ckpt:7070"
+        NODE,
+        short_dir / "agent.sock",
+        tmp_path / "logs",
+        exits,
+        checkpointd_address="ckpt:7070",
+        fork_server=fork_server,
     )
     yield supervisor
     await supervisor.shutdown(grace_seconds=1.0)
+    if fork_server is not None:
+        await fork_server.close()
 
 
 async def test_starts_this_nodes_ranks_with_the_torch_environment(

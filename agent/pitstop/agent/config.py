@@ -108,6 +108,10 @@ class AgentSettings(BaseSettings):
     """Host name or IP the other nodes reach this node's ranks at: a job whose rank 0
     runs here meets at this host. Default: the host name (set it when the host name
     resolves to loopback or to the wrong network)."""
+    fork_server: Path | None = None
+    """Unix socket of a fork server (`python -m pitstop.agent.forkserver`) that starts
+    this node's ranks and standby processes from a process with torch imported, where
+    several agents share a host. None: each starts as a fresh process."""
     log_level: str = "INFO"
     allow_fault_injection: bool = False
     """Accept injected faults on the local socket; default true only for simulated GPUs."""

@@ -132,6 +132,13 @@ EXAMPLE_CONFIG = """\
 # name resolves to loopback or to a network the other nodes cannot reach.
 # advertise_host: ""
 
+# Unix socket of a fork server (python -m pitstop.agent.forkserver --socket PATH
+# --preload torch) that forks this node's ranks and standby processes with torch
+# imported once, where several agents share a host (a local cluster, tests). It forks
+# only what starts the same as in a fresh interpreter; anything else (or with no
+# server there) starts as a fresh process, as when this is unset.
+# fork_server: null
+
 # DEBUG, INFO, WARNING, ERROR or CRITICAL.
 # log_level: INFO
 

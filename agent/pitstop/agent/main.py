@@ -20,6 +20,7 @@ from pitstop.agent import install as installer
 from pitstop.agent import k8s_publisher
 from pitstop.agent.checkpointd_watch import CheckpointdWatch
 from pitstop.agent.config import AgentSettings, load_settings
+from pitstop.agent.forkserver import ForkServerClient
 from pitstop.agent.gpu import GpuBackend, GpuBackendError, open_backend
 from pitstop.agent.identity import enroll, identity_for, keep_renewed
 from pitstop.agent.link import SchedulerLink
@@ -55,6 +56,9 @@ class NodeAgent:
             checkpointd_address=settings.checkpointd_address,
             scheduler_address=settings.scheduler,
             tls_dir=self.identity.directory if self.identity is not None else None,
+            fork_server=(
+                ForkServerClient(settings.fork_server) if settings.fork_server is not None else None
+            ),
         )
         self.local = LocalEndpoint(
             settings.socket_path,
@@ -152,6 +156,8 @@ class NodeAgent:
         try:
             await self.supervisor.shutdown(grace_seconds)
         finally:
+            if self.supervisor.fork_server is not None:
+                await self.supervisor.fork_server.close()
             if self.checkpointd is not None:
                 await self.checkpointd.close(grace_seconds)
             await self.local.stop()
@@ -214,6 +220,12 @@ def run(
     ca_file: Annotated[
         Path | None, typer.Option(help="The cluster CA certificate, to enroll against")
     ] = None,
+    fork_server: Annotated[
+        Path | None,
+        typer.Option(
+            help="Socket of a fork server to start ranks from (python -m pitstop.agent.forkserver)"
+        ),
+    ] = None,
 ) -> None:
     """Run the agent until SIGTERM or SIGINT; then stop its ranks and exit."""
     try:
@@ -238,6 +250,7 @@ def run(
             tls=tls,
             join_token=join_token,
             ca_file=ca_file,
+            fork_server=fork_server,
         )
     except ValidationError as exc:
         _fail(f"invalid configuration: {_one_line(exc)}", EXIT_BAD_CONFIG)

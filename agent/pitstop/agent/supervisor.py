@@ -26,10 +26,11 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from pitstop.agent.forkserver import ForkServerClient
 from pitstop.agent.rankclient import RANK_KEY_ENV
 from pitstop.tls import TLS_DIR_ENV
 from pitstop.v1 import agent_pb2, common_pb2
@@ -48,13 +49,26 @@ STANDBY_NICE = 10
 agent or (on a shared machine) a recovery in flight; the rank it becomes runs at 0."""
 
 
+class RankProcess(Protocol):
+    """What the supervisor uses of a process: an asyncio subprocess, or one a fork
+    server started (`pitstop.agent.forkserver.ForkedProcess`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
 @dataclass
 class _Rank:
     job_id: str
     generation: int
     rank: int
     gpu_index: int
-    process: asyncio.subprocess.Process
+    process: RankProcess
     log_path: Path
     step: int = 0
     result: dict[str, str] = field(default_factory=dict)
@@ -85,8 +99,12 @@ class RankSupervisor:
         checkpointd_address: str = "",
         scheduler_address: str = "",
         tls_dir: Path | None = None,
+        fork_server: ForkServerClient | None = None,
     ) -> None:
         self.node_id = node_id
+        # Where ranks and standbys are forked from a process with torch imported; None,
+        # or a command it refuses: each starts as a fresh process.
+        self.fork_server = fork_server
         # With mutual TLS, ranks present the node's certificate to its checkpoint daemon
         # and the scheduler (PITSTOP_TLS_DIR).
         self.tls_dir = tls_dir
@@ -470,9 +488,16 @@ class RankSupervisor:
         cwd: str | None,
         log_path: Path,
         what: str,
-    ) -> asyncio.subprocess.Process:
-        """Start `argv` in a session of its own, its output appended to `log_path`."""
+    ) -> RankProcess:
+        """Start `argv` in a session of its own, its output appended to `log_path`
+        (forked by the fork server, when there is one and it takes the command)."""
         log = _open_log(log_path, what)
+        if self.fork_server is not None:
+            log.close()
+            forked = await self.fork_server.launch(argv, env, cwd, log_path)
+            if forked is not None:
+                return forked
+            log = log_path.open("ab")
         try:
             return await asyncio.create_subprocess_exec(
                 *argv,

@@ -595,10 +595,14 @@ def _die_with_the_agent() -> None:
     """SIGKILL this rank when the agent that started it dies: a rank whose agent is gone
     can neither report nor be reconfigured or stopped, the scheduler treats its node as
     lost, and it must not train on in a generation that no longer exists. Exits at once
-    if the agent is already gone."""
+    if the agent is already gone. A rank forked by the agent's fork server
+    (pitstop.agent.forkserver) has that server as its parent, which kills it when the
+    agent's connection closes and whose death kills it too."""
     agent = os.environ.get("PITSTOP_AGENT_PID", "")
     if sys.platform != "linux" or not agent.isdigit():
         return
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != int(agent):
+    parent = os.getppid()
+    forked_by = os.environ.get("PITSTOP_FORK_SERVER_PID", "")
+    if parent != int(agent) and not (forked_by.isdigit() and parent == int(forked_by)):
         raise SystemExit(f"the pitstop agent (pid {agent}) that started this rank is gone")

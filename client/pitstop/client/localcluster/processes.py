@@ -6,6 +6,7 @@ directory); signalling and waiting for them."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import time
@@ -78,7 +79,13 @@ def proc_pids() -> list[int]:
         return []
 
 
+FORK_SERVER_DIR_ENV = "PITSTOP_FORK_SERVER_DIR"
+"""A process forked by an agent's fork server shows the server's environment in /proc,
+which names this folder; the server keeps the process's own there as `<pid>.env`."""
+
+
 def environ(pid: int) -> dict[str, str]:
+    """The environment process `pid` started with ({} when unreadable)."""
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
@@ -88,6 +95,12 @@ def environ(pid: int) -> dict[str, str]:
         key, sep, value = item.partition(b"=")
         if sep:
             env[key.decode(errors="replace")] = value.decode(errors="replace")
+    forked = env.get(FORK_SERVER_DIR_ENV, "")
+    if forked:
+        with contextlib.suppress(OSError, ValueError):
+            own = json.loads(Path(forked, f"{pid}.env").read_text())
+            if isinstance(own, dict):
+                return {str(k): str(v) for k, v in own.items()}
     return env
 
 

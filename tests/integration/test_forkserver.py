@@ -1,0 +1,243 @@
+"""The fork server (pitstop.agent.forkserver): a process forked from it is the command
+as `python` would run it, lives and dies as one the agent starts itself, and anything
+it cannot fork faithfully is refused so the agent starts it afresh."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ForkServerProcess
+
+from pitstop.agent.forkserver import ForkServerClient
+from pitstop.client.localcluster.processes import environ, pid_alive
+
+TIMEOUT = 20.0
+
+SCRIPT = """
+import json, os, sys, time
+print(json.dumps({
+    "argv": sys.argv, "cwd": os.getcwd(), "x": os.environ.get("X"), "name": __name__,
+    "path0": sys.path[0], "ppid": os.getppid(), "pgid": os.getpgid(0), "pid": os.getpid(),
+}))
+what = sys.argv[1] if len(sys.argv) > 1 else ""
+if what == "exit3":
+    sys.exit(3)
+if what == "raise":
+    raise RuntimeError("a bug in the script")
+if what == "message":
+    sys.exit("gave up: no data")
+if what == "sigkill":
+    os.kill(os.getpid(), 9)
+if what == "hold":
+    import subprocess
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print(json.dumps({"child": child.pid}))
+    time.sleep(60)
+"""
+
+
+@pytest.fixture(scope="module")
+def folder() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="ps-fs-"))  # a short socket path
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def server(folder: Path) -> Iterator[ForkServerProcess]:
+    with ForkServerProcess(folder / "fork.sock", "json", dict(os.environ)) as started:
+        yield started
+
+
+@pytest.fixture
+async def client(server: ForkServerProcess) -> AsyncIterator[ForkServerClient]:
+    client = ForkServerClient(server.socket_path)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "scripts" / "rank.py"
+    path.parent.mkdir()
+    path.write_text(SCRIPT)
+    return path
+
+
+def env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PITSTOP_RANK_KEY": "secret", **extra}
+
+
+def lines(log: Path) -> list[dict[str, object]]:
+    text = log.read_text() if log.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_forked_script_runs_as_python_would_run_it(
+    client: ForkServerClient, server: ForkServerProcess, script: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "rank.log"
+    process = await client.launch(
+        [sys.executable, str(script), "exit3", "more"], env(X="ex"), str(tmp_path), log
+    )
+    assert process is not None
+
+    assert await asyncio.wait_for(process.wait(), TIMEOUT) == 3
+    (seen,) = lines(log)
+    assert seen == {
+        "argv": [str(script), "exit3", "more"],
+        "cwd": str(tmp_path),
+        "x": "ex",
+        "name": "__main__",
+        "path0": str(script.parent),
+        "ppid": server.proc.pid,  # forked, not started afresh
+        "pgid": process.pid,  # the leader of a session of its own
+        "pid": process.pid,
+    }
+    assert process.returncode == 3
+
+
+async def test_a_forked_module_runs_as_python_m_would(
+    client: ForkServerClient, script: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "rank.log"
+    argv = [sys.executable, "-u", "-m", "rank", "exit3"]
+    process = await client.launch(argv, env(), str(script.parent), log)
+    assert process is not None
+
+    assert await asyncio.wait_for(process.wait(), TIMEOUT) == 3
+    (seen,) = lines(log)
+    assert (seen["argv"], seen["name"], seen["path0"]) == (
+        [str(script), "exit3"],
+        "__main__",
+        str(script.parent),
+    )
+
+
+@pytest.mark.parametrize(
+    ("what", "code", "said"),
+    [
+        ("", 0, ""),
+        ("raise", 1, "RuntimeError: a bug in the script"),
+        ("message", 1, "gave up: no data"),
+        ("sigkill", -signal.SIGKILL, ""),
+    ],
+)
+async def test_exit_statuses_and_errors_are_as_a_fresh_process_gives_them(
+    client: ForkServerClient, script: Path, tmp_path: Path, what: str, code: int, said: str
+) -> None:
+    log = tmp_path / "rank.log"
+    process = await client.launch([sys.executable, str(script), what], env(), None, log)
+    assert process is not None
+
+    assert await asyncio.wait_for(process.wait(), TIMEOUT) == code
+    assert said in log.read_text()
+
+
+async def test_unbuffered_output_reaches_the_log_while_the_process_runs(
+    client: ForkServerClient, script: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "rank.log"
+    process = await client.launch([sys.executable, str(script), "hold"], env(), None, log)
+    assert process is not None
+
+    await until(lambda: len(lines(log)) == 2, "both lines in the log of a live process")
+    assert process.returncode is None
+    os.killpg(process.pid, signal.SIGTERM)
+    assert await asyncio.wait_for(process.wait(), TIMEOUT) == -signal.SIGTERM
+
+
+async def test_its_environment_is_found_by_pid_without_the_rank_key(
+    client: ForkServerClient, script: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "rank.log"
+    process = await client.launch([sys.executable, str(script), "hold"], env(X="found"), None, log)
+    assert process is not None
+    await until(lambda: len(lines(log)) == 2, "the process runs")
+
+    seen = environ(process.pid)
+    assert seen["X"] == "found"
+    assert "PITSTOP_RANK_KEY" not in seen
+    os.killpg(process.pid, signal.SIGKILL)
+    await asyncio.wait_for(process.wait(), TIMEOUT)
+
+
+@pytest.mark.parametrize(
+    ("argv", "extra", "why"),
+    [
+        (["/bin/sh", "-c", "true"], {}, "is not this server's Python"),
+        ([sys.executable, "-c", "pass"], {}, "only -u and -m are forked"),
+        ([sys.executable, "-m"], {}, "only -u and -m are forked"),
+        ([sys.executable, "SCRIPT"], {"PYTHONPATH": "/elsewhere"}, "PYTHONPATH differs"),
+        ([sys.executable, "SCRIPT"], {"OMP_NUM_THREADS": "3"}, "OMP_NUM_THREADS differs"),
+    ],
+)
+async def test_what_it_cannot_fork_faithfully_is_refused_with_the_reason(
+    client: ForkServerClient,
+    script: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    argv: list[str],
+    extra: dict[str, str],
+    why: str,
+) -> None:
+    argv = [str(script) if a == "SCRIPT" else a for a in argv]
+    with caplog.at_level(logging.INFO, logger="pitstop.agent.forkserver"):
+        assert await client.launch(argv, env(**extra), None, tmp_path / "rank.log") is None
+    assert why in caplog.text
+    # The connection serves on: the next command is forked.
+    process = await client.launch([sys.executable, str(script)], env(), None, tmp_path / "2.log")
+    assert process is not None
+    assert await asyncio.wait_for(process.wait(), TIMEOUT) == 0
+
+
+async def test_the_agent_gone_its_processes_and_what_they_started_are_killed(
+    server: ForkServerProcess, script: Path, tmp_path: Path
+) -> None:
+    client = ForkServerClient(server.socket_path)
+    log = tmp_path / "rank.log"
+    process = await client.launch([sys.executable, str(script), "hold"], env(), None, log)
+    assert process is not None
+    await until(lambda: len(lines(log)) == 2, "the process and its child run")
+    child = int(lines(log)[1]["child"])  # type: ignore[call-overload]
+
+    await client.close()  # as when the agent dies: its connection closes
+
+    await until(lambda: not pid_alive(process.pid), "the process is killed")
+    await until(lambda: not pid_alive(child), "what it started (its group) is killed")
+
+
+async def test_the_server_gone_its_processes_die_and_later_ones_start_afresh(
+    folder: Path, script: Path, tmp_path: Path
+) -> None:
+    with ForkServerProcess(folder / "doomed.sock", "", dict(os.environ)) as doomed:
+        client = ForkServerClient(doomed.socket_path)
+        log = tmp_path / "rank.log"
+        process = await client.launch([sys.executable, str(script), "hold"], env(), None, log)
+        assert process is not None
+        await until(lambda: len(lines(log)) == 2, "the process runs")
+
+        doomed.proc.kill()
+
+        assert await asyncio.wait_for(process.wait(), TIMEOUT) == -signal.SIGKILL
+        await until(lambda: not pid_alive(process.pid), "the process dies with the server")
+        assert await client.launch([sys.executable, str(script)], env(), None, log) is None
+        await client.close()
