@@ -30,6 +30,7 @@ import grpc
 import pytest
 import redis
 from conftest import (
+    ForkServerProcess,
     PostgresProcess,
     SchedulerProcess,
     SchedulerThread,
@@ -81,6 +82,7 @@ def cpu_load() -> Iterator[None]:
 STEPS = 30
 STEP_SECONDS = 0.05  # each step's work paced (the exchange and snapshot come on top), so a
 # fault lands mid-run
+HANDOVER_STEP_SECONDS = 0.5  # a run that must outlast a leader handover
 SLOW_STEP_SECONDS = 0.2  # where a fault waits for a committed step, which trails the
 # ranks by the daemons' reports (seconds on a busy machine): the run must outlast it
 # A silent node is lost after 8 beats of 0.5 s (4 s, as in the local cluster). A shorter
@@ -97,6 +99,21 @@ STEP_LINE = re.compile(rb'^\{"rank": (\d+), "step": (\d+), ')
 
 def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+
+
+@pytest.fixture(scope="module")
+def fork_server() -> Iterator[Path]:
+    """One fork server with torch imported for every agent of every scenario here: the
+    ranks and standbys are forked, not each started afresh, which saves the matrix
+    several CPU-seconds per process (it tests recoveries, not a cold start; the demo,
+    the local cluster's tests and `bench/recovery.py` start them afresh)."""
+    folder = Path(tempfile.mkdtemp(dir="/tmp", prefix="pf-"))
+    preload = "torch,torch.distributed,torch._dynamo,torch.optim,pitstop.trainer"
+    try:
+        with ForkServerProcess(folder / "fork.sock", preload, clean_env()) as server:
+            yield server.socket_path
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +148,7 @@ class Node:
     iface: str = ""  # the interface its ranks' gloo uses (GLOO_SOCKET_IFNAME); "": any
     gpus: int = 1  # simulated GPUs
     tls: bool = False  # mutual TLS with the node's certificate (enrolled before start)
+    fork_server: Path | None = None  # where its agent forks ranks from, if anywhere
 
     def _in_netns(self, command: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *command] if self.netns else command
@@ -217,6 +235,7 @@ class Node:
                     "--log-level",
                     "WARNING",
                     *(["--tls"] if self.tls else []),
+                    *(["--fork-server", str(self.fork_server)] if self.fork_server else []),
                 ]
             ),
             stdout=log,
@@ -295,6 +314,9 @@ class Cluster:
         self.nodes: dict[str, Node] = {}
 
     network: Network | None = None
+    fork_server: Path | None = None
+    """The fork server the agents start ranks from (not those in a network namespace
+    of their own, whose ranks must live there too)."""
 
     def start(
         self,
@@ -320,6 +342,7 @@ class Cluster:
                 node.iface = network.bridge if inside is None else IFACE
                 port = self.scheduler.address.rsplit(":", 1)[1]
                 node.scheduler = f"{network.gateway}:{port}"
+            node.fork_server = None if node.netns else self.fork_server
             self.nodes[node_id] = node
             if self.ca is not None:  # the node enrolls (its agent then finds its certificate)
                 node.tls = True
@@ -614,6 +637,7 @@ def cluster(
     gpus: int,
     durable_every: int,
     tls: bool,
+    fork_server: Path,
 ) -> Iterator[Cluster]:
     if full_durable_store and os.geteuid() != 0:
         pytest.skip("a full durable store is a tiny tmpfs: mounting it needs root")
@@ -671,6 +695,7 @@ def cluster(
             scheduler = SchedulerProcess(root, "scheduler", env)
         stack.callback(scheduler.stop)
         built = Cluster(scheduler, root)
+        built.fork_server = fork_server
         stack.callback(built.stop)  # also when a node fails to start
         built.start(spares, checkpointd_env, network, gpus)
         built.redis_url, built.redis_prefix = stores.redis_url, prefix
@@ -717,7 +742,7 @@ class ProcessCluster:
 
 @pytest.fixture
 def process_cluster(
-    stores: StoreUrls, standbys: int, own_postgres: bool
+    stores: StoreUrls, standbys: int, own_postgres: bool, fork_server: Path
 ) -> Iterator[ProcessCluster]:
     root = Path(tempfile.mkdtemp(dir="/tmp", prefix="pp-"))  # short: the agent socket path
     running = ProcessCluster(root)
@@ -747,6 +772,7 @@ def process_cluster(
             running.schedulers.append(SchedulerProcess(root, f"scheduler-{i}", own))
             stack.callback(running.schedulers[-1].stop)
         running.cluster = Cluster(running.schedulers[-1], root)
+        running.cluster.fork_server = fork_server
         stack.callback(running.cluster.stop)
         running.cluster.start()
         yield running
@@ -1180,8 +1206,10 @@ def test_leader_failover_mid_run_and_the_new_leader_recovers_a_node(
     leader, standby = process_cluster.schedulers
     assert leader.leading()
     assert not standby.leading()
-    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
-    cluster.wait_for_step(job, 0, random.randint(8, STEPS // 3))
+    # Paced so that the run outlasts the handover (a lease period or two) many times
+    # over: the node must die mid-run, after it.
+    job = cluster.submit("--step-seconds", str(HANDOVER_STEP_SECONDS))
+    cluster.wait_for_step(job, 0, random.randint(3, STEPS // 5))
     log = cluster.event_api.List(nodes_pb2.ListEventsRequest(limit=1000))
     holders = [e for e in log.events if e.kind == "scheduler.leader"]
     old_holder = holders[-1].actor  # the lease's holder now
@@ -1203,6 +1231,8 @@ def test_leader_failover_mid_run_and_the_new_leader_recovers_a_node(
     # The event is committed before the process acts on it: wait for the act.
     wait_until(standby.leading, "the standby reports that it leads")
     victim = cluster.node_of(job, 2)
+    running = cluster.get(job.id)
+    assert running.state == common_pb2.JOB_STATE_RUNNING, (running, cluster.logs(job.id))
     cluster.kill_node(victim.node_id)
     done = cluster.finish(job.id)
     check_result(done, standalone_hash)
