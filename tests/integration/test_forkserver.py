@@ -241,3 +241,20 @@ async def test_the_server_gone_its_processes_die_and_later_ones_start_afresh(
         await until(lambda: not pid_alive(process.pid), "the process dies with the server")
         assert await client.launch([sys.executable, str(script)], env(), None, log) is None
         await client.close()
+
+
+async def test_a_process_that_exits_at_once_is_reported_exited(
+    client: ForkServerClient, tmp_path: Path
+) -> None:
+    """Its exit may reach the agent in the same read as the reply naming its pid."""
+    empty = tmp_path / "empty.py"
+    empty.write_text("")
+    launched = [
+        await client.launch([sys.executable, str(empty)], env(), None, tmp_path / f"{i}.log")
+        for i in range(40)
+    ]
+    assert all(p is not None for p in launched)
+    codes = await asyncio.wait_for(
+        asyncio.gather(*(p.wait() for p in launched if p is not None)), TIMEOUT
+    )
+    assert codes == [0] * 40

@@ -439,7 +439,7 @@ class ForkServerClient:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
-        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._pending: dict[int, asyncio.Future[ForkedProcess | dict[str, Any]]] = {}
         self._processes: dict[int, ForkedProcess] = {}
         self._ids = 0
         self._broken = False
@@ -455,7 +455,9 @@ class ForkServerClient:
                 return None
             self._ids += 1
             request_id = self._ids
-            reply: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+            reply: asyncio.Future[ForkedProcess | dict[str, Any]] = (
+                asyncio.get_running_loop().create_future()
+            )
             self._pending[request_id] = reply
             request = {
                 "id": request_id,
@@ -471,10 +473,8 @@ class ForkServerClient:
             except OSError as exc:
                 self._lost(f"cannot write to it: {exc}")
         answer = await reply
-        if "pid" in answer:
-            process = ForkedProcess(int(answer["pid"]))
-            self._processes[process.pid] = process
-            return process
+        if isinstance(answer, ForkedProcess):
+            return answer
         why = str(answer.get("refused", "unreachable"))
         if why not in self._refusals:
             self._refusals.add(why)
@@ -524,8 +524,13 @@ class ForkServerClient:
                         process._set_exited(int(message["returncode"]))
                 else:
                     reply = self._pending.pop(int(message["id"]), None)
+                    answer: ForkedProcess | dict[str, Any] = message
+                    if "pid" in message:
+                        # Known before the next line is read: that may be its exit.
+                        answer = ForkedProcess(int(message["pid"]))
+                        self._processes[answer.pid] = answer
                     if reply is not None and not reply.done():
-                        reply.set_result(message)
+                        reply.set_result(answer)
         except (OSError, ValueError) as exc:
             why = f"its connection broke: {exc}"
         self._lost(why)
