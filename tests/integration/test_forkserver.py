@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -258,3 +259,45 @@ async def test_a_process_that_exits_at_once_is_reported_exited(
         asyncio.gather(*(p.wait() for p in launched if p is not None)), TIMEOUT
     )
     assert codes == [0] * 40
+
+
+def test_another_users_connection_is_closed_unanswered(
+    server: ForkServerProcess, script: Path, tmp_path: Path
+) -> None:
+    """It runs commands as its user: a process of another user that reaches the socket
+    (here opened to all on purpose) gets nothing forked and no answer."""
+    if os.geteuid() != 0:
+        pytest.skip("connecting as another user needs root")
+    folder = server.socket_path.parent
+    log = tmp_path / "never.log"
+    request = {"id": 1, "argv": [sys.executable, str(script)], "env": env(), "log": str(log)}
+    os.chmod(folder, 0o755)
+    os.chmod(server.socket_path, 0o666)
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the other user: nobody
+            answer = b"not connected"
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                with socket.socket(socket.AF_UNIX) as probe:
+                    probe.settimeout(TIMEOUT)
+                    probe.connect(str(server.socket_path))
+                    answer = b"closed:"  # unless an answer comes
+                    probe.sendall(json.dumps(request).encode() + b"\n")
+                    answer += probe.recv(100)
+            except OSError as exc:
+                answer += f" ({exc!r})".encode() if answer != b"closed:" else b""
+            finally:
+                os.write(write_end, answer)
+                os._exit(0)
+        os.close(write_end)
+        os.waitpid(pid, 0)
+        said = os.read(read_end, 200)
+    finally:
+        os.close(read_end)
+        os.chmod(server.socket_path, 0o600)
+        os.chmod(folder, 0o700)
+    assert said == b"closed:", said  # connected, then closed without an answer
+    assert not log.exists()

@@ -153,6 +153,11 @@ class ForkServer:
         sock.settimeout(SEND_TIMEOUT_SECONDS)
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
         peer_pid = int.from_bytes(creds[:4], sys.byteorder)
+        peer_uid = int.from_bytes(creds[4:8], sys.byteorder)
+        if peer_uid != os.getuid():  # it runs commands as this user: for this user only
+            logger.warning("refused a connection of uid %d (pid %d)", peer_uid, peer_pid)
+            sock.close()
+            return
         agent = _Agent(sock, peer_pid)
         self._agents[sock] = agent
         self._selector.register(sock, selectors.EVENT_READ, agent)
