@@ -301,3 +301,27 @@ def test_another_users_connection_is_closed_unanswered(
         os.chmod(folder, 0o700)
     assert said == b"closed:", said  # connected, then closed without an answer
     assert not log.exists()
+
+
+def test_a_malformed_request_is_refused_and_the_connection_serves_on(
+    server: ForkServerProcess, script: Path, tmp_path: Path
+) -> None:
+    log = tmp_path / "rank.log"
+    good = {"id": 3, "argv": [sys.executable, str(script)], "env": env(), "log": str(log)}
+    with socket.socket(socket.AF_UNIX) as raw:
+        raw.settimeout(TIMEOUT)
+        raw.connect(str(server.socket_path))
+        raw.sendall(b"not json\n" + b'{"id": 2, "argv": []}\n' + json.dumps(good).encode() + b"\n")
+        replies: list[dict[str, object]] = []
+        buffer = b""
+        while len(replies) < 4:  # two refusals, the pid, its exit
+            buffer += raw.recv(4096)
+            *complete, buffer = buffer.split(b"\n")
+            replies += [json.loads(line) for line in complete]
+    assert replies[0] == {"id": None, "refused": replies[0]["refused"]}
+    assert "bad request" in str(replies[0]["refused"])
+    assert replies[1]["id"] == 2
+    assert "bad request: 'env'" in str(replies[1]["refused"])
+    assert replies[2]["id"] == 3
+    assert "pid" in replies[2]
+    assert replies[3] == {"exited": replies[2]["pid"], "returncode": 0}

@@ -171,13 +171,15 @@ class ForkServer:
             self._drop(agent, f"agent pid {agent.peer_pid} closed its connection")
             return
         agent.buffer += data
-        while b"\n" in agent.buffer:
+        while b"\n" in agent.buffer and agent.sock in self._agents:
             line, agent.buffer = agent.buffer.split(b"\n", 1)
             try:
                 request = json.loads(line)
                 reply = self._fork(agent, request)
             except (ValueError, TypeError, KeyError) as exc:
                 reply = {"id": _request_id(line), "refused": f"bad request: {exc}"}
+            except OSError as exc:  # fork itself failed (no memory, too many processes)
+                reply = {"id": _request_id(line), "refused": f"cannot fork: {exc}"}
             self._send(agent, reply)
 
     def _fork(self, agent: _Agent, request: dict[str, Any]) -> dict[str, Any]:
