@@ -526,6 +526,18 @@ def tls_scheduler(stores: StoreUrls, root: Path, tokens: list[dict[str, str]]) -
 SCHEDULER_BIN = Path(sys.executable).with_name("pitstop-scheduler")
 
 
+def terminate(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM, and SIGKILL after 30 s: a process that will not stop is not left running
+    after the test."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 class SchedulerProcess:
     """A `pitstop-scheduler` process, configured by `env` (PITSTOP_* settings), that a
     test can kill -9 and start again on the same port. Its stderr goes to
@@ -600,13 +612,7 @@ class SchedulerProcess:
     def stop(self) -> None:
         """SIGTERM, and SIGKILL after 30 s: a scheduler that will not stop is not left
         running after the test."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc)
         for channel in self._channels:
             channel.close()
 
@@ -641,13 +647,7 @@ class ForkServerProcess:
         self.stop()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        terminate(self.proc)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
 
