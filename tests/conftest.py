@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import urllib.request
 import uuid
@@ -125,15 +126,19 @@ def _admin_url(url: str, dbname: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreUrls]:
+def stores() -> Iterator[StoreUrls]:
     embedded: list[Any] = []
     base_db = os.environ.get("PITSTOP_TEST_DATABASE_URL", "")
     redis_url = os.environ.get("PITSTOP_TEST_REDIS_URL", "")
     if not base_db or not redis_url:
         from pitstop.scheduler.embedded import start_embedded
 
-        started = start_embedded(tmp_path_factory.mktemp("stores"), not base_db, not redis_url)
-        embedded.append(started)
+        # Not under pytest's base folder: another pytest run of this user resets that
+        # folder to 0700 as it starts, and the embedded PostgreSQL, which runs as
+        # another user under root, then loses its data directory mid-run.
+        folder = Path(tempfile.mkdtemp(prefix="pitstop-test-stores-"))
+        started = start_embedded(folder, not base_db, not redis_url)
+        embedded.append((started, folder))
         base_db = base_db or started.database_url
         redis_url = redis_url or started.redis_url
     created: list[str] = []
@@ -156,8 +161,9 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreUrls]:
         for key in client.scan_iter(f"{prefix}*"):
             client.delete(key)
         client.close()
-        for started in embedded:
+        for started, folder in embedded:
             started.stop()
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class SchedulerThread:
