@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -291,6 +292,7 @@ def agent(checkpointd: str) -> Iterator[FakeAgent]:
     fake = FakeAgent(checkpointd)
     yield fake
     fake.server.stop(None)
+    shutil.rmtree(fake.path.parent, ignore_errors=True)  # the socket's private folder
 
 
 def test_pause_resume_and_stop_act_at_one_boundary(agent: FakeAgent, processes: list[Proc]) -> None:
