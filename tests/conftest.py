@@ -33,6 +33,7 @@ import psycopg
 import pytest
 import redis
 
+from pitstop.agent.forkserver import FORK_SERVER_DIR_ENV
 from pitstop.scheduler.config import SchedulerSettings
 from pitstop.scheduler.server import Scheduler, start_scheduler
 from pitstop.tls import channel_options
@@ -630,6 +631,10 @@ class ForkServerProcess:
 
     def __init__(self, socket_path: Path, preload: str, env: dict[str, str]) -> None:
         self.socket_path = socket_path
+        # Where it keeps its children's environments: the test's, so it is removed even
+        # after a test kills the server.
+        self.env_dir = Path(tempfile.mkdtemp(prefix="pitstop-forkserver-"))
+        env = env | {FORK_SERVER_DIR_ENV: str(self.env_dir)}
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -656,6 +661,7 @@ class ForkServerProcess:
         terminate(self.proc)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        shutil.rmtree(self.env_dir, ignore_errors=True)
 
 
 class PostgresProcess:
