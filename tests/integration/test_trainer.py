@@ -159,6 +159,7 @@ def checkpointd() -> Iterator[str]:
         daemon.process.terminate()
         daemon.process.wait(TIMEOUT)
         remove_stale_segments(segment_prefix(node_id))
+        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def common_step(address: str, job_id: str, ranks: range) -> int:
