@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
+from pitstop.agent.forkserver import FORK_SERVER_PID_ENV
 from pitstop.agent.rankclient import RankControlClient
 from pitstop.checkpointd.writer import (
     RestoredState,
@@ -603,6 +604,6 @@ def _die_with_the_agent() -> None:
         return
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     parent = os.getppid()
-    forked_by = os.environ.get("PITSTOP_FORK_SERVER_PID", "")
+    forked_by = os.environ.get(FORK_SERVER_PID_ENV, "")
     if parent != int(agent) and not (forked_by.isdigit() and parent == int(forked_by)):
         raise SystemExit(f"the pitstop agent (pid {agent}) that started this rank is gone")
