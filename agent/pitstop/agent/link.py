@@ -205,10 +205,11 @@ class SchedulerLink:
         channel = open_channel(
             self._settings.scheduler, self._identity, to_scheduler=True, aio=True
         )
+        answered = asyncio.Event()  # the scheduler's first answer (or the session's end)
         call = agent_pb2_grpc.AgentServiceStub(channel).Connect(
-            self._requests(register), metadata=metadata
+            self._requests(register, answered), metadata=metadata
         )
-        conversation = asyncio.create_task(self._converse(call))
+        conversation = asyncio.create_task(self._converse(call, answered))
         stopped = asyncio.create_task(stop.wait())
         try:
             await asyncio.wait({conversation, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -217,6 +218,7 @@ class SchedulerLink:
             # Stopping: send what is queued, half-close, and give the scheduler a moment
             # to end the stream itself, so it sees a clean goodbye rather than a reset.
             self._outbox.put_nowait(None)
+            answered.set()
             await asyncio.wait({conversation}, timeout=CLOSE_GRACE_SECONDS)
         finally:
             stopped.cancel()
@@ -226,9 +228,10 @@ class SchedulerLink:
             await self._end_session()
             await channel.close()
 
-    async def _converse(self, call: Any) -> None:
+    async def _converse(self, call: Any, answered: asyncio.Event) -> None:
         try:
             first = await call.read()
+            answered.set()
             if first is grpc.aio.EOF:
                 raise self._down("the scheduler closed the stream before answering Register")
             if first.WhichOneof("body") != "registered":
@@ -255,11 +258,17 @@ class SchedulerLink:
         stable = up is not None and self._loop.time() - up >= self._settings.reconnect_max_seconds
         return LinkDown(reason, loud=loud, stable=stable)
 
-    async def _requests(self, register: agent_pb2.AgentMessage) -> AsyncIterator[Any]:
+    async def _requests(
+        self, register: agent_pb2.AgentMessage, answered: asyncio.Event
+    ) -> AsyncIterator[Any]:
         # The only writer of the stream, so sequence numbers are gapless per stream.
         seq = 1
         register.seq = seq
         yield register
+        # Nothing more until the scheduler answers. A refusal ends the stream at once, and
+        # a write in flight then makes grpc's asyncio client report "INTERNAL: Internal
+        # error from Core" in place of the refusal's status and reason (grpc/grpc#36066).
+        await answered.wait()
         while True:
             message = await self._outbox.get()
             if message is None:
