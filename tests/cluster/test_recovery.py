@@ -30,6 +30,8 @@ import grpc
 import pytest
 import redis
 from conftest import (
+    ForkClient,
+    ForkedChild,
     ForkServerProcess,
     PostgresProcess,
     SchedulerProcess,
@@ -117,6 +119,36 @@ def fork_server() -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
+def rank_forks(fork_server: Path) -> Iterator[ForkClient]:
+    """This test's own connection to the ranks' fork server (for ranks it starts itself)."""
+    client = ForkClient(fork_server)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def daemon_forks() -> Iterator[ForkClient]:
+    """A fork server with the agent and the checkpoint daemon imported, and this test's
+    connection to it: every scenario starts five of each, forked rather than each
+    importing gRPC, pydantic and the rest afresh (as for the ranks: a cluster's start is
+    not what the matrix tests; the local cluster's tests start its daemons afresh)."""
+    folder = Path(tempfile.mkdtemp(dir="/tmp", prefix="pf-"))
+    try:
+        with ForkServerProcess(
+            folder / "daemons.sock", "pitstop.agent.main,pitstop.checkpointd.main", clean_env()
+        ) as server:
+            client = ForkClient(server.socket_path)
+            try:
+                yield client
+            finally:
+                client.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
 def standalone_hash() -> str:
     """The example run alone in one process: the hash every run must end with."""
     done = subprocess.run(
@@ -138,8 +170,8 @@ class Node:
     rack: str
     role: str
     scheduler: str
-    checkpointd: subprocess.Popen[str] | None = None
-    agent: subprocess.Popen[bytes] | None = None
+    checkpointd: subprocess.Popen[str] | ForkedChild | None = None
+    agent: subprocess.Popen[bytes] | ForkedChild | None = None
     checkpointd_address: str = ""
     lines: queue.Queue[str] = field(default_factory=queue.Queue)
     checkpointd_env: dict[str, str] = field(default_factory=dict)
@@ -149,6 +181,7 @@ class Node:
     gpus: int = 1  # simulated GPUs
     tls: bool = False  # mutual TLS with the node's certificate (enrolled before start)
     fork_server: Path | None = None  # where its agent forks ranks from, if anywhere
+    daemons: ForkClient | None = None  # where its daemons are forked from, if anywhere
 
     def _in_netns(self, command: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *command] if self.netns else command
@@ -177,6 +210,12 @@ class Node:
         env["PITSTOP_CHECKPOINTD_FLUSH_EVERY_STEPS"] = "1000"
         env["PITSTOP_CHECKPOINTD_RETRY_MAX_SECONDS"] = "0.5"
         env.update(self.checkpointd_env)
+        self.root.mkdir(parents=True, exist_ok=True)
+        if self.daemons is not None and not self.netns:
+            self.checkpointd = self.daemons.launch(
+                [sys.executable, *command], env, self.root / "checkpointd.log"
+            )
+            return
         self.checkpointd = subprocess.Popen(
             self._in_netns(command),
             stdout=subprocess.PIPE,
@@ -185,7 +224,7 @@ class Node:
             env=env,
             start_new_session=True,
         )
-        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read, args=(self.checkpointd,), daemon=True).start()
 
     @property
     def tls_dir(self) -> Path:
@@ -205,57 +244,73 @@ class Node:
             self._spawn_agent(log)
 
     def _spawn_agent(self, log: BinaryIO) -> None:
+        command = [
+            str(BIN / "pitstop-agent"),
+            "run",
+            "--node-id",
+            self.node_id,
+            "--scheduler",
+            self.scheduler,
+            "--gpus",
+            f"sim:{self.gpus}",
+            "--zone",
+            "z1",
+            "--block",
+            "b1",
+            "--rack",
+            self.rack,
+            "--role",
+            self.role,
+            "--state-dir",
+            str(self.root / "agent"),
+            "--checkpointd-address",
+            self.checkpointd_address,
+            "--metrics-port",
+            "0",
+            "--advertise-host",
+            self.host,
+            "--log-level",
+            "WARNING",
+            *(["--tls"] if self.tls else []),
+            *(["--fork-server", str(self.fork_server)] if self.fork_server else []),
+        ]
+        if self.daemons is not None and not self.netns:
+            argv = [sys.executable, *command]
+            self.agent = self.daemons.launch(argv, clean_env(), self.agent_log)
+            return
         self.agent = subprocess.Popen(
-            self._in_netns(
-                [
-                    str(BIN / "pitstop-agent"),
-                    "run",
-                    "--node-id",
-                    self.node_id,
-                    "--scheduler",
-                    self.scheduler,
-                    "--gpus",
-                    f"sim:{self.gpus}",
-                    "--zone",
-                    "z1",
-                    "--block",
-                    "b1",
-                    "--rack",
-                    self.rack,
-                    "--role",
-                    self.role,
-                    "--state-dir",
-                    str(self.root / "agent"),
-                    "--checkpointd-address",
-                    self.checkpointd_address,
-                    "--metrics-port",
-                    "0",
-                    "--advertise-host",
-                    self.host,
-                    "--log-level",
-                    "WARNING",
-                    *(["--tls"] if self.tls else []),
-                    *(["--fork-server", str(self.fork_server)] if self.fork_server else []),
-                ]
-            ),
+            self._in_netns(command),
             stdout=log,
             stderr=subprocess.STDOUT,
             env=clean_env() | ({"GLOO_SOCKET_IFNAME": self.iface} if self.iface else {}),
             start_new_session=True,
         )
 
-    def _read(self) -> None:
-        assert self.checkpointd is not None
-        assert self.checkpointd.stdout is not None
-        self.root.mkdir(parents=True, exist_ok=True)
+    def _read(self, checkpointd: subprocess.Popen[str]) -> None:
+        assert checkpointd.stdout is not None
         with (self.root / "checkpointd.log").open("a") as kept:  # for a failure's context
-            for line in self.checkpointd.stdout:
+            for line in checkpointd.stdout:
                 kept.write(line)
                 kept.flush()
                 self.lines.put(line.rstrip())
 
     def _wait_for_line(self, text: str) -> str:
+        """The checkpoint daemon's first output line holding `text`."""
         deadline = time.monotonic() + TIMEOUT
+        if isinstance(self.checkpointd, ForkedChild):  # its output goes to its log file
+            log, seen = self.root / "checkpointd.log", 0
+            while time.monotonic() < deadline:
+                lines = log.read_text(errors="replace").splitlines()
+                found = [line for line in lines[seen:] if text in line]
+                if found:
+                    return found[0]
+                seen = max(0, len(lines) - 1)  # the last line may still be incomplete
+                if self.checkpointd.poll() is not None:
+                    break
+                time.sleep(0.02)
+            raise AssertionError(
+                f"checkpointd of {self.node_id} never said {text!r}:\n{log.read_text()[-2000:]}"
+            )
         while True:
             try:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -314,6 +369,9 @@ class Cluster:
         self.nodes: dict[str, Node] = {}
 
     network: Network | None = None
+    daemons: ForkClient | None = None
+    """Where the nodes' daemons are forked from (not those of a node in a network
+    namespace of its own)."""
     fork_server: Path | None = None
     """The fork server the agents start ranks from (not those in a network namespace
     of their own, whose ranks must live there too)."""
@@ -343,6 +401,7 @@ class Cluster:
                 port = self.scheduler.address.rsplit(":", 1)[1]
                 node.scheduler = f"{network.gateway}:{port}"
             node.fork_server = None if node.netns else self.fork_server
+            node.daemons = self.daemons
             self.nodes[node_id] = node
             if self.ca is not None:  # the node enrolls (its agent then finds its certificate)
                 node.tls = True
@@ -555,6 +614,9 @@ class Cluster:
     def stop(self) -> None:
         for node in self.nodes.values():  # every node stops side by side
             node.stop()
+        if isinstance(self.scheduler, SchedulerProcess):  # and the scheduler beside them (a
+            # second SIGTERM, from its own stop, is the same request)
+            self.scheduler.proc.send_signal(signal.SIGTERM)
         for node in self.nodes.values():
             node.wait_stopped()
         # A daemon killed with SIGKILL (a node's death) cannot unlink its shared memory;
@@ -638,6 +700,7 @@ def cluster(
     durable_every: int,
     tls: bool,
     fork_server: Path,
+    daemon_forks: ForkClient,
 ) -> Iterator[Cluster]:
     if full_durable_store and os.geteuid() != 0:
         pytest.skip("a full durable store is a tiny tmpfs: mounting it needs root")
@@ -696,6 +759,7 @@ def cluster(
         stack.callback(scheduler.stop)
         built = Cluster(scheduler, root)
         built.fork_server = fork_server
+        built.daemons = daemon_forks
         stack.callback(built.stop)  # also when a node fails to start
         built.start(spares, checkpointd_env, network, gpus)
         built.redis_url, built.redis_prefix = stores.redis_url, prefix
@@ -742,7 +806,11 @@ class ProcessCluster:
 
 @pytest.fixture
 def process_cluster(
-    stores: StoreUrls, standbys: int, own_postgres: bool, fork_server: Path
+    stores: StoreUrls,
+    standbys: int,
+    own_postgres: bool,
+    fork_server: Path,
+    daemon_forks: ForkClient,
 ) -> Iterator[ProcessCluster]:
     root = Path(tempfile.mkdtemp(dir="/tmp", prefix="pp-"))  # short: the agent socket path
     running = ProcessCluster(root)
@@ -773,6 +841,7 @@ def process_cluster(
             stack.callback(running.schedulers[-1].stop)
         running.cluster = Cluster(running.schedulers[-1], root)
         running.cluster.fork_server = fork_server
+        running.cluster.daemons = daemon_forks
         stack.callback(running.cluster.stop)
         running.cluster.start()
         yield running
@@ -1139,9 +1208,7 @@ def test_a_corrupted_in_memory_shard_is_caught_and_restored_from_the_buddy(
     restores = re.findall(rf"rank {rank} restored step (\d+) from (\w+)", log)
     assert restores, cluster.logs(job.id)
     assert restores[0][1] == "replica", restores
-    said = []
-    while not victim.lines.empty():
-        said.append(victim.lines.get_nowait())
+    said = (victim.root / "checkpointd.log").read_text(errors="replace").splitlines()
     assert any("fails its checksum" in line for line in said), said  # caught, not missing
     for each in range(4):
         assert steps_never_run(cluster, done, each) == set()
@@ -1415,8 +1482,6 @@ def test_the_leader_killed_in_the_middle_of_a_recovery_the_new_leader_finishes_i
 # node holds one TP pair: a pipeline stage of a replica) and a 2-GPU spare.
 STEPS_3D = 16
 EXAMPLE_3D = [sys.executable, "-m", "pitstop.trainer.example3d", "--steps", str(STEPS_3D)]
-SHAPE_3D = {"PITSTOP_DP": "2", "PITSTOP_PP": "2", "PITSTOP_TP": "2"}
-TORCHRUN_8 = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "8"]
 DCP_3D = Path(__file__).with_name("dcp3d_rank.py")
 JOINED_LINE = re.compile(rb"rank (\d+) joined generation (\d+) at step (\d+)")
 RESHARDED_LINE = re.compile(
@@ -1425,27 +1490,32 @@ RESHARDED_LINE = re.compile(
 
 
 @pytest.fixture(scope="module")
-def hash_3d() -> str:
-    """The 3D example run without pitstop, under torchrun (8 processes, the same mesh):
-    the hash every run of it must end with."""
-    done = subprocess.run(
-        [*TORCHRUN_8, "-m", *EXAMPLE_3D[2:], "--log-every", "0"],
-        capture_output=True,
-        env=clean_env() | SHAPE_3D,
+def hash_3d(rank_forks: ForkClient) -> str:
+    """The 3D example run without pitstop: its 8 ranks (the same mesh) one gloo world on
+    loopback, as torchrun would start them (`RANK`, `WORLD_SIZE`, `MASTER_*`), forked
+    from the ranks' fork server: the hash every run of it must end with. (torchrun
+    itself meets pitstop in tests/integration/test_torchrun.py.)"""
+    outputs = run_mesh_ranks(
+        [*EXAMPLE_3D[1:], "--log-every", "0"],
+        dp=2,
+        pp=2,
+        tp=2,
         timeout=3 * TIMEOUT,
-        check=True,
+        fork=rank_forks,
+        env=clean_env(),
     )
-    # Eight processes share the pipe: their lines may interleave, so match, not parse.
-    hashes = set(re.findall(rb'"final_weights_sha256": "([0-9a-f]{64})"', done.stdout))
-    assert len(hashes) == 1, done.stdout[-3000:]
-    return hashes.pop().decode()
+    said = [re.findall(r'"final_weights_sha256": "([0-9a-f]{64})"', out) for out in outputs]
+    hashes = {h for found in said for h in found}
+    assert all(said), [out[-1500:] for out in outputs]
+    assert len(hashes) == 1, hashes
+    return hashes.pop()
 
 
 @pytest.mark.parametrize("durable_every", [8])
 @pytest.mark.parametrize("gpus", [2])
 @pytest.mark.parametrize("fault", ["node_killed", "fatal_xid"])
 def test_the_3d_job_loses_a_node_and_ends_with_the_fault_free_hash(
-    cluster: Cluster, hash_3d: str, fault: str, tmp_path: Path
+    cluster: Cluster, hash_3d: str, fault: str, tmp_path: Path, rank_forks: ForkClient
 ) -> None:
     """Then, leaving pitstop: torch.distributed.checkpoint loads the job's last durable
     flush (step 16, which the nodes flush to one store) into a fresh 4-rank (dp = 1)
@@ -1497,7 +1567,9 @@ def test_the_3d_job_loses_a_node_and_ends_with_the_fault_free_hash(
     )
     # Half the job's world size: DCP reshards the dp = 2 flush to one replica.
     out = tmp_path / "dp1.json"
-    run_mesh_ranks([*reader, "--out", str(out)], dp=1, pp=2, tp=2, timeout=3 * TIMEOUT)
+    run_mesh_ranks(
+        [*reader, "--out", str(out)], dp=1, pp=2, tp=2, timeout=3 * TIMEOUT, fork=rank_forks
+    )
     loaded = json.loads(out.read_text())
     assert loaded == {"step": STEPS_3D, "final_weights_sha256": hash_3d}, loaded
 

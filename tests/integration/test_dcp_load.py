@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_mesh_ranks
+from conftest import ForkClient, run_mesh_ranks
 
 pytest.importorskip("torch")
 
@@ -22,13 +22,18 @@ JOB = "dcp-job"
 WAIT = 120.0  # interpreters importing torch on two cores, then a few tiny steps
 
 
-def run_ranks(mode: str, world: int, dp: int, tp: int, url: str, out: Path) -> None:
+def run_ranks(
+    mode: str, world: int, dp: int, tp: int, url: str, out: Path, forks: ForkClient
+) -> None:
     assert world == dp * tp
-    run_mesh_ranks([str(RANK), mode, "--url", url, "--job", JOB, "--out", str(out)], dp, tp, WAIT)
+    argv = [str(RANK), mode, "--url", url, "--job", JOB, "--out", str(out)]
+    run_mesh_ranks(argv, dp, tp, WAIT, fork=forks)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_dcp_loads_the_newest_complete_durable_step_at_any_world_size(tmp_path: Path) -> None:
+def test_dcp_loads_the_newest_complete_durable_step_at_any_world_size(
+    tmp_path: Path, mesh_forks: ForkClient
+) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
@@ -37,12 +42,12 @@ def test_dcp_loads_the_newest_complete_durable_step_at_any_world_size(tmp_path: 
     from pitstop.trainer.dcp import DurableCheckpointError, DurableReader
 
     url = f"file://{tmp_path}/durable"
-    run_ranks("save", 4, 2, 2, url, tmp_path)
+    run_ranks("save", 4, 2, 2, url, tmp_path, mesh_forks)
     full = load_file(str(tmp_path / "full.safetensors"))
     assert set(full) == {"up.weight", "up.bias", "down.weight", "down.bias"}
 
     # The same mesh: every rank gets back exactly the local shards it saved.
-    run_ranks("load", 4, 2, 2, url, tmp_path)
+    run_ranks("load", 4, 2, 2, url, tmp_path, mesh_forks)
     for rank in range(4):
         record = json.loads((tmp_path / f"load-{rank}.json").read_text())
         assert record["step"] == 3, record
@@ -52,7 +57,7 @@ def test_dcp_loads_the_newest_complete_durable_step_at_any_world_size(tmp_path: 
         (tmp_path / f"load-{rank}.json").unlink()
 
     # Half the ranks, another mesh (dp=1, tp=2): DCP reshards, the whole tensors match.
-    run_ranks("load", 2, 1, 2, url, tmp_path)
+    run_ranks("load", 2, 1, 2, url, tmp_path, mesh_forks)
     for rank in range(2):
         record = json.loads((tmp_path / f"load-{rank}.json").read_text())
         assert record["step"] == 3, record

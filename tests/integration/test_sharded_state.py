@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_mesh_ranks
+from conftest import ForkClient, run_mesh_ranks
 
 pytest.importorskip("torch")
 
@@ -22,10 +22,10 @@ WAIT = 120.0  # four interpreters importing torch on two cores, then a few tiny 
 
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def dp2(tmp_path_factory: pytest.TempPathFactory, mesh_forks: ForkClient) -> Path:
     """The dp = tp = 2 run's directory: its ranks' reports and step-3 snapshots."""
     out = tmp_path_factory.mktemp("dp2")
-    run_mesh_ranks([str(RANK), "--out", str(out)], dp=2, tp=2, timeout=WAIT)
+    run_mesh_ranks([str(RANK), "--out", str(out)], dp=2, tp=2, timeout=WAIT, fork=mesh_forks)
     return out
 
 
@@ -42,7 +42,9 @@ def test_sharded_state_restores_bitwise_into_a_rebuilt_model(dp2: Path) -> None:
     assert len({(r["whole_at_3"], r["whole_at_5"]) for r in reports}) == 1
 
 
-def test_a_shrunk_job_reshards_the_old_ranks_snapshots_exactly(dp2: Path, tmp_path: Path) -> None:
+def test_a_shrunk_job_reshards_the_old_ranks_snapshots_exactly(
+    dp2: Path, tmp_path: Path, mesh_forks: ForkClient
+) -> None:
     """dp 2 -> 1, the second replica surviving (its ranks become the first): every
     parameter and Adam moment, whole, is bitwise the one snapshotted. Every rank of the
     test trains on the same batch, so one replica's gradient is the two replicas' mean,
@@ -61,6 +63,7 @@ def test_a_shrunk_job_reshards_the_old_ranks_snapshots_exactly(dp2: Path, tmp_pa
         dp=1,
         tp=2,
         timeout=WAIT,
+        fork=mesh_forks,
     )
     original = json.loads((before / "rank-0.json").read_text())
     for rank in range(2):
