@@ -35,6 +35,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -72,8 +73,13 @@ def checkpointd() -> Iterator[tuple[str, int]]:
             raise RuntimeError(f"checkpointd exited {daemon.wait()} before listening")
     finally:
         daemon.terminate()
-        daemon.wait(30)
+        try:
+            daemon.wait(30)
+        except subprocess.TimeoutExpired:  # a daemon that will not stop is not left behind
+            daemon.kill()
+            daemon.wait()
         remove_stale_segments(segment_prefix(node_id))
+        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def process_cpu_seconds(pid: int) -> float:
