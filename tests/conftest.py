@@ -490,19 +490,14 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@pytest.fixture(scope="session")
-def mesh_forks() -> Iterator[ForkClient]:
-    """A fork server with torch and its distributed packages imported, and a connection
-    to it, for `run_mesh_ranks(..., fork=mesh_forks)`: the mesh tests start many ranks,
-    each of which would otherwise import torch afresh (they test what the ranks compute,
-    not how they start)."""
+@contextlib.contextmanager
+def forking(preload: str, env: dict[str, str]) -> Iterator[ForkClient]:
+    """A fork server with `preload` imported (started with `env`, which its children's
+    start-up variables must equal), in a folder of its own, and this test's connection
+    to it; all of it gone afterwards."""
     folder = Path(tempfile.mkdtemp(dir="/tmp", prefix="pf-"))
-    preload = (
-        "torch,torch.distributed,torch.distributed.checkpoint,torch.distributed.fsdp,"
-        "torch.distributed.tensor.parallel,safetensors.torch,pitstop.trainer"
-    )
     try:
-        with ForkServerProcess(folder / "mesh.sock", preload, dict(os.environ)) as server:
+        with ForkServerProcess(folder / "fork.sock", preload, env) as server:
             client = ForkClient(server.socket_path)
             try:
                 yield client
@@ -510,6 +505,20 @@ def mesh_forks() -> Iterator[ForkClient]:
                 client.close()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def mesh_forks() -> Iterator[ForkClient]:
+    """A fork server with torch and its distributed packages imported, for
+    `run_mesh_ranks(..., fork=mesh_forks)`: the mesh tests start many ranks, each of which
+    would otherwise import torch afresh (they test what the ranks compute, not how they
+    start)."""
+    preload = (
+        "torch,torch.distributed,torch.distributed.checkpoint,torch.distributed.fsdp,"
+        "torch.distributed.tensor.parallel,safetensors.torch,pitstop.trainer"
+    )
+    with forking(preload, dict(os.environ)) as client:
+        yield client
 
 
 def run_mesh_ranks(

@@ -38,6 +38,7 @@ from conftest import (
     SchedulerThread,
     StoreUrls,
     follow_events,
+    forking,
     free_port,
     run_mesh_ranks,
     scheduler_settings,
@@ -134,18 +135,8 @@ def daemon_forks() -> Iterator[ForkClient]:
     connection to it: every scenario starts five of each, forked rather than each
     importing gRPC, pydantic and the rest afresh (as for the ranks: a cluster's start is
     not what the matrix tests; the local cluster's tests start its daemons afresh)."""
-    folder = Path(tempfile.mkdtemp(dir="/tmp", prefix="pf-"))
-    try:
-        with ForkServerProcess(
-            folder / "daemons.sock", "pitstop.agent.main,pitstop.checkpointd.main", clean_env()
-        ) as server:
-            client = ForkClient(server.socket_path)
-            try:
-                yield client
-            finally:
-                client.close()
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with forking("pitstop.agent.main,pitstop.checkpointd.main", clean_env()) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
