@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
@@ -117,12 +118,14 @@ def watch(
     """Print a job's events as they happen, until it ends (or Ctrl-C)."""
     with open_client(ctx) as client:
         try:
-            for event in client.watch_job(job_id, after_event_id=after):
-                if json_out:
-                    print_json_line(to_json(event))
-                else:
-                    typer.echo(event_line(event))
-                if event.job_id == job_id and ends_job(event):
-                    return
+            # Closed (its stream ended, its reader out of gRPC) before the channel is.
+            with contextlib.closing(client.watch_job(job_id, after_event_id=after)) as events:
+                for event in events:
+                    if json_out:
+                        print_json_line(to_json(event))
+                    else:
+                        typer.echo(event_line(event))
+                    if event.job_id == job_id and ends_job(event):
+                        return
         except KeyboardInterrupt:
             return

@@ -8,7 +8,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar, cast
 
@@ -155,7 +155,9 @@ class PitstopClient:
         """Continue a paused job."""
         return self._job_control(self._jobs.Resume, job_id, reason)
 
-    def watch_job(self, job_id: str, after_event_id: int = 0) -> Iterator[common_pb2.Event]:
+    def watch_job(
+        self, job_id: str, after_event_id: int = 0
+    ) -> Generator[common_pb2.Event, None, None]:
         """The job's events, replaying those after ``after_event_id`` first."""
 
         def open_stream(cursor: int) -> Any:
@@ -255,7 +257,7 @@ class PitstopClient:
 
     def watch_events(
         self, job_id: str = "", node_id: str = "", after_event_id: int = -1
-    ) -> Iterator[common_pb2.Event]:
+    ) -> Generator[common_pb2.Event, None, None]:
         """Events as they are recorded; a negative ``after_event_id`` starts at the newest
         without replay, otherwise events after that id are replayed first."""
 
@@ -288,7 +290,7 @@ class PitstopClient:
 
     def _follow(
         self, open_stream: Callable[[int], Any], after_event_id: int
-    ) -> Iterator[common_pb2.Event]:
+    ) -> Generator[common_pb2.Event, None, None]:
         # A dropped connection (scheduler restart, failover) resumes after the last
         # event seen, so a watcher sees every event once; only repeated failures without
         # a single event in between give up.
@@ -310,11 +312,14 @@ class PitstopClient:
                 if not _is_unavailable(error) or failures >= self._max_attempts:
                     raise PitstopError.from_rpc_error(error) from None
             finally:
-                pump.cancel()
+                pump.close()
             time.sleep(min(2.0, 0.1 * 2**failures) + random.uniform(0, 0.1))
 
 
 _STREAM_END = object()
+PUMP_CLOSE_SECONDS = 5.0
+"""How long ending a watch waits for its reading thread to leave gRPC (a cancelled read
+returns at once)."""
 
 
 class _StreamPump:
@@ -330,9 +335,10 @@ class _StreamPump:
         self._lock = threading.Lock()
         self._call: Any = None
         self._cancelled = False
-        threading.Thread(
+        self._thread = threading.Thread(
             target=self._run, args=(open_stream, cursor), name="pitstop-stream", daemon=True
-        ).start()
+        )
+        self._thread.start()
 
     def _run(self, open_stream: Callable[[int], Any], cursor: int) -> None:
         try:
@@ -356,3 +362,9 @@ class _StreamPump:
             call = self._call
         if call is not None:
             call.cancel()
+
+    def close(self, timeout: float = PUMP_CLOSE_SECONDS) -> None:
+        """End the stream and wait (at most `timeout`) until the reading thread is out of
+        gRPC, so the channel is not closed, nor the interpreter ended, under a read."""
+        self.cancel()
+        self._thread.join(timeout)
