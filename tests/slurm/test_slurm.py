@@ -9,6 +9,7 @@ allocation lands on the fourth node, which joins as a spare."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 import pytest
 import yaml
@@ -79,6 +81,21 @@ def fault_free_hash(result: dict[str, str]) -> threading.Thread:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
+
+
+def cli_processes() -> str:
+    """The pitstop CLI processes still running (a recipe waiting on one: `pitstop job
+    watch` once hung after the job's end), each thread's kernel wait channel."""
+    lines = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "bin/pitstop " not in cmdline + " ":
+            continue
+        tasks = Path(f"/proc/{proc.pid}/task")
+        with contextlib.suppress(OSError):
+            waits = [(t / "wchan").read_text() for t in sorted(tasks.iterdir())]
+            lines.append(f"{proc.pid} {proc.info['status']} {cmdline!r} threads waiting in {waits}")
+    return "pitstop CLI processes:\n" + ("\n".join(lines) or "none")
 
 
 def until(what: str, check: Callable[[], Any], explain: Callable[[], str]) -> Any:
@@ -158,7 +175,10 @@ def test_a_job_in_an_sbatch_allocation_outlives_a_killed_node_which_slurm_drains
         lambda: query("SELECT id FROM nodes WHERE id = 'n4' AND role = 'spare' AND connected"),
         explain,
     )
-    ended = slurm.wait_job(batch, WAIT)
+    try:
+        ended = slurm.wait_job(batch, WAIT)
+    except TimeoutError as exc:  # say what the recipe still waits on
+        pytest.fail(f"{exc}\n{cli_processes()}\n{explain()}")
     assert (ended["JobState"], ended["ExitCode"]) == ("COMPLETED", "0:0"), explain()
     job = json.loads((shared / "job.json").read_text())
     standalone.join(WAIT)
