@@ -806,7 +806,9 @@ class ForkClient:
                         child._set_exited(int(message["returncode"]))
                     continue
                 with self._lock:
-                    reply = self._replies.pop(int(message["id"]))
+                    reply = self._replies.pop(message.get("id"), None)
+                if reply is None:  # an answer to no request of ours
+                    continue
                 if "pid" in message:  # known before the next line, which may be its exit
                     child = ForkedChild(int(message["pid"]), [])
                     self._children[child.pid] = child

@@ -291,7 +291,10 @@ class Node:
         if isinstance(self.checkpointd, ForkedChild):  # its output goes to its log file
             log, seen = self.root / "checkpointd.log", 0
             while time.monotonic() < deadline:
-                lines = log.read_text(errors="replace").splitlines()
+                try:
+                    lines = log.read_text(errors="replace").splitlines()
+                except FileNotFoundError:  # the forked daemon has not opened it yet
+                    lines = []
                 found = [line for line in lines[seen:] if text in line]
                 if found:
                     return found[0]
@@ -299,9 +302,8 @@ class Node:
                 if self.checkpointd.poll() is not None:
                     break
                 time.sleep(0.02)
-            raise AssertionError(
-                f"checkpointd of {self.node_id} never said {text!r}:\n{log.read_text()[-2000:]}"
-            )
+            said = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+            raise AssertionError(f"checkpointd of {self.node_id} never said {text!r}:\n{said}")
         while True:
             try:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
