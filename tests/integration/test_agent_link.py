@@ -15,7 +15,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -598,6 +598,8 @@ class FakeScheduler:
     def __init__(self, heartbeat_interval: float, refuse: int = 0) -> None:
         self.heartbeat_interval = heartbeat_interval
         self.refuse = refuse
+        self.before_refusal: Callable[[], Awaitable[None]] | None = None
+        """Run once a stream to be refused has sent its Register, before the refusal."""
         self.streams: asyncio.Queue[FakeStream] = asyncio.Queue()
 
     async def Connect(  # noqa: N802 (gRPC method name)
@@ -605,6 +607,9 @@ class FakeScheduler:
     ) -> AsyncIterator[agent_pb2.SchedulerMessage]:
         if self.refuse:
             self.refuse -= 1
+            if self.before_refusal is not None:
+                await anext(aiter(requests))  # the Register
+                await self.before_refusal()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "refused by the test")
         stream = FakeStream(dict(context.invocation_metadata()))
 
@@ -697,6 +702,21 @@ async def test_every_stream_registers_first_and_numbers_its_messages_from_1(
     refused = [r for r in caplog.records if "refused by the test" in r.getMessage()]
     assert refused
     assert refused[0].levelname == "ERROR"
+
+
+async def test_a_message_queued_as_a_stream_is_refused_goes_out_on_the_next_stream(
+    short_dir: Path,
+) -> None:
+    """The refused stream's writer, waiting for the answer to its Register, must not take
+    the message queued meanwhile (and lose it on a stream that has ended)."""
+    exited = agent_pb2.RankExited(job_id="job-q", generation=1, rank=3, exit_code=0)
+    async with fake_scheduler(heartbeat_interval=3600.0, refuse=1) as (fake, address):
+        settings = agent_settings(address, short_dir, gpus="sim:1")
+        async with running_agent(settings) as agent:
+            # Set before the agent's first connection (its task has not run yet).
+            fake.before_refusal = lambda: agent.link.report_rank_exit(exited)
+            stream = await fake.next_stream()  # the second connection, accepted
+            assert (await stream.next("rank_exited")).rank_exited == exited
 
 
 async def test_step_times_go_out_before_the_next_heartbeat_once_1024_wait(

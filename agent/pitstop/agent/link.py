@@ -57,6 +57,20 @@ class LinkDown(Exception):
         self.stable = stable
 
 
+async def _first_of(wanted: asyncio.Event | asyncio.Future[Any], ended: asyncio.Event) -> bool:
+    """Wait for `wanted` (an event set, a future done) or `ended`; whether `wanted` came.
+    A future that has not come is cancelled."""
+    want = asyncio.ensure_future(wanted.wait()) if isinstance(wanted, asyncio.Event) else wanted
+    end = asyncio.ensure_future(ended.wait())
+    try:
+        await asyncio.wait({want, end}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        end.cancel()
+        if not want.done():
+            want.cancel()
+    return want.done() and not want.cancelled()
+
+
 def agent_version() -> str:
     """The installed pitstop version."""
     try:
@@ -91,6 +105,8 @@ class SchedulerLink:
         self._token = settings.token
         # None ends the stream: the request iterator returns, which half-closes it.
         self._outbox: asyncio.Queue[agent_pb2.AgentMessage | None] = asyncio.Queue()
+        self._held: agent_pb2.AgentMessage | None = None
+        """A message taken from the outbox as its stream ended: the next stream's first."""
         self._heartbeats = Heartbeats(
             settings,
             backend,
@@ -206,8 +222,9 @@ class SchedulerLink:
             self._settings.scheduler, self._identity, to_scheduler=True, aio=True
         )
         answered = asyncio.Event()  # the scheduler's first answer (or the session's end)
+        ended = asyncio.Event()  # this stream is over: its writer stops reading the outbox
         call = agent_pb2_grpc.AgentServiceStub(channel).Connect(
-            self._requests(register, answered), metadata=metadata
+            self._requests(register, answered, ended), metadata=metadata
         )
         conversation = asyncio.create_task(self._converse(call, answered))
         stopped = asyncio.create_task(stop.wait())
@@ -221,6 +238,10 @@ class SchedulerLink:
             answered.set()
             await asyncio.wait({conversation}, timeout=CLOSE_GRACE_SECONDS)
         finally:
+            # A call that already ended (refused, broken) does not cancel its writer: the
+            # writer ends itself, or it would wait on the outbox and take the next
+            # stream's first message.
+            ended.set()
             stopped.cancel()
             conversation.cancel()
             call.cancel()
@@ -259,7 +280,7 @@ class SchedulerLink:
         return LinkDown(reason, loud=loud, stable=stable)
 
     async def _requests(
-        self, register: agent_pb2.AgentMessage, answered: asyncio.Event
+        self, register: agent_pb2.AgentMessage, answered: asyncio.Event, ended: asyncio.Event
     ) -> AsyncIterator[Any]:
         # The only writer of the stream, so sequence numbers are gapless per stream.
         seq = 1
@@ -268,9 +289,10 @@ class SchedulerLink:
         # Nothing more until the scheduler answers. A refusal ends the stream at once, and
         # a write in flight then makes grpc's asyncio client report "INTERNAL: Internal
         # error from Core" in place of the refusal's status and reason (grpc/grpc#36066).
-        await answered.wait()
+        if not await _first_of(answered, ended):
+            return
         while True:
-            message = await self._outbox.get()
+            message = await self._next_message(ended)
             if message is None:
                 return
             seq += 1
@@ -278,6 +300,28 @@ class SchedulerLink:
             if message.HasField("heartbeat"):
                 self._metrics.heartbeats.labels(self._settings.node_id).inc()
             yield message
+
+    async def _next_message(self, ended: asyncio.Event) -> agent_pb2.AgentMessage | None:
+        """The next message to send on this stream; None to half-close it (the agent
+        stops) or once it has ended (a message taken as it ended goes out first on the
+        next stream)."""
+        held, self._held = self._held, None
+        if held is not None:
+            return held
+        getter = asyncio.ensure_future(self._outbox.get())
+        try:
+            came = await _first_of(getter, ended)
+        except asyncio.CancelledError:  # the call was cancelled: keep what was taken
+            if getter.done() and not getter.cancelled():
+                self._held = getter.result()
+            raise
+        if not came:
+            return None
+        message = getter.result()
+        if message is not None and ended.is_set():
+            self._held = message
+            return None
+        return message
 
     async def _register_message(self) -> agent_pb2.AgentMessage:
         settings, backend = self._settings, self._backend
