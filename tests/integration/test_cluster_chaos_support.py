@@ -7,6 +7,7 @@ the cluster, and its node stays ready; kill_node takes the agent's daemon too.""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -43,28 +44,31 @@ def eventually(probe: Callable[[], T | None], what: str) -> T:
 def cluster() -> Iterator[tuple[LocalCluster, OwnPostgres, OwnRedis]]:
     root = Path(tempfile.mkdtemp(dir="/tmp", prefix="pcc-"))  # short: agent sockets
     try:
-        postgres = OwnPostgres(root / "postgres")
-        redis = OwnRedis(root / "redis")
-    except ClusterError as exc:
-        pytest.skip(f"no PostgreSQL or Redis server binaries here: {exc}")
-    with (
-        postgres,
-        redis,
-        running_cluster(
-            root / "cluster",
-            nodes=1,
-            spares=0,
-            port=0,
-            database_url=postgres.url,
-            redis_url=redis.url,
-            schedulers=2,
-            insecure=True,  # several schedulers: a local cluster of them runs insecure
-            agent_owns_checkpointd=True,
-            env={"PITSTOP_LEADER_LEASE_SECONDS": "1"},
-            timeout=90,
-        ) as running,
-    ):
-        yield running, postgres, redis
+        try:
+            postgres = OwnPostgres(root / "postgres")
+            redis = OwnRedis(root / "redis")
+        except ClusterError as exc:
+            pytest.skip(f"no PostgreSQL or Redis server binaries here: {exc}")
+        with (
+            postgres,
+            redis,
+            running_cluster(
+                root / "cluster",
+                nodes=1,
+                spares=0,
+                port=0,
+                database_url=postgres.url,
+                redis_url=redis.url,
+                schedulers=2,
+                insecure=True,  # several schedulers: a local cluster of them runs insecure
+                agent_owns_checkpointd=True,
+                env={"PITSTOP_LEADER_LEASE_SECONDS": "1"},
+                timeout=90,
+            ) as running,
+        ):
+            yield running, postgres, redis
+    finally:  # its stores' data and the cluster's state, one folder per run
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_faults_of_the_chaos_run_on_a_two_scheduler_cluster(
