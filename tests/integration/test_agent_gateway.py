@@ -4,6 +4,9 @@ traffic is refused with a clear status."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +32,7 @@ def fast(stores: StoreUrls, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         database_url=stores.fresh_database(),
         leader_loops=True,  # the liveness scan runs in the leader
         heartbeat_interval_seconds=BEAT,
+        refresh_interval_seconds=BEAT,  # every look a heartbeat: the deadline's tests
         redis_prefix=stores.redis_prefix + "fast:",
         liveness_startup_grace_seconds=0.0,
     )
@@ -160,6 +164,80 @@ def test_a_silent_agent_is_lost_at_its_deadline_and_its_stream_is_closed(
         assert "liveness deadline" in lost.reason
         with pytest.raises(StopIteration):
             agent.next_command()  # the scheduler ended the stale stream
+
+
+SILENT_HOST = """
+import sys
+import threading
+
+import grpc
+from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+node_id, address = sys.argv[1:3]
+register = agent_pb2.AgentMessage(
+    seq=1,
+    register=agent_pb2.Register(
+        node_id=node_id,
+        inventory=common_pb2.Inventory(gpus=[common_pb2.GpuInfo(index=0, uuid="GPU-" + node_id)]),
+    ),
+)
+def requests():
+    yield register
+    threading.Event().wait()  # then nothing, ever
+
+channel = grpc.insecure_channel(address)
+replies = agent_pb2_grpc.AgentServiceStub(channel).Connect(requests())
+print(next(replies).WhichOneof("body"), flush=True)
+for reply in replies:
+    pass
+"""
+
+
+@pytest.fixture(scope="module")
+def pinging(
+    stores: StoreUrls, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SchedulerThread]:
+    """A scheduler whose liveness deadline is minutes away: only the stream's keepalive
+    pings can find a node gone silent in time."""
+    settings = scheduler_settings(
+        stores,
+        tmp_path_factory.mktemp("pinging"),
+        database_url=stores.fresh_database(),
+        leader_loops=True,
+        heartbeat_interval_seconds=60.0,
+        refresh_interval_seconds=120.0,  # the deadline: 300 s
+        keepalive_seconds=0.5,
+        keepalive_timeout_seconds=1.0,
+        redis_prefix=stores.redis_prefix + "pinging:",
+    )
+    thread = SchedulerThread(settings)
+    yield thread
+    thread.stop()
+
+
+def test_a_host_gone_silent_is_lost_by_its_streams_keepalive_long_before_any_deadline(
+    pinging: SchedulerThread,
+) -> None:
+    """A frozen process (as a host that lost power or its network: no TCP reset) stops
+    answering the HTTP/2 pings; the scheduler closes its connection and the node is LOST
+    without waiting for a heartbeat deadline (here 300 s away, past the watch's 15 s)."""
+    node_id = unique("silent")
+    host = subprocess.Popen(
+        [sys.executable, "-c", SILENT_HOST, node_id, pinging.address],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert host.stdout is not None
+        assert host.stdout.readline().strip() == "registered"
+        registered = wait_for_event(pinging, node_id, "node.registered")
+        host.send_signal(signal.SIGSTOP)
+        lost = wait_for_event(pinging, node_id, "node.lost", after=registered.id)
+        assert "liveness deadline" not in lost.reason  # the transport saw it, not the scan
+    finally:
+        host.send_signal(signal.SIGCONT)
+        host.kill()
+        host.wait()
 
 
 def test_a_deadline_whose_loss_failed_to_commit_is_claimed_again(

@@ -595,8 +595,9 @@ class FakeScheduler:
     """An AgentService that records what the agent sends, to check the wire protocol
     itself: sequence numbers, registration, batching. `refuse` streams are refused."""
 
-    def __init__(self, heartbeat_interval: float, refuse: int = 0) -> None:
+    def __init__(self, heartbeat_interval: float, refuse: int = 0, refresh: float = 0.0) -> None:
         self.heartbeat_interval = heartbeat_interval
+        self.refresh = refresh
         self.refuse = refuse
         self.before_refusal: Callable[[], Awaitable[None]] | None = None
         """Run once a stream to be refused has sent its Register, before the refusal."""
@@ -621,7 +622,9 @@ class FakeScheduler:
         self.streams.put_nowait(stream)
         try:
             registered = agent_pb2.Registered(
-                node_id="fake", heartbeat_interval_seconds=self.heartbeat_interval
+                node_id="fake",
+                heartbeat_interval_seconds=self.heartbeat_interval,
+                refresh_interval_seconds=self.refresh,
             )
             yield agent_pb2.SchedulerMessage(registered=registered)
             while (command := await stream.commands.get()) is not None:
@@ -634,10 +637,12 @@ class FakeScheduler:
 
 
 @contextlib.asynccontextmanager
-async def fake_scheduler(heartbeat_interval: float, refuse: int = 0) -> AsyncIterator[Any]:
+async def fake_scheduler(
+    heartbeat_interval: float, refuse: int = 0, refresh: float = 0.0
+) -> AsyncIterator[Any]:
     from pitstop.v1 import agent_pb2_grpc
 
-    fake = FakeScheduler(heartbeat_interval, refuse)
+    fake = FakeScheduler(heartbeat_interval, refuse, refresh)
     server = grpc.aio.server()
     agent_pb2_grpc.add_AgentServiceServicer_to_server(fake, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -717,6 +722,154 @@ async def test_a_message_queued_as_a_stream_is_refused_goes_out_on_the_next_stre
             fake.before_refusal = lambda: agent.link.report_rank_exit(exited)
             stream = await fake.next_stream()  # the second connection, accepted
             assert (await stream.next("rank_exited")).rank_exited == exited
+
+
+class CountingBackend(SimulatedBackend):
+    """Simulated GPUs that count how often the agent looked at them."""
+
+    def __init__(self, node_id: str, count: int) -> None:
+        super().__init__(node_id, count)
+        self.looks = 0
+
+    def read_health(self) -> list[common_pb2.GpuHealth]:
+        self.looks += 1
+        return super().read_health()
+
+    async def looked(self, more: int) -> None:
+        """Return once the agent has looked `more` times from now."""
+        target = self.looks + more
+        await wait_until(lambda: self.looks >= target)
+
+
+async def test_a_heartbeat_goes_out_when_what_it_says_changes_not_at_every_look(
+    short_dir: Path,
+) -> None:
+    """At 12,500 nodes a heartbeat a second from each is most of the scheduler's work,
+    and nearly all of them repeat the last. The agent looks every interval but sends
+    only a change of verdict or of its processes (and a refresh, here an hour away):
+    a new temperature is no news, a double-bit ECC error is at once."""
+    async with fake_scheduler(heartbeat_interval=0.02, refresh=3600.0) as (fake, address):
+        settings = agent_settings(address, short_dir, gpus="sim:2")
+        backend = CountingBackend(settings.node_id, 2)
+        agent = NodeAgent(settings, backend)
+        await agent.start()
+        stop = asyncio.Event()
+        run = asyncio.create_task(agent.run(stop))
+        try:
+            stream = await fake.next_stream()
+            first = (await stream.next("heartbeat")).heartbeat
+            assert first.health.verdict == common_pb2.HEALTH_VERDICT_HEALTHY
+            await backend.looked(10)
+            backend.set_reading(0, temperature_c=61.0)
+            await backend.looked(10)
+            said = [m.WhichOneof("body") for m in drain(stream.received)]
+            assert "heartbeat" not in said
+            backend.inject_fault(common_pb2.Fault(gpu_index=1, ecc_double_bit=1))
+            beat = (await stream.next("heartbeat")).heartbeat
+            assert beat.health.verdict != common_pb2.HEALTH_VERDICT_HEALTHY
+            assert beat.health.gpus[0].temperature_c == 61.0  # the latest readings go along
+        finally:
+            stop.set()
+            await asyncio.wait_for(run, TIMEOUT)
+            await agent.close()
+
+
+def drain(messages: asyncio.Queue[agent_pb2.AgentMessage]) -> list[agent_pb2.AgentMessage]:
+    out = []
+    while not messages.empty():
+        out.append(messages.get_nowait())
+    return out
+
+
+async def test_with_nothing_new_a_heartbeat_still_goes_out_every_refresh(
+    short_dir: Path,
+) -> None:
+    async with fake_scheduler(heartbeat_interval=0.02, refresh=0.1) as (fake, address):
+        settings = agent_settings(address, short_dir, gpus="sim:1")
+        backend = CountingBackend(settings.node_id, 1)
+        agent = NodeAgent(settings, backend)
+        await agent.start()
+        stop = asyncio.Event()
+        run = asyncio.create_task(agent.run(stop))
+        try:
+            stream = await fake.next_stream()
+            beats = [(await stream.next("heartbeat")).heartbeat for _ in range(3)]
+            assert len({_gist_of(b) for b in beats}) == 1  # the same news, refreshed
+            assert backend.looks >= 5  # and looked more often than it said so
+        finally:
+            stop.set()
+            await asyncio.wait_for(run, TIMEOUT)
+            await agent.close()
+
+
+def _gist_of(beat: agent_pb2.Heartbeat) -> tuple[object, ...]:
+    return (beat.health.verdict, tuple(beat.health.reasons), len(beat.running_ranks))
+
+
+FROZEN_SCHEDULER = """
+import asyncio
+
+import grpc
+from pitstop.v1 import agent_pb2, agent_pb2_grpc
+
+
+class Scheduler:
+    async def Connect(self, requests, context):
+        await anext(aiter(requests))
+        registered = agent_pb2.Registered(
+            node_id="n", heartbeat_interval_seconds=3600, refresh_interval_seconds=3600
+        )
+        yield agent_pb2.SchedulerMessage(registered=registered)
+        async for _ in requests:
+            pass
+
+
+async def main():
+    server = grpc.aio.server(
+        options=[
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 500),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
+    )
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(Scheduler(), server)
+    print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+    await server.start()
+    await server.wait_for_termination()
+
+
+asyncio.run(main())
+"""
+
+
+async def test_an_agent_leaves_a_scheduler_gone_silent_by_its_own_keepalive(
+    short_dir: Path,
+) -> None:
+    """The scheduler's host freezes (no TCP reset) and the agent sends nothing (its
+    heartbeats are an hour apart): its own pings go unanswered and it drops the stream,
+    to reconnect (to another scheduler process, where there are several)."""
+    frozen = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", FROZEN_SCHEDULER, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert frozen.stdout is not None
+        port = int(await asyncio.wait_for(frozen.stdout.readline(), TIMEOUT))
+        settings = agent_settings(
+            f"127.0.0.1:{port}",
+            short_dir,
+            gpus="sim:1",
+            keepalive_seconds=0.5,
+            keepalive_timeout_seconds=1.0,
+        )
+        async with running_agent(settings) as agent:
+            await agent.link.wait_registered(timeout=TIMEOUT)
+            frozen.send_signal(signal.SIGSTOP)
+            await wait_until(lambda: not agent.link.connected)
+            assert agent.link.registrations == 1
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+        frozen.kill()
+        await frozen.wait()
 
 
 async def test_step_times_go_out_before_the_next_heartbeat_once_1024_wait(

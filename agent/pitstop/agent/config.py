@@ -81,6 +81,12 @@ class AgentSettings(BaseSettings):
     """Role asked for at the node's first registration; the scheduler's record wins later."""
     heartbeat_interval_seconds: float = Field(default=1.0, gt=0)
     """Used until the scheduler says otherwise in Registered."""
+    keepalive_seconds: float = Field(default=2.0, ge=0.5)
+    """The agent pings its scheduler stream this often (HTTP/2 PING, in gRPC's core)..."""
+    keepalive_timeout_seconds: float = Field(default=2.0, gt=0)
+    """...and a ping unanswered this long breaks the stream: a scheduler host gone silent
+    (no TCP reset) is left within both, and the agent reconnects (to another scheduler
+    process behind the same address, where there are several)."""
     state_dir: Path = DEFAULT_STATE_DIR
     socket_path: Path = DEFAULT_STATE_DIR / SOCKET_NAME
     """Unix socket for the ranks; default <state_dir>/agent.sock."""

@@ -1,6 +1,11 @@
 """What the agent reports to the scheduler on its own: heartbeats with the node's health,
 step times, and Xids as the driver raises them.
 
+The agent looks at its node every heartbeat interval but sends a heartbeat only when
+what it says changed, and at least every refresh interval: at 12,500 nodes the
+scheduler reads what changed, not the fleet every second. That a host is alive is the
+stream's keepalive pings' business, answered in gRPC's core.
+
 A heartbeat loop runs while a stream is registered (the link starts one per stream);
 Xids are pumped for the agent's whole life, and those of the kernel log are sent once,
 after the first registration. Everything goes out through the link's `send`.
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Callable, Collection
 from typing import Protocol
@@ -47,6 +53,24 @@ class RunningRanks(Protocol):
 
     def running(self) -> list[agent_pb2.RunningRank]: ...
     def kill_gpu(self, gpu_index: int, reason: str) -> list[tuple[str, int]]: ...
+
+
+def _gist(beat: agent_pb2.Heartbeat) -> tuple[object, ...]:
+    """What the scheduler acts on in a heartbeat: the verdicts and their reasons (node and
+    GPUs) and which processes run (not their step, nor the GPUs' temperatures and
+    counters, which change at every look and are sent with the refresh)."""
+    health = beat.health
+    return (
+        health.verdict,
+        tuple(health.reasons),
+        tuple((g.index, g.verdict, tuple(g.reasons)) for g in health.gpus),
+        tuple(
+            sorted(
+                (r.job_id, r.generation, r.rank, r.pid, r.standby, r.ready)
+                for r in beat.running_ranks
+            )
+        ),
+    )
 
 
 def timestamp(seconds: float) -> Timestamp:
@@ -91,14 +115,24 @@ class Heartbeats:
 
     # Heartbeats and step times
 
-    async def run(self, interval: float) -> None:
-        """Beat every `interval` seconds (sooner after `beat_soon`) until cancelled,
-        sending step times with each beat, and between beats once enough wait."""
+    async def run(self, interval: float, refresh: float | None = None) -> None:
+        """Look at the node every `interval` seconds (sooner after `beat_soon`) until
+        cancelled: send a heartbeat when what it says changed (`_gist`), and at least
+        every `refresh` seconds (default: every look); flush step times at each look,
+        and between looks once enough wait."""
         loop = asyncio.get_running_loop()
+        refresh = max(refresh or interval, interval)
+        sent: tuple[object, ...] | None = None
+        sent_at = -math.inf
         while True:
             self._beat_now.clear()
             try:
-                await self._beat()
+                beat = await self._look()
+                gist, now = _gist(beat), loop.time()
+                # Half a look early: a refresh equal to the interval sends every look.
+                if gist != sent or now - sent_at >= refresh - interval / 2:
+                    self._send(heartbeat=beat)
+                    sent, sent_at = gist, now
                 self.flush_steps()
             except Exception:  # a bad beat must not end the heartbeats: liveness hangs on them
                 log.exception("building a heartbeat failed")
@@ -111,7 +145,8 @@ class Heartbeats:
                     if self._steps.pending >= STEP_FLUSH_SAMPLES:
                         self.flush_steps()
 
-    async def _beat(self) -> None:
+    async def _look(self) -> agent_pb2.Heartbeat:
+        """The node's health and running ranks now, as a heartbeat."""
         try:
             readings = await asyncio.to_thread(self._backend.read_health)
         except Exception as exc:
@@ -135,10 +170,9 @@ class Heartbeats:
         running = self._supervisor.running()
         self._metrics.ranks_running.labels(self._settings.node_id).set(len(running))
         self.latest = health
-        beat = agent_pb2.Heartbeat(
+        return agent_pb2.Heartbeat(
             time=timestamp(self._clock()), health=health, running_ranks=running
         )
-        self._send(heartbeat=beat)
 
     def beat_soon(self) -> None:
         """Send a heartbeat now rather than at the next interval (the node's health

@@ -92,8 +92,16 @@ EXAMPLE_CONFIG = """\
 # scheduler's record wins (change it with `pitstop node set-role`).
 # role: worker
 
-# Seconds between heartbeats until the scheduler sets the interval at registration.
+# Seconds between looks at the node (health, step times) until the scheduler sets the
+# interval at registration. A heartbeat goes out when what it says changed, and at
+# least every refresh interval the scheduler gives.
 # heartbeat_interval_seconds: 1.0
+
+# The agent pings its scheduler stream this often (HTTP/2 PING, answered in gRPC's core)
+# and drops a stream whose ping is not answered within keepalive_timeout_seconds: a
+# scheduler host gone silent is left within both, and the agent reconnects.
+# keepalive_seconds: 2.0
+# keepalive_timeout_seconds: 2.0
 
 # Where the agent keeps its socket and the ranks' logs.
 # state_dir: /var/lib/pitstop/agent

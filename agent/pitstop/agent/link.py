@@ -71,6 +71,19 @@ async def _first_of(wanted: asyncio.Event | asyncio.Future[Any], ended: asyncio.
     return want.done() and not want.cancelled()
 
 
+def keepalive_options(settings: AgentSettings) -> list[tuple[str, int]]:
+    """gRPC channel options: ping the scheduler, and break a stream whose ping goes
+    unanswered (the scheduler accepts pings this often: AGENT_PING_FLOOR_MS)."""
+    return [
+        ("grpc.keepalive_time_ms", round(settings.keepalive_seconds * 1000)),
+        ("grpc.keepalive_timeout_ms", round(settings.keepalive_timeout_seconds * 1000)),
+        # The timeout gRPC enforces (keepalive_timeout_ms alone never fires: grpc#39239).
+        ("grpc.http2.ping_timeout_ms", round(settings.keepalive_timeout_seconds * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
 def agent_version() -> str:
     """The installed pitstop version."""
     try:
@@ -219,7 +232,11 @@ class SchedulerLink:
             raise LinkDown(f"cannot build the registration: {exc}") from exc
         metadata = (("authorization", f"Bearer {self._token}"),) if self._token else None
         channel = open_channel(
-            self._settings.scheduler, self._identity, to_scheduler=True, aio=True
+            self._settings.scheduler,
+            self._identity,
+            to_scheduler=True,
+            aio=True,
+            options=keepalive_options(self._settings),
         )
         answered = asyncio.Event()  # the scheduler's first answer (or the session's end)
         ended = asyncio.Event()  # this stream is over: its writer stops reading the outbox
@@ -366,14 +383,17 @@ class SchedulerLink:
             registered.heartbeat_interval_seconds or self._settings.heartbeat_interval_seconds
         )
         log.info(
-            "registered with scheduler %s as node %s (%s, %s); heartbeat every %.1fs",
+            "registered with scheduler %s as node %s (%s, %s); looking every %.1fs, "
+            "a heartbeat on change and at least every %.1fs",
             self._settings.scheduler,
             registered.node_id,
             common_pb2.NodeRole.Name(registered.role),
             common_pb2.NodeState.Name(registered.state),
             interval,
+            max(registered.refresh_interval_seconds, interval),
         )
-        self._heartbeat_task = asyncio.create_task(self._heartbeats.run(interval))
+        refresh = max(registered.refresh_interval_seconds, interval)
+        self._heartbeat_task = asyncio.create_task(self._heartbeats.run(interval, refresh))
         if first:
             self._spawn(self._heartbeats.send_kernel_log_xids())
         self._registered_event.set()

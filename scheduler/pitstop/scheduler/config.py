@@ -56,6 +56,10 @@ class ApiToken(BaseModel):
         return value
 
 
+AGENT_PING_FLOOR_MS = 500
+"""The shortest interval between an agent's own keepalive pings the scheduler accepts."""
+
+
 class SchedulerSettings(BaseSettings):
     """Everything the scheduler reads at start. Every field is also PITSTOP_<NAME>."""
 
@@ -78,10 +82,22 @@ class SchedulerSettings(BaseSettings):
     redis_prefix: str = "pitstop:"
     # With no tokens the API is open; the scheduler says so loudly at start.
     tokens: list[ApiToken] = Field(default_factory=list)
+    # How often an agent looks at its node (health, step times). It sends a heartbeat
+    # when what that says changed, and at least every refresh_interval_seconds (never
+    # less often than heartbeat_interval_seconds).
     heartbeat_interval_seconds: float = Field(default=1.0, gt=0)
-    # A node is LOST after this many intervals without a heartbeat; the scan runs every
-    # liveness_tick_seconds, so detection takes at most (intervals * beat + tick).
+    refresh_interval_seconds: float = Field(default=5.0, gt=0)
+    # A node is LOST after this many refresh intervals without a heartbeat; the scan runs
+    # every liveness_tick_seconds, so detection takes at most (intervals * refresh +
+    # tick). Only a hung agent whose process still answers keepalive pings waits for it.
     liveness_timeout_intervals: float = Field(default=2.5, ge=1.5)
+    # Every agent stream is pinged (HTTP/2 PING, answered in gRPC's core, no Python on
+    # either side) every keepalive_seconds; a ping unanswered for
+    # keepalive_timeout_seconds closes the connection and the node is LOST. This is how
+    # a host gone silent (power lost, network cut, process frozen; no TCP reset) is
+    # seen: within keepalive_seconds + keepalive_timeout_seconds.
+    keepalive_seconds: float = Field(default=1.0, gt=0)
+    keepalive_timeout_seconds: float = Field(default=1.0, gt=0)
     liveness_tick_seconds: float = Field(default=0.1, gt=0)
     # After a (re)start, agents get this long to reconnect before deadlines count: they
     # back off up to 2 s between attempts, and a fleet registering at once on a busy
@@ -153,6 +169,36 @@ class SchedulerSettings(BaseSettings):
     @property
     def tls_directory(self) -> Path:
         return self.tls_dir or self.state_dir / "tls"
+
+    @property
+    def refresh_seconds(self) -> float:
+        """The longest an agent goes without a heartbeat: the refresh interval, never
+        shorter than the heartbeat interval."""
+        return max(self.refresh_interval_seconds, self.heartbeat_interval_seconds)
+
+    @property
+    def liveness_timeout_seconds(self) -> float:
+        """Seconds without a heartbeat before the liveness scan declares a node LOST."""
+        return self.refresh_seconds * self.liveness_timeout_intervals
+
+    def agent_keepalive_options(self) -> list[tuple[str, int]]:
+        """gRPC server options: ping every connection (agent streams among them) and
+        close one whose ping goes unanswered; accept the agents' own pings."""
+        return [
+            ("grpc.keepalive_time_ms", round(self.keepalive_seconds * 1000)),
+            ("grpc.keepalive_timeout_ms", round(self.keepalive_timeout_seconds * 1000)),
+            # What gRPC (1.7x-1.8x) enforces in fact: keepalive_timeout_ms alone never
+            # fires (grpc/grpc#39239), an unanswered ping waits for this (default 60 s).
+            ("grpc.http2.ping_timeout_ms", round(self.keepalive_timeout_seconds * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # Keep pinging a stream the scheduler sends nothing on (the default stops
+            # after two pings, or throttles them to one a minute).
+            ("grpc.http2.max_pings_without_data", 0),
+            # Agents ping too (to see a dead scheduler); never answer that with
+            # GOAWAY "too_many_pings", which would end the stream of a healthy node.
+            ("grpc.http2.min_ping_interval_without_data_ms", AGENT_PING_FLOOR_MS),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
 
     @classmethod
     def settings_customise_sources(

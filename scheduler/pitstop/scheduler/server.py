@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from pitstop.scheduler.api.agent import AgentServicer
+from pitstop.scheduler.api.agent import AgentServicer, Beats
 from pitstop.scheduler.api.catalog import CatalogServicer
 from pitstop.scheduler.api.enrollment import EnrollmentServicer
 from pitstop.scheduler.api.jobs import JobServicer
@@ -176,7 +176,7 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
             )
         server = grpc.aio.server(
             interceptors=[ErrorMappingInterceptor(), AuthorizationInterceptor(tokens)],
-            options=[("grpc.so_reuseport", 0)],
+            options=[("grpc.so_reuseport", 0), *settings.agent_keepalive_options()],
         )
         router = CommandRouter(gateway, hot)
         router.start()
@@ -192,10 +192,17 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         rendezvous_pb2_grpc.add_RendezvousServiceServicer_to_server(
             RendezvousServicer(store), server
         )
-        liveness_timeout = settings.heartbeat_interval_seconds * settings.liveness_timeout_intervals
         metrics = SchedulerMetrics()
         agent_servicer = AgentServicer(
-            store, hot, gateway, settings.heartbeat_interval_seconds, liveness_timeout, metrics
+            store,
+            hot,
+            gateway,
+            Beats(
+                settings.heartbeat_interval_seconds,
+                settings.refresh_seconds,
+                settings.liveness_timeout_seconds,
+            ),
+            metrics,
         )
         agent_pb2_grpc.add_AgentServiceServicer_to_server(agent_servicer, server)
         liveness = LivenessMonitor(

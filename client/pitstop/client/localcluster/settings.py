@@ -46,13 +46,18 @@ DAEMON_ENV = "PITSTOP_LOCAL_CLUSTER_DAEMON"
 # Variables already in the environment win (the liveness deadline: unless `up` is given
 # one).
 HEARTBEAT_ENV = "PITSTOP_HEARTBEAT_INTERVAL_SECONDS"
+REFRESH_ENV = "PITSTOP_REFRESH_INTERVAL_SECONDS"
 LIVENESS_ENV = "PITSTOP_LIVENESS_TIMEOUT_INTERVALS"
+# A handful of nodes: every look is a heartbeat (the scheduler's default refresh of 5 s
+# is for fleets), so the liveness deadline stays that of the heartbeats.
 SCHEDULER_ENV = {
     HEARTBEAT_ENV: f"{HEARTBEAT_INTERVAL:g}",
+    REFRESH_ENV: f"{HEARTBEAT_INTERVAL:g}",
     LIVENESS_ENV: f"{DEFAULT_LIVENESS_TIMEOUT / HEARTBEAT_INTERVAL:g}",
     "PITSTOP_LIVENESS_STARTUP_GRACE_SECONDS": "0",
 }
 MIN_LIVENESS_INTERVALS = 1.5  # the scheduler's own floor
+SCHEDULER_REFRESH_DEFAULT = "5"  # the scheduler's refresh_interval_seconds, unset
 CHECKPOINTD_ENV = {
     "PITSTOP_CHECKPOINTD_MEMORY_BUDGET_BYTES": str(CHECKPOINTD_MEMORY_BUDGET_BYTES),
     "PITSTOP_CHECKPOINTD_RETRY_MAX_SECONDS": "0.5",
@@ -71,9 +76,12 @@ def check_liveness(seconds: float) -> None:
 def liveness_of(env: Mapping[str, str]) -> float:
     """The liveness deadline a scheduler started with `env` uses, in seconds."""
     try:
-        return float(env[HEARTBEAT_ENV]) * float(env[LIVENESS_ENV])
+        beat = float(env[HEARTBEAT_ENV])
+        refresh = float(env.get(REFRESH_ENV, SCHEDULER_REFRESH_DEFAULT))
+        return max(refresh, beat) * float(env[LIVENESS_ENV])
     except (KeyError, ValueError):
         raise ClusterError(
-            f"{HEARTBEAT_ENV}={env.get(HEARTBEAT_ENV)!r} and "
+            f"{HEARTBEAT_ENV}={env.get(HEARTBEAT_ENV)!r}, "
+            f"{REFRESH_ENV}={env.get(REFRESH_ENV)!r} and "
             f"{LIVENESS_ENV}={env.get(LIVENESS_ENV)!r}: give numbers"
         ) from None

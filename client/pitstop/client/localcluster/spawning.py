@@ -33,6 +33,7 @@ from pitstop.client.localcluster.settings import (
     HEARTBEAT_INTERVAL,
     JOIN_TOKEN_TTL_SECONDS,
     LIVENESS_ENV,
+    REFRESH_ENV,
     SCHEDULER_ENV,
     liveness_of,
 )
@@ -194,7 +195,7 @@ class ClusterSpawning(ClusterState):
         return it once it listens (and says where its /metrics are)."""
         env = self._daemon_env(SCHEDULER_ENV, name)
         if liveness_timeout is not None:
-            env[HEARTBEAT_ENV] = f"{HEARTBEAT_INTERVAL:g}"
+            env[HEARTBEAT_ENV] = env[REFRESH_ENV] = f"{HEARTBEAT_INTERVAL:g}"
             env[LIVENESS_ENV] = f"{liveness_timeout / HEARTBEAT_INTERVAL:g}"
         self.liveness_timeout = liveness_of(env)
         # URLs through the environment, not argv: a password stays out of `ps`.

@@ -80,21 +80,32 @@ def _tracked(message: agent_pb2.SchedulerMessage) -> SentCommand | None:
     return None
 
 
+@dataclass(frozen=True)
+class Beats:
+    """What agents are told about heartbeats, and the deadline that follows (seconds)."""
+
+    interval: float
+    """How often an agent looks at its node and flushes step times."""
+    refresh: float
+    """The longest an agent goes without a heartbeat."""
+    liveness_timeout: float
+    """No heartbeat for this long: the liveness scan declares the node LOST."""
+
+
 class AgentServicer:
     def __init__(
         self,
         store: Store,
         hot: HotState,
         gateway: AgentGateway,
-        heartbeat_interval: float,
-        liveness_timeout: float,
+        beats: Beats,
         metrics: SchedulerMetrics,
     ) -> None:
         self.store = store
         self.hot = hot
         self.gateway = gateway
-        self.heartbeat_interval = heartbeat_interval
-        self.liveness_timeout = liveness_timeout
+        self.beats = beats
+        self.liveness_timeout = beats.liveness_timeout
         self.metrics = metrics
         # Set while the scheduler shuts down: streams it closes itself are not failures.
         self.stopping = False
@@ -202,7 +213,8 @@ class AgentServicer:
             node = await node_service.get_node(session, node_id)
         return agent_pb2.Registered(
             node_id=node.id,
-            heartbeat_interval_seconds=self.heartbeat_interval,
+            heartbeat_interval_seconds=self.beats.interval,
+            refresh_interval_seconds=self.beats.refresh,
             role=NODE_ROLE_TO_PB[node.role],
             state=NODE_STATE_TO_PB[node.state],
         )
