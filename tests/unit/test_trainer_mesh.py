@@ -63,3 +63,17 @@ def test_a_snapshots_shape_round_trips_and_a_damaged_one_is_named() -> None:
     assert shape.at(0) == Shape(2, 2, 2, 0, 0, 1)
     with pytest.raises(ShapeError, match="is not a shape"):
         Shape.from_json('{"sizes": [2, 2]}')
+
+
+def test_a_nodes_share_of_the_map_gives_the_shape_from_the_sizes_it_carries() -> None:
+    """A node's Reconfigure holds its own ranks only (the whole map is 2.4 MB at 99,968
+    ranks): the job's sizes come with it."""
+    share = common_pb2.RankMap(
+        generation=3, world_size=8, dp_size=2, pp_size=2, tp_size=2, node_local=True
+    )
+    share.ranks.add(rank=6, node_id="n3", gpu_index=0, dp=1, pp=1, tp=0)
+    share.ranks.add(rank=7, node_id="n3", gpu_index=1, dp=1, pp=1, tp=1)
+    assert Shape.from_rank_map(share, 7) == Shape(2, 2, 2, 1, 1, 1)
+    no_sizes = common_pb2.RankMap(generation=3, world_size=8, node_local=True)
+    no_sizes.ranks.add(rank=6, node_id="n3")
+    assert Shape.from_rank_map(no_sizes, 6).sizes == (8, 1, 1)  # pure data parallel

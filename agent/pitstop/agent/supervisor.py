@@ -652,8 +652,13 @@ def _shape_env(
 ) -> dict[str, str]:
     """The job's dp x pp x tp and the rank's coordinates (tp varies fastest), for the
     trainer's DeviceMesh and for scripts that build their own groups."""
-    sizes = [1 + max(getattr(a, dim) for a in rank_map.ranks) for dim in ("dp", "pp", "tp")]
-    if sizes[0] * sizes[1] * sizes[2] != len(rank_map.ranks):
+    if rank_map.dp_size:
+        sizes = [rank_map.dp_size, rank_map.pp_size, rank_map.tp_size]
+    elif rank_map.node_local:
+        return {}  # the job's sizes are not given: the trainer assumes pure data parallel
+    else:  # the whole map, from a scheduler that sends no sizes: they span it
+        sizes = [1 + max(getattr(a, dim) for a in rank_map.ranks) for dim in ("dp", "pp", "tp")]
+    if sizes[0] * sizes[1] * sizes[2] != (rank_map.world_size or len(rank_map.ranks)):
         return {}  # a map without coordinates: the trainer assumes pure data parallel
     names = ("PITSTOP_DP", "PITSTOP_PP", "PITSTOP_TP")
     env = {name: str(size) for name, size in zip(names, sizes, strict=True)}

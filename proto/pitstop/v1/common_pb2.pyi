@@ -315,14 +315,24 @@ class RankAssignment(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., gpu_index: _Optional[int] = ..., local_rank: _Optional[int] = ..., dp: _Optional[int] = ..., pp: _Optional[int] = ..., tp: _Optional[int] = ...) -> None: ...
 
 class RankMap(_message.Message):
-    __slots__ = ("generation", "world_size", "ranks")
+    __slots__ = ("generation", "world_size", "ranks", "dp_size", "pp_size", "tp_size", "node_local", "digest")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NODE_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     generation: int
     world_size: int
     ranks: _containers.RepeatedCompositeFieldContainer[RankAssignment]
-    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ...) -> None: ...
+    dp_size: int
+    pp_size: int
+    tp_size: int
+    node_local: bool
+    digest: str
+    def __init__(self, generation: _Optional[int] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[RankAssignment, _Mapping]]] = ..., dp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., node_local: _Optional[bool] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class Event(_message.Message):
     __slots__ = ("id", "time", "kind", "job_id", "node_id", "from_state", "to_state", "reason", "actor", "attributes")

@@ -14,6 +14,7 @@ from pitstop.scheduler.domain import JobState, NodeRole, NodeState, Role
 from pitstop.scheduler.errors import InvalidArgument
 from pitstop.scheduler.hotstate import STANDBY_READY
 from pitstop.scheduler.services.jobs import spec_from_json
+from pitstop.scheduler.topology import Placement, shape_of
 from pitstop.v1 import common_pb2, jobs_pb2, nodes_pb2
 
 _JOB_STATE_TO_PB: dict[JobState, common_pb2.JobState] = {
@@ -92,22 +93,44 @@ def job_to_pb(job: models.Job, ranks: Sequence[models.RankAssignment] = ()) -> j
 
 
 def rank_map_to_pb(generation: int, ranks: Sequence[Any]) -> common_pb2.RankMap:
-    """A RankMap from rank rows or placement slots (anything with the rank fields)."""
+    """The whole RankMap from rank rows or placement slots (anything with the rank
+    fields)."""
+    dp, pp, tp = shape_of(ranks)
     return common_pb2.RankMap(
         generation=generation,
         world_size=len(ranks),
-        ranks=[
-            common_pb2.RankAssignment(
-                rank=r.rank,
-                node_id=r.node_id,
-                gpu_index=r.gpu_index,
-                local_rank=r.local_rank,
-                dp=r.dp,
-                pp=r.pp,
-                tp=r.tp,
-            )
-            for r in ranks
-        ],
+        ranks=[_assignment(r) for r in ranks],
+        dp_size=dp,
+        pp_size=pp,
+        tp_size=tp,
+    )
+
+
+def node_rank_map(generation: int, placement: Placement, node_id: str) -> common_pb2.RankMap:
+    """A node's share of the map, as its commands carry it: its own ranks, the job's
+    sizes and the whole map's digest."""
+    dp, pp, tp = placement.shape
+    return common_pb2.RankMap(
+        generation=generation,
+        world_size=placement.world_size,
+        ranks=[_assignment(r) for r in placement.ranks_on(node_id)],
+        dp_size=dp,
+        pp_size=pp,
+        tp_size=tp,
+        node_local=True,
+        digest=placement.digest,
+    )
+
+
+def _assignment(r: Any) -> common_pb2.RankAssignment:
+    return common_pb2.RankAssignment(
+        rank=r.rank,
+        node_id=r.node_id,
+        gpu_index=r.gpu_index,
+        local_rank=r.local_rank,
+        dp=r.dp,
+        pp=r.pp,
+        tp=r.tp,
     )
 
 

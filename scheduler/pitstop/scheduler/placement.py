@@ -339,7 +339,7 @@ def standby_spares(
     chosen += [
         n
         for n in topology.ready_spares()
-        if n not in votes and n not in placement.nodes() and topology.free_count(n) >= needed
+        if n not in votes and not placement.hosts(n) and topology.free_count(n) >= needed
     ]
     return {n: topology.free_gpus(n)[:needed] for n in chosen[:count]}
 
@@ -352,7 +352,7 @@ def replace_node(
     moved = placement.ranks_on(failed_node_id)
     if not moved:
         raise ValueError(f"node {failed_node_id!r} hosts no rank of this placement")
-    if any(slot.node_id == spare_node_id for slot in placement.ranks):
+    if placement.hosts(spare_node_id):
         raise ValueError(f"spare {spare_node_id!r} already hosts ranks of this placement")
     gpus = topology.free_gpus(spare_node_id)
     if len(gpus) < len(moved):

@@ -7,9 +7,12 @@ rank_assignments rows. Nothing here does I/O or reads a clock.
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 from pitstop.scheduler.domain import NodeRole, NodeState
 
@@ -50,7 +53,11 @@ class RankSlot:
 
 @dataclass(frozen=True)
 class Placement:
-    """A job's whole rank map. ``ranks[i].rank == i``: ordered by rank, dense from 0."""
+    """A job's whole rank map. ``ranks[i].rank == i``: ordered by rank, dense from 0.
+
+    Immutable; its index by node, its shape and its digest are worked out once, on first
+    use (a map is 100,000 ranks on 12,500 nodes at full scale: a scan per node asked
+    about is quadratic)."""
 
     ranks: tuple[RankSlot, ...]
 
@@ -58,13 +65,62 @@ class Placement:
     def world_size(self) -> int:
         return len(self.ranks)
 
+    @cached_property
+    def _by_node(self) -> dict[str, tuple[RankSlot, ...]]:
+        grouped: dict[str, list[RankSlot]] = {}
+        for slot in self.ranks:
+            grouped.setdefault(slot.node_id, []).append(slot)
+        return {node_id: tuple(slots) for node_id, slots in grouped.items()}
+
+    @cached_property
+    def _nodes(self) -> tuple[str, ...]:
+        return tuple(self._by_node)
+
     def nodes(self) -> tuple[str, ...]:
         """The nodes used, in rank order (the first rank on each decides its position)."""
-        return tuple(dict.fromkeys(slot.node_id for slot in self.ranks))
+        return self._nodes
+
+    def hosts(self, node_id: str) -> bool:
+        """Whether ``node_id`` runs a rank of this map."""
+        return node_id in self._by_node
+
+    def first_rank(self, node_id: str) -> int:
+        """The lowest rank on ``node_id`` (a sort key: the nodes in rank order)."""
+        return self._by_node[node_id][0].rank
 
     def ranks_on(self, node_id: str) -> tuple[RankSlot, ...]:
         """The ranks on ``node_id``, in rank order; empty if it hosts none."""
-        return tuple(slot for slot in self.ranks if slot.node_id == node_id)
+        return self._by_node.get(node_id, ())
+
+    @cached_property
+    def shape(self) -> tuple[int, int, int]:
+        """(dp, pp, tp) sizes (see `shape_of`)."""
+        return shape_of(self.ranks)
+
+    @cached_property
+    def digest(self) -> str:
+        """SHA-256 of the whole map (every rank's node, GPU, local rank and coordinates,
+        in rank order): what a node's share of it is checked against."""
+        h = hashlib.sha256()
+        for s in self.ranks:
+            h.update(
+                f"{s.rank},{s.node_id},{s.gpu_index},{s.local_rank},{s.dp},{s.pp},{s.tp};".encode()
+            )
+        return h.hexdigest()
+
+
+def shape_of(ranks: Sequence[Any]) -> tuple[int, int, int]:
+    """(dp, pp, tp) sizes of a whole map (anything with the rank fields); (0, 0, 0) when
+    the coordinates do not span it (a map written before coordinates: pure data
+    parallel to the trainer)."""
+    if not ranks:
+        return (0, 0, 0)
+    sizes = (
+        1 + max(r.dp for r in ranks),
+        1 + max(r.pp for r in ranks),
+        1 + max(r.tp for r in ranks),
+    )
+    return sizes if sizes[0] * sizes[1] * sizes[2] == len(ranks) else (0, 0, 0)
 
 
 def rank_coordinates(rank: int, tp: int, pp: int) -> tuple[int, int, int]:

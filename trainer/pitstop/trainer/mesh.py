@@ -109,14 +109,20 @@ class Shape:
         """`rank`'s shape in a scheduler's rank map (a new generation's)."""
         if not rank_map.ranks:
             raise ShapeError("the rank map is empty")
-        dp = 1 + max(a.dp for a in rank_map.ranks)
-        pp = 1 + max(a.pp for a in rank_map.ranks)
-        tp = 1 + max(a.tp for a in rank_map.ranks)
+        world = rank_map.world_size or len(rank_map.ranks)
         mine = next((a for a in rank_map.ranks if a.rank == rank), None)
         if mine is None:
             raise ShapeError(f"rank {rank} is not in the rank map")
-        if dp * pp * tp != len(rank_map.ranks):  # an old scheduler: no coordinates
-            return cls.data_parallel(rank, len(rank_map.ranks))
+        if rank_map.dp_size:  # the job's sizes, given (a node's share of the map)
+            dp, pp, tp = rank_map.dp_size, rank_map.pp_size, rank_map.tp_size
+        elif rank_map.node_local:  # a share without sizes: no coordinates
+            return cls.data_parallel(rank, world)
+        else:  # the whole map: its coordinates span it
+            dp = 1 + max(a.dp for a in rank_map.ranks)
+            pp = 1 + max(a.pp for a in rank_map.ranks)
+            tp = 1 + max(a.tp for a in rank_map.ranks)
+        if dp * pp * tp != world:  # an old scheduler: no coordinates
+            return cls.data_parallel(rank, world)
         return cls(dp, pp, tp, mine.dp, mine.pp, mine.tp)
 
     def to_json(self) -> str:

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import logging
 import zlib
+from collections.abc import Sequence
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pitstop.scheduler.convert import rank_map_to_pb
+from pitstop.scheduler.convert import node_rank_map
 from pitstop.scheduler.db import models
 from pitstop.scheduler.reconcile.context import Leader
-from pitstop.scheduler.services import lifecycle
 from pitstop.scheduler.services import node_commands as plan
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.scheduler.services.node_commands import DueCommand, NodeAction
@@ -31,7 +31,7 @@ async def send_due(leader: Leader, job_ids: set[str] | None = None) -> int:
         if not due:
             return 0
         jobs = {c.job_id for c in due}
-        messages = {job_id: await _job_messages(session, job_id) for job_id in jobs}
+        messages = {job_id: await _job_messages(leader, session, job_id) for job_id in jobs}
     for command in due:
         build = messages[command.job_id]
         if build is None or build.generation != command.generation:
@@ -51,43 +51,48 @@ async def send_due(leader: Leader, job_ids: set[str] | None = None) -> int:
 
 
 class JobMessages:
-    """Builds each node's message for one generation of a job."""
+    """Builds each node's message for one generation of a job: its own ranks, the job's
+    sizes and the whole map's digest (convert.node_rank_map), so a message's size and
+    the time to build it do not grow with the job."""
 
     def __init__(self, start: agent_pb2.StartRanks, placement: Placement) -> None:
-        self.start = start
+        self.start = start  # everything but the rank map
         self.placement = placement
         self.generation = start.generation
 
     def message(self, command: DueCommand) -> agent_pb2.SchedulerMessage:
+        start, node_id = self.start, command.node_id
+        rank_map = node_rank_map(self.generation, self.placement, node_id)
         if command.action is NodeAction.START:
-            return agent_pb2.SchedulerMessage(start_ranks=self.start)
+            mine = agent_pb2.StartRanks()
+            mine.CopyFrom(start)
+            mine.rank_map.CopyFrom(rank_map)
+            return agent_pb2.SchedulerMessage(start_ranks=mine)
         reconfigure = agent_pb2.Reconfigure(
-            job_id=self.start.job_id,
-            generation=self.start.generation,
-            rank_map=self.start.rank_map,
-            rendezvous_address=self.start.rendezvous_address,
-            restore_step=self.start.restore_step,
+            job_id=start.job_id,
+            generation=start.generation,
+            rank_map=rank_map,
+            rendezvous_address=start.rendezvous_address,
+            restore_step=start.restore_step,
         )
         if command.action is NodeAction.ADOPT:
-            reconfigure.adopted_ranks.extend(
-                a.rank for a in self.placement.ranks_on(command.node_id)
-            )
+            reconfigure.adopted_ranks.extend(a.rank for a in self.placement.ranks_on(node_id))
         return agent_pb2.SchedulerMessage(reconfigure=reconfigure)
 
 
-async def _job_messages(session: AsyncSession, job_id: str) -> JobMessages | None:
+async def _job_messages(leader: Leader, session: AsyncSession, job_id: str) -> JobMessages | None:
     job = await session.get(models.Job, job_id)
     if job is None or job.state.terminal:
         return None
-    placement = await lifecycle.rank_map(session, job)
-    hosts = await node_hosts(session, placement)
+    placement = await leader.rank_maps.of(session, job)
+    hosts = await node_hosts(session, placement.nodes()[:1])
     return JobMessages(start_command(job, placement, hosts, job.restore_step), placement)
 
 
-async def node_hosts(session: AsyncSession, placement: Placement) -> dict[str, str]:
-    """Host names of the placement's nodes, by node id."""
+async def node_hosts(session: AsyncSession, node_ids: Sequence[str]) -> dict[str, str]:
+    """Host names of the nodes, by node id."""
     rows = await session.execute(
-        select(models.Node.id, models.Node.hostname).where(models.Node.id.in_(placement.nodes()))
+        select(models.Node.id, models.Node.hostname).where(models.Node.id.in_(node_ids))
     )
     return {node_id: hostname for node_id, hostname in rows.all()}
 
@@ -107,8 +112,9 @@ def rendezvous_port(job_id: str, generation: int) -> int:
 def start_command(
     job: models.Job, placement: Placement, hosts: dict[str, str], restore_step: int
 ) -> agent_pb2.StartRanks:
-    """StartRanks for the job's current generation. The rendezvous is rank 0's host on a
-    port derived from the job and generation, so a new generation never meets the old."""
+    """StartRanks for the job's current generation, without its rank map (each node's
+    share goes in its own message). The rendezvous is rank 0's host on a port derived
+    from the job and generation, so a new generation never meets the old."""
     spec = spec_from_json(job.spec)
     rank0 = placement.ranks[0].node_id
     port = rendezvous_port(job.id, job.generation)
@@ -118,7 +124,6 @@ def start_command(
         command=list(spec.command),
         env=dict(spec.env),
         working_dir=spec.working_dir,
-        rank_map=rank_map_to_pb(job.generation, placement.ranks),
         rendezvous_address=f"{hosts.get(rank0) or rank0}:{port}",
         restore_step=restore_step,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
@@ -17,7 +18,9 @@ from pitstop.scheduler.gateway import CommandRouter
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.leader import LeaderElection
 from pitstop.scheduler.metrics import SchedulerMetrics
+from pitstop.scheduler.services import lifecycle
 from pitstop.scheduler.store import Store
+from pitstop.scheduler.topology import Placement
 
 RUNNABLE = (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING)
 
@@ -34,6 +37,43 @@ class Timeouts:
     against max_restarts, so a job that can never start ends FAILED, never stuck)."""
 
 
+class RankMaps:
+    """Rank maps as read, by (job, generation). A committed generation's map never
+    changes, so the leader reads each from PostgreSQL once, not every tick (100,000 rows
+    for the 99,968-rank job, five times a second). Only a generation written and rolled
+    back could be written again differently: every write forgets its key first, and a
+    new term of leadership starts empty."""
+
+    KEEP = 64
+
+    def __init__(self) -> None:
+        self._maps: OrderedDict[tuple[str, int], Placement] = OrderedDict()
+
+    async def of(self, session: AsyncSession, job: models.Job) -> Placement:
+        """The job's current generation (empty before placement)."""
+        key = (job.id, job.generation)
+        found = self._maps.get(key)
+        if found is None:
+            found = await lifecycle.rank_map(session, job)
+            self._maps[key] = found
+            while len(self._maps) > self.KEEP:
+                self._maps.popitem(last=False)
+        else:
+            self._maps.move_to_end(key)
+        return found
+
+    async def write(self, session: AsyncSession, job: models.Job, placement: Placement) -> None:
+        """`lifecycle.write_generation`, forgetting what was read of the new key."""
+        self.forget(job.id, job.generation + 1)
+        await lifecycle.write_generation(session, job, placement)
+
+    def forget(self, job_id: str, generation: int) -> None:
+        self._maps.pop((job_id, generation), None)
+
+    def clear(self) -> None:
+        self._maps.clear()
+
+
 @dataclass
 class Leader:
     """The deciding process's parts."""
@@ -45,6 +85,7 @@ class Leader:
     metrics: SchedulerMetrics
     timeouts: Timeouts = field(default_factory=Timeouts)
     clock: Callable[[], float] = time.monotonic
+    rank_maps: RankMaps = field(default_factory=RankMaps)
 
 
 async def locked_job(

@@ -62,7 +62,8 @@ class ExitFollower:
             job = await session.get(models.Job, job_id)
             if job is None or job.state.terminal:
                 return False
-            generation, world = job.generation, (await lifecycle.rank_map(session, job)).world_size
+            generation = job.generation
+            world = (await self.leader.rank_maps.of(session, job)).world_size
             finished = await _clean_exits(session, job_id, generation)
         exited_in = int(event.attributes.get("generation", -1))
         if exited_in < generation:

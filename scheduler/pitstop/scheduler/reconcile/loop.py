@@ -55,6 +55,7 @@ class Reconciler:
         `tick_seconds` and at once when the event log grows (a node failed, a rank
         exited: a decision waits for no timer, nor for the telemetry of every job);
         following the steps and keeping standbys runs beside it at its own pace."""
+        self.leader.rank_maps.clear()  # what another leader wrote meanwhile is read afresh
         try:
             async with asyncio.TaskGroup() as loops:
                 loops.create_task(self._loop("decide", self.decide, tick_seconds, woken=True))
@@ -62,6 +63,7 @@ class Reconciler:
         finally:
             # Lease lost (or stopping): the per-job series were this leader's view.
             self.leader.metrics.job.forget_all()
+            self.leader.rank_maps.clear()
 
     async def _loop(
         self, name: str, body: Callable[[], Awaitable[None]], tick: float, *, woken: bool

@@ -44,6 +44,7 @@ async def place_pending_jobs(leader: Leader) -> set[str]:
             row = await locked_job(leader, session, job_id, (JobState.PENDING,))
             if row is None:
                 continue
+            leader.rank_maps.forget(row.id, row.generation + 1)
             await lifecycle.place(session, row, placement)
             lifecycle.transition(
                 session, row, JobState.STARTING, kind="job.starting", reason="starting ranks"

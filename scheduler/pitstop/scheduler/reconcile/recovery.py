@@ -64,7 +64,7 @@ async def node_actions(
     actions: dict[str, NodeAction] = {}
     for node_id in after.nodes():
         prior = previous.get(node_id)
-        if node_id not in before.nodes():
+        if not before.hosts(node_id):
             actions[node_id] = NodeAction.ADOPT if node_id in adopting else NodeAction.START
             continue
         starting = (
@@ -100,22 +100,43 @@ class Recovery:
     async def repair_failed_nodes(self) -> set[str]:
         """Decide a recovery for every job with a rank on a failed (or draining, or
         straggling) node; the ids of the jobs decided."""
+        swapping = set().union(*self.swap_nodes.values())
         async with self.leader.store.read() as session:
             jobs = await lifecycle.live_jobs(session, (*RUNNABLE, JobState.PAUSED))
             if not jobs:
                 return set()
-            states = dict((await session.execute(select(models.Node.id, models.Node.state))).all())
-            maps = {job.id: await lifecycle.rank_map(session, job) for job in jobs}
+            # The nodes that could need replacing, not the fleet: a healthy fleet is an
+            # empty answer, five times a second.
+            node = models.Node
+            states = dict(
+                (
+                    await session.execute(
+                        select(node.id, node.state).where(
+                            node.state.in_((*FAILED_NODE_STATES, NodeState.DRAINING))
+                            | node.id.in_(sorted(swapping))
+                        )
+                    )
+                ).all()
+            )
+            if not states and not swapping:
+                return set()
+            maps = {job.id: await self.leader.rank_maps.of(session, job) for job in jobs}
         decided = set()
         for job in jobs:
-            swap = self.swap_nodes.get(job.id, set())
-            failed = [
-                n
-                for n in maps[job.id].nodes()
-                if states.get(n) in FAILED_NODE_STATES
-                or n in swap
-                or (states.get(n) is NodeState.DRAINING and job.committed_step > 0)
-            ]
+            placement, swap = maps[job.id], self.swap_nodes.get(job.id, set())
+            failed = sorted(
+                (
+                    n
+                    for n in {*states, *swap}
+                    if placement.hosts(n)
+                    and (
+                        states.get(n) in FAILED_NODE_STATES
+                        or n in swap
+                        or (states.get(n) is NodeState.DRAINING and job.committed_step > 0)
+                    )
+                ),
+                key=placement.first_rank,
+            )
             if failed and await self.replace(job.id, failed, {n: states.get(n) for n in failed}):
                 decided.add(job.id)
                 swap.difference_update(failed)
@@ -135,9 +156,9 @@ class Recovery:
             job = await locked_job(leader, session, job_id)
             if job is None:
                 return False
-            before = await lifecycle.rank_map(session, job)
+            before = await self.leader.rank_maps.of(session, job)
             placement = before
-            nodes, booked = await lifecycle.topology_inputs(session)
+            nodes, booked = await lifecycle.topology_inputs(session, spares_and=failed)
             topology = Topology.build(nodes, booked)
             spec = spec_from_json(job.spec)
             moves = []
@@ -178,7 +199,7 @@ class Recovery:
             incident = await goodput.node_incident(session, leader.hot, job, states, restore)
             added = set(placement.nodes()) - set(before.nodes())
             actions = await node_actions(session, job, before, placement, adopting=added & prefer)
-            await lifecycle.write_generation(session, job, placement)
+            await self.leader.rank_maps.write(session, job, placement)
             job.restore_step = restore
             job.commands_after = None
             set_deadline(job, leader.timeouts.recovery_seconds)
@@ -225,7 +246,7 @@ class Recovery:
             if job is None or int(exited.attributes.get("generation", -1)) != job.generation:
                 return False
             spec = spec_from_json(job.spec)
-            placement = await lifecycle.rank_map(session, job)
+            placement = await self.leader.rank_maps.of(session, job)
             if job.restarts >= spec.max_restarts:
                 nodes = await _fail(session, job, placement, exited.reason)
             else:
@@ -251,7 +272,7 @@ class Recovery:
                 actions = await node_actions(
                     session, job, placement, placement, fresh=fresh, adopting=warm
                 )
-                await lifecycle.write_generation(session, job, placement)
+                await self.leader.rank_maps.write(session, job, placement)
                 job.restore_step = await catalog.restorable_step(session, job)
                 job.commands_after = (
                     None if backoff == 0 else func.now() + dt.timedelta(seconds=backoff)
@@ -340,7 +361,7 @@ class Recovery:
             if await session.scalar(passed) is not True:
                 return False
             spec = spec_from_json(job.spec)
-            placement = await lifecycle.rank_map(session, job)
+            placement = await self.leader.rank_maps.of(session, job)
             if await _failed_nodes(session, placement):
                 # Waiting for capacity to replace a failed node (repair_failed_nodes acts
                 # the moment a spare appears): a restart in place cannot run.
@@ -355,7 +376,7 @@ class Recovery:
                 nodes = await _fail(session, job, placement, f"{waited} before its deadline")
             else:
                 job.restarts += 1
-                await lifecycle.write_generation(session, job, placement)
+                await self.leader.rank_maps.write(session, job, placement)
                 job.restore_step = await catalog.restorable_step(session, job)
                 job.commands_after = None
                 set_deadline(job, leader.timeouts.restart_seconds)

@@ -64,7 +64,7 @@ class StandbyKeeper:
             if not wanting and not self.held:
                 return
             nodes, booked = await lifecycle.topology_inputs(session)
-            maps = {j.id: await lifecycle.rank_map(session, j) for j in wanting}
+            maps = {j.id: await self.leader.rank_maps.of(session, j) for j in wanting}
         topology = Topology.build(nodes, booked)
         for job_id in [j for j in self.held if j not in live]:
             await self._stop(job_id, set(self.held.pop(job_id)), "the job ended")
@@ -81,7 +81,7 @@ class StandbyKeeper:
             ranked = standby_spares(topology, maps[job.id], len(topology.ready_spares()))
             held = self.held.setdefault(job.id, {})
             preferred = self.standby_nodes.setdefault(job.id, set())
-            for node_id in [n for n in held if n in maps[job.id].nodes() or n not in preferred]:
+            for node_id in [n for n in held if maps[job.id].hosts(n) or n not in preferred]:
                 # Its GPUs run the job's ranks now (or a recovery took it): none is left.
                 del held[node_id]
             kept = [n for n in ranked if n in held][: spec.spares]
@@ -110,7 +110,7 @@ class StandbyKeeper:
         has its one stopped."""
         told = self.beside.setdefault(job.id, {})  # node -> (first told, last told)
         held = self.held.get(job.id, {})
-        for node_id in [n for n in told if n not in placement.nodes()]:
+        for node_id in [n for n in told if not placement.hosts(n)]:
             del told[node_id]
             if node_id not in held:  # nothing else of the job runs there now
                 await self._stop(job.id, {node_id}, "the node left the job")

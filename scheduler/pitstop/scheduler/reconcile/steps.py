@@ -168,7 +168,7 @@ class StepFollower:
                 return
             # A generation's rank map never changes: read once, not every pass.
             if watch.placement is None or watch.placement_generation != row.generation:
-                watch.placement = await lifecycle.rank_map(session, row)
+                watch.placement = await self.leader.rank_maps.of(session, row)
                 watch.placement_generation = row.generation
             placement = watch.placement
             released = watch.release_in_step_order(
