@@ -93,7 +93,8 @@ def test_one_leader_decides_and_a_standby_takes_over_without_double_booking(
 
         with psycopg.connect(database) as conn:
             rows = conn.execute(
-                "SELECT r.job_id, r.generation, r.node_id, r.gpu_index FROM rank_assignments r"
+                "SELECT r.job_id, r.since_generation, r.node_id, r.gpu_index"
+                " FROM rank_assignments r"
             ).fetchall()
         placed = {(job, node, gpu) for job, _gen, node, gpu in rows}
         assert {job for job, _n, _g in placed} == {before.id, after.id}

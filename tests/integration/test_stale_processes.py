@@ -21,11 +21,13 @@ def job_at(scheduler: SchedulerThread, db: Any, state: str, here: str, gone: str
     spec = jobs_pb2.JobSpec(name=unique("stale"), command=["x"], dp=2, gpus_per_node=1)
     job_id = str(jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job.id)
     db.execute("UPDATE jobs SET state = %s, generation = 2 WHERE id = %s", (state, job_id))
-    for generation, rank, node in ((1, 0, here), (1, 1, gone), (2, 0, here), (2, 1, "other")):
+    # Rank 0 stays on `here` from generation 1 on; rank 1 moves from `gone` to "other".
+    for since, until, rank, node in ((1, None, 0, here), (1, 2, 1, gone), (2, None, 1, "other")):
         db.execute(
-            "INSERT INTO rank_assignments (job_id, generation, rank, node_id, gpu_index, "
-            "local_rank, dp, pp, tp) VALUES (%s, %s, %s, %s, 0, 0, %s, 0, 0)",
-            (job_id, generation, rank, node, rank),
+            "INSERT INTO rank_assignments (job_id, since_generation, until_generation, rank,"
+            " node_id, gpu_index, local_rank, dp, pp, tp)"
+            " VALUES (%s, %s, %s, %s, %s, 0, 0, %s, 0, 0)",
+            (job_id, since, until, rank, node, rank),
         )
     return job_id
 

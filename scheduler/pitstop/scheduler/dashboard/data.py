@@ -87,8 +87,7 @@ async def _jobs_by_node(store: Store) -> dict[str, list[str]]:
         select(models.RankAssignment.node_id, models.Job.id)
         .join(
             models.Job,
-            (models.RankAssignment.job_id == models.Job.id)
-            & (models.RankAssignment.generation == models.Job.generation),
+            (models.RankAssignment.job_id == models.Job.id) & models.RankAssignment.current(),
         )
         .where(models.Job.state.not_in(TERMINAL_JOB_STATES))
         .distinct()

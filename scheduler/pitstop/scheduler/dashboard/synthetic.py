@@ -124,7 +124,7 @@ async def seed_fleet(
     job_rows += [
         models.RankAssignment(
             job_id=job_id,
-            generation=1,
+            since_generation=1,
             rank=rank,
             node_id=node_id(job_id, rank // GPUS),
             gpu_index=rank % GPUS,

@@ -25,9 +25,11 @@ from sqlalchemy import (
     String,
     Text,
     func,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.sql.elements import ColumnElement, SQLColumnExpression
 
 from pitstop.scheduler.domain import JobState, NodeRole, NodeState
 
@@ -158,19 +160,45 @@ class Job(Base):
 
 
 class RankAssignment(Base):
-    """Where each rank of a job runs, per generation. A new map is a new generation."""
+    """Where a rank of a job runs, from generation `since_generation` up to, not
+    including, `until_generation` (None: the job's current generation). A new map is a
+    new generation; it closes the rows of the ranks that move and adds their new ones, so
+    a recovery writes the failed node's ranks, not the whole map (migration 0008)."""
 
     __tablename__ = "rank_assignments"
 
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
-    generation: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    since_generation: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    until_generation: Mapped[int | None] = mapped_column(BigInteger)
     node_id: Mapped[str] = mapped_column(ForeignKey("nodes.id"), index=True)
     gpu_index: Mapped[int] = mapped_column(Integer)
     local_rank: Mapped[int] = mapped_column(Integer)
     dp: Mapped[int] = mapped_column(Integer)
     pp: Mapped[int] = mapped_column(Integer)
     tp: Mapped[int] = mapped_column(Integer)
+
+    __table_args__ = (
+        Index(
+            "ix_rank_assignments_current",
+            "job_id",
+            "rank",
+            unique=True,
+            postgresql_where=text("until_generation IS NULL"),
+        ),
+    )
+
+    @classmethod
+    def current(cls) -> ColumnElement[bool]:
+        """Rows of their job's current generation."""
+        return cls.until_generation.is_(None)
+
+    @classmethod
+    def in_generation(cls, generation: int | SQLColumnExpression[int]) -> ColumnElement[bool]:
+        """Rows of their job's generation `generation` (current or past)."""
+        return (cls.since_generation <= generation) & (
+            cls.until_generation.is_(None) | (cls.until_generation > generation)
+        )
 
 
 class NodeCommand(Base):

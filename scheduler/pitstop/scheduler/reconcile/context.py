@@ -63,9 +63,10 @@ class RankMaps:
         return found
 
     async def write(self, session: AsyncSession, job: models.Job, placement: Placement) -> None:
-        """`lifecycle.write_generation`, forgetting what was read of the new key."""
+        """`lifecycle.write_generation` as a delta on the map read, forgetting what was
+        read of the new key."""
         self.forget(job.id, job.generation + 1)
-        await lifecycle.write_generation(session, job, placement)
+        await lifecycle.write_generation(session, job, placement, await self.of(session, job))
 
     def forget(self, job_id: str, generation: int) -> None:
         self._maps.pop((job_id, generation), None)

@@ -40,7 +40,7 @@ async def world_size(session: AsyncSession, job: models.Job, generation: int) ->
         select(func.count())
         .select_from(models.RankAssignment)
         .where(models.RankAssignment.job_id == job.id)
-        .where(models.RankAssignment.generation == generation)
+        .where(models.RankAssignment.in_generation(generation))
     )
     if placed:
         return int(placed)
@@ -276,16 +276,14 @@ async def _world_sizes(
     session: AsyncSession, job: models.Job, generations: set[int]
 ) -> dict[int, int]:
     """Ranks of each generation (`world_size`), in one query."""
-    placed = dict(
-        (
-            await session.execute(
-                select(models.RankAssignment.generation, func.count())
-                .where(models.RankAssignment.job_id == job.id)
-                .where(models.RankAssignment.generation.in_(generations))
-                .group_by(models.RankAssignment.generation)
-            )
-        ).all()
-    )
+    placed = {}
+    for generation in sorted(generations):  # a checkpoint's few generations
+        placed[generation] = await session.scalar(
+            select(func.count())
+            .select_from(models.RankAssignment)
+            .where(models.RankAssignment.job_id == job.id)
+            .where(models.RankAssignment.in_generation(generation))
+        )
     shape = spec_from_json(job.spec)
     planned = max(shape.tp, 1) * max(shape.pp, 1) * max(shape.dp, 1)
     return {g: int(placed.get(g) or planned) for g in generations}
@@ -302,7 +300,7 @@ async def restore_point(
     members = await session.scalars(
         select(func.distinct(models.RankAssignment.node_id))
         .where(models.RankAssignment.job_id == job.id)
-        .where(models.RankAssignment.generation == job.generation)
+        .where(models.RankAssignment.current())
     )
     response.member_node_ids.extend(sorted(members))
     step = step or job.committed_step
@@ -398,7 +396,7 @@ async def _newest_whole(session: AsyncSession, job: models.Job, where: Any) -> i
         select(func.count())
         .select_from(models.RankAssignment)
         .where(models.RankAssignment.job_id == job.id)
-        .where(models.RankAssignment.generation == checkpoint.generation)
+        .where(models.RankAssignment.in_generation(checkpoint.generation))
         .scalar_subquery()
     )
     step = await session.scalar(

@@ -141,7 +141,7 @@ async def job_nodes(session: AsyncSession, job: models.Job) -> list[str]:
     rows = await session.scalars(
         select(models.RankAssignment.node_id)
         .where(models.RankAssignment.job_id == job.id)
-        .where(models.RankAssignment.generation == job.generation)
+        .where(models.RankAssignment.current())
         .distinct()
         .order_by(models.RankAssignment.node_id)
     )
@@ -168,10 +168,9 @@ async def stale_processes(
     placed_here = set(
         await session.scalars(
             select(models.RankAssignment.job_id)
-            .join(models.Job, models.Job.id == models.RankAssignment.job_id)
             .where(models.RankAssignment.job_id.in_(ids))
             .where(models.RankAssignment.node_id == node_id)
-            .where(models.RankAssignment.generation == models.Job.generation)
+            .where(models.RankAssignment.current())
         )
     )
     stale: dict[str, list[int]] = {}
@@ -196,7 +195,7 @@ async def current_ranks(session: AsyncSession, job: models.Job) -> list[models.R
     rows = await session.scalars(
         select(models.RankAssignment)
         .where(models.RankAssignment.job_id == job.id)
-        .where(models.RankAssignment.generation == job.generation)
+        .where(models.RankAssignment.current())
         .order_by(models.RankAssignment.rank)
     )
     return list(rows)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler import jobstate
@@ -106,26 +106,56 @@ async def rank_map(session: AsyncSession, job: models.Job) -> Placement:
     rows = await session.execute(
         select(a.rank, a.node_id, a.gpu_index, a.local_rank, a.dp, a.pp, a.tp)
         .where(a.job_id == job.id)
-        .where(a.generation == job.generation)
+        .where(a.current())
         .order_by(a.rank)
     )
     return Placement(tuple(RankSlot(*row) for row in rows))
 
 
-async def write_generation(session: AsyncSession, job: models.Job, placement: Placement) -> None:
-    """Bump the generation, write its rank map and re-book exactly its GPUs: bulk
-    inserts (multi-row INSERTs), not ORM objects: a map is 100,000 rows at full scale."""
+IN_LIST_CHUNK = 10_000
+"""Ranks named per statement (PostgreSQL takes at most 65,535 parameters in one)."""
+
+
+async def write_generation(
+    session: AsyncSession, job: models.Job, placement: Placement, before: Placement | None = None
+) -> None:
+    """Bump the generation and make `placement` its rank map, re-booking its GPUs, as a
+    delta on `before` (the current map; read when not given): only the ranks that moved,
+    appeared or went are written (a recovery: the failed node's 8 ranks and bookings,
+    not the job's 100,000)."""
+    if before is None:
+        before = await rank_map(session, job)
+    old = {slot.rank: slot for slot in before.ranks}
+    new = {slot.rank: slot for slot in placement.ranks}
+    gone = [rank for rank, slot in old.items() if new.get(rank) != slot]
+    added = [slot for rank, slot in new.items() if old.get(rank) != slot]
     job.generation += 1
     await session.flush()  # the job's row first
-    if not placement.ranks:
+    a, booking = models.RankAssignment, models.GpuBooking
+    if len(gone) == len(old):  # everything moves (or goes): no list of ranks to name
+        await session.execute(
+            update(a).where(a.job_id == job.id, a.current()).values(until_generation=job.generation)
+        )
         await release_gpus(session, job.id)
+    else:
+        for at in range(0, len(gone), IN_LIST_CHUNK):
+            ranks = gone[at : at + IN_LIST_CHUNK]
+            await session.execute(
+                update(a)
+                .where(a.job_id == job.id, a.current(), a.rank.in_(ranks))
+                .values(until_generation=job.generation)
+            )
+            await session.execute(
+                delete(booking).where(booking.job_id == job.id, booking.rank.in_(ranks))
+            )
+    if not added:
         return
     await session.execute(
-        insert(models.RankAssignment),
+        insert(a),
         [
             {
                 "job_id": job.id,
-                "generation": job.generation,
+                "since_generation": job.generation,
                 "rank": s.rank,
                 "node_id": s.node_id,
                 "gpu_index": s.gpu_index,
@@ -134,16 +164,15 @@ async def write_generation(session: AsyncSession, job: models.Job, placement: Pl
                 "pp": s.pp,
                 "tp": s.tp,
             }
-            for s in placement.ranks
+            for s in added
         ],
     )
-    await release_gpus(session, job.id)
     # A double booking fails here, inside the transaction.
     await session.execute(
-        insert(models.GpuBooking),
+        insert(booking),
         [
             {"node_id": s.node_id, "gpu_index": s.gpu_index, "job_id": job.id, "rank": s.rank}
-            for s in placement.ranks
+            for s in added
         ],
     )
 

@@ -63,8 +63,7 @@ async def active_jobs_on(session: AsyncSession, node_id: str) -> list[str]:
         select(models.Job.id)
         .join(
             models.RankAssignment,
-            (models.RankAssignment.job_id == models.Job.id)
-            & (models.RankAssignment.generation == models.Job.generation),
+            (models.RankAssignment.job_id == models.Job.id) & models.RankAssignment.current(),
         )
         .where(models.RankAssignment.node_id == node_id)
         .where(models.Job.state.not_in(TERMINAL_JOB_STATES))
