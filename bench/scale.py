@@ -576,9 +576,16 @@ class Scheduler:
     """One pitstop-scheduler process on the benchmark's stores."""
 
     def __init__(
-        self, root: Path, name: str, database_url: str, redis_url: str, tls_dir: Path | None
+        self,
+        root: Path,
+        name: str,
+        database_url: str,
+        redis_url: str,
+        tls_dir: Path | None,
+        role: str = "both",
     ) -> None:
         self.name = name
+        self.role = role  # "both"; "decider": no agent streams; "ingest": no leader loops
         self.port = free_port()
         self.node_port = free_port() if tls_dir is not None else self.port
         self.metrics_port = free_port()
@@ -596,6 +603,10 @@ class Scheduler:
             PITSTOP_LOG_LEVEL="WARNING",
             GRPC_VERBOSITY="ERROR",
         )
+        if role == "decider":
+            env["PITSTOP_AGENT_STREAMS"] = "false"
+        elif role == "ingest":
+            env["PITSTOP_LEADER_LOOPS"] = "false"
         if tls_dir is not None:
             # Mutual TLS for the nodes, as users run it; the CA is the benchmark's.
             env.update(
@@ -908,8 +919,18 @@ async def wait_for(predicate: Any, timeout: float, what: str) -> float:
 class Run:
     """One fleet size (or one scale-out set-up): stores, schedulers, fleet."""
 
-    def __init__(self, root: Path, nodes: int, schedulers: int, args: argparse.Namespace) -> None:
+    def __init__(
+        self,
+        root: Path,
+        nodes: int,
+        schedulers: int,
+        args: argparse.Namespace,
+        deciders: int = 0,
+    ) -> None:
+        """`schedulers` processes hold the streams; with `deciders`, that many more
+        decide and hold none (the others then only ingest)."""
         self.root, self.n, self.k, self.args = root, nodes, schedulers, args
+        self.deciders = deciders
         # 2% hot spares, and one for each failure to come (each takes one).
         self.spares = max(8, nodes // 50, args.trials * len(args.kinds) + 8)
         self.dp = max(1, nodes * GPUS // RANKS_PER_REPLICA)
@@ -923,15 +944,16 @@ class Run:
         self.first_event = 0
 
     async def __aenter__(self) -> Run:
-        root = self.root / f"n{self.n}-k{self.k}"
+        root = self.root / f"n{self.n}-k{self.k}-d{self.deciders}"
         root.mkdir(parents=True)
         pg = self.stack.enter_context(OwnPostgres(root / "postgres"))
         rd = self.stack.enter_context(OwnRedis(root / "redis"))
         self.stores = Stores(pg, rd)
         tls_dir = None if self.args.insecure else root / "tls"
         certificates = None if tls_dir is None else NodeCertificates(tls_dir)
-        for i in range(self.k):
-            s = Scheduler(root, f"scheduler-{i + 1}", pg.url, rd.url, tls_dir)
+        roles = ["decider"] * self.deciders + ["ingest" if self.deciders else "both"] * self.k
+        for i, role in enumerate(roles):
+            s = Scheduler(root, f"scheduler-{i + 1}", pg.url, rd.url, tls_dir, role)
             self.schedulers.append(s)
             self.stack.callback(s.stop)
             s.wait_listening()
@@ -943,7 +965,7 @@ class Run:
             else grpc.ssl_channel_credentials(root_certificates=certificates.ca.pem)
         )
         self.fleet = Fleet(
-            [s.node_target for s in self.schedulers],
+            [s.node_target for s in self.schedulers if s.role != "decider"],
             self.args.interval,
             self.args.step_seconds,
             certificates,
@@ -1167,13 +1189,13 @@ def fit(points: list[tuple[int, float]]) -> dict[str, Any] | None:
 
 
 async def measure_size(root: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    async with Run(root, n, 1, args) as run:
+    async with Run(root, n, max(args.ingest, 1), args, deciders=1 if args.ingest else 0) as run:
         out: dict[str, Any] = {"nodes": n, "spares": run.spares, "loadavg_start": load()}
         out["registration_seconds"] = round(run.registration_seconds, 1)
         say(f"N={n}: idle window ({args.window:.0f} s)")
         out["idle"] = await run.window().measure(args.window)
         say(f"N={n}: idle {brief(out['idle'])}")
-        job_began, cpu_began = time.monotonic(), run.schedulers[0].cpu()
+        job_began, cpu_began = time.monotonic(), sum(s.cpu() for s in run.schedulers)
         out["job"] = await run.start_job()
         say(f"N={n}: job {out['job']}")
         await asyncio.sleep(args.step_seconds * 3)  # steps flowing everywhere
@@ -1202,8 +1224,9 @@ async def measure_size(root: Path, n: int, args: argparse.Namespace) -> dict[str
         out["failures"] = failures
         out["job_running_seconds"] = round(time.monotonic() - job_began, 1)
         out["scheduler_cpu_cores_job_running"] = round(
-            (run.schedulers[0].cpu() - cpu_began) / out["job_running_seconds"], 3
+            (sum(s.cpu() for s in run.schedulers) - cpu_began) / out["job_running_seconds"], 3
         )
+        out["roles"] = [s.role for s in run.schedulers]
         out["false_losses"] = await asyncio.to_thread(run.false_losses)
         assert run.fleet is not None
         out["command_bytes_max"] = max(run.fleet.command_bytes.values(), default=None)
@@ -1231,7 +1254,10 @@ def size_summary(out: dict[str, Any]) -> dict[str, Any]:
     pushed, pushed_n = p99(("stream", "xid"), "detect_seconds")
     decide, decide_n = p99(every, "decide_to_commit_seconds", "decide_seconds")
     fanout, fanout_n = p99(every, "fanout_after_commit_seconds", "fanout_seconds")
-    cores = out["load"]["scheduler_cpu_pct_total"] / 100
+    per_process = [pct / 100 for pct in out["load"]["scheduler_cpu_pct"]]
+    roles = out["roles"]
+    leader = sum(c for c, r in zip(per_process, roles, strict=True) if r != "ingest")
+    ingest = sum(c for c, r in zip(per_process, roles, strict=True) if r != "decider")
     total_nodes = out["nodes"] + out["spares"]
     return {
         "nodes": total_nodes,
@@ -1241,8 +1267,10 @@ def size_summary(out: dict[str, Any]) -> dict[str, Any]:
         "detect_pushed_p99_s": pushed,
         "decide_p99_s": decide,
         "fanout_p99_s": fanout,
-        "leader_cpu_cores": round(cores, 3),
-        "ingest_cpu_cores_per_1000_nodes": round(cores / (total_nodes / 1000), 3),
+        # One process: it leads and ingests, and both figures are its CPU.
+        "leader_cpu_cores": round(leader, 3),
+        "ingest_cpu_cores_per_1000_nodes": round(ingest / (total_nodes / 1000), 3),
+        "processes": {"deciding": roles.count("decider"), "ingest": roles.count("ingest")},
         "command_bytes_max": out["command_bytes_max"],
         "samples": {"silent": silent_n, "pushed": pushed_n, "decide": decide_n, "fanout": fanout_n},
         "failures_failed": len(out["failures"]) - len(rows),
@@ -1256,24 +1284,33 @@ PROCESS_CORES = 0.75
 
 def at_12500(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Linear in the fleet (a fixed part plus a cost per node), fitted over the sizes
-    measured: the CPU of ingest, decide and fan-out, taken to 12,500 nodes; the streams
-    spread over as many processes as keep each under PROCESS_CORES."""
-    cpu = linear([(s["nodes"], s["leader_cpu_cores"]) for s in summaries])
+    measured: ingest CPU, the deciding process's CPU, decide and fan-out, taken to 12,500
+    nodes; the streams spread over as many ingest processes as keep each under
+    PROCESS_CORES, beside one deciding process."""
+    ingest = linear(
+        [(s["nodes"], s["ingest_cpu_cores_per_1000_nodes"] * s["nodes"] / 1000) for s in summaries]
+    )
+    leader = linear([(s["nodes"], s["leader_cpu_cores"]) for s in summaries])
     decide = linear([(s["nodes"], s["decide_p99_s"]) for s in summaries if s["decide_p99_s"]])
     fanout = linear([(s["nodes"], s["fanout_p99_s"]) for s in summaries if s["fanout_p99_s"]])
-    if cpu is None:
+    if ingest is None or leader is None:
         return None
-    total = max(cpu["at_12500"], 0.0)
+    total = max(ingest["at_12500"], 0.0)
     processes = max(1, math.ceil(total / PROCESS_CORES))
+    split = all(s["processes"]["deciding"] for s in summaries)
     return {
-        "processes": processes,
-        "cpu_cores_per_process": round(total / processes, 3),
-        "cpu_cores_total": round(total, 3),
+        "processes": processes + 1,
+        "cpu_cores_per_process": {
+            "ingest": round(total / processes, 3),
+            "deciding": round(max(leader["at_12500"], 0.0), 3),
+        },
+        "ingest_cpu_cores_total": round(total, 3),
         "decide_s": None if decide is None else decide["at_12500"],
         "fanout_s": None if fanout is None else fanout["at_12500"],
         "how": (
-            "least squares y = c + d*N over the sizes measured (one process each), at "
-            f"N=12,500; processes = the CPU at 12,500 / {PROCESS_CORES} cores, rounded up"
+            "least squares y = c + d*N over the sizes measured, at N=12,500: ingest CPU "
+            f"over processes of at most {PROCESS_CORES} cores, plus one deciding process"
+            + ("" if split else " (measured with one process doing both: its CPU counts as both)")
         ),
     }
 
@@ -1460,6 +1497,13 @@ def main() -> int:
     add("--window", type=float, default=15.0, help="seconds per measured phase")
     add("--trials", type=int, default=20, help="failures of each kind per size")
     add("--insecure", action="store_true", help="no TLS (default: mutual TLS, as users run it)")
+    add(
+        "--ingest",
+        type=int,
+        default=0,
+        help="K > 0: K processes hold the streams and one more decides (agent_streams: "
+        "false); 0: one process does both",
+    )
     add("--interval", type=float, default=1.0, help="heartbeat interval (the scheduler's)")
     add("--step-seconds", type=float, default=2.0, help="the job's step time")
     add(
@@ -1500,6 +1544,7 @@ def main() -> int:
         "bench": "scale",
         "machine": {"cpus": os.cpu_count()},
         "insecure": args.insecure,
+        "ingest_processes": args.ingest,
         "kinds": args.kinds,
         "trials": args.trials,
         "heartbeat_interval_seconds": args.interval,

@@ -240,6 +240,26 @@ def test_a_host_gone_silent_is_lost_by_its_streams_keepalive_long_before_any_dea
         host.wait()
 
 
+def test_a_process_that_holds_no_agent_streams_refuses_an_agent_by_name(
+    stores: StoreUrls, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    deciding = SchedulerThread(
+        scheduler_settings(
+            stores,
+            tmp_path_factory.mktemp("deciding"),
+            agent_streams=False,
+            redis_prefix=stores.redis_prefix + "deciding:",
+        )
+    )
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            deciding.register_node(unique("refused"))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "agent_streams: false" in err.value.details()
+    finally:
+        deciding.stop()
+
+
 def test_a_deadline_whose_loss_failed_to_commit_is_claimed_again(
     fast: SchedulerThread, nodes: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

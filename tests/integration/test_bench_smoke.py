@@ -89,8 +89,10 @@ def test_goodput_simulation_prints_one_json_line() -> None:
 
 
 def test_scale_benchmark_prints_one_json_line() -> None:
-    """Real scheduler, PostgreSQL and Redis; 16 simulated nodes and 8 spares; a broken
-    stream and a fatal Xid detected, decided and fanned out to every node of the job."""
+    """Real schedulers (one deciding, one holding the streams), PostgreSQL and Redis, with
+    mutual TLS; 16 simulated nodes and spares; a broken stream, a fatal Xid and a silent
+    death (the node's network cut: no reset) detected, decided and fanned out to every
+    node of the job, and the headline the issue asks for."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
     result = subprocess.run(
         [
@@ -107,6 +109,9 @@ def test_scale_benchmark_prints_one_json_line() -> None:
             "--kinds",
             "stream",
             "xid",
+            "silent",
+            "--ingest",
+            "1",
             "--skip-scaleout",
         ],
         cwd=ROOT,
@@ -118,20 +123,29 @@ def test_scale_benchmark_prints_one_json_line() -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["bench"] == "scale"
-    (size,) = report["sizes"]
+    (size,) = report["details"]
     assert size["nodes"] == 16
     assert size["job"]["ranks"] == 128
     assert size["load"]["heartbeats_ingested_per_s"] > 0
     assert size["load"]["step_batches_per_s"] > 0
     assert size["load"]["streams_reopened"] == 0
     kinds = [f["kind"] for f in size["failures"]]
-    assert kinds == ["stream", "xid"]
+    assert kinds == ["stream", "xid", "silent"]
     for failure in size["failures"]:
         assert "error" not in failure, failure
         assert failure["detect_seconds"] >= 0
         assert failure["decide_to_commit_seconds"] >= failure["decide_seconds"]
         assert failure["nodes_told"] >= 16  # every node of the job has its command
         assert failure["fanout_seconds"] is not None
+    (headline,) = report["sizes"]
+    assert headline == report["largest"]
+    assert headline["nodes"] == 16 + size["spares"]
+    assert headline["false_losses"] == 0
+    assert headline["processes"] == {"deciding": 1, "ingest": 1}
+    assert headline["samples"] == {"silent": 1, "pushed": 2, "decide": 3, "fanout": 3}
+    assert headline["detect_silent_p99_s"] > 0
+    assert 0 < headline["command_bytes_max"] < 64 << 10
+    assert report["at_12500"] is None  # one size: nothing to fit a line through
 
 
 @pytest.mark.skipif(

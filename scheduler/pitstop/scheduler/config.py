@@ -106,6 +106,10 @@ class SchedulerSettings(BaseSettings):
     # Campaign for the leader lease and run the deciding loops (placement, recovery,
     # liveness) when holding it. Off only for a process meant to serve the API alone.
     leader_loops: bool = True
+    # Hold agent streams. False for a process meant to decide only: its CPU then does
+    # not grow with the fleet, and the agents connect to the other processes (an agent
+    # sent here is refused, FAILED_PRECONDITION, and says so in its log).
+    agent_streams: bool = True
     # The leader lease: a standby takes over within about one period of the leader dying
     # (two at most). Renewed every third of a period from a thread of its own; decisions
     # check the fencing token, not the expiry, so a late renewal refuses nothing.

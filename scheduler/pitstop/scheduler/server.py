@@ -203,6 +203,7 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
                 settings.liveness_timeout_seconds,
             ),
             metrics,
+            accept=settings.agent_streams,
         )
         agent_pb2_grpc.add_AgentServiceServicer_to_server(agent_servicer, server)
         liveness = LivenessMonitor(

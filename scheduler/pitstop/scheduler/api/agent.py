@@ -100,7 +100,10 @@ class AgentServicer:
         gateway: AgentGateway,
         beats: Beats,
         metrics: SchedulerMetrics,
+        *,
+        accept: bool = True,
     ) -> None:
+        self.accept = accept
         self.store = store
         self.hot = hot
         self.gateway = gateway
@@ -118,6 +121,11 @@ class AgentServicer:
         requests: AsyncIterator[agent_pb2.AgentMessage],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[agent_pb2.SchedulerMessage]:
+        if not self.accept:
+            raise FailedPrecondition(
+                "this scheduler process holds no agent streams (agent_streams: false): "
+                "point the agent at one of the processes that do"
+            )
         first = await anext(aiter(requests), None)
         if first is None:
             return
