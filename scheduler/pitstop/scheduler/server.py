@@ -130,6 +130,7 @@ class Scheduler:
         for stop in self._stoppers:
             await _bounded("stop the command router", stop(), STEP_SECONDS)
         await _bounded("stop the acknowledgement writer", self.agents.acks.stop(), STEP_SECONDS)
+        await _bounded("record the lost agent streams", self.agents.drain(), STEP_SECONDS)
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop)
         if self.dashboard is not None:

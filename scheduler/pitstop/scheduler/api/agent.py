@@ -114,6 +114,8 @@ class AgentServicer:
         self.stopping = False
         # Acks and the stale-process check stay off each stream's reader (agent_writes).
         self.acks = AckWriter(store)
+        # Lost streams being recorded (see Connect); stop() waits for them.
+        self._recording: set[asyncio.Task[None]] = set()
         self.generations = JobGenerations(store)
 
     async def Connect(  # noqa: N802 (gRPC method name)
@@ -163,7 +165,18 @@ class AgentServicer:
                 # Bounded: a read stuck in a dying stream must not hold up server shutdown.
                 await asyncio.wait(pending, timeout=2.0)
             if self.gateway.detach(state.node_id, queue) and not self.stopping:
-                await self._lost(state.node_id, reason)
+                # In a task of its own: gRPC cancels this handler when the call ends (a
+                # reset stream), often while the loss is being written, and half of the
+                # broken streams in bench/scale.py then waited for the liveness deadline.
+                recording = asyncio.create_task(self._lost(state.node_id, reason))
+                self._recording.add(recording)
+                recording.add_done_callback(self._recording.discard)
+                await asyncio.shield(recording)
+
+    async def drain(self) -> None:
+        """Wait for the lost streams still being recorded (a stopping scheduler)."""
+        if self._recording:
+            await asyncio.wait(set(self._recording))
 
     async def _lost(self, node_id: str, reason: str) -> None:
         try:
