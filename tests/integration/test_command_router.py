@@ -163,3 +163,31 @@ async def test_closing_a_stream_reaches_the_process_that_holds_it(
     await sender.router.close("n5", "revoked")
     item = await asyncio.wait_for(holder.queues["n5"].get(), DEADLINE)
     assert getattr(item, "reason", None) == "revoked", item
+
+
+async def test_a_fan_out_reaches_every_node_in_one_round_trip_per_kind_of_channel(
+    processes: Callable[[], Awaitable[Process]],
+) -> None:
+    """`send_many`: the sender's own nodes straight down their streams, the others'
+    through Redis, every node its own command; a holder that is gone costs none."""
+    sender, left, right = await processes(), await processes(), await processes()
+    here = [f"h{i}" for i in range(3)]
+    for node_id in here:
+        sender.take(node_id)
+    on_left = [f"l{i}" for i in range(40)]
+    on_right = [f"r{i}" for i in range(40)]
+    for node_id in on_left:
+        await taken(left, node_id, sender)
+    for node_id in on_right:
+        await taken(right, node_id, sender)
+    sender.router.holders["r0"] = "0123456789ab"  # gone: asked of everyone
+    nodes = [*here, *on_left, *on_right]
+    await sender.router.send_many([(n, start_ranks(f"j-{n}")) for n in nodes])
+    for node_id, process in [
+        *((n, sender) for n in here),
+        *((n, left) for n in on_left),
+        *((n, right) for n in on_right),
+    ]:
+        got = await received(process.queues[node_id])
+        assert got.start_ranks.job_id == f"j-{node_id}"
+        assert process.queues[node_id].empty()  # once, not twice

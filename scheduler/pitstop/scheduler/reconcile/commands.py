@@ -32,6 +32,7 @@ async def send_due(leader: Leader, job_ids: set[str] | None = None) -> int:
             return 0
         jobs = {c.job_id for c in due}
         messages = {job_id: await _job_messages(leader, session, job_id) for job_id in jobs}
+    out: list[tuple[str, agent_pb2.SchedulerMessage]] = []
     for command in due:
         build = messages[command.job_id]
         if build is None or build.generation != command.generation:
@@ -46,7 +47,8 @@ async def send_due(leader: Leader, job_ids: set[str] | None = None) -> int:
                 command.sends,
             )
             leader.metrics.command_resends.labels(command.action.value).inc()
-        await leader.router.send(command.node_id, build.message(command))
+        out.append((command.node_id, build.message(command)))
+    await leader.router.send_many(out)
     return len(due)
 
 
@@ -132,6 +134,7 @@ def start_command(
 async def stop_everywhere(leader: Leader, job_id: str, nodes: list[str], reason: str) -> None:
     """StopRanks to each node (a job that ended; best effort: an agent also stops what
     it runs of an ended job when it next reports it)."""
-    stop = agent_pb2.StopRanks(job_id=job_id, grace_seconds=10, reason=reason)
-    for node_id in nodes:
-        await leader.router.send(node_id, agent_pb2.SchedulerMessage(stop_ranks=stop))
+    stop = agent_pb2.SchedulerMessage(
+        stop_ranks=agent_pb2.StopRanks(job_id=job_id, grace_seconds=10, reason=reason)
+    )
+    await leader.router.send_many([(node_id, stop) for node_id in nodes])
