@@ -1,57 +1,65 @@
 """Scale benchmark: real scheduler processes under a simulated fleet speaking the real
-agent protocol, measured at several fleet sizes and fitted to 12,500 nodes.
+agent protocol, measured at several fleet sizes and projected to 12,500 nodes.
 
-Per fleet size N (--nodes, default 100 200 300 400: on the shared 2-core machine the
-scheduler of today declares healthy nodes lost beyond about 500; README "Scale") the
-benchmark starts a PostgreSQL and a Redis of its own (the machine's binaries, fresh per
-size, so their statistics are the scheduler's alone) and one `pitstop-scheduler` process
-on them, insecure: no TLS and no enrollment (a node's certificate would change the
-stream's set-up, not what it carries). The simulated fleet lives in this process,
-asyncio, no torch: N 8-GPU nodes in zones, blocks and racks (8 nodes a rack, 49 racks a
-block, 8 blocks a zone) plus 2% hot spares (at least 8), each with its own channel and
-`AgentService.Connect` stream, as an agent has: Register (inventory, labels, role), a
-Heartbeat every interval the scheduler gives (default 1 s: node health with 8 GPUs, the
-running ranks), the step times of its ranks batched per node with each heartbeat, a
-CommandAck for every command.
+Per fleet size N (--nodes, default 500 1000 2500) the benchmark starts a PostgreSQL and
+a Redis of its own (the machine's binaries, fresh per size, so their statistics are the
+scheduler's alone) and the `pitstop-scheduler` processes on them: one that leads and
+holds every stream (--ingest 0), or one that only decides (agent_streams: false) beside
+K that only hold streams (--ingest K, leader_loops: false). Mutual TLS is on, as users
+run it: the run's CA signs each simulated node's certificate (what enrollment would
+hand it); --insecure turns TLS off. The simulated fleet lives in this process, asyncio,
+no torch: N 8-GPU nodes in zones, blocks and racks (8 nodes a rack, 49 racks a block,
+8 blocks a zone) plus 2% hot spares (at least 8, and one more for each failure to
+come), each with its own channel and `AgentService.Connect` stream, as an agent has:
+Register (inventory, labels, role); a look every heartbeat interval the scheduler gives
+(1 s), sending a heartbeat (node health with 8 GPUs, the running ranks) when what it
+says changed and at least every refresh interval (5 s), and its ranks' new step times
+batched per node; a CommandAck for every command; gRPC's keepalive pings answered in
+its core.
 
 Phases, each measured over --window seconds of wall time:
 
-* idle: heartbeats only. Heartbeats ingested: the count of the scheduler's
-  pitstop_scheduler_heartbeat_lag_seconds histogram (one observation a heartbeat
+* idle: heartbeats only. Heartbeats ingested: the count of the schedulers'
+  pitstop_scheduler_heartbeat_lag_seconds histograms (one observation a heartbeat
   handled). Per heartbeat: Redis commands (INFO commandstats deltas) and
   PostgreSQL transactions and rows (pg_stat_database deltas; its counters reach the
   view within about a second of each transaction, so edges blur by that much).
 * load: the job of the fleet's size runs (TP 8 x PP 16 x DP = N*8/128: at 12,500 nodes
   the 99,968-rank job of DESIGN.md) at --step-seconds a step: heartbeats with 8 running
-  ranks and a step batch a node per step. The step batch's own cost is the load phase's
-  minus the idle phase's, per batch.
-  In both: heartbeats/s the scheduler ingested, streams reopened (a broken stream), its
-  CPU (% of one core, and ms per 1,000 heartbeats), event-loop lag (its
-  pitstop_scheduler_event_loop_lag_seconds histogram over the window: p99 as the bucket
-  bound, and the 1-minute p99 gauge), the CPU of the simulator, PostgreSQL and Redis.
-* failures under load, --trials of each kind on nodes of the job: a node's stream
-  broken (the call cancelled, as a dead host's TCP reset), a hung node (heartbeats
-  stop, the stream stays open), a fatal Xid (79 on one GPU: the Xid, the rank's exit,
-  a heartbeat saying FATAL, as the agent sends them). detect = injection -> node.lost /
-  node.unhealthy event; decide = that event -> job.recovering; fan-out = job.recovering
-  -> the last node of the new generation has its Reconfigure or StartRanks (the
-  simulator's clock; same host); resume = -> job.recovered.
+  ranks and a step batch a node per step.
+  In both: heartbeats/s ingested, streams reopened (a broken stream), each process's
+  CPU (% of one core), event-loop lag (the pitstop_scheduler_event_loop_lag_seconds
+  histogram over the window: p99 as the bucket bound, and the 1-minute p99 gauge), the
+  CPU of the simulator, PostgreSQL and Redis.
+* failures under load, --trials of each kind (--kinds) on nodes of the job: a broken
+  stream (the call reset, as a dead host's TCP reset), a silent death (the node's
+  traffic goes through a relay of this process, and the relay stops passing bytes
+  both ways without closing anything: a cut network or a host without power, seen
+  only by the stream's keepalive pings), a fatal Xid (79 on one GPU: the Xid, the
+  rank's exit, a heartbeat saying FATAL, as the agent sends them), and on request an
+  agent hung in Python (heartbeats stop, pings answered: the 12.5 s deadline).
+  detect = injection -> node.lost / node.unhealthy event; decide = that event ->
+  its decision committed (job.recovering plus the decision's transaction); fan-out =
+  the commit -> the last node of the new generation has its Reconfigure or StartRanks
+  (the simulator's clock; same host; a fan-out that has not reached every node within
+  60 s is a failed one, never a time); resume = -> job.recovered.
+  A false loss is a node.lost of a node no failure was injected on.
 
-Then, at --scaleout-nodes, the same idle and load phases with 2 and 3 scheduler
-processes behind the one PostgreSQL and Redis (nodes spread round-robin): does ingest
-scale out? And leader failover under load: kill -9 of the leading process, a fatal Xid
-at once on a node of a surviving process; failover = kill -> the decision
-(job.recovering), and the time until every orphaned node registered again elsewhere.
+Then, at --scaleout-nodes, the idle and load phases with 1, 2 and 3 processes that each
+both lead and hold streams, and leader failover under load (kill -9 of the leading
+process, a fatal Xid at once on a node of a surviving process).
 
-Each cost is fitted against N as a*N^b (least squares on logs; b > 1 grows faster than
-the fleet) and extrapolated to 12,500 nodes, shown beside the targets: detect p99 < 1 s
-(the hung node's detect is the liveness deadline, 2.5 heartbeat intervals, by design: it
-is shown, and judged beyond the deadline), decide p99 < 100 ms, fan-out < 1 s, loop lag
-p99 < 100 ms, one scheduler process under one core for ingest.
+The last line holds, per size and for the largest, the headline: nodes, duration_s
+(the job running), false_losses, detect_silent_p99_s, detect_pushed_p99_s (broken
+stream and Xid), decide_p99_s, fanout_p99_s, leader_cpu_cores (the deciding process in
+the load window), ingest_cpu_cores_per_1000_nodes, command_bytes_max and the sample
+counts; and `at_12500`: each of those costs fitted linearly in N (a fixed part plus a
+cost per node) and taken to 12,500 nodes, the ingest CPU spread over processes of at
+most 0.75 cores beside one deciding process. `details` and `fits` keep every phase.
 
-    .venv/bin/python bench/scale.py [--nodes 100 200 300 400] [--window 15]
-        [--trials 2] [--scaleout-nodes 300] [--skip-scaleout | --only-scaleout]
-        [--kinds stream xid hung] [--refit OLD.json]
+    .venv/bin/python bench/scale.py [--nodes 500 1000 2500] [--ingest 2] [--window 15]
+        [--trials 20] [--kinds stream xid silent] [--insecure] [--step-seconds 2]
+        [--scaleout-nodes 300] [--skip-scaleout | --only-scaleout] [--refit OLD.json]
 
 The machine is shared: the JSON records os.getloadavg() at each phase. Progress goes to
 stderr; the last line of stdout is one JSON object. On any end (Ctrl-C, SIGTERM, SIGHUP

@@ -94,3 +94,47 @@ async def test_a_loss_being_written_survives_the_handlers_cancellation(
             "SELECT reason FROM events WHERE node_id = %s AND kind = 'node.lost'", (node_id,)
         )
         assert [r for (r,) in await cursor.fetchall()] == ["agent stream closed"]
+
+
+async def test_a_loss_is_recorded_when_the_handler_is_cancelled_again_while_it_cleans_up(
+    servicer: tuple[AgentServicer, str],
+) -> None:
+    """gRPC may cancel the handler more than once: the second cancellation lands while
+    it waits for its reader to wind down, before it ever got to the loss."""
+    agents, url = servicer
+    node_id = unique("twice")
+    winding_down = asyncio.Event()
+
+    async def requests() -> AsyncIterator[agent_pb2.AgentMessage]:
+        gpu = common_pb2.GpuInfo(index=0, uuid=f"GPU-{node_id}")
+        yield agent_pb2.AgentMessage(
+            seq=1,
+            register=agent_pb2.Register(
+                node_id=node_id, inventory=common_pb2.Inventory(gpus=[gpu])
+            ),
+        )
+        try:
+            await asyncio.Event().wait()  # the agent says nothing more
+        except asyncio.CancelledError:
+            winding_down.set()
+            await asyncio.sleep(1.0)  # a read that takes its time to give up
+            raise
+
+    stream = agents.Connect(requests(), context=None)  # type: ignore[arg-type]
+    await anext(stream)
+    running = asyncio.create_task(anext(stream, None))
+    async with asyncio.timeout(GUARD):
+        while True:  # until the handler waits on its reader and its command queue
+            if stream.ag_await is not None:
+                break
+            await asyncio.sleep(0)
+    running.cancel()  # the call ends: gRPC cancels the handler...
+    async with asyncio.timeout(GUARD):
+        await winding_down.wait()
+    running.cancel()  # ...and again, while it waits for its reader
+    with contextlib.suppress(asyncio.CancelledError):
+        await running
+    await agents.drain()
+    async with await psycopg.AsyncConnection.connect(url) as db:
+        cursor = await db.execute("SELECT state FROM nodes WHERE id = %s", (node_id,))
+        assert await cursor.fetchone() == (NodeState.LOST.value,)

@@ -161,16 +161,19 @@ class AgentServicer:
             ]
             for task in pending:
                 task.cancel()
-            if pending:
-                # Bounded: a read stuck in a dying stream must not hold up server shutdown.
-                await asyncio.wait(pending, timeout=2.0)
+            # Before any await: gRPC cancels this handler when the call ends (a reset
+            # stream), often while it cleans up; whatever it interrupts, the loss is
+            # recorded, in a task of its own (half of bench/scale.py's broken streams
+            # waited for the liveness deadline while it was awaited here).
+            recording = None
             if self.gateway.detach(state.node_id, queue) and not self.stopping:
-                # In a task of its own: gRPC cancels this handler when the call ends (a
-                # reset stream), often while the loss is being written, and half of the
-                # broken streams in bench/scale.py then waited for the liveness deadline.
                 recording = asyncio.create_task(self._lost(state.node_id, reason))
                 self._recording.add(recording)
                 recording.add_done_callback(self._recording.discard)
+            if pending:
+                # Bounded: a read stuck in a dying stream must not hold up server shutdown.
+                await asyncio.wait(pending, timeout=2.0)
+            if recording is not None:
                 await asyncio.shield(recording)
 
     async def drain(self) -> None:
