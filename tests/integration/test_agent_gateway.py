@@ -240,6 +240,35 @@ def test_a_host_gone_silent_is_lost_by_its_streams_keepalive_long_before_any_dea
         host.wait()
 
 
+def test_the_process_holding_a_silent_stream_judges_it_without_a_leader(
+    stores: StoreUrls, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An agent hung in Python (its process answers the pings, its stream stays open) is
+    found by the process that holds the stream: here one that never leads, beside no
+    leader at all, so no liveness scan runs anywhere."""
+    holding = SchedulerThread(
+        scheduler_settings(
+            stores,
+            tmp_path_factory.mktemp("holding"),
+            database_url=stores.fresh_database(),
+            leader_loops=False,
+            heartbeat_interval_seconds=BEAT,
+            refresh_interval_seconds=BEAT,
+            redis_prefix=stores.redis_prefix + "holding:",
+        )
+    )
+    try:
+        node_id = unique("hung")
+        with holding.agent_stream(node_id) as agent:
+            agent.send(heartbeat=agent_pb2.Heartbeat(health=healthy()))
+            lost = wait_for_event(holding, node_id, "node.lost")
+            assert "liveness deadline" in lost.reason
+            with pytest.raises(StopIteration):
+                agent.next_command()  # the holder ended the stream
+    finally:
+        holding.stop()
+
+
 def test_a_process_that_holds_no_agent_streams_refuses_an_agent_by_name(
     stores: StoreUrls, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

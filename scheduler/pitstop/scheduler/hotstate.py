@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -222,6 +222,15 @@ class HotState:
         if members:
             pushed: dict[bytes, float] = dict.fromkeys(members, at_least)
             await self.redis.zadd(self.deadlines_key, pushed, gt=True)
+
+    async def keep_deadlines(self, node_ids: Collection[str], deadline: float) -> None:
+        """Push the deadlines of the nodes whose streams this process holds, and judges
+        itself, to `deadline` (never back, never for a node no longer known): the leader's
+        scan is left the nodes whose holder stopped keeping them (it died or froze)."""
+        ids = sorted(node_ids)
+        for at in range(0, len(ids), 1000):
+            members = dict.fromkeys(ids[at : at + 1000], deadline)
+            await self.redis.zadd(self.deadlines_key, members, xx=True, gt=True)
 
     async def forget_node(self, node_id: str) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -2,7 +2,11 @@
 open, say) is LOST once its deadline passes.
 
 Deadlines live in a Redis sorted set; each tick claims only what expired, so the cost
-follows failures, not the fleet. It runs in the process that decides (the leader).
+follows failures, not the fleet. It runs in the process that decides (the leader). The
+process that holds a node's stream judges that stream itself and keeps its deadline
+fresh while it does (AgentServicer.judge_streams): a holder busy or starved never has
+its healthy nodes declared lost by the leader, and the scan is left the nodes whose
+holder died or froze.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ log = logging.getLogger(__name__)
 
 STALL_SECONDS = 1.0
 """A scan this much later than its tick means the scheduler itself stalled."""
+DEADLINE_REASON = "no heartbeat before the liveness deadline (agent hung or cut off)"
 
 
 class LivenessMonitor:
@@ -49,7 +54,7 @@ class LivenessMonitor:
         lost = await self.hot.expired_nodes(now)
         if not lost:
             return []
-        reason = "no heartbeat before the liveness deadline (agent hung or cut off)"
+        reason = DEADLINE_REASON
         try:
             async with self.store.write() as session:
                 await health_service.mark_all_lost(session, lost, reason=reason)

@@ -282,6 +282,10 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
     metrics.leader.set_function(lambda: 1.0 if election.leading else 0.0)
     await _report_health(health_servicer, engine, hot, store, metrics, election)
     scheduler._tasks.append(asyncio.create_task(metrics.watch_loop_lag(), name="loop-lag"))
+    if settings.agent_streams:
+        scheduler._tasks.append(
+            asyncio.create_task(agent_servicer.judge_streams(), name="judge-streams")
+        )
     scheduler._tasks.append(asyncio.create_task(issued_tokens.run(), name="api-tokens"))
     scheduler._tasks.append(
         asyncio.create_task(

@@ -11,6 +11,7 @@ import asyncio
 import datetime as dt
 import logging
 import re
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -20,10 +21,12 @@ from google.protobuf import json_format
 from pitstop.scheduler.api.agent_input import check_agent_message
 from pitstop.scheduler.api.agent_writes import AckWriter, JobGenerations
 from pitstop.scheduler.auth import current_caller
+from pitstop.scheduler.cancelling import reraise_if_cancelling
 from pitstop.scheduler.convert import NODE_ROLE_TO_PB, NODE_STATE_TO_PB, node_roles_from_pb
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from pitstop.scheduler.gateway import AgentGateway, CloseStream
 from pitstop.scheduler.hotstate import STANDBY_READY, HotState
+from pitstop.scheduler.liveness import DEADLINE_REASON, STALL_SECONDS
 from pitstop.scheduler.metrics import SchedulerMetrics
 from pitstop.scheduler.services import enrollment
 from pitstop.scheduler.services import health as health_service
@@ -37,6 +40,8 @@ from pitstop.v1 import agent_pb2, common_pb2
 log = logging.getLogger(__name__)
 
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+JUDGE_TICK_SECONDS = 1.0
+"""How often a process judges the streams it holds (a quarter of a shorter timeout)."""
 ENDED_CHECK_SECONDS = 5.0
 """How often the jobs a node reports running processes of are looked up."""
 
@@ -52,6 +57,8 @@ class StreamState:
     # Commands sent down this stream and not yet acknowledged: id -> what an ack means.
     commands: dict[int, SentCommand | None] = field(default_factory=dict)
     ended_check_at: float = 0.0
+    # When this process last read a message of the stream (time.monotonic()).
+    last_seen: float = field(default_factory=time.monotonic)
     # The stale-process check in flight: it reads PostgreSQL, so it runs beside the
     # stream's reader, never in its way (the next heartbeat must not wait for a pool).
     stale_check: asyncio.Task[None] | None = None
@@ -116,6 +123,8 @@ class AgentServicer:
         self.acks = AckWriter(store)
         # Lost streams being recorded (see Connect); stop() waits for them.
         self._recording: set[asyncio.Task[None]] = set()
+        # The streams this process holds, by node: judged here (judge_streams).
+        self._streams: dict[str, StreamState] = {}
         self.generations = JobGenerations(store)
 
     async def Connect(  # noqa: N802 (gRPC method name)
@@ -133,6 +142,7 @@ class AgentServicer:
             return
         state = await self._register(first)
         queue = self.gateway.attach(state.node_id)
+        self._streams[state.node_id] = state
         reader = asyncio.create_task(self._read(state, requests), name=state.node_id)
         reason = "agent stream closed"
         getter: asyncio.Task[object] | None = None
@@ -161,6 +171,8 @@ class AgentServicer:
             ]
             for task in pending:
                 task.cancel()
+            if self._streams.get(state.node_id) is state:
+                del self._streams[state.node_id]
             # Before any await: gRPC cancels this handler when the call ends (a reset
             # stream), often while it cleans up; whatever it interrupts, the loss is
             # recorded, in a task of its own (half of bench/scale.py's broken streams
@@ -175,6 +187,41 @@ class AgentServicer:
                 await asyncio.wait(pending, timeout=2.0)
             if recording is not None:
                 await asyncio.shield(recording)
+
+    async def judge_streams(self) -> None:
+        """Judge the streams this process holds, for as long as it runs: a stream silent
+        past the liveness timeout (an agent hung in Python: its process still answers
+        the keepalive pings) is closed and its node LOST here; the others' Redis
+        deadlines are kept fresh, so the leader, however busy this process or the
+        leader is, only judges nodes whose holder is gone. A tick that came late (this
+        process starved or paused) first forgives every stream as long: what arrived
+        meanwhile is unread, not missing."""
+        tick = min(JUDGE_TICK_SECONDS, self.liveness_timeout / 4)
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            late, last = now - last - tick, now
+            if late >= STALL_SECONDS:
+                log.warning(
+                    "judging the agent streams ran %.1fs late (this process was starved or "
+                    "paused); every stream is given as long again",
+                    late,
+                )
+                for state in self._streams.values():
+                    state.last_seen = min(now, state.last_seen + late)
+            alive = []
+            for node_id, state in list(self._streams.items()):
+                if now - state.last_seen > self.liveness_timeout:
+                    log.warning("node %s lost: %s", node_id, DEADLINE_REASON)
+                    self.gateway.close(node_id, DEADLINE_REASON)
+                else:
+                    alive.append(node_id)
+            try:
+                await self.hot.keep_deadlines(alive, time.time() + self.liveness_timeout)
+            except Exception:
+                reraise_if_cancelling()
+                log.warning("could not keep the held streams' deadlines", exc_info=True)
 
     async def drain(self) -> None:
         """Wait for the lost streams still being recorded (a stopping scheduler)."""
@@ -260,6 +307,7 @@ class AgentServicer:
                     f"expected {state.seq + 1}: sequence numbers increase by one",
                 )
             state.seq = message.seq
+            state.last_seen = time.monotonic()
             check_agent_message(message)
             await self._handle(state, message)
 
