@@ -26,7 +26,7 @@ from fake_rank import RankNotices, start_command, wait_gone
 from prometheus_client.parser import text_string_to_metric_families
 
 from pitstop.agent.config import AgentSettings
-from pitstop.agent.gpu import SimulatedBackend, open_backend
+from pitstop.agent.gpu import GpuBackend, SimulatedBackend, open_backend
 from pitstop.agent.main import NodeAgent
 from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
@@ -67,9 +67,13 @@ def agent_settings(address: str, state_dir: Path, **overrides: Any) -> AgentSett
 
 
 @contextlib.asynccontextmanager
-async def running_agent(settings: AgentSettings) -> AsyncIterator[NodeAgent]:
-    """A whole agent in this event loop, stopped (ranks and all) on exit."""
-    agent = NodeAgent(settings, open_backend(settings.gpus, settings.node_id))
+async def running_agent(
+    settings: AgentSettings, backend: GpuBackend | None = None
+) -> AsyncIterator[NodeAgent]:
+    """A whole agent in this event loop (on `backend`, else the one its settings
+    name), stopped (ranks and all) on exit."""
+    backend = backend or open_backend(settings.gpus, settings.node_id)
+    agent = NodeAgent(settings, backend)
     await agent.start()
     stop = asyncio.Event()
     run = asyncio.create_task(agent.run(stop))
@@ -751,11 +755,7 @@ async def test_a_heartbeat_goes_out_when_what_it_says_changes_not_at_every_look(
     async with fake_scheduler(heartbeat_interval=0.02, refresh=3600.0) as (fake, address):
         settings = agent_settings(address, short_dir, gpus="sim:2")
         backend = CountingBackend(settings.node_id, 2)
-        agent = NodeAgent(settings, backend)
-        await agent.start()
-        stop = asyncio.Event()
-        run = asyncio.create_task(agent.run(stop))
-        try:
+        async with running_agent(settings, backend):
             stream = await fake.next_stream()
             first = (await stream.next("heartbeat")).heartbeat
             assert first.health.verdict == common_pb2.HEALTH_VERDICT_HEALTHY
@@ -768,10 +768,6 @@ async def test_a_heartbeat_goes_out_when_what_it_says_changes_not_at_every_look(
             beat = (await stream.next("heartbeat")).heartbeat
             assert beat.health.verdict != common_pb2.HEALTH_VERDICT_HEALTHY
             assert beat.health.gpus[0].temperature_c == 61.0  # the latest readings go along
-        finally:
-            stop.set()
-            await asyncio.wait_for(run, TIMEOUT)
-            await agent.close()
 
 
 def drain(messages: asyncio.Queue[agent_pb2.AgentMessage]) -> list[agent_pb2.AgentMessage]:
@@ -787,19 +783,11 @@ async def test_with_nothing_new_a_heartbeat_still_goes_out_every_refresh(
     async with fake_scheduler(heartbeat_interval=0.02, refresh=0.1) as (fake, address):
         settings = agent_settings(address, short_dir, gpus="sim:1")
         backend = CountingBackend(settings.node_id, 1)
-        agent = NodeAgent(settings, backend)
-        await agent.start()
-        stop = asyncio.Event()
-        run = asyncio.create_task(agent.run(stop))
-        try:
+        async with running_agent(settings, backend):
             stream = await fake.next_stream()
             beats = [(await stream.next("heartbeat")).heartbeat for _ in range(3)]
             assert len({_gist_of(b) for b in beats}) == 1  # the same news, refreshed
             assert backend.looks >= 5  # and looked more often than it said so
-        finally:
-            stop.set()
-            await asyncio.wait_for(run, TIMEOUT)
-            await agent.close()
 
 
 def _gist_of(beat: agent_pb2.Heartbeat) -> tuple[object, ...]:

@@ -213,6 +213,8 @@ class AgentServicer:
             alive = []
             for node_id, state in list(self._streams.items()):
                 if now - state.last_seen > self.liveness_timeout:
+                    # Judged once: its handler records the loss as the stream closes.
+                    del self._streams[node_id]
                     log.warning("node %s lost: %s", node_id, DEADLINE_REASON)
                     self.gateway.close(node_id, DEADLINE_REASON)
                 else:
