@@ -1387,15 +1387,16 @@ def test_a_node_cut_off_by_its_network_namespace_is_replaced(
 
 
 def dropping_first_sends(generation: int) -> tuple[Any, list[str]]:
-    """A CommandRouter.send that loses the first StartRanks or Reconfigure of
-    `generation` to each node, as if the leader died (or its send failed) right after
-    committing the decision; the dropped commands' nodes are listed."""
+    """A CommandRouter.send_many (the fan-out of every decision) that loses the first
+    StartRanks or Reconfigure of `generation` to each node, as if the leader died (or
+    its send failed) right after committing the decision; the dropped commands' nodes
+    are listed."""
     from pitstop.scheduler.gateway import CommandRouter
 
-    real = CommandRouter.send
+    real = CommandRouter.send_many
     dropped: list[str] = []
 
-    async def send(self: CommandRouter, node_id: str, message: Any) -> int | None:
+    def lost(node_id: str, message: Any) -> bool:
         kind = message.WhichOneof("body")
         body = getattr(message, kind)
         if (
@@ -1405,10 +1406,13 @@ def dropping_first_sends(generation: int) -> tuple[Any, list[str]]:
             and node_id not in dropped
         ):
             dropped.append(node_id)
-            return 0
-        return await real(self, node_id, message)
+            return True
+        return False
 
-    return send, dropped
+    async def send_many(self: CommandRouter, commands: list[tuple[str, Any]]) -> None:
+        await real(self, [(node_id, m) for node_id, m in commands if not lost(node_id, m)])
+
+    return send_many, dropped
 
 
 @pytest.mark.parametrize("in_process", [True])
@@ -1420,8 +1424,8 @@ def test_a_recovery_whose_commands_were_lost_after_the_decision_still_recovers(
     from pitstop.scheduler.gateway import CommandRouter
 
     job = cluster.submit("--step-seconds", str(STEP_SECONDS))
-    send, dropped = dropping_first_sends(job.generation + 1)
-    monkeypatch.setattr(CommandRouter, "send", send)
+    send_many, dropped = dropping_first_sends(job.generation + 1)
+    monkeypatch.setattr(CommandRouter, "send_many", send_many)
     wait_until(lambda: cluster.rank_pids(SPARE) != [], "a standby process on the spare")
     victim = cluster.node_of(job, 1)
     cluster.wait_for_step(job, 1, random.randint(8, STEPS // 2))
