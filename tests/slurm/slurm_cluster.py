@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import shutil
 import signal
@@ -50,10 +51,23 @@ def missing() -> str | None:
     return None
 
 
+LISTEN_PORTS = range(20_000, 32_000)
+"""Where the Slurm daemons listen: below Linux's ephemeral range (32768-60999). A port the
+kernel hands out for binding to 0 is an ephemeral one, and an outgoing connection took
+one such port between the probe and slurmd's bind (`Unable to bind listen port:
+Address already in use`, once in `.ci/run`)."""
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    """A port of LISTEN_PORTS that nothing listens on now."""
+    for port in random.sample(LISTEN_PORTS, 200):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {LISTEN_PORTS.start}-{LISTEN_PORTS.stop - 1}")
 
 
 @dataclass(frozen=True)
