@@ -34,15 +34,13 @@ log = logging.getLogger(__name__)
 GENERATIONS_FRESH_SECONDS = 1.0
 """How long a job's state and generation, as read, answer the stale-process check."""
 
-AckKey = tuple[str, int, tuple[node_command_service.NodeAction, ...]]
-
 
 class AckWriter:
     """Acknowledgements of every stream of this process, written in batches."""
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self._pending: dict[AckKey, set[str]] = {}
+        self._pending: dict[node_command_service.AckKey, set[str]] = {}
         self._writer: asyncio.Task[None] | None = None
 
     def add(
@@ -62,12 +60,7 @@ class AckWriter:
             batch, self._pending = self._pending, {}
             try:
                 async with self.store.write() as session:
-                    for (job_id, generation, actions), nodes in sorted(
-                        batch.items(), key=lambda kv: (kv[0][0], kv[0][1])
-                    ):
-                        await node_command_service.acknowledge_nodes(
-                            session, job_id, sorted(nodes), generation, actions
-                        )
+                    await node_command_service.acknowledge_batch(session, batch)
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -59,17 +59,14 @@ async def node_actions(
     Every other node of `after` reconfigures in place; nodes of `before` left out leave
     (their ranks find themselves absent and leave at the boundary every rank agrees
     on, so the survivors reach it at once instead of stepping on)."""
-    previous = await plan.plan(session, job.id)
+    starting_before = await plan.starting_nodes(session, job.id)
     in_flight = job.state in (JobState.STARTING, JobState.RECOVERING)
     actions: dict[str, NodeAction] = {}
     for node_id in after.nodes():
-        prior = previous.get(node_id)
         if not before.hosts(node_id):
             actions[node_id] = NodeAction.ADOPT if node_id in adopting else NodeAction.START
             continue
-        starting = (
-            in_flight and prior is not None and prior.action in (NodeAction.START, NodeAction.ADOPT)
-        )
+        starting = in_flight and node_id in starting_before
         if node_id in fresh and node_id in adopting and not starting:
             actions[node_id] = NodeAction.ADOPT  # its standby takes the dead ranks over
         elif node_id in fresh or starting:
@@ -306,7 +303,7 @@ class Recovery:
             job = await locked_job(leader, session, job_id, IN_FLIGHT)
             if job is None or not node_id:
                 return False
-            row = (await plan.plan(session, job_id)).get(node_id)
+            row = await plan.command(session, job_id, node_id)
             # An exit recorded well before the decision was known to it (a new leader
             # reads every exit again); one close to it may have committed unseen by it,
             # and restarting a node that only had to reconfigure costs a fresh start,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import ARRAY, Integer, any_, cast, delete, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler import jobstate
@@ -112,10 +112,6 @@ async def rank_map(session: AsyncSession, job: models.Job) -> Placement:
     return Placement(tuple(RankSlot(*row) for row in rows))
 
 
-IN_LIST_CHUNK = 10_000
-"""Ranks named per statement (PostgreSQL takes at most 65,535 parameters in one)."""
-
-
 async def write_generation(
     session: AsyncSession, job: models.Job, placement: Placement, before: Placement | None = None
 ) -> None:
@@ -138,16 +134,17 @@ async def write_generation(
         )
         await release_gpus(session, job.id)
     else:
-        for at in range(0, len(gone), IN_LIST_CHUNK):
-            ranks = gone[at : at + IN_LIST_CHUNK]
-            await session.execute(
-                update(a)
-                .where(a.job_id == job.id, a.current(), a.rank.in_(ranks))
-                .values(until_generation=job.generation)
-            )
-            await session.execute(
-                delete(booking).where(booking.job_id == job.id, booking.rank.in_(ranks))
-            )
+        # One array parameter, not an IN list of one parameter per rank (a shrink moves
+        # most ranks: thousands of parameters for the driver to parse, and a limit).
+        ranks = cast(gone, ARRAY(Integer))
+        await session.execute(
+            update(a)
+            .where(a.job_id == job.id, a.current(), a.rank == any_(ranks))
+            .values(until_generation=job.generation)
+        )
+        await session.execute(
+            delete(booking).where(booking.job_id == job.id, booking.rank == any_(ranks))
+        )
     if not added:
         return
     await session.execute(
