@@ -83,7 +83,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -580,6 +580,11 @@ class NodeCertificates:
 # Processes, stores, measurements
 
 
+LEASE_SECONDS = 4.0
+"""The leader lease (the scheduler's default): a deciding process that dies is replaced
+within about one period."""
+
+
 class Scheduler:
     """One pitstop-scheduler process on the benchmark's stores."""
 
@@ -609,6 +614,7 @@ class Scheduler:
             PITSTOP_DASHBOARD_PORT="0",  # a free one each: several processes side by side
             PITSTOP_STATE_DIR=str(root / name),
             PITSTOP_LOG_LEVEL="WARNING",
+            PITSTOP_LEADER_LEASE_SECONDS=str(LEASE_SECONDS),
             GRPC_VERBOSITY="ERROR",
         )
         if role == "decider":
@@ -1197,7 +1203,8 @@ def fit(points: list[tuple[int, float]]) -> dict[str, Any] | None:
 
 
 async def measure_size(root: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    async with Run(root, n, max(args.ingest, 1), args, deciders=1 if args.ingest else 0) as run:
+    deciders = (2 if args.failover else 1) if args.ingest else 0
+    async with Run(root, n, max(args.ingest, 1), args, deciders=deciders) as run:
         out: dict[str, Any] = {"nodes": n, "spares": run.spares, "loadavg_start": load()}
         out["registration_seconds"] = round(run.registration_seconds, 1)
         say(f"N={n}: idle window ({args.window:.0f} s)")
@@ -1230,6 +1237,9 @@ async def measure_size(root: Path, n: int, args: argparse.Namespace) -> dict[str
                 failures.append(row)
                 await asyncio.sleep(args.step_seconds * 2)
         out["failures"] = failures
+        if args.failover:
+            out["failover"] = await decider_failover(run)
+            say(f"N={n}: failover {out['failover']}")
         out["job_running_seconds"] = round(time.monotonic() - job_began, 1)
         out["scheduler_cpu_cores_job_running"] = round(
             (sum(s.cpu() for s in run.schedulers) - cpu_began) / out["job_running_seconds"], 3
@@ -1372,6 +1382,31 @@ async def failover(run: Run) -> dict[str, Any]:
     }
 
 
+async def decider_failover(run: Run) -> dict[str, Any]:
+    """kill -9 of the leading deciding process under load, then at once a fatal Xid: the
+    other deciding process must take the lease and decide it. Measured: the kill to the
+    Xid's decision committed, against the lease period; a node declared lost meanwhile
+    is a false loss (counted with the run's)."""
+    assert run.events is not None
+    leading = [
+        s
+        for s in run.schedulers
+        if s.role == "decider" and (await asyncio.to_thread(s.metrics))["leader"] == 1.0
+    ]
+    if not leading:
+        return {"error": "no leading deciding process found"}
+    t0 = time.time()
+    leading[0].kill()
+    row = await run.failure("xid")
+    decided_at = row.pop("_decided_at", None)
+    return {
+        "killed": leading[0].name,
+        "lease_seconds": LEASE_SECONDS,
+        "failover_seconds": None if decided_at is None else round(decided_at - t0, 3),
+        "failure": row,
+    }
+
+
 def brief(window: dict[str, Any]) -> str:
     return (
         f"{window['heartbeats_ingested_per_s']} hb/s, sched CPU {window['scheduler_cpu_pct']}%, "
@@ -1494,6 +1529,37 @@ async def bench(args: argparse.Namespace, root: Path, result: dict[str, Any]) ->
         result["scaleout"] = await measure_scaleout(root, args.scaleout_nodes, args)
 
 
+async def until_signalled(run: Coroutine[Any, Any, None]) -> None:
+    """`run`, ended by SIGTERM or SIGHUP the way asyncio ends it on Ctrl-C: the signal
+    cancels this, the main task, so every `async with` unwinds and brings down what it
+    started. (A handler that raises lands in whichever task is running, most often a
+    simulated node's, which ends that one task and leaves the run going on: a SIGTERM
+    once left the simulator reconnecting to schedulers already gone.)"""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+    arrived: list[int] = []
+
+    def stop(signum: int) -> None:
+        if arrived:
+            say(f"{signal.Signals(signum).name} again: still shutting down")
+            return
+        arrived.append(signum)
+        main.cancel()
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(signum, stop, signum)
+    try:
+        await run
+    except asyncio.CancelledError:
+        if arrived:
+            raise Terminated(arrived[0]) from None
+        raise
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            loop.remove_signal_handler(signum)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -1512,6 +1578,12 @@ def main() -> int:
         help="K > 0: K processes hold the streams and one more decides (agent_streams: "
         "false); 0: one process does both",
     )
+    add(
+        "--failover",
+        action="store_true",
+        help="with --ingest: two deciding processes, and after the failures the leading "
+        "one is killed (-9) and a fatal Xid decided by the other",
+    )
     add("--interval", type=float, default=1.0, help="heartbeat interval (the scheduler's)")
     add("--step-seconds", type=float, default=2.0, help="the job's step time")
     add(
@@ -1529,6 +1601,8 @@ def main() -> int:
     args = parser.parse_args()
     if any(n < 16 for n in args.nodes) or args.scaleout_nodes < 16:
         parser.error(f"--nodes {args.nodes}: give 16 or more nodes (one 128-rank replica)")
+    if args.failover and not args.ingest:
+        parser.error("--failover: give --ingest K too (the deciding processes hold no stream)")
     if args.window <= 0 or args.trials < 0:
         parser.error("give a positive --window and --trials 0 or more")
     if args.refit:
@@ -1553,6 +1627,8 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count()},
         "insecure": args.insecure,
         "ingest_processes": args.ingest,
+        "failover": args.failover,
+        "leader_lease_seconds": LEASE_SECONDS,
         "kinds": args.kinds,
         "trials": args.trials,
         "heartbeat_interval_seconds": args.interval,
@@ -1565,7 +1641,7 @@ def main() -> int:
     code = 1
     with orderly_exit(notice=say):
         try:
-            asyncio.run(bench(args, root, result))
+            asyncio.run(until_signalled(bench(args, root, result)))
             code = 0
         except (KeyboardInterrupt, Terminated) as stop:
             say(f"stopped: {stop!r}")
