@@ -5,7 +5,9 @@ keep the goodput account fresh."""
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+import heapq
+import itertools
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -34,6 +36,64 @@ often, and at once when a straggler is flagged or cleared: every rank's window i
 for them, 100,000 ranks at full scale, which every follow pass (5 a second) did."""
 
 
+class StepOrder:
+    """Node batches arrive at different times, so one node's ranks can be reported far
+    ahead of another's. The straggler detector judges a window once it sees later steps,
+    so it gets the samples in step order: those at or below the step every one of the
+    job's ranks has reached, and any held for `hold` seconds (a dead or silent rank must
+    not hold the rest back for longer than it takes to notice it).
+
+    Each sample is handled a bounded number of times (a heap by step, a queue by
+    arrival, a lazy heap of the ranks' newest steps): the leader did a pass over every
+    held sample and every rank per batch read, most of its CPU at 2,500 nodes."""
+
+    def __init__(self) -> None:
+        self.rank_max: dict[int, int] = {}
+        """Each rank's newest step seen."""
+        self._by_step: list[tuple[int, int, agent_pb2.StepSample]] = []
+        self._by_arrival: deque[tuple[float, int, int]] = deque()  # (arrived, step, seq)
+        self._held: set[int] = set()  # seqs not released yet
+        self._lowest: list[tuple[int, int]] = []  # (step, rank), stale entries skipped
+        self._seq = itertools.count()
+
+    def release(
+        self, fresh: list[agent_pb2.StepSample], world_size: int, now: float, hold: float
+    ) -> list[agent_pb2.StepSample]:
+        """The samples now due, in step order (arrival order within a step)."""
+        for sample in fresh:
+            if sample.step > self.rank_max.get(sample.rank, -1):
+                self.rank_max[sample.rank] = sample.step
+                heapq.heappush(self._lowest, (sample.step, sample.rank))
+            seq = next(self._seq)
+            heapq.heappush(self._by_step, (sample.step, seq, sample))
+            self._by_arrival.append((now, sample.step, seq))
+            self._held.add(seq)
+        lowest = self._everyone()  # called always: it also drops the stale entries
+        everyone = lowest if len(self.rank_max) >= world_size else 0
+        overdue = 0
+        arrivals = self._by_arrival
+        # Oldest first: those released by step already leave; the overdue leave and
+        # are released below (the frontier reaches their step).
+        while arrivals and (arrivals[0][2] not in self._held or arrivals[0][0] + hold <= now):
+            _, step, seq = arrivals.popleft()
+            if seq in self._held:
+                overdue = max(overdue, step)
+        frontier = max(everyone, overdue)
+        ready = []
+        while self._by_step and self._by_step[0][0] <= frontier:
+            _, seq, sample = heapq.heappop(self._by_step)
+            ready.append(sample)
+            self._held.discard(seq)
+        return ready
+
+    def _everyone(self) -> int:
+        """The step every rank has reached."""
+        lowest = self._lowest
+        while lowest and self.rank_max.get(lowest[0][1]) != lowest[0][0]:
+            heapq.heappop(lowest)  # that rank has stepped on since
+        return lowest[0][0] if lowest else 0
+
+
 @dataclass
 class JobWatch:
     """What the leader remembers about one live job between ticks: telemetry only,
@@ -42,9 +102,8 @@ class JobWatch:
     stream_id: str = "0-0"
     detector: StragglerDetector | None = None
     detector_generation: int = 0
-    # Samples held back until every rank has reached their step (see release_in_step_order).
-    held: list[tuple[float, agent_pb2.StepSample]] = field(default_factory=list)
-    rank_max: dict[int, int] = field(default_factory=dict)
+    # Samples held back until every rank has reached their step.
+    order: StepOrder = field(default_factory=StepOrder)
     goodput_at: float = 0.0
     stats_at: float = 0.0
     placement: Placement | None = None
@@ -57,24 +116,6 @@ class JobWatch:
     # seconds, source), and whether job.restored has been recorded for it.
     restored: dict[int, tuple[float, str]] = field(default_factory=dict)
     restored_told: bool = False
-
-    def release_in_step_order(
-        self, fresh: list[agent_pb2.StepSample], world_size: int, now: float, hold: float
-    ) -> list[agent_pb2.StepSample]:
-        """Node batches arrive at different times, so one node's ranks can be reported far
-        ahead of another's. The detector judges a window once it sees later steps, so it
-        gets the samples in step order: those at or below the step every one of the
-        job's ranks has reached, and any held for ``hold`` seconds (a dead or silent rank
-        must not hold the rest back for longer than it takes to notice it)."""
-        for sample in fresh:
-            self.rank_max[sample.rank] = max(self.rank_max.get(sample.rank, 0), sample.step)
-        self.held.extend((now, sample) for sample in fresh)
-        everyone = min(self.rank_max.values()) if len(self.rank_max) >= world_size else 0
-        overdue = max((s.step for t, s in self.held if t + hold <= now), default=0)
-        frontier = max(everyone, overdue)
-        ready = sorted((s for _, s in self.held if s.step <= frontier), key=lambda x: x.step)
-        self.held = [(t, s) for t, s in self.held if s.step > frontier]
-        return ready
 
     def step_seconds(self) -> float:
         """The job's typical step time: the median of its ranks' medians (0 if unknown),
@@ -159,7 +200,7 @@ class StepFollower:
         if watch.detector is None or watch.detector_generation != job.generation:
             watch.detector = StragglerDetector(StragglerPolicy.from_proto(spec.straggler))
             watch.detector_generation = job.generation
-            watch.held, watch.rank_max, watch.findings = [], {}, []
+            watch.order, watch.findings = StepOrder(), []
             watch.restored, watch.restored_told = {}, False
         detector = watch.detector
         async with leader.store.write() as session:
@@ -171,7 +212,7 @@ class StepFollower:
                 watch.placement = await self.leader.rank_maps.of(session, row)
                 watch.placement_generation = row.generation
             placement = watch.placement
-            released = watch.release_in_step_order(
+            released = watch.order.release(
                 samples, placement.world_size, leader.clock(), STEP_HOLD_SECONDS
             )
             watch.findings += detector.observe(released)
@@ -265,7 +306,7 @@ def _record_restored(
         if sample.HasField("restored_at"):
             at = sample.restored_at.ToNanoseconds() / 1e9
             watch.restored[sample.rank] = (at, sample.restored_from or "unknown")
-    if not watch.restored or len(watch.rank_max) < world_size:
+    if not watch.restored or len(watch.order.rank_max) < world_size:
         return False
     if job.state is not JobState.RUNNING:
         return False
