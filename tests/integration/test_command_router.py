@@ -151,6 +151,10 @@ async def test_a_frame_nobody_can_read_does_not_stop_the_routing(
     await taken(holder, "n4", sender)
     await sender.hot.redis.publish(holder.router.own_channel, b"no node id here")
     await sender.hot.redis.publish(holder.router.own_channel, b"Mn4\0not protobuf \xff\xff")
+    # A batch whose second command's length runs past its end.
+    await sender.hot.redis.publish(
+        holder.router.own_channel, b"B\0n4\0\0\0\0\0n4\0\0\0\0\xff"
+    )
     assert await sender.router.send("n4", start_ranks("j-4")) == 0
     assert (await received(holder.queues["n4"])).start_ranks.job_id == "j-4"
 
@@ -191,3 +195,19 @@ async def test_a_fan_out_reaches_every_node_in_one_round_trip_per_kind_of_channe
         got = await received(process.queues[node_id])
         assert got.start_ranks.job_id == f"j-{node_id}"
         assert process.queues[node_id].empty()  # once, not twice
+
+
+async def test_a_fan_out_through_a_stale_holder_reaches_where_the_stream_went(
+    processes: Callable[[], Awaitable[Process]],
+) -> None:
+    """A batch sent to the process the sender last heard held the nodes: the nodes whose
+    streams moved on are passed to every process, once, and arrive."""
+    sender, old, new = await processes(), await processes(), await processes()
+    await taken(old, "s1", sender)
+    await taken(new, "s2", sender)
+    sender.router.holders["s2"] = old.router.process_id  # its notice lost
+    await sender.router.send_many([(n, start_ranks(f"j-{n}")) for n in ("s1", "s2")])
+    for node_id, process in (("s1", old), ("s2", new)):
+        got = await received(process.queues[node_id])
+        assert got.start_ranks.job_id == f"j-{node_id}"
+        assert process.queues[node_id].empty()
