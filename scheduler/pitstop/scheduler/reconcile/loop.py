@@ -27,7 +27,9 @@ from pitstop.scheduler.store import Store
 log = logging.getLogger(__name__)
 
 MIN_TICK_GAP_SECONDS = 0.02
-"""Ticks woken by events come no closer than this (a burst of events is one tick)."""
+"""A tick woken by events starts no sooner than this after the previous one ended (a
+burst of events is one tick); one woken after a longer quiet starts at once (a node's
+failure waits for no timer)."""
 
 
 class Reconciler:
@@ -81,8 +83,11 @@ class Reconciler:
                 log.exception("reconcile loop %s failed; the next pass retries", name)
             self.leader.metrics.tick_seconds.labels(name).observe(time.perf_counter() - started)
             if woken:
+                ended = time.perf_counter()
                 await bus.wait(seen, tick)
-                await asyncio.sleep(MIN_TICK_GAP_SECONDS)
+                quiet = time.perf_counter() - ended
+                if quiet < MIN_TICK_GAP_SECONDS:
+                    await asyncio.sleep(MIN_TICK_GAP_SECONDS - quiet)
             else:
                 await asyncio.sleep(tick)
 
