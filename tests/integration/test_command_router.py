@@ -152,9 +152,7 @@ async def test_a_frame_nobody_can_read_does_not_stop_the_routing(
     await sender.hot.redis.publish(holder.router.own_channel, b"no node id here")
     await sender.hot.redis.publish(holder.router.own_channel, b"Mn4\0not protobuf \xff\xff")
     # A batch whose second command's length runs past its end.
-    await sender.hot.redis.publish(
-        holder.router.own_channel, b"B\0n4\0\0\0\0\0n4\0\0\0\0\xff"
-    )
+    await sender.hot.redis.publish(holder.router.own_channel, b"B\0n4\0\0\0\0\0n4\0\0\0\0\xff")
     assert await sender.router.send("n4", start_ranks("j-4")) == 0
     assert (await received(holder.queues["n4"])).start_ranks.job_id == "j-4"
 
