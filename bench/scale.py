@@ -44,6 +44,10 @@ Phases, each measured over --window seconds of wall time:
   (the simulator's clock; same host; a fan-out that has not reached every node within
   60 s is a failed one, never a time); resume = -> job.recovered.
   A false loss is a node.lost of a node no failure was injected on.
+* with --failover (and --ingest K): two deciding processes run; after the failures the
+  leading one is killed (-9) and a fatal Xid injected at once. failover_seconds = the
+  kill -> the Xid's decision committed by the other (judged against the lease period,
+  leader_lease_seconds in the output); a node declared lost meanwhile is a false loss.
 
 Then, at --scaleout-nodes, the idle and load phases with 1, 2 and 3 processes that each
 both lead and hold streams, and leader failover under load (kill -9 of the leading
@@ -58,7 +62,7 @@ cost per node) and taken to 12,500 nodes, the ingest CPU spread over processes o
 most 0.75 cores beside one deciding process. `details` and `fits` keep every phase.
 
     .venv/bin/python bench/scale.py [--nodes 500 1000 2500] [--ingest 2] [--window 15]
-        [--trials 20] [--kinds stream xid silent] [--insecure] [--step-seconds 2]
+        [--trials 20] [--kinds stream xid silent] [--insecure] [--step-seconds 2] [--failover]
         [--scaleout-nodes 300] [--skip-scaleout | --only-scaleout] [--refit OLD.json]
 
 The machine is shared: the JSON records os.getloadavg() at each phase. Progress goes to
