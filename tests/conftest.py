@@ -22,7 +22,7 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,7 @@ import redis
 
 from pitstop.agent.forkserver import FORK_SERVER_DIR_ENV
 from pitstop.scheduler.config import SchedulerSettings
+from pitstop.scheduler.db.engine import create_engine_for, migrate, session_factory
 from pitstop.scheduler.server import Scheduler, start_scheduler
 from pitstop.tls import channel_options
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, nodes_pb2, nodes_pb2_grpc
@@ -368,6 +369,19 @@ def db(stores: StoreUrls) -> Iterator[psycopg.Connection[Any]]:
     """A direct connection to the run's database, for asserting what was (not) written."""
     with psycopg.connect(stores.database_url, autocommit=True) as conn:
         yield conn
+
+
+@pytest.fixture
+async def migrated_database(stores: StoreUrls) -> AsyncIterator[tuple[str, session_factory]]:
+    """A fresh database of its own at the newest schema: its URL, and the scheduler's
+    session factory on it."""
+    url = stores.fresh_database()
+    await asyncio.to_thread(migrate, url)
+    engine = create_engine_for(url, pool_size=3)
+    try:
+        yield url, session_factory(engine)
+    finally:
+        await engine.dispose()
 
 
 def unique(prefix: str) -> str:

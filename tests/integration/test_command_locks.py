@@ -9,30 +9,17 @@ behind it, and then node a's row is let go."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import psycopg
-import pytest
-from conftest import StoreUrls, unique
+from conftest import unique
 
 from pitstop.scheduler.db import models
-from pitstop.scheduler.db.engine import create_engine_for, migrate, session_factory
+from pitstop.scheduler.db.engine import session_factory
 from pitstop.scheduler.domain import JobState
 from pitstop.scheduler.services import node_commands as plan
 from pitstop.scheduler.services.node_commands import NodeAction
 
 WAIT_SECONDS = 30.0
-
-
-@pytest.fixture
-async def database(stores: StoreUrls) -> AsyncIterator[tuple[str, session_factory]]:
-    url = stores.fresh_database()
-    await asyncio.to_thread(migrate, url)
-    engine = create_engine_for(url, pool_size=3)
-    try:
-        yield url, session_factory(engine)
-    finally:
-        await engine.dispose()
 
 
 async def waiting_on_locks(url: str, count: int) -> None:
@@ -52,9 +39,9 @@ async def waiting_on_locks(url: str, count: int) -> None:
 
 
 async def test_an_ack_batch_beside_a_plan_write_never_deadlocks(
-    database: tuple[str, session_factory],
+    migrated_database: tuple[str, session_factory],
 ) -> None:
-    url, sessions = database
+    url, sessions = migrated_database
     job_id = unique("job")[:32]
     async with sessions() as session, session.begin():
         job = models.Job(id=job_id, name="locks", spec={}, state=JobState.RECOVERING, generation=2)

@@ -6,20 +6,16 @@ size), and after the schema goes back to one row per rank and generation and for
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import psycopg
-import pytest
 from alembic import command
 from alembic.config import Config
-from conftest import StoreUrls, unique
+from conftest import unique
 from sqlalchemy import create_engine, func, select
 
 from pitstop.scheduler.db import models
 from pitstop.scheduler.db.engine import (
     MIGRATIONS_DIR,
-    create_engine_for,
-    migrate,
     psycopg_url,
     session_factory,
 )
@@ -41,21 +37,10 @@ def spread(nodes: list[str]) -> Placement:
     )
 
 
-@pytest.fixture
-async def database(stores: StoreUrls) -> AsyncIterator[tuple[str, session_factory]]:
-    url = stores.fresh_database()
-    await asyncio.to_thread(migrate, url)
-    engine = create_engine_for(url, pool_size=2)
-    try:
-        yield url, session_factory(engine)
-    finally:
-        await engine.dispose()
-
-
 async def test_a_replacement_writes_the_moved_ranks_and_every_generation_reads_whole(
-    database: tuple[str, session_factory],
+    migrated_database: tuple[str, session_factory],
 ) -> None:
-    url, sessions = database
+    url, sessions = migrated_database
     names = [unique("n") for _ in range(NODES + 1)]
     workers, spare = names[:NODES], names[NODES]
     first = spread(workers)
