@@ -153,17 +153,23 @@ def test_a_closed_stream_is_lost_and_a_reconnect_is_ready_again(
     assert kinds[:4] == ["node.registered", "node.lost", "node.reconnected", "node.recovered"]
 
 
-def test_a_silent_agent_is_lost_at_its_deadline_and_its_stream_is_closed(
-    fast: SchedulerThread, nodes: Any
-) -> None:
+def fell_silent_and_was_lost(scheduler: SchedulerThread) -> None:
+    """An agent that sends one heartbeat on a stream of `scheduler` and then nothing is
+    declared lost at its liveness deadline, and its stream is ended."""
     node_id = unique("hung")
-    with fast.agent_stream(node_id) as agent:
+    with scheduler.agent_stream(node_id) as agent:
         agent.send(heartbeat=agent_pb2.Heartbeat(health=healthy()))
-        # ...and then nothing, like a SIGSTOPped agent whose socket stays open.
-        lost = wait_for_event(fast, node_id, "node.lost")
+        lost = wait_for_event(scheduler, node_id, "node.lost")
         assert "liveness deadline" in lost.reason
         with pytest.raises(StopIteration):
             agent.next_command()  # the scheduler ended the stale stream
+
+
+def test_a_silent_agent_is_lost_at_its_deadline_and_its_stream_is_closed(
+    fast: SchedulerThread, nodes: Any
+) -> None:
+    # One heartbeat and then nothing, like a SIGSTOPped agent whose socket stays open.
+    fell_silent_and_was_lost(fast)
 
 
 SILENT_HOST = """
@@ -258,13 +264,7 @@ def test_the_process_holding_a_silent_stream_judges_it_without_a_leader(
         )
     )
     try:
-        node_id = unique("hung")
-        with holding.agent_stream(node_id) as agent:
-            agent.send(heartbeat=agent_pb2.Heartbeat(health=healthy()))
-            lost = wait_for_event(holding, node_id, "node.lost")
-            assert "liveness deadline" in lost.reason
-            with pytest.raises(StopIteration):
-                agent.next_command()  # the holder ended the stream
+        fell_silent_and_was_lost(holding)
     finally:
         holding.stop()
 

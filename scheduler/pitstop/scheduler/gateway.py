@@ -241,24 +241,19 @@ class CommandRouter:
             self.holders[node_id] = body.decode()
         elif kind == CLOSE:
             self.gateway.close(node_id, body.decode(errors="replace"))
-        elif kind == COMMAND:
-            if self.gateway.connected(node_id):
-                message = agent_pb2.SchedulerMessage.FromString(body)
-                await self.gateway.forward(node_id, message)
-            elif _text(channel) == self.own_channel:
-                # Sent here on a stale holder: the stream moved. Whoever holds it now
-                # hears it on the shared channel; the sender learns the new holder from
-                # that process's notice.
-                await self.hot.redis.publish(self.channel, data)
-        elif kind == BATCH:
+        elif kind in (COMMAND, BATCH):
+            entries = [(node_id, body)] if kind == COMMAND else _unbatch(body)
             moved = []
-            for node, command in _unbatch(body):
+            for node, command in entries:
                 if self.gateway.connected(node):
                     await self.gateway.forward(node, agent_pb2.SchedulerMessage.FromString(command))
                 else:
                     moved.append((node, command))
             if moved and _text(channel) == self.own_channel:
-                await self.hot.redis.publish(self.channel, _batch_frame(moved))  # as above
+                # Sent here on a stale holder: those streams moved. Whoever holds them
+                # now hears them on the shared channel; the sender learns the new
+                # holder from that process's notice.
+                await self.hot.redis.publish(self.channel, _batch_frame(moved))
 
 
 COMMAND, CLOSE, HOLDER, BATCH = b"M", b"C", b"H", b"B"
