@@ -4,6 +4,7 @@ traffic is refused with a clear status."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -421,3 +422,50 @@ def test_step_times_land_in_the_jobs_redis_stream(fast: SchedulerThread, stores:
     assert len(entries) == 1
     stored = agent_pb2.StepTimes.FromString(entries[0][1][b"batch"])
     assert stored == batch
+
+
+def test_live_health_follows_every_change_and_a_changed_health_is_checked_again(
+    scheduler: SchedulerThread, stores: StoreUrls
+) -> None:
+    """An unchanged health is stored as it was (not converted again); a changed one, or a
+    standby that became ready, is stored anew, and a bad value in a changed health is
+    refused though the health before it passed."""
+    node_id = unique("live")
+    client = redis.Redis.from_url(stores.redis_url)
+    key = f"{stores.redis_prefix}node:{node_id}:health"
+
+    def stored_after(**beat: Any) -> dict[str, Any]:
+        agent.send(heartbeat=agent_pb2.Heartbeat(**beat))
+        agent.send(xid=common_pb2.XidEvent(gpu_index=0, xid=13))  # a marker after the beat
+        marker = wait_for_event(scheduler, node_id, "node.xid", after=seen[-1])
+        seen.append(marker.id)
+        return dict(json.loads(client.get(key)))
+
+    seen = [0]
+    warm = healthy(2)
+    warm.gpus[0].temperature_c = 80.0
+    standby = agent_pb2.RunningRank(job_id="j-standby", standby=True, ready=True)
+    try:
+        # The run-wide scheduler judges no deadlines: this stream may beat slowly.
+        with scheduler.agent_stream(node_id, gpus=2) as agent:
+            first = stored_after(health=healthy(2))
+            assert first["gpus"][0].get("temperature_c") is None
+            assert first["standby_ready"] == []
+            again = stored_after(health=healthy(2))
+            assert again["received_at"] > first["received_at"]
+            assert {k: v for k, v in again.items() if k != "received_at"} == {
+                k: v for k, v in first.items() if k != "received_at"
+            }
+            assert stored_after(health=warm)["gpus"][0]["temperature_c"] == 80.0
+            assert stored_after(health=warm, running_ranks=[standby])["standby_ready"] == [
+                "j-standby"
+            ]
+            bad = healthy(2)
+            bad.gpus[1].uuid = "GPU\x00"
+            agent.send(heartbeat=agent_pb2.Heartbeat(health=bad))
+            with pytest.raises(grpc.RpcError) as err:
+                agent.next_command()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details().startswith("heartbeat.health.gpus[1].uuid")
+    finally:
+        client.close()

@@ -25,6 +25,16 @@ STANDBY_READY = "standby_ready"
 
 log = logging.getLogger(__name__)
 
+
+def with_received_at(health: str, at: float) -> str:
+    """The JSON object `health` with ``received_at`` set to `at`, without parsing it."""
+    body = health.strip()
+    if not (body.startswith("{") and body.endswith("}")):
+        raise ValueError(f"live health must be a JSON object, not {health[:80]!r}")
+    rest = body[1:-1].strip()
+    return f'{{"received_at": {json.dumps(at)}{", " + rest if rest else ""}}}'
+
+
 MAX_CONNECTIONS = 64
 """Redis connections per scheduler process. A call finding all of them busy waits for
 one (up to POOL_WAIT_SECONDS) instead of failing: redis-py's plain pool raised
@@ -84,14 +94,16 @@ class HotState:
         self,
         node_id: str,
         deadline_s: float,
-        health: dict[str, Any] | None = None,
+        health: str = "{}",
         now: float | None = None,
     ) -> None:
-        """Push the node's liveness deadline and keep its live health (NodeHealth as JSON,
-        with ``received_at``: a decision may only trust a report newer than its cause,
-        and ``standby_ready``: the jobs whose standby process there waits for a rank)."""
+        """Push the node's liveness deadline and keep its live health: `health` is a JSON
+        object (NodeHealth, with ``standby_ready``: the jobs whose standby process there
+        waits for a rank), kept with ``received_at`` added (a decision may only trust a
+        report newer than its cause). It comes as text: a stream whose health did not
+        change sends the same text again, serialized once."""
         at = time.time() if now is None else now
-        live = json.dumps({**(health or {}), "received_at": at})
+        live = with_received_at(health, at)
         # Every stream's heartbeats go out together: one pipeline (one ZADD for all the
         # deadlines) per write, one write in flight; what arrives meanwhile waits for the
         # next. Returns once this heartbeat is in Redis, raising what the write raised.

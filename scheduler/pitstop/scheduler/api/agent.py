@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import logging
 import re
 import time
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 JUDGE_TICK_SECONDS = 1.0
 """How often a process judges the streams it holds (a quarter of a shorter timeout)."""
+HEALTH_PATH = "heartbeat.health"
 ENDED_CHECK_SECONDS = 5.0
 """How often the jobs a node reports running processes of are looked up."""
 
@@ -57,6 +59,11 @@ class StreamState:
     # Commands sent down this stream and not yet acknowledged: id -> what an ack means.
     commands: dict[int, SentCommand | None] = field(default_factory=dict)
     ended_check_at: float = 0.0
+    # The last heartbeat's health as sent (its bytes), and as kept in Redis (JSON text,
+    # with the jobs whose standby waits): a health that did not change is not checked
+    # or converted again (ingest reads thousands of heartbeats in a recovery's burst).
+    health_sent: tuple[bytes, tuple[str, ...]] = (b"", ())
+    health_json: str = ""
     # When this process last read a message of the stream (time.monotonic()).
     last_seen: float = field(default_factory=time.monotonic)
     # The stale-process check in flight: it reads PostgreSQL, so it runs beside the
@@ -310,7 +317,11 @@ class AgentServicer:
                 )
             state.seq = message.seq
             state.last_seen = time.monotonic()
-            check_agent_message(message)
+            if message.WhichOneof("body") == "heartbeat":
+                # Its health is checked by _heartbeat, when it changed.
+                check_agent_message(message.heartbeat, path="heartbeat", skip=HEALTH_PATH)
+            else:
+                check_agent_message(message)
             await self._handle(state, message)
 
     async def _handle(self, state: StreamState, message: agent_pb2.AgentMessage) -> None:
@@ -355,11 +366,17 @@ class AgentServicer:
         if beat.HasField("time"):
             lag = dt.datetime.now(dt.UTC) - beat.time.ToDatetime(dt.UTC)
             self.metrics.heartbeat_lag_seconds.observe(max(lag.total_seconds(), 0.0))
-        health = json_format.MessageToDict(beat.health, preserving_proto_field_name=True)
-        health[STANDBY_READY] = sorted(
-            {r.job_id for r in beat.running_ranks if r.standby and r.ready}
+        sent = (
+            beat.health.SerializeToString(deterministic=True),
+            tuple(sorted({r.job_id for r in beat.running_ranks if r.standby and r.ready})),
         )
-        await self.hot.record_heartbeat(state.node_id, self.liveness_timeout, health)
+        if sent != state.health_sent or not state.health_json:
+            if sent[0] != state.health_sent[0] or not state.health_json:
+                check_agent_message(beat.health, path=HEALTH_PATH)
+            live = json_format.MessageToDict(beat.health, preserving_proto_field_name=True)
+            live[STANDBY_READY] = list(sent[1])
+            state.health_sent, state.health_json = sent, json.dumps(live)
+        await self.hot.record_heartbeat(state.node_id, self.liveness_timeout, state.health_json)
         self._check_stale_soon(state, beat)
         reasons = tuple(beat.health.reasons)
         if (beat.health.verdict, reasons) == (state.verdict, state.reasons):
