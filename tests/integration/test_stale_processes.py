@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 from conftest import SchedulerThread, StoreUrls, unique
 
+from pitstop.scheduler.api.agent_writes import JobGenerations
 from pitstop.scheduler.db.engine import create_engine_for, session_factory
 from pitstop.scheduler.services.jobs import stale_processes
+from pitstop.scheduler.store import Store
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc
 
 
@@ -53,12 +55,20 @@ async def test_stale_processes(
     job_id = job_at(scheduler, db, state, here, gone)
     reporting = here if node == "here" else gone
     rank = 0 if node == "here" else 1
+    running = [(job_id, 1, rank, False), (job_id, 1, 7, True)]
     engine = create_engine_for(stores.database_url, 1)
     try:
         async with session_factory(engine)() as session:
-            found = await stale_processes(
-                session, reporting, [(job_id, 1, rank, False), (job_id, 1, 7, True)]
-            )
+            found = await stale_processes(session, reporting, running)
+        # The cheap check every heartbeat goes through first (one read a second for all
+        # the streams): it may send a report on to the full check needlessly, never
+        # keep one that the full check would stop.
+        cheap = JobGenerations(Store(session_factory(engine), scheduler.scheduler.bus))
+        nothing = await cheap.nothing_to_stop(running)
     finally:
         await engine.dispose()
     assert found == {job_id if k == "J" else k: v for k, v in expected.items()}
+    assert not (nothing and found)
+    # A job still recovering has every node report its old generation until its
+    # command arrives: none of those reports may cost a full check.
+    assert nothing == (state == "recovering")

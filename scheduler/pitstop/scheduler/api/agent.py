@@ -412,7 +412,7 @@ class AgentServicer:
         when a job ends or leaves it, but that message can be lost (a leader change, a
         node cut off or frozen meanwhile), and nothing may run on — or hold a GPU —
         for nothing."""
-        if await self.generations.all_current(running):
+        if await self.generations.nothing_to_stop(running):
             return
         async with self.store.read() as session:
             stale = await job_service.stale_processes(session, state.node_id, running)

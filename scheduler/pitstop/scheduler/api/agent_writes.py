@@ -27,6 +27,7 @@ from sqlalchemy import select
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState
 from pitstop.scheduler.services import node_commands as node_command_service
+from pitstop.scheduler.services.jobs import LEFT_BEHIND_IN
 from pitstop.scheduler.store import Store
 
 log = logging.getLogger(__name__)
@@ -82,9 +83,14 @@ class JobGenerations:
         self._known: dict[str, tuple[JobState, int, float]] = {}
         self._reading: asyncio.Lock = asyncio.Lock()
 
-    async def all_current(self, running: Sequence[tuple[str, int, int, bool]]) -> bool:
-        """True when every process reported runs a live job's current generation (or is
-        a standby): nothing to stop, without asking PostgreSQL again within a second."""
+    async def nothing_to_stop(self, running: Sequence[tuple[str, int, int, bool]]) -> bool:
+        """True when none of the processes reported can be one to stop, without asking
+        PostgreSQL again within a second: each runs a live job's current generation, is
+        a standby, or belongs to a job still starting or recovering (its ranks are about
+        to reconfigure or leave; `stale_processes` keeps them too). Only what is left,
+        a job that ended or a running one with ranks of an older generation, needs the
+        full check: every node of a recovering job reports the old generation until its
+        command arrives, and 2,500 of those checks at once starved the ingest processes."""
         ids = {job_id for job_id, *_ in running}
         now = time.monotonic()
         if any(
@@ -105,7 +111,7 @@ class JobGenerations:
             if known is None:
                 continue  # unknown to the database: the full check ignores it too
             state, current, _ = known
-            if state.terminal or (not standby and generation < current):
+            if state.terminal or (state in LEFT_BEHIND_IN and not standby and generation < current):
                 return False
         return True
 

@@ -148,6 +148,11 @@ async def job_nodes(session: AsyncSession, job: models.Job) -> list[str]:
     return list(rows.all())
 
 
+LEFT_BEHIND_IN = (JobState.RUNNING, JobState.PAUSED)
+"""The job states in which a rank of an older generation was left behind (one still
+starting or recovering is about to reconfigure or stop its ranks itself)."""
+
+
 async def stale_processes(
     session: AsyncSession, node_id: str, running: Sequence[tuple[str, int, int, bool]]
 ) -> dict[str, list[int]]:
@@ -181,7 +186,7 @@ async def stale_processes(
         if state.terminal:
             stale[job_id] = []
         elif (
-            state in (JobState.RUNNING, JobState.PAUSED)
+            state in LEFT_BEHIND_IN
             and not standby
             and generation < current
             and job_id not in placed_here
