@@ -11,7 +11,7 @@ import psycopg
 from alembic import command
 from alembic.config import Config
 from conftest import unique
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine, event, func, select
 
 from pitstop.scheduler.db import models
 from pitstop.scheduler.db.engine import (
@@ -20,6 +20,7 @@ from pitstop.scheduler.db.engine import (
     session_factory,
 )
 from pitstop.scheduler.domain import JobState, NodeState
+from pitstop.scheduler.reconcile.context import RankMaps
 from pitstop.scheduler.services import catalog, lifecycle
 from pitstop.scheduler.topology import Placement, RankSlot
 
@@ -126,3 +127,66 @@ async def test_a_replacement_writes_the_moved_ranks_and_every_generation_reads_w
     assert rows == [(1, 8), (2, 8), (3, 4)]
     await asyncio.to_thread(alembic, "upgrade", "head")
     assert maps() == before
+
+
+async def test_the_leader_keeps_the_map_it_writes_and_never_one_rolled_back(
+    migrated_database: tuple[str, session_factory],
+) -> None:
+    """The fan-out after a recovery asks for the map the recovery just wrote: it is the
+    one written, without reading the job's ranks back; a write rolled back leaves the
+    job's committed map, and the same generation written again is the new map."""
+    _, sessions = migrated_database
+    names = [unique("n") for _ in range(NODES + 2)]
+    first = spread(names[:NODES])
+    moved = spread([*names[:2], names[NODES], names[3]])
+    other = spread([*names[:2], names[NODES + 1], names[3]])
+    engine = sessions.kw["bind"].sync_engine
+    statements: list[str] = []
+
+    def seen(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        statements.append(statement)
+
+    maps = RankMaps()
+    async with sessions() as session, session.begin():
+        for node_id in names:
+            session.add(models.Node(id=node_id, state=NodeState.READY))
+            for gpu in range(PER_NODE):
+                session.add(models.Gpu(node_id=node_id, index=gpu, uuid=f"GPU-{node_id}-{gpu}"))
+        job = models.Job(id=unique("job")[:32], name="kept", spec={}, state=JobState.PENDING)
+        session.add(job)
+        await session.flush()
+        await lifecycle.write_generation(session, job, first)
+    job_id = job.id
+
+    async def written(placement: Placement, *, commit: bool) -> None:
+        async with sessions() as session:
+            row = await session.get(models.Job, job_id)
+            assert row is not None
+            await maps.write(session, row, placement)
+            await (session.commit() if commit else session.rollback())
+
+    async def current() -> tuple[int, Placement, list[str]]:
+        statements.clear()
+        async with sessions() as session:
+            row = await session.get(models.Job, job_id)
+            assert row is not None
+            found = await maps.of(session, row)
+            return row.generation, found, [s for s in statements if "rank_assignments" in s]
+
+    event.listen(engine, "before_cursor_execute", seen)
+    try:
+        await written(moved, commit=True)
+        generation, found, reads = await current()
+        assert (generation, found, reads) == (2, moved, [])
+        await written(other, commit=False)
+        generation, found, reads = await current()
+        assert (generation, found, reads) == (2, moved, [])  # what was committed
+        await written(other, commit=True)
+        generation, found, _ = await current()
+        assert (generation, found) == (3, other)
+    finally:
+        event.remove(engine, "before_cursor_execute", seen)
+    async with sessions() as session:
+        row = await session.get(models.Job, job_id)
+        assert row is not None
+        assert await lifecycle.rank_map(session, row) == other  # the database agrees
