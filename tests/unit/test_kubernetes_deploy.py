@@ -557,6 +557,62 @@ def test_the_service_monitor_scrapes_the_scheduler_and_every_agent(
     assert not any(d["kind"] == "ServiceMonitor" for d in rendered["defaults"])
 
 
+# Large fleets: replicas that hold the agent streams, apart from the deciding ones
+
+
+def test_a_split_install_sends_the_nodes_to_the_ingest_replicas_and_lets_the_others_decide(
+    helm_home: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    extra = [*VARIANTS["production"], "--set", "scheduler.ingest.replicas=4"]
+    helm(helm_home, "lint", "--strict", str(CHART), *extra)
+    text = helm(helm_home, *template_args(*extra)).stdout
+    docs = [d for d in yaml.load_all(text, Loader=_UniqueKeyLoader) if d]
+    for doc in docs:
+        if doc["apiVersion"] != "monitoring.coreos.com/v1":
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+    deciding, ingest = (
+        find(docs, "Deployment", n) for n in ("pitstop-scheduler", "pitstop-scheduler-ingest")
+    )
+    assert (deciding["spec"]["replicas"], ingest["spec"]["replicas"]) == (3, 4)
+    loaded = {}
+    for deployment in (deciding, ingest):
+        box = container(deployment["spec"]["template"]["spec"], "scheduler")
+        env = resolve_env(docs, box["env"], {})
+        binary, *args = [*box["command"], *box["args"]]
+        settings = settings_of(binary, args, env, monkeypatch)
+        ports = {p["name"]: p["containerPort"] for p in box["ports"]}
+        loaded[deployment["metadata"]["name"]] = (settings, ports)
+    decider, decider_ports = loaded["pitstop-scheduler"]
+    holder, holder_ports = loaded["pitstop-scheduler-ingest"]
+    assert (decider.agent_streams, decider.leader_loops) == (False, True)
+    assert (holder.agent_streams, holder.leader_loops) == (True, False)
+    assert decider.database_url == holder.database_url != ""
+    assert decider.redis_url == holder.redis_url != ""
+    assert "node" not in decider_ports  # it refuses agent streams: no node dials it
+    assert holder_ports["node"] == holder.node_port
+    # The nodes dial the ingest replicas' Service, which selects those pods alone and
+    # serves the node port; the certificate they see names that Service.
+    agent = container(pod_spec(docs, "DaemonSet"), "agent")
+    (dialled,) = [a for a in agent["args"] if a.startswith("--scheduler=")]
+    assert dialled == f"--scheduler=pitstop-scheduler-ingest.{NAMESPACE}.svc:{holder.port}"
+    assert f"pitstop-scheduler-ingest.{NAMESPACE}.svc" in holder.tls_hosts
+    services = {
+        n: find(docs, "Service", n) for n in ("pitstop-scheduler", "pitstop-scheduler-ingest")
+    }
+    for name, deployment in (("pitstop-scheduler", deciding), ("pitstop-scheduler-ingest", ingest)):
+        selector = services[name]["spec"]["selector"].items()
+        assert selector <= deployment["spec"]["template"]["metadata"]["labels"].items()
+        other = deciding if deployment is ingest else ingest
+        assert not selector <= other["spec"]["template"]["metadata"]["labels"].items()
+        assert services[name]["metadata"]["labels"]["pitstop.io/scrape"] == "true"
+    assert [p["name"] for p in services["pitstop-scheduler"]["spec"]["ports"]] == ["api", "metrics"]
+    assert {p["name"] for p in services["pitstop-scheduler-ingest"]["spec"]["ports"]} == {
+        "api",
+        "node",
+        "metrics",
+    }
+
+
 # Secrets: the CA, the tokens, the stores
 
 
@@ -627,6 +683,10 @@ def test_the_store_urls_can_come_from_an_existing_secret(helm_home: dict[str, st
     ("extra", "message"),
     [
         (["--set", "scheduler.replicas=3"], "scheduler.replicas: 3 needs external PostgreSQL"),
+        (
+            ["--set", "scheduler.ingest.replicas=2"],
+            "scheduler.ingest.replicas: 2 needs external PostgreSQL",
+        ),
         (["--set", "scheduler.replica=3"], "additional properties 'replica' not allowed"),
         (["--set", "node.gpus=sim"], "'sim' does not match pattern"),
         (

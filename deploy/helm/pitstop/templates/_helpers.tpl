@@ -46,9 +46,10 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{ include "pitstop.fullname" . }}-node
 {{- end }}
 
-{{/* host:port of the scheduler's API, as the nodes reach it (the Service). */}}
+{{/* host:port of the scheduler's API, as the nodes reach it (the Service; with
+scheduler.ingest.replicas, the ingest replicas' Service: they hold the agent streams). */}}
 {{- define "pitstop.schedulerAddress" -}}
-{{ include "pitstop.schedulerName" . }}.{{ .Release.Namespace }}.svc:{{ .Values.scheduler.port }}
+{{ include "pitstop.schedulerName" . }}{{ if gt (int .Values.scheduler.ingest.replicas) 0 }}-ingest{{ end }}.{{ .Release.Namespace }}.svc:{{ .Values.scheduler.port }}
 {{- end }}
 
 {{/* True (non-empty) when the scheduler runs embedded PostgreSQL and Redis. */}}
@@ -95,6 +96,9 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 {{- if and (include "pitstop.embeddedStores" .) (gt (int .Values.scheduler.replicas) 1) }}
 {{- fail (printf "scheduler.replicas: %d needs external PostgreSQL and Redis (stores.databaseUrl and stores.redisUrl, or stores.existingSecret): embedded servers belong to one pod, so the replicas would not share a leader lease or any state" (int .Values.scheduler.replicas)) }}
+{{- end }}
+{{- if and (include "pitstop.embeddedStores" .) (gt (int .Values.scheduler.ingest.replicas) 0) }}
+{{- fail (printf "scheduler.ingest.replicas: %d needs external PostgreSQL and Redis (stores.databaseUrl and stores.redisUrl, or stores.existingSecret): the ingest replicas and the deciding ones share them" (int .Values.scheduler.ingest.replicas)) }}
 {{- end }}
 {{- if and .Values.tls.enabled .Values.tls.caSecret (not .Values.tls.caCert) }}
 {{- fail "tls.caSecret is given without tls.caCert: give the CA's certificate (PEM, the Secret's ca.crt) too; the nodes need it to enroll, and must never mount the Secret with ca.key" }}
