@@ -600,6 +600,7 @@ class Scheduler:
         redis_url: str,
         tls_dir: Path | None,
         role: str = "both",
+        keepalive: tuple[float, float] | None = None,
     ) -> None:
         self.name = name
         self.role = role  # "both"; "decider": no agent streams; "ingest": no leader loops
@@ -621,6 +622,9 @@ class Scheduler:
             PITSTOP_LEADER_LEASE_SECONDS=str(LEASE_SECONDS),
             GRPC_VERBOSITY="ERROR",
         )
+        if keepalive is not None:  # else the scheduler's defaults, as users run it
+            env["PITSTOP_KEEPALIVE_SECONDS"] = str(keepalive[0])
+            env["PITSTOP_KEEPALIVE_TIMEOUT_SECONDS"] = str(keepalive[1])
         if role == "decider":
             env["PITSTOP_AGENT_STREAMS"] = "false"
         elif role == "ingest":
@@ -971,7 +975,9 @@ class Run:
         certificates = None if tls_dir is None else NodeCertificates(tls_dir)
         roles = ["decider"] * self.deciders + ["ingest" if self.deciders else "both"] * self.k
         for i, role in enumerate(roles):
-            s = Scheduler(root, f"scheduler-{i + 1}", pg.url, rd.url, tls_dir, role)
+            s = Scheduler(
+                root, f"scheduler-{i + 1}", pg.url, rd.url, tls_dir, role, self.args.keepalive
+            )
             self.schedulers.append(s)
             self.stack.callback(s.stop)
             s.wait_listening()
@@ -1589,6 +1595,13 @@ def main() -> int:
         "one is killed (-9) and a fatal Xid decided by the other",
     )
     add("--interval", type=float, default=1.0, help="heartbeat interval (the scheduler's)")
+    add(
+        "--keepalive",
+        type=float,
+        nargs=2,
+        metavar=("SECONDS", "TIMEOUT"),
+        help="the schedulers' keepalive ping interval and timeout (default: theirs)",
+    )
     add("--step-seconds", type=float, default=2.0, help="the job's step time")
     add(
         "--kinds",
@@ -1636,6 +1649,7 @@ def main() -> int:
         "kinds": args.kinds,
         "trials": args.trials,
         "heartbeat_interval_seconds": args.interval,
+        "keepalive_seconds": args.keepalive or "the scheduler's defaults",
         "step_seconds": args.step_seconds,
         "window_seconds": args.window,
         "loadavg_start": load(),
