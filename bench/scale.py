@@ -872,6 +872,15 @@ class Events:
         self.conn = psycopg.connect(url, autocommit=True)
         row = self.conn.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()
         self.last = int(row[0]) if row else 0
+        # Read and not yet passed by a wait: the events after the one a wait returned
+        # are the next wait's (a decision read in the same poll as its failure's
+        # detection was dropped with it, and its failure counted as "no decision").
+        self.unread: list[tuple[int, str, str | None, str | None, float, dict[str, str]]] = []
+
+    def skip(self) -> None:
+        """Forget everything that happened so far."""
+        self.since()
+        self.unread.clear()
 
     def since(self) -> list[tuple[int, str, str | None, str | None, float, dict[str, str]]]:
         rows = self.conn.execute(
@@ -884,12 +893,14 @@ class Events:
         return [(int(r[0]), r[1], r[2], r[3], float(r[4]), r[5] or {}) for r in rows]
 
     async def wait(self, match: Any, timeout: float) -> tuple[Any, ...] | None:
+        """The first event, oldest first, that `match`es; the events before it are
+        passed, those after it kept for the next wait."""
         deadline = time.monotonic() + timeout
-        pending: list[Any] = []
         while time.monotonic() < deadline:
-            pending += await asyncio.to_thread(self.since)
-            for event in pending:
+            self.unread += await asyncio.to_thread(self.since)
+            for index, event in enumerate(self.unread):
                 if match(event):
+                    del self.unread[: index + 1]
                     return tuple(event)
             await asyncio.sleep(0.02)
         return None
@@ -1100,7 +1111,7 @@ class Run:
             return {"kind": kind, "error": "no node left to fail"}
         node = random.choice(candidates[1:] or candidates)  # not the first: rank 0's host
         self.victims.add(node.node_id)
-        await asyncio.to_thread(self.events.since)  # skip what happened before
+        await asyncio.to_thread(self.events.skip)  # what happened before is not this one's
         before = await asyncio.to_thread(self.decision_totals)
         t0 = time.time()
         if kind == "stream":
