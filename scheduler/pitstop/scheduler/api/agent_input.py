@@ -58,8 +58,10 @@ def check_agent_message(message: Message, *, path: str = "", skip: str = "") -> 
 
     Every field is walked by a plan made once per message type (`_plan`): the fields
     that can hold something PostgreSQL refuses (strings, times, the bounded integers),
-    read by name. A heartbeat costs a few microseconds, not the 130 of a walk through
-    `ListFields`: ingest checks every message a recovery's burst brings."""
+    read by name, and the names are only made for a refusal. An 8-GPU node's heartbeat
+    took about 130 µs through `ListFields` and takes about 50 µs so (20 µs without its
+    unchanged health, see `skip`): ingest checks every message a recovery's burst
+    brings."""
     plan = _plan(cast(Descriptor, message.DESCRIPTOR), path)
     if skip:
         plan = tuple(f for f in plan if f.key != skip)
@@ -111,7 +113,8 @@ class _Field:
     key: str
     """The field's path without indexes, as MAX_LENGTH and MAX_INTEGER name it."""
     kind: str
-    """"str", "int", "time", "msg" or "map"."""
+    """"str", "int", "time", "msg", "map", or "none" (a map's key or value that needs no
+    check)."""
     repeated: bool
     limit: int | None = None
     entry: tuple[_Field, _Field] | None = None
