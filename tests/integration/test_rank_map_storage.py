@@ -12,6 +12,7 @@ from alembic import command
 from alembic.config import Config
 from conftest import unique
 from sqlalchemy import create_engine, event, func, select
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.db import models
 from pitstop.scheduler.db.engine import (
@@ -38,6 +39,21 @@ def spread(nodes: list[str]) -> Placement:
     )
 
 
+async def job_on(
+    session: AsyncSession, names: list[str], name: str, first: Placement
+) -> models.Job:
+    """Nodes `names` with PER_NODE GPUs each, and a job whose generation 1 is `first`."""
+    for node_id in names:
+        session.add(models.Node(id=node_id, state=NodeState.READY))
+        for gpu in range(PER_NODE):
+            session.add(models.Gpu(node_id=node_id, index=gpu, uuid=f"GPU-{node_id}-{gpu}"))
+    job = models.Job(id=unique("job")[:32], name=name, spec={}, state=JobState.PENDING)
+    session.add(job)
+    await session.flush()
+    await lifecycle.write_generation(session, job, first)
+    return job
+
+
 async def test_a_replacement_writes_the_moved_ranks_and_every_generation_reads_whole(
     migrated_database: tuple[str, session_factory],
 ) -> None:
@@ -48,14 +64,7 @@ async def test_a_replacement_writes_the_moved_ranks_and_every_generation_reads_w
     moved = spread([*workers[:2], spare, workers[3]])  # the third node's ranks move
     shrunk = spread([workers[0], spare])  # renumbered: everything moves
     async with sessions() as session, session.begin():
-        for node_id in names:
-            session.add(models.Node(id=node_id, state=NodeState.READY))
-            for gpu in range(PER_NODE):
-                session.add(models.Gpu(node_id=node_id, index=gpu, uuid=f"GPU-{node_id}-{gpu}"))
-        job = models.Job(id=unique("job")[:32], name="delta", spec={}, state=JobState.PENDING)
-        session.add(job)
-        await session.flush()
-        await lifecycle.write_generation(session, job, first)
+        job = await job_on(session, names, "delta", first)
         await lifecycle.write_generation(session, job, moved, first)
     with psycopg.connect(url) as db:
         written = db.execute(
@@ -148,15 +157,7 @@ async def test_the_leader_keeps_the_map_it_writes_and_never_one_rolled_back(
 
     maps = RankMaps()
     async with sessions() as session, session.begin():
-        for node_id in names:
-            session.add(models.Node(id=node_id, state=NodeState.READY))
-            for gpu in range(PER_NODE):
-                session.add(models.Gpu(node_id=node_id, index=gpu, uuid=f"GPU-{node_id}-{gpu}"))
-        job = models.Job(id=unique("job")[:32], name="kept", spec={}, state=JobState.PENDING)
-        session.add(job)
-        await session.flush()
-        await lifecycle.write_generation(session, job, first)
-    job_id = job.id
+        job_id = (await job_on(session, names, "kept", first)).id
 
     async def written(placement: Placement, *, commit: bool) -> None:
         async with sessions() as session:
