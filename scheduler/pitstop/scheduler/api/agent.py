@@ -62,8 +62,8 @@ class StreamState:
     # The last heartbeat's health as sent (its bytes), and as kept in Redis (JSON text,
     # with the jobs whose standby waits): a health that did not change is not checked
     # or converted again (ingest reads thousands of heartbeats in a recovery's burst).
-    health_sent: tuple[bytes, tuple[str, ...]] = (b"", ())
-    health_json: str = ""
+    health_sent: tuple[bytes, tuple[str, ...]] | None = None
+    health_json: str = "{}"
     # When this process last read a message of the stream (time.monotonic()).
     last_seen: float = field(default_factory=time.monotonic)
     # The stale-process check in flight: it reads PostgreSQL, so it runs beside the
@@ -370,8 +370,8 @@ class AgentServicer:
             beat.health.SerializeToString(deterministic=True),
             tuple(sorted({r.job_id for r in beat.running_ranks if r.standby and r.ready})),
         )
-        if sent != state.health_sent or not state.health_json:
-            if sent[0] != state.health_sent[0] or not state.health_json:
+        if sent != state.health_sent:
+            if state.health_sent is None or sent[0] != state.health_sent[0]:
                 check_agent_message(beat.health, path=HEALTH_PATH)
             live = json_format.MessageToDict(beat.health, preserving_proto_field_name=True)
             live[STANDBY_READY] = list(sent[1])
