@@ -173,6 +173,43 @@ def test_a_fatal_xid_moves_the_ranks_to_the_nearest_spare(
         )
 
 
+def test_a_rank_a_fatal_xid_ended_waits_for_a_spare_and_never_restarts_on_the_broken_gpu(
+    deciding: SchedulerThread, short_dir: Path
+) -> None:
+    """The agent ends the ranks on a GPU that reported a fatal Xid, so a rank exit follows
+    the node's failure: that exit is the node's, and with no spare the job waits for
+    capacity rather than restarting its rank in place on the broken GPU. The spare that
+    joins later takes the rank, in one new generation."""
+    events = follow_events(deciding.address)
+    with run_agents(deciding.address, short_dir, [AgentSpec(n, gpus=1) for n in ("x0", "x1")]):
+        registered(events, ["x0", "x1"])
+        job = submit(deciding, dp=2, min_dp=2, command=rank("--attach", "--steps", "3", "--hold"))
+        job_event(events, job.id, "job.running")
+        before = get(deciding, job.id)
+        nodes_pb2_grpc.NodeServiceStub(deciding.channel()).InjectFault(
+            nodes_pb2.InjectFaultRequest(node_id="x0", fault=common_pb2.Fault(xid=79))
+        )
+        seen: dict[str, Any] = {}
+        while not {"job.recovering", "rank.exited"} <= set(seen):
+            event = wait_for(events, lambda e: e.job_id == job.id and e.kind not in seen)
+            seen[event.kind] = event
+        assert "waiting for capacity" in seen["job.recovering"].reason
+        assert seen["rank.exited"].node_id == "x0"
+        with run_agents(deciding.address, short_dir, [AgentSpec("x2", gpus=1, role="spare")]):
+            job_event(events, job.id, "job.recovered")
+            after = get(deciding, job.id)
+            assert {r.node_id for r in after.rank_map.ranks} == {"x1", "x2"}
+            assert (after.generation, after.restarts) == (before.generation + 1, 0)
+            log = nodes_pb2_grpc.EventServiceStub(deciding.channel()).List(
+                nodes_pb2.ListEventsRequest(job_id=job.id, limit=1000)
+            )
+            kinds = [e.kind for e in log.events]
+            assert "job.restarting" not in kinds, kinds
+            jobs_pb2_grpc.JobServiceStub(deciding.channel()).Cancel(
+                jobs_pb2.JobControlRequest(job_id=job.id, reason="test over")
+            )
+
+
 def test_a_failing_rank_is_restarted_until_max_restarts_then_the_job_fails(
     deciding: SchedulerThread, short_dir: Path
 ) -> None:

@@ -9,11 +9,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from sqlalchemy import func
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.db import models
-from pitstop.scheduler.domain import JobState
+from pitstop.scheduler.domain import JobState, NodeState
 from pitstop.scheduler.gateway import CommandRouter
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.leader import LeaderElection
@@ -23,6 +23,7 @@ from pitstop.scheduler.store import Store
 from pitstop.scheduler.topology import Placement
 
 RUNNABLE = (JobState.STARTING, JobState.RUNNING, JobState.RECOVERING)
+FAILED_NODE_STATES = (NodeState.UNHEALTHY, NodeState.LOST)
 
 
 @dataclass(frozen=True)
@@ -118,3 +119,13 @@ def set_deadline(job: models.Job, seconds: float | None, *, after: float = 0.0) 
         job.deadline = None
         return
     job.deadline = func.now() + dt.timedelta(seconds=after + seconds)
+
+
+async def failed_nodes(session: AsyncSession, placement: Placement) -> dict[str, NodeState]:
+    """The nodes of `placement` that are lost or unhealthy, with their states: the
+    fleet's failed nodes (a few) looked up in the map, not the map's nodes (thousands) in
+    the fleet."""
+    rows = await session.execute(
+        select(models.Node.id, models.Node.state).where(models.Node.state.in_(FAILED_NODE_STATES))
+    )
+    return {node_id: state for node_id, state in rows if placement.hosts(node_id)}

@@ -21,8 +21,10 @@ from pitstop.scheduler.domain import JobState, NodeState
 from pitstop.scheduler.placement import choose_replacement, replace_node, shrink_by_one_replica
 from pitstop.scheduler.reconcile.commands import stop_everywhere
 from pitstop.scheduler.reconcile.context import (
+    FAILED_NODE_STATES,
     RUNNABLE,
     Leader,
+    failed_nodes,
     locked_job,
     set_deadline,
 )
@@ -35,7 +37,6 @@ from pitstop.scheduler.topology import Placement, Topology
 
 log = logging.getLogger(__name__)
 
-FAILED_NODE_STATES = (NodeState.UNHEALTHY, NodeState.LOST)
 UNSEEN_EXIT_WINDOW = dt.timedelta(seconds=2)
 """How long before a decision an exit may have been recorded and still gone unseen by
 it (its transaction began before the decision's and committed after)."""
@@ -235,8 +236,19 @@ class Recovery:
         hands them to the standby waiting beside them, which resumes in a fraction of a
         fresh start) and the others reconfigure in place — at once, or after a backoff
         for a job that keeps failing without stepping — while restarts remain; else the
-        job fails. True when a decision was committed."""
+        job fails. A rank that ended on a node already failed (a fatal Xid ends the
+        ranks on its GPU) is that node's failure: the node is replaced, the way the repair
+        pass would, not restarted in place first. True when a decision was committed."""
         leader = self.leader
+        async with leader.store.read() as session:
+            job = await session.get(models.Job, job_id)
+            if job is None:
+                return False
+            placement = await self.leader.rank_maps.of(session, job)
+            failed = await failed_nodes(session, placement)
+        if exited.node_id in failed:
+            ordered = sorted(failed, key=placement.first_rank)
+            return await self.replace(job_id, ordered, dict(failed))
         nodes: list[str] = []
         async with leader.store.write() as session:
             job = await locked_job(leader, session, job_id)
@@ -359,7 +371,7 @@ class Recovery:
                 return False
             spec = spec_from_json(job.spec)
             placement = await self.leader.rank_maps.of(session, job)
-            if await _failed_nodes(session, placement):
+            if await failed_nodes(session, placement):
                 # Waiting for capacity to replace a failed node (repair_failed_nodes acts
                 # the moment a spare appears): a restart in place cannot run.
                 set_deadline(job, leader.timeouts.restart_seconds)
@@ -487,16 +499,6 @@ async def _fail(
     set_deadline(job, None)
     await lifecycle.release_gpus(session, job.id)
     return list(placement.nodes())
-
-
-async def _failed_nodes(session: AsyncSession, placement: Placement) -> list[str]:
-    """The nodes of `placement` that are lost or unhealthy."""
-    rows = await session.scalars(
-        select(models.Node.id)
-        .where(models.Node.id.in_(placement.nodes()))
-        .where(models.Node.state.in_(FAILED_NODE_STATES))
-    )
-    return list(rows)
 
 
 async def _nodes_with_failed_ranks(session: AsyncSession, job: models.Job) -> set[str]:

@@ -20,7 +20,13 @@ from pitstop.health.straggler import (
 )
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState
-from pitstop.scheduler.reconcile.context import RUNNABLE, Leader, locked_job, set_deadline
+from pitstop.scheduler.reconcile.context import (
+    RUNNABLE,
+    Leader,
+    failed_nodes,
+    locked_job,
+    set_deadline,
+)
 from pitstop.scheduler.services import goodput, lifecycle
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.jobs import spec_from_json
@@ -219,7 +225,12 @@ class StepFollower:
             findings = list(watch.findings)
             row.current_step = max(row.current_step, newest)
             changed = False
-            if row.state in (JobState.STARTING, JobState.RECOVERING):
+            # A job waiting for capacity keeps its generation: the survivors' last steps
+            # of it are no sign that it recovered.
+            waiting = row.state is JobState.RECOVERING and bool(
+                await failed_nodes(session, placement)
+            )
+            if row.state in (JobState.STARTING, JobState.RECOVERING) and not waiting:
                 kind = "job.running" if row.state is JobState.STARTING else "job.recovered"
                 lifecycle.transition(
                     session,
