@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from conftest import (
     StoreUrls,
     follow_events,
     run_agents,
+    scheduler_settings,
     unique,
     wait_for,
 )
@@ -115,6 +117,45 @@ def test_a_report_never_waits_for_a_job_row_a_decision_holds(
     assert jobs.Get(jobs_pb2.GetJobRequest(job_id=job_id)).committed_step == 5
     assert report(catalog, "b", shard(job_id, 0, 6, R), shard(job_id, 1, 6, R)) == {job_id: 6}
     assert jobs.Get(jobs_pb2.GetJobRequest(job_id=job_id)).committed_step == 6
+
+
+def test_a_step_whose_advance_a_held_row_skipped_is_pointed_to_with_no_later_report(
+    stores: StoreUrls, tmp_path: Path
+) -> None:
+    """A running job that stands still (one rank stopped, the others waiting on it in a
+    collective) sends no more reports: the step committed under a held row is pointed to
+    by the leader, not left for a report that never comes."""
+    database = stores.fresh_database()
+    leader = SchedulerThread(
+        scheduler_settings(
+            stores,
+            tmp_path / "leader",
+            database_url=database,
+            redis_prefix=f"{stores.redis_prefix}{unique('lag')}:",
+            leader_loops=True,
+        )
+    )
+    try:
+        reports = checkpoint_pb2_grpc.CheckpointCatalogServiceStub(leader.channel())
+        jobs = jobs_pb2_grpc.JobServiceStub(leader.channel())
+        spec = jobs_pb2.JobSpec(name=unique("lag"), command=["x"], dp=2)
+        job_id = str(jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job.id)
+        with psycopg.connect(database, autocommit=True) as db:
+            db.execute("UPDATE jobs SET generation = 1, state = 'running' WHERE id = %s", (job_id,))
+            with db.transaction():
+                db.execute("SELECT id FROM jobs WHERE id = %s FOR NO KEY UPDATE", (job_id,))
+                assert report(reports, "a", shard(job_id, 0, 5, L), shard(job_id, 1, 5, L)) == {
+                    job_id: 0
+                }
+                assert report(reports, "b", shard(job_id, 0, 5, R), shard(job_id, 1, 5, R)) == {
+                    job_id: 0
+                }
+        deadline = time.monotonic() + 30
+        while jobs.Get(jobs_pb2.GetJobRequest(job_id=job_id)).committed_step != 5:
+            assert time.monotonic() < deadline, "the committed pointer stayed behind step 5"
+            time.sleep(0.05)  # a poll's interval: the condition ends the wait
+    finally:
+        leader.stop()
 
 
 def test_reports_of_one_step_from_every_holder_at_once_commit_it(catalog: Any, job_id: str) -> None:

@@ -108,7 +108,8 @@ class Reconciler:
         await self.recovery.refresh_accounts()
 
     async def follow(self) -> None:
-        """One pass of the following loop: step times and stragglers, then standbys."""
+        """One pass of the following loop: step times, stragglers and committed steps a
+        skipped report left behind, then standbys."""
         try:
             await self.steps.follow()
         finally:

@@ -27,7 +27,7 @@ from pitstop.scheduler.reconcile.context import (
     locked_job,
     set_deadline,
 )
-from pitstop.scheduler.services import goodput, lifecycle
+from pitstop.scheduler.services import catalog, goodput, lifecycle
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.scheduler.topology import Placement
@@ -173,6 +173,12 @@ class StepFollower:
             jobs = {
                 j.id: j for j in await lifecycle.live_jobs(session, (*RUNNABLE, JobState.PAUSED))
             }
+            lagging = await catalog.lagging_commits(
+                session, [j.id for j in jobs.values() if j.state is not JobState.RECOVERING]
+            )
+        if lagging:
+            async with self.leader.store.write() as session:
+                await catalog.catch_up_committed(session, lagging)
         for gone in [j for j in self.watches if j not in jobs]:
             del self.watches[gone]
         metrics = self.leader.metrics.job

@@ -174,18 +174,37 @@ async def _newest_committed(session: AsyncSession, job_id: str) -> int:
     """The newest step above the job's committed pointer that its current generation has
     committed (0: none). A step committed by a report whose advance was skipped would
     otherwise wait for a newer one to commit, and the daemons, told to keep only the
-    older pointer's step, would drop it: a recovery then finds no whole step in memory.
-    An index range over the few steps above the pointer, not the job's history."""
+    older pointer's step, would drop it: a recovery then finds no whole step in memory."""
+    return (await lagging_commits(session, [job_id])).get(job_id, 0)
+
+
+async def lagging_commits(session: AsyncSession, job_ids: list[str]) -> dict[str, int]:
+    """The jobs among `job_ids` whose current generation committed a step above their
+    committed pointer, each with the newest such step. An index range over the few steps
+    above each pointer, not the jobs' history; normally empty, as a report moves the
+    pointer in the transaction that commits the step."""
+    if not job_ids:
+        return {}
     checkpoint, job = models.Checkpoint, models.Job
-    newest = await session.scalar(
-        select(func.max(checkpoint.step))
+    rows = await session.execute(
+        select(checkpoint.job_id, func.max(checkpoint.step))
         .join(job, job.id == checkpoint.job_id)
-        .where(checkpoint.job_id == job_id)
+        .where(checkpoint.job_id.in_(job_ids))
         .where(checkpoint.step > job.committed_step)
         .where(checkpoint.generation == job.generation)
         .where(checkpoint.committed.is_(True))
+        .group_by(checkpoint.job_id)
     )
-    return int(newest or 0)
+    return {job_id: int(step) for job_id, step in rows}
+
+
+async def catch_up_committed(session: AsyncSession, lagging: dict[str, int]) -> None:
+    """Move lagging committed pointers (`lagging_commits`) forward. A report whose advance
+    was skipped (another transaction held the job's row) leaves its step to the next
+    report, and when the job stands still (a rank stopped, the others waiting on it in a
+    collective) no report comes: the leader's loop calls this instead."""
+    for job_id, step in sorted(lagging.items()):
+        await _advance(session, job_id, models.Job.committed_step, step)
 
 
 async def _advance(session: AsyncSession, job_id: str, column: Any, step: int) -> None:
