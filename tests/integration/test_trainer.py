@@ -89,6 +89,13 @@ class Proc:
             self.process.send_signal(signal.SIGKILL)
         self.process.wait(TIMEOUT)
 
+    def output(self) -> list[str]:
+        """Every line it wrote (once it has ended): what a failed test shows of it."""
+        while (line := self.lines.get(timeout=TIMEOUT)) is not None:
+            self.seen.append(line)
+        self.lines.put(None)  # a second call ends at once
+        return self.seen
+
 
 def base_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PITSTOP_", "MASTER_"))}
@@ -130,6 +137,10 @@ def processes() -> Iterator[list[Proc]]:
     yield started
     for proc in started:
         proc.kill()
+    for number, proc in enumerate(started):  # pytest shows it for a failed test only
+        print(
+            f"== process {number}, exit {proc.process.returncode}", *proc.output()[-60:], sep="\n"
+        )
 
 
 @pytest.fixture(scope="module")
