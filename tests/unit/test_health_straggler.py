@@ -1,4 +1,5 @@
-"""Straggler detection over step samples (pitstop.health.straggler)."""
+"""Straggler detection: step samples folded into windows, windows judged
+(pitstop.health.straggler)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from hypothesis import strategies as st
 
 from pitstop.health.straggler import (
     RankStats,
+    RankWindowSummary,
     StragglerDetector,
     StragglerFinding,
     StragglerPolicy,
+    WindowFold,
     percentile,
 )
 from pitstop.v1 import agent_pb2, jobs_pb2
@@ -260,10 +263,10 @@ def test_a_dead_rank_delays_windows_by_one_but_never_holds_them() -> None:
     for step in range(200):
         ranks = range(8) if step < 35 else range(7)
         found += [(step, f) for f in detector.observe(sample_of(step_time, step, ranks))]
-    # Window 1 waits for rank 7 until a sample one whole window past its end (step 69);
-    # window 2 still expects rank 7 (it reported in window 1) and closes at step 89, when
-    # window 3 fills without it.
-    assert [(step, f.rank, f.last_step) for step, f in found] == [(89, 3, window_end(2))]
+    # Window 1 waits for rank 7 until another rank completes a later window (step 69);
+    # rank 7 never completed window 1, so window 2 does not expect it: full at step 69,
+    # it closes with window 1.
+    assert [(step, f.rank, f.last_step) for step, f in found] == [(69, 3, window_end(2))]
 
 
 def sample_of(step_time: StepTime, step: int, ranks: range) -> list[Sample]:
@@ -279,28 +282,95 @@ def test_bad_step_times_are_counted_as_reported_but_not_timed() -> None:
 # --- stats ------------------------------------------------------------------------------
 
 
-def test_stats_are_per_rank_percentiles_of_usable_recent_steps() -> None:
-    detector = StragglerDetector(StragglerPolicy(warmup_steps=2), history_steps=5)
-    table = {
-        0: [9.0, 9.0, 5.0, 1.0, 4.0, 2.0, 3.0],  # the first two are warm-up
-        1: [9.0, 9.0, 2.0, 2.0, 2.0, 2.0, 2.0],
-        2: [9.0, 9.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],  # history keeps the last 5
+def test_stats_are_per_rank_percentiles_of_recent_windows() -> None:
+    policy = StragglerPolicy(warmup_steps=2, window_steps=2)
+    detector = StragglerDetector(policy, history_windows=2)
+    nan = float("nan")
+    table = {  # the first two steps are warm-up; windows of two; history keeps the last 2
+        0: [9.0, 9.0, 5.0, 1.0, 4.0, 2.0, 3.0, 7.0],
+        1: [9.0, 9.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0],
+        2: [9.0, 9.0, 1.0, 3.0, 2.0, nan, 6.0, 6.0],  # window 1 has one usable time
     }
     detector.observe(
         Sample(rank, step, seconds)
         for rank, times in table.items()
         for step, seconds in enumerate(times)
     )
-    detector.observe([Sample(1, 7, 100.0, checkpoint_step=True)])
+    detector.observe([Sample(1, 8, 100.0, checkpoint_step=True)])  # window 3, not complete
 
-    assert detector.stats() == [
-        RankStats(rank=0, p50_seconds=3.0, p99_seconds=4.96, straggler=False, samples=5),
-        RankStats(rank=1, p50_seconds=2.0, p99_seconds=2.0, straggler=False, samples=5),
-        RankStats(rank=2, p50_seconds=5.0, p99_seconds=6.96, straggler=False, samples=5),
+    # p50: the median of the windows' medians; p99: of their maxima (interpolated).
+    assert [
+        (s.rank, s.p50_seconds, s.p99_seconds, s.straggler, s.samples) for s in detector.stats()
+    ] == [
+        (0, 4.0, pytest.approx(4.0 + 3 * 0.99), False, 4),
+        (1, 2.0, 2.0, False, 4),
+        (2, 4.0, pytest.approx(2.0 + 4 * 0.99), False, 3),
     ]
-    assert detector.stats()[0].to_proto("n-1") == jobs_pb2.RankStepStats(
-        rank=0, node_id="n-1", p50_seconds=3.0, p99_seconds=4.96
+    assert detector.stats()[1].to_proto("n-1") == jobs_pb2.RankStepStats(
+        rank=1, node_id="n-1", p50_seconds=2.0, p99_seconds=2.0
     )
+
+
+# --- folding on the node ----------------------------------------------------------------
+
+
+def test_a_rank_window_is_summarized_when_complete_or_passed() -> None:
+    fold = WindowFold(StragglerPolicy(warmup_steps=1, window_steps=3), start_step=11)
+    assert fold.add(Sample(0, 10, 1.0)) == []  # before the generation
+    assert fold.add(Sample(0, 11, 9.0)) == []  # warm-up
+    assert fold.warmup_ranks == {0}
+    assert fold.add(Sample(0, 12, 1.0)) == []
+    assert fold.add(Sample(0, 13, 3.0, checkpoint_step=True)) == []
+    assert fold.add(Sample(0, 13, 5.0)) == []  # a duplicate: the first one counted
+    assert fold.add(Sample(0, 14, 2.0)) == [RankWindowSummary(0, 0, 3, 2, 1.5, 2.0, first_step=12)]
+    assert fold.add(Sample(0, 14, 2.0)) == []  # its window is summarized already
+    # Step 17 is lost: step 18, in the next window, summarizes window 1 with two steps.
+    assert fold.add(Sample(0, 15, 4.0)) == []
+    assert fold.add(Sample(0, 16, 6.0)) == []
+    assert fold.add(Sample(0, 18, 1.0)) == [RankWindowSummary(0, 1, 2, 2, 5.0, 6.0, first_step=15)]
+    assert fold.add(Sample(0, 17, 1.0)) == []  # too late
+
+
+def test_folding_on_each_node_finds_what_folding_in_one_place_finds() -> None:
+    # Two nodes of four ranks each fold their own; the scheduler's detector gets the
+    # summaries, node B's three batches late and twice, and knows the world size.
+    step_time = noisy(10, slow={6: 1.3})
+    table = {(r, s): step_time(r, s) for s in range(300) for r in range(8)}
+    in_one_place = StragglerDetector()
+    expected = [f for s in range(300) for f in in_one_place.observe(sample(table, s, range(8)))]
+
+    nodes = [WindowFold(POLICY, start_step=0) for _ in range(2)]
+    detector = StragglerDetector(POLICY, start_step=0, world_size=8)
+    late: list[list[RankWindowSummary]] = []
+    found = []
+    for step in range(303):
+        a = [
+            w for r in range(4) if step < 300 for w in nodes[0].add(Sample(r, step, table[r, step]))
+        ]
+        b = [
+            w
+            for r in range(4, 8)
+            if step < 300
+            for w in nodes[1].add(Sample(r, step, table[r, step]))
+        ]
+        late.append(b)
+        batch = a + (late[step - 3] * 2 if step >= 3 else [])
+        found += detector.observe_windows(batch)
+
+    assert [f.rank for f in expected] == [6]
+    assert found == expected
+    assert detector.stats() == in_one_place.stats()
+
+
+def test_a_summary_from_the_wire_is_accepted() -> None:
+    detector = StragglerDetector(StragglerPolicy(windows=1), start_step=1, world_size=4)
+    windows = [
+        agent_pb2.RankWindow(rank=r, window=0, steps=20, timed=20, median_seconds=1.0 + (r == 3))
+        for r in range(4)
+    ]
+    assert detector.observe_windows(windows[:3]) == []  # rank 3's is not in yet
+    found = detector.observe_windows(windows[3:])
+    assert [(f.rank, f.last_step) for f in found] == [(3, 1 + 10 + 19)]
 
 
 def test_stats_mark_flagged_ranks() -> None:

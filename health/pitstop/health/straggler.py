@@ -1,9 +1,16 @@
 """Straggler detection: per-rank step times against the job's robust statistics.
 
-A `StragglerDetector` is a small stateful object over plain data. The scheduler keeps
-one per job and generation and feeds it step samples as they arrive; it answers with
-findings (a rank became a straggler, or recovered) and per-rank step-time statistics.
-Nothing here reads a clock or does I/O. DESIGN.md ("Health", stragglers).
+Two halves, both small stateful objects over plain data (nothing here reads a clock or
+does I/O):
+
+- A `WindowFold` runs where the steps are reported, in the node's agent: it folds each
+  rank's step times into one summary per window (`RankWindowSummary`: steps reported,
+  steps timed, median and maximum time), so that nothing per step per rank has to
+  cross the wire.
+- A `StragglerDetector` runs in the scheduler, one per job and generation: it takes the
+  window summaries of every node and answers with findings (a rank became a straggler,
+  or recovered) and per-rank step-time statistics. `observe` takes raw step samples
+  too, folding them itself (tests, and callers that hold samples).
 
 The method:
 
@@ -11,6 +18,8 @@ The method:
   from the end of the warm-up. The first `warmup_steps` steps of a generation
   (compilation, allocator and data-loader warm-up) and checkpoint steps (the snapshot
   stall) are ignored, as are step times that are negative or not finite.
+- A rank's window is summarized once the rank has reported every step of it, or a step
+  past it (a lost sample delays nothing).
 - When a window completes, each rank's median step time in it is compared with the
   median M of those medians across ranks. Robust spread is the MAD (median absolute
   deviation of the rank medians from M) scaled by 1.4826, so it estimates a normal
@@ -21,22 +30,22 @@ The method:
   after `windows` consecutive normal windows. A rank with no usable time in a window
   (it sent only checkpoint steps, or nothing) keeps its counts unchanged.
 
-When a window completes (samples may arrive late, twice or out of order, and a rank may
-die): every sample of an `observe` call is taken in first, then a window closes as soon
-as any of these holds, lowest window first:
+When a window completes (summaries come from many nodes, late, twice or out of order,
+and a rank may die): every summary of an `observe_windows` call is taken in first, then
+a window closes as soon as any of these holds, lowest window first:
 
-1. it is full: every rank that reported in the previous window (for the first window,
-   in the warm-up) or in this one has reported every step of it, checkpoint steps
-   included;
-2. a later window is full (so one lost sample delays nothing more than one window);
-3. a sample arrived for a step at least one whole window past its end. This is the
-   rule that keeps a dead rank from holding windows open for ever: the live ranks'
-   windows close one window late, and from then on the dead rank is no longer expected.
-   One window of slack lets node agents' batches arrive at different times without
-   closing a window before a lagging node's samples are in.
+1. it is full: every rank expected in it has summarized it. Expected are the ranks of
+   the previous window (for the first window, every rank of the job when the detector
+   knows the world size, else those seen in the warm-up) and those seen in this one;
+2. a later window is full (so one lost summary delays nothing more than one window);
+3. some rank summarized a later window. This is the rule that keeps a dead rank from
+   holding windows open for ever: the live ranks' windows close one window late, and
+   from then on the dead rank is no longer expected. One window of slack lets node
+   agents' summaries arrive at different times without closing a window before a
+   lagging node's are in.
 
-A sample for a window that has already closed is dropped; for a duplicate (same rank and
-step) the first one wins.
+A summary for a window that has already closed is dropped; for a duplicate (same rank
+and window) the first one wins.
 """
 
 from __future__ import annotations
@@ -63,8 +72,8 @@ MIN_SLOWDOWN = 1.10
 smaller than that is not worth swapping a node for, and a uniform fleet with tiny noise
 (tiny MAD) must never flag."""
 
-HISTORY_STEPS = 512
-"""Step times kept per rank for `stats()`."""
+HISTORY_WINDOWS = 25
+"""Windows kept per rank for `stats()` (500 steps at the default 20 a window)."""
 
 
 class StepSampleLike(Protocol):
@@ -89,6 +98,42 @@ class StepSampleLike(Protocol):
     def checkpoint_step(self) -> bool:
         """The step included a snapshot."""
         ...
+
+
+class RankWindowLike(Protocol):
+    """What the detector reads from a window summary; `RankWindowSummary` and
+    `pitstop.v1.agent_pb2.RankWindow` fit."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def window(self) -> int: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def timed(self) -> int: ...
+    @property
+    def median_seconds(self) -> float: ...
+    @property
+    def max_seconds(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class RankWindowSummary:
+    """One rank's step times over one window."""
+
+    rank: int
+    window: int
+    """Index, 0 for the first window after the warm-up."""
+    steps: int
+    """Step numbers of the window the rank reported, checkpoint steps included."""
+    timed: int
+    """Of those, the steps with a usable time."""
+    median_seconds: float
+    max_seconds: float
+    """Median and maximum of the usable times (0 when `timed` is 0)."""
+    first_step: int = 0
+    """The window's first step number."""
 
 
 @dataclass(frozen=True)
@@ -154,14 +199,16 @@ class StragglerFinding:
 
 @dataclass(frozen=True)
 class RankStats:
-    """Step-time statistics of one rank over its recent history."""
+    """Step-time statistics of one rank over its recent windows: `p50_seconds` is the
+    median of the windows' medians, `p99_seconds` the 99th percentile of their maxima
+    (an upper bound of the steps' own p99)."""
 
     rank: int
     p50_seconds: float
     p99_seconds: float
     straggler: bool
     samples: int
-    """Step times the percentiles are over (at most `HISTORY_STEPS`)."""
+    """Step times the windows held (at most `HISTORY_WINDOWS` windows)."""
 
     def to_proto(self, node_id: str = "") -> jobs_pb2.RankStepStats:
         """The wire form; the detector does not know nodes, so the caller names it."""
@@ -174,16 +221,89 @@ class RankStats:
         )
 
 
+class WindowFold:
+    """Folds one generation's step samples into per-rank window summaries.
+
+    One per job and generation on each node. Step numbers and warm-up are counted from
+    `start_step` (the generation's first step: its restore step + 1) when the caller
+    knows it, else from the lowest step of the first sample. Samples of a rank arrive in
+    step order from its process; a duplicate, or one for a window already summarized,
+    is dropped.
+    """
+
+    def __init__(self, policy: StragglerPolicy | None = None, *, start_step: int | None = None):
+        self.policy = policy if policy is not None else StragglerPolicy()
+        self.start_step = start_step
+        self._open: dict[int, tuple[int, set[int], list[float]]] = {}
+        """Per rank: its open window's index, the steps and the usable times in it."""
+        self._done: dict[int, int] = {}
+        """Per rank: the highest window summarized."""
+        self.warmup_ranks: set[int] = set()
+        """Ranks that reported a warm-up step."""
+
+    def window_of(self, step: int) -> int | None:
+        """The window index of `step`; None for a step before the generation or in its
+        warm-up."""
+        if self.start_step is None:
+            self.start_step = step
+        offset = step - self.start_step - self.policy.warmup_steps
+        if step < self.start_step or offset < 0:
+            return None
+        return offset // self.policy.window_steps
+
+    def add(self, sample: StepSampleLike) -> list[RankWindowSummary]:
+        """Take one sample; return the rank's windows it completed (at most two: the
+        one it moved past and, with one-step windows, its own)."""
+        rank = sample.rank
+        index = self.window_of(sample.step)
+        if index is None:
+            if sample.step >= (self.start_step or 0):
+                self.warmup_ranks.add(rank)
+            return []
+        if index <= self._done.get(rank, -1):
+            return []  # decided already
+        done = []
+        current = self._open.get(rank)
+        if current is not None and current[0] != index:
+            if index < current[0]:
+                return []  # out of order: its window moved on
+            done.append(self._close(rank))
+            current = None
+        if current is None:
+            current = self._open[rank] = (index, set(), [])
+        _, steps, times = current
+        if sample.step in steps:
+            return done
+        steps.add(sample.step)
+        seconds = sample.step_seconds
+        if not sample.checkpoint_step and math.isfinite(seconds) and seconds >= 0:
+            times.append(seconds)
+        if len(steps) == self.policy.window_steps:
+            done.append(self._close(rank))
+        return done
+
+    def _close(self, rank: int) -> RankWindowSummary:
+        index, steps, times = self._open.pop(rank)
+        self._done[rank] = index
+        assert self.start_step is not None
+        first = self.start_step + self.policy.warmup_steps + index * self.policy.window_steps
+        return RankWindowSummary(
+            rank=rank,
+            window=index,
+            steps=len(steps),
+            timed=len(times),
+            median_seconds=statistics.median(times) if times else 0.0,
+            max_seconds=max(times, default=0.0),
+            first_step=first,
+        )
+
+
 @dataclass
 class _Window:
-    """Samples of one window, by rank."""
+    """Summaries of one window, by rank."""
 
-    steps: dict[int, set[int]] = field(default_factory=dict)
-    """Steps each rank reported, checkpoint steps included: that is what "full" counts."""
-    times: dict[int, list[float]] = field(default_factory=dict)
-    """Usable step times of each rank."""
-    full_ranks: int = 0
-    """Ranks that reported every step of the window."""
+    done: dict[int, RankWindowLike] = field(default_factory=dict)
+    """Each rank's summary of the window (the first one that came)."""
 
 
 @dataclass
@@ -200,9 +320,8 @@ class _RankState:
 class StragglerDetector:
     """Flags ranks whose step times stay above the job's robust statistics.
 
-    One per job and generation: step numbers and warm-up are counted from the
-    generation's first step, `start_step` when the caller knows it (the restore step),
-    else the lowest step of the first samples observed.
+    One per job and generation. `world_size`, when known, is who the first window
+    waits for; `start_step` is used by `observe` (see `WindowFold`).
     """
 
     def __init__(
@@ -210,20 +329,23 @@ class StragglerDetector:
         policy: StragglerPolicy | None = None,
         *,
         start_step: int | None = None,
-        history_steps: int = HISTORY_STEPS,
+        world_size: int | None = None,
+        history_windows: int = HISTORY_WINDOWS,
     ) -> None:
         self.policy = policy if policy is not None else StragglerPolicy()
-        self._start_step = start_step
-        self._history_steps = history_steps
+        self._fold = WindowFold(self.policy, start_step=start_step)
+        self._history_windows = history_windows
         self._open: dict[int, _Window] = {}
         self._closed_through = -1
-        """Windows up to this index are closed; their late samples are dropped."""
-        self._prev_ranks: set[int] = set()
-        """Ranks of the last closed window (before the first: of the warm-up)."""
+        """Windows up to this index are closed; their late summaries are dropped."""
+        self._prev_ranks: set[int] = set(range(world_size)) if world_size else set()
+        """Ranks of the last closed window (before the first: every rank, or those of the
+        warm-up)."""
         self._horizon = -1
-        """Highest step seen."""
+        """Highest window summarized."""
         self._ranks: dict[int, _RankState] = {}
-        self._history: dict[int, deque[float]] = {}
+        self._history: dict[int, deque[tuple[int, float, float]]] = {}
+        """Per rank, its recent windows with usable times: (timed, median, max)."""
 
     @property
     def stragglers(self) -> frozenset[int]:
@@ -231,64 +353,56 @@ class StragglerDetector:
         return frozenset(rank for rank, state in self._ranks.items() if state.flagged)
 
     def observe(self, samples: Iterable[StepSampleLike]) -> list[StragglerFinding]:
-        """Take in step samples; return the findings of every window they completed."""
-        batch = list(samples)
-        if not batch:
-            return []
-        if self._start_step is None:
-            self._start_step = min(sample.step for sample in batch)
-        for sample in batch:
-            self._take(sample)
+        """Take in raw step samples (folded here into windows); return the findings of
+        every window they completed."""
+        summaries: list[RankWindowSummary] = []
+        for sample in sorted(samples, key=lambda s: s.step):  # a rank's, in step order
+            summaries += self._fold.add(sample)
+        if self._closed_through < 0:
+            self._prev_ranks |= self._fold.warmup_ranks
+        return self.observe_windows(summaries)
+
+    def observe_windows(self, summaries: Iterable[RankWindowLike]) -> list[StragglerFinding]:
+        """Take in window summaries; return the findings of every window they completed."""
+        for summary in summaries:
+            self._take(summary)
         return self._close_ready()
 
     def stats(self) -> list[RankStats]:
-        """p50 and p99 step time of every rank with usable steps, by rank."""
+        """Every rank with usable steps, by rank: the median of its recent windows'
+        medians, and the 99th percentile of their maxima."""
         result = []
         for rank in sorted(self._history):
-            times = sorted(self._history[rank])
+            kept = self._history[rank]
             state = self._ranks.get(rank)
             result.append(
                 RankStats(
                     rank=rank,
-                    p50_seconds=percentile(times, 0.50),
-                    p99_seconds=percentile(times, 0.99),
+                    p50_seconds=percentile(sorted(m for _, m, _ in kept), 0.50),
+                    p99_seconds=percentile(sorted(m for _, _, m in kept), 0.99),
                     straggler=state is not None and state.flagged,
-                    samples=len(times),
+                    samples=sum(n for n, _, _ in kept),
                 )
             )
         return result
 
-    def _take(self, sample: StepSampleLike) -> None:
-        assert self._start_step is not None
-        rank, step = sample.rank, sample.step
-        if step < self._start_step:
-            return  # before this generation
-        offset = step - self._start_step - self.policy.warmup_steps
-        self._horizon = max(self._horizon, step)
-        if offset < 0:
-            if self._closed_through < 0:
-                self._prev_ranks.add(rank)
-            return
-        index = offset // self.policy.window_steps
+    def _take(self, summary: RankWindowLike) -> None:
+        index, rank = int(summary.window), int(summary.rank)
         if index <= self._closed_through:
             return  # its window is already decided
+        self._horizon = max(self._horizon, index)
         window = self._open.get(index)
         if window is None:
             window = self._open[index] = _Window()
-        steps = window.steps.setdefault(rank, set())
-        if step in steps:
+        if rank in window.done:
             return  # duplicate: the first one counted
-        steps.add(step)
-        if len(steps) == self.policy.window_steps:
-            window.full_ranks += 1
-        seconds = sample.step_seconds
-        if sample.checkpoint_step or not math.isfinite(seconds) or seconds < 0:
+        window.done[rank] = summary
+        if summary.timed <= 0:
             return
-        window.times.setdefault(rank, []).append(seconds)
         history = self._history.get(rank)
         if history is None:
-            history = self._history[rank] = deque(maxlen=self._history_steps)
-        history.append(seconds)
+            history = self._history[rank] = deque(maxlen=self._history_windows)
+        history.append((int(summary.timed), summary.median_seconds, summary.max_seconds))
 
     def _close_ready(self) -> list[StragglerFinding]:
         """Close, in order, every open window up to the highest one that is ready."""
@@ -296,31 +410,25 @@ class StragglerDetector:
         prev: AbstractSet[int] = self._prev_ranks
         for index in sorted(self._open):
             window = self._open[index]
-            overrun = self._horizon - self._last_step(index) >= self.policy.window_steps
-            if overrun or self._is_full(window, prev):
+            if self._horizon > index or prev <= window.done.keys():
                 ready = index
-            prev = window.steps.keys()
+            prev = window.done.keys()
         findings: list[StragglerFinding] = []
         for index in sorted(i for i in self._open if i <= ready):
             window = self._open.pop(index)
             self._closed_through = index
-            self._prev_ranks = set(window.steps)
+            self._prev_ranks = set(window.done)
             findings.extend(self._judge(window, self._last_step(index)))
         return findings
 
-    @staticmethod
-    def _is_full(window: _Window, prev: AbstractSet[int]) -> bool:
-        # Cheap count test first: this runs after every observe call.
-        return window.full_ranks == len(window.steps) and prev <= window.steps.keys()
-
     def _last_step(self, index: int) -> int:
-        assert self._start_step is not None
-        first = self._start_step + self.policy.warmup_steps + index * self.policy.window_steps
+        start = self._fold.start_step or 0
+        first = start + self.policy.warmup_steps + index * self.policy.window_steps
         return first + self.policy.window_steps - 1
 
     def _judge(self, window: _Window, last_step: int) -> list[StragglerFinding]:
         """Update every rank's run with one closed window; return the findings."""
-        medians = {rank: statistics.median(times) for rank, times in window.times.items()}
+        medians = {rank: w.median_seconds for rank, w in window.done.items() if w.timed > 0}
         if not medians:
             return []
         job_median = statistics.median(medians.values())
