@@ -13,8 +13,8 @@ no torch: N 8-GPU nodes in zones, blocks and racks (8 nodes a rack, 49 racks a b
 come), each with its own channel and `AgentService.Connect` stream, as an agent has:
 Register (inventory, labels, role); a look every heartbeat interval the scheduler gives
 (1 s), sending a heartbeat (node health with 8 GPUs, the running ranks) when what it
-says changed and at least every refresh interval (5 s), and its ranks' new step times
-batched per node; a CommandAck for every command; gRPC's keepalive pings answered in
+says changed and at least every refresh interval (5 s), and its ranks' new steps
+summarized per node (and a window summary per rank every 20 steps); a CommandAck for every command; gRPC's keepalive pings answered in
 its core.
 
 Phases, each measured over --window seconds of wall time:
@@ -26,7 +26,7 @@ Phases, each measured over --window seconds of wall time:
   view within about a second of each transaction, so edges blur by that much).
 * load: the job of the fleet's size runs (TP 8 x PP 16 x DP = N*8/128: at 12,500 nodes
   the 99,968-rank job of DESIGN.md) at --step-seconds a step: heartbeats with 8 running
-  ranks and a step batch a node per step.
+  ranks and a step summary a node per step.
   In both: heartbeats/s ingested, streams reopened (a broken stream), each process's
   CPU (% of one core), event-loop lag (the pitstop_scheduler_event_loop_lag_seconds
   histogram over the window: p99 as the bucket bound, and the 1-minute p99 gauge), the
@@ -153,6 +153,8 @@ class Assignment:
     ranks: list[tuple[int, int]]
     started: float
     restore_step: int
+    window_steps: int = 20
+    warmup_steps: int = 10
 
 
 class Fleet:
@@ -173,7 +175,7 @@ class Fleet:
         self.interval = interval
         self.step_seconds = step_seconds
         self.nodes: list[SimNode] = []
-        self.sent = {"heartbeat": 0, "step_times": 0, "ack": 0, "samples": 0}
+        self.sent = {"heartbeat": 0, "step_summaries": 0, "ack": 0, "samples": 0, "windows": 0}
         # (job, generation) -> node id -> ranks, worked out once per rank map.
         self._maps: dict[tuple[str, int], dict[str, list[tuple[int, int]]]] = {}
         # generation -> node id -> when its command for it arrived
@@ -230,7 +232,7 @@ def labels_of(index: int) -> common_pb2.TopologyLabels:
 
 
 class SimNode:
-    """One node's agent as the scheduler sees it: a stream, heartbeats, step batches, acks."""
+    """One node's agent as the scheduler sees it: a stream, heartbeats, step summaries, acks."""
 
     def __init__(self, fleet: Fleet, index: int, spare: bool, target: int) -> None:
         self.fleet = fleet
@@ -432,27 +434,41 @@ class SimNode:
             last = self.reported_step.get(job_id, job.restore_step)
             if step <= last:
                 continue
-            samples = [
-                agent_pb2.StepSample(
-                    rank=r,
-                    step=s,
-                    step_seconds=self.fleet.step_seconds * random.uniform(0.98, 1.02),
-                    loss=2.0,
-                    tokens=8192,
-                    time=stamp(now),
-                )
-                for s in range(last + 1, step + 1)
-                for r, _ in job.ranks
-            ]
-            self.reported_step[job_id] = step
-            if samples:
-                self.send(
-                    step_times=agent_pb2.StepTimes(
-                        job_id=job_id, generation=job.generation, samples=samples
+            # What the agent sends: its ranks' steps since the last summary, folded,
+            # with a window summary per rank for every straggler window they completed.
+            seconds = self.fleet.step_seconds
+            summary = agent_pb2.StepSummary(
+                job_id=job_id,
+                generation=job.generation,
+                ranks=len(job.ranks),
+                slowest_step=step,
+                newest_step=step,
+                samples=(step - last) * len(job.ranks),
+                tokens=8192 * (step - last) * len(job.ranks),
+                loss_step=step,
+                loss=2.0,
+                time=stamp(now),
+            )
+            counted = job.restore_step + 1 + job.warmup_steps
+            for s in range(last + 1, step + 1):
+                if s < counted or (s - counted + 1) % job.window_steps:
+                    continue
+                window = (s - counted) // job.window_steps
+                for r, _ in job.ranks:
+                    summary.windows.add(
+                        rank=r,
+                        window=window,
+                        steps=job.window_steps,
+                        timed=job.window_steps,
+                        median_seconds=seconds * random.uniform(0.99, 1.01),
+                        max_seconds=seconds * 1.02,
+                        first_step=s - job.window_steps + 1,
                     )
-                )
-                sent["step_times"] += 1
-                sent["samples"] += len(samples)
+            self.reported_step[job_id] = step
+            self.send(step_summary=summary)
+            sent["step_summaries"] += 1
+            sent["samples"] += summary.samples
+            sent["windows"] += len(summary.windows)
 
     def command(self, reply: agent_pb2.SchedulerMessage, kind: str | None) -> None:
         now = time.time()
@@ -470,7 +486,14 @@ class SimNode:
                     ranks = self.fleet.ranks_of(body.job_id, body.rank_map).get(self.node_id, [])
                 if ranks:
                     self.jobs[body.job_id] = Assignment(
-                        body.generation, ranks, now, body.restore_step
+                        body.generation,
+                        ranks,
+                        now,
+                        body.restore_step,
+                        body.step_windows.window_steps or 20,
+                        body.step_windows.warmup_steps
+                        if body.step_windows.HasField("warmup_steps")
+                        else 10,
                     )
                     self.reported_step[body.job_id] = body.restore_step
                 else:
@@ -841,8 +864,9 @@ class Window:
             "loadavg": load(),
             "heartbeats_sent_per_s": round(sent["heartbeat"] / span, 1),
             "heartbeats_ingested_per_s": round(ingested / span, 1),
-            "step_batches_per_s": round(sent["step_times"] / span, 1),
-            "step_samples_per_s": round(sent["samples"] / span, 1),
+            "step_summaries_per_s": round(sent["step_summaries"] / span, 1),
+            "step_samples_folded_per_s": round(sent["samples"] / span, 1),
+            "rank_windows_per_s": round(sent["windows"] / span, 1),
             "scheduler_cpu_pct": [round(100 * c / span, 1) for c in cpus],
             "scheduler_cpu_pct_total": round(100 * sum(cpus) / span, 1),
             "scheduler_cpu_ms_per_1k_heartbeats": round(1e6 * sum(cpus) / beats, 1),
@@ -859,7 +883,7 @@ class Window:
             "pg_xacts_per_heartbeat": round(pg_delta["xacts"] / beats, 4),
             "streams_reopened": b["registrations"] - a["registrations"],
             "_beats": sent["heartbeat"],
-            "_batches": sent["step_times"],
+            "_batches": sent["step_summaries"],
             "_redis_total": sum(redis_delta.values()),
         }
 
@@ -1240,12 +1264,12 @@ async def measure_size(root: Path, n: int, args: argparse.Namespace) -> dict[str
         say(f"N={n}: load {brief(out['load'])}")
         idle, busy = out["idle"], out["load"]
         batches = max(busy["_batches"], 1)
-        # What a step batch adds: the load window's Redis calls and PostgreSQL
+        # What a step summary adds: the load window's Redis calls and PostgreSQL
         # transactions beyond the heartbeats' own (at the idle window's rate per beat).
-        out["redis_calls_per_step_batch"] = round(
+        out["redis_calls_per_step_summary"] = round(
             (busy["_redis_total"] - idle["redis_calls_per_heartbeat"] * busy["_beats"]) / batches, 3
         )
-        out["pg_xacts_per_step_batch"] = round(
+        out["pg_xacts_per_step_summary"] = round(
             (busy["pg"]["xacts"] - idle["pg_xacts_per_heartbeat"] * busy["_beats"]) / batches, 4
         )
         failures = []

@@ -404,24 +404,31 @@ def test_a_second_register_on_a_stream_is_refused(fast: SchedulerThread) -> None
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_step_times_land_in_the_jobs_redis_stream(fast: SchedulerThread, stores: StoreUrls) -> None:
+def test_step_summaries_land_in_the_jobs_redis_stream_under_the_streams_node(
+    fast: SchedulerThread, stores: StoreUrls
+) -> None:
     node_id = unique("steps")
     job_id = unique("j")
-    batch = agent_pb2.StepTimes(
+    summary = agent_pb2.StepSummary(
         job_id=job_id,
         generation=1,
-        samples=[agent_pb2.StepSample(rank=r, step=7, step_seconds=0.5) for r in range(4)],
+        node_id="someone-else",  # the stream's node is what counts
+        ranks=4,
+        slowest_step=7,
+        newest_step=7,
+        windows=[agent_pb2.RankWindow(rank=r, window=0, steps=20, timed=20) for r in range(4)],
     )
     with fast.agent_stream(node_id) as agent:
-        agent.send(step_times=batch)
+        agent.send(step_summary=summary)
         agent.send(xid=common_pb2.XidEvent(gpu_index=0, xid=13))  # a marker after the batch
         wait_for_event(fast, node_id, "node.xid")
     client = redis.Redis.from_url(stores.redis_url)
     entries = client.xrange(f"{stores.redis_prefix}fast:steps:{job_id}")
     client.close()
     assert len(entries) == 1
-    stored = agent_pb2.StepTimes.FromString(entries[0][1][b"batch"])
-    assert stored == batch
+    stored = agent_pb2.StepSummary.FromString(entries[0][1][b"batch"])
+    summary.node_id = node_id
+    assert stored == summary
 
 
 def test_live_health_follows_every_change_and_a_changed_health_is_checked_again(

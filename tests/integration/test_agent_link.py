@@ -860,7 +860,7 @@ async def test_an_agent_leaves_a_scheduler_gone_silent_by_its_own_keepalive(
         await frozen.wait()
 
 
-async def test_step_times_go_out_before_the_next_heartbeat_once_1024_wait(
+async def test_a_step_summary_goes_out_before_the_next_heartbeat_once_1024_samples_wait(
     short_dir: Path,
 ) -> None:
     async with fake_scheduler(heartbeat_interval=3600.0) as (fake, address):
@@ -871,8 +871,9 @@ async def test_step_times_go_out_before_the_next_heartbeat_once_1024_wait(
             for step in range(1024):
                 sample = agent_pb2.StepSample(rank=step % 2, step=step // 2, step_seconds=0.1)
                 agent.steps.add("job-a", 3, sample)
-            batch = (await stream.next("step_times")).step_times
-            assert (batch.job_id, batch.generation, len(batch.samples)) == ("job-a", 3, 1024)
+            summary = (await stream.next("step_summary")).step_summary
+            assert (summary.job_id, summary.generation, summary.samples) == ("job-a", 3, 1024)
+            assert (summary.ranks, summary.slowest_step, summary.newest_step) == (2, 511, 511)
             reported = agent.metrics.registry.get_sample_value(
                 "pitstop_agent_steps_reported_total", {"node": settings.node_id, "job_id": "job-a"}
             )

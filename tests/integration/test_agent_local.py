@@ -21,7 +21,7 @@ from fake_rank import NODE, TIMEOUT, ExitLog, RankNotices, start_command
 from pitstop.agent.gpu import FaultNotSupported, SimulatedBackend, open_backend
 from pitstop.agent.local import LocalEndpoint
 from pitstop.agent.rankclient import RANK_KEY_METADATA, RankControlClient
-from pitstop.agent.steps import StepBatcher
+from pitstop.agent.steps import StepSummarizer
 from pitstop.agent.supervisor import RankSupervisor
 from pitstop.v1 import agent_pb2, common_pb2, rank_pb2, rank_pb2_grpc
 
@@ -30,7 +30,7 @@ from pitstop.v1 import agent_pb2, common_pb2, rank_pb2, rank_pb2_grpc
 class Agent:
     endpoint: LocalEndpoint
     supervisor: RankSupervisor
-    steps: StepBatcher
+    steps: StepSummarizer
     exits: ExitLog
     stub: Any
     socket_path: Path
@@ -58,7 +58,7 @@ async def agent(short_dir: Path, tmp_path: Path) -> AsyncIterator[Agent]:
     backend = open_backend("sim:2", NODE)
     exits = ExitLog()
     supervisor = RankSupervisor(NODE, socket_path, tmp_path / "logs", exits, "127.0.0.1:7070")
-    steps = StepBatcher()
+    steps = StepSummarizer()
     # The test's own calls stand in for a process the agent started: they carry a key
     # the supervisor takes besides those of the processes it really started.
     started = supervisor.started
@@ -146,11 +146,10 @@ async def test_a_rank_attaches_reports_steps_and_obeys_commands(
     assert ready["slow_multiplier"] == pytest.approx(1.3)
     assert (ready["generation"], ready["restore_step"]) == (4, 17)
     assert ready["checkpointd"] == "127.0.0.1:7070"
-    (batch,) = agent.steps.drain()
-    assert (batch.job_id, batch.generation) == ("job-run", 4)
-    assert [(s.rank, s.step) for s in batch.samples] == [(0, 1), (0, 2), (0, 3)]
-    assert all(s.step_seconds == pytest.approx(0.65) for s in batch.samples)
-    assert all(s.time.seconds > 0 for s in batch.samples)
+    (summary,) = agent.steps.drain()
+    assert (summary.job_id, summary.generation, summary.ranks) == ("job-run", 4, 1)
+    assert (summary.slowest_step, summary.newest_step, summary.samples) == (3, 3, 3)
+    assert summary.time.seconds > 0
     assert [(r.rank, r.step) for r in agent.supervisor.running()] == [(0, 3)]
 
     assert await agent.endpoint.wait_command_stream("job-run", 0, TIMEOUT)
@@ -295,13 +294,13 @@ class NoFaultBackend(SimulatedBackend):
 
 async def test_fault_injection_can_be_refused(agent: Agent, short_dir: Path) -> None:
     unsupported = LocalEndpoint(
-        short_dir / "nf.sock", NoFaultBackend(NODE, 1), agent.supervisor, StepBatcher()
+        short_dir / "nf.sock", NoFaultBackend(NODE, 1), agent.supervisor, StepSummarizer()
     )
     disabled = LocalEndpoint(
         short_dir / "off.sock",
         agent.endpoint.backend,
         agent.supervisor,
-        StepBatcher(),
+        StepSummarizer(),
         allow_fault_injection=False,
     )
     expected = [
@@ -326,7 +325,7 @@ async def test_the_socket_is_private_and_only_stale_files_are_replaced(
     assert stat.S_IMODE(agent.socket_path.stat().st_mode) == 0o600
 
     def endpoint(path: Path) -> LocalEndpoint:
-        return LocalEndpoint(path, agent.endpoint.backend, agent.supervisor, StepBatcher())
+        return LocalEndpoint(path, agent.endpoint.backend, agent.supervisor, StepSummarizer())
 
     with pytest.raises(RuntimeError, match="another process serves"):
         await endpoint(agent.socket_path).start()

@@ -127,7 +127,7 @@ def test_scale_benchmark_prints_one_json_line() -> None:
     assert size["nodes"] == 16
     assert size["job"]["ranks"] == 128
     assert size["load"]["heartbeats_ingested_per_s"] > 0
-    assert size["load"]["step_batches_per_s"] > 0
+    assert size["load"]["step_summaries_per_s"] > 0
     assert size["load"]["streams_reopened"] == 0
     kinds = [f["kind"] for f in size["failures"]]
     assert kinds == ["stream", "xid", "silent"]

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from pitstop.agent.gpu import open_backend
 from pitstop.agent.local import LocalEndpoint
 from pitstop.agent.rankclient import RANK_KEY_METADATA
-from pitstop.agent.steps import StepBatcher
+from pitstop.agent.steps import StepSummarizer
 from pitstop.agent.supervisor import RankSupervisor
 from pitstop.v1 import agent_pb2, common_pb2, rank_pb2
 
@@ -70,7 +70,7 @@ class RankEndpoint:
         started = self.supervisor.started
         self.supervisor.started = lambda key: key == KEY or started(key)  # type: ignore[method-assign]
         self.endpoint = LocalEndpoint(
-            self.socket_path, self.backend, self.supervisor, StepBatcher(), "127.0.0.1:7070"
+            self.socket_path, self.backend, self.supervisor, StepSummarizer(), "127.0.0.1:7070"
         )
         await self.endpoint.start()
         ranks = [

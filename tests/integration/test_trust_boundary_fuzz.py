@@ -107,7 +107,7 @@ bodies = st.one_of(
         for name, cls in [
             ("heartbeat", agent_pb2.Heartbeat),
             ("xid", common_pb2.XidEvent),
-            ("step_times", agent_pb2.StepTimes),
+            ("step_summary", agent_pb2.StepSummary),
             ("rank_exited", agent_pb2.RankExited),
             ("ack", agent_pb2.CommandAck),
             ("register", agent_pb2.Register),

@@ -56,7 +56,13 @@ class FakeChannel:
     async def send_command(self, job_id: str, rank: int, command: rank_pb2.RankCommand) -> bool:
         return True
 
-    def set_generation(self, job_id: str, generation: int, restore_step: int) -> None:
+    def set_generation(
+        self,
+        job_id: str,
+        generation: int,
+        restore_step: int,
+        windows: agent_pb2.StepWindows | None = None,
+    ) -> None:
         pass
 
     async def assign_standby(

@@ -27,8 +27,8 @@ def job_samples(registry: CollectorRegistry, job_id: str) -> list[str]:
     ]
 
 
-def sample(rank: int, step: int, **fields: float) -> agent_pb2.StepSample:
-    return agent_pb2.StepSample(rank=rank, step=step, step_seconds=0.1, **fields)  # type: ignore[arg-type]
+def summary(node: str, newest: int, **fields: float) -> agent_pb2.StepSummary:
+    return agent_pb2.StepSummary(job_id="j1", node_id=node, newest_step=newest, **fields)  # type: ignore[arg-type]
 
 
 def live(metrics: JobMetrics, state: JobState = JobState.RUNNING, **goodput: object) -> None:
@@ -40,23 +40,25 @@ def test_steps_tokens_flops_and_loss_of_a_job() -> None:
     metrics = JobMetrics(registry)
     live(metrics)
     assert value(registry, "pitstop_scheduler_job_steps_total", job_id="j1") == 0
-    batch = [
-        sample(r, s, tokens=100, loss=float(r + s), model_flops=600.0, peak_flops=1e3)
-        for s in (1, 2)
-        for r in (0, 1)
+    # Two nodes, each summarizing two steps of its ranks.
+    both = [
+        summary(node, 2, tokens=200, model_flops=1200.0, peak_flops=1e3, loss_step=2, loss=loss)
+        for node, loss in (("n0", 2.0), ("n1", 3.0))
     ]
-    metrics.observe_steps("j1", 1, batch, released=batch)
+    metrics.observe_summaries("j1", 1, both)
     assert value(registry, "pitstop_scheduler_job_steps_total", job_id="j1") == 2
     assert value(registry, "pitstop_scheduler_job_tokens_total", job_id="j1") == 400
     assert value(registry, "pitstop_scheduler_job_model_flops_total", job_id="j1") == 2400
-    assert value(registry, "pitstop_scheduler_job_peak_flops", job_id="j1") == 2e3  # two GPUs
+    assert value(registry, "pitstop_scheduler_job_peak_flops", job_id="j1") == 2e3  # two nodes
     assert value(registry, "pitstop_scheduler_job_loss", job_id="j1") == 2.5  # step 2: 2, 3
-    # A late batch of an older step counts its tokens, not its step again.
-    metrics.observe_steps("j1", 1, [sample(2, 2, tokens=100)], released=[])
+    # A late summary of an older step counts its tokens, not its step again; a node's
+    # peak is replaced, not added.
+    metrics.observe_summaries("j1", 1, [summary("n0", 2, tokens=100, peak_flops=1e3)])
     assert value(registry, "pitstop_scheduler_job_steps_total", job_id="j1") == 2
     assert value(registry, "pitstop_scheduler_job_tokens_total", job_id="j1") == 500
+    assert value(registry, "pitstop_scheduler_job_peak_flops", job_id="j1") == 2e3
     # A new generation restored at step 1: step 2 is done again and counts again.
-    metrics.observe_steps("j1", 2, [sample(0, 2), sample(0, 3)], released=[])
+    metrics.observe_summaries("j1", 2, [summary("n0", 3)], restore_step=1)
     assert value(registry, "pitstop_scheduler_job_steps_total", job_id="j1") == 4
 
 
@@ -64,7 +66,7 @@ def test_a_script_that_states_no_flops_exports_no_mfu_inputs() -> None:
     registry = CollectorRegistry()
     metrics = JobMetrics(registry)
     live(metrics)
-    metrics.observe_steps("j1", 1, [sample(0, 1, tokens=10)], released=[])
+    metrics.observe_summaries("j1", 1, [summary("n0", 1, tokens=10)])
     assert value(registry, "pitstop_scheduler_job_model_flops_total", job_id="j1") is None
     assert value(registry, "pitstop_scheduler_job_peak_flops", job_id="j1") is None
 

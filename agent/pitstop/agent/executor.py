@@ -66,7 +66,13 @@ class RankChannel(Protocol):
     """What the commands need of the local endpoint: commands to ranks, generations."""
 
     async def send_command(self, job_id: str, rank: int, command: rank_pb2.RankCommand) -> bool: ...
-    def set_generation(self, job_id: str, generation: int, restore_step: int) -> None: ...
+    def set_generation(
+        self,
+        job_id: str,
+        generation: int,
+        restore_step: int,
+        windows: agent_pb2.StepWindows | None = None,
+    ) -> None: ...
     async def assign_standby(
         self, job_id: str, assignment: rank_pb2.StandbyAssignment, pid: int | None = None
     ) -> bool: ...
@@ -205,7 +211,9 @@ class CommandExecutor:
             self._beat_soon()  # the heartbeat lists them: the scheduler sees them at once
             return ""
         # Before the start, so a rank that attaches at once sees its generation.
-        self._local.set_generation(start.job_id, start.generation, start.restore_step)
+        self._local.set_generation(
+            start.job_id, start.generation, start.restore_step, start.step_windows
+        )
         started = await self._supervisor.start_ranks(start)
         log.info("job %s generation %d: started ranks %s", start.job_id, start.generation, started)
         return ""
@@ -222,7 +230,7 @@ class CommandExecutor:
 
     async def _reconfigure(self, message: agent_pb2.SchedulerMessage) -> str:
         new = message.reconfigure
-        self._local.set_generation(new.job_id, new.generation, new.restore_step)
+        self._local.set_generation(new.job_id, new.generation, new.restore_step, new.step_windows)
         adopted, taken = await self._hand_to_standbys(new)
         # The ranks taken over (or started afresh) here join the new generation on their
         # own; those already running here are told.

@@ -34,14 +34,14 @@ from pitstop.v1 import agent_pb2, common_pb2
 log = logging.getLogger(__name__)
 
 STEP_FLUSH_SAMPLES = 1024
-"""Buffered step samples that trigger a batch before the next heartbeat."""
+"""Step samples folded since the last summary that send one before the next heartbeat."""
 STEP_POLL_SECONDS = 0.1
 
 
 class StepSource(Protocol):
-    """What the heartbeats need of the step batcher."""
+    """What the heartbeats need of the step summarizer."""
 
-    def drain(self) -> list[agent_pb2.StepTimes]: ...
+    def drain(self) -> list[agent_pb2.StepSummary]: ...
     @property
     def pending(self) -> int: ...
     @property
@@ -180,17 +180,18 @@ class Heartbeats:
         self._beat_now.set()
 
     def flush_steps(self) -> None:
-        """Send the step times waiting in the batcher, and count the samples it dropped."""
+        """Send the step summaries of what the ranks reported since the last flush, and
+        count the window summaries dropped."""
         dropped = self._steps.dropped
         if dropped > self._dropped_seen:
             self._metrics.samples_dropped.labels(self._settings.node_id).inc(
                 dropped - self._dropped_seen
             )
             self._dropped_seen = dropped
-        for batch in self._steps.drain():
-            self._send(step_times=batch)
-            self._metrics.steps_reported.labels(self._settings.node_id, batch.job_id).inc(
-                len(batch.samples)
+        for summary in self._steps.drain():
+            self._send(step_summary=summary)
+            self._metrics.steps_reported.labels(self._settings.node_id, summary.job_id).inc(
+                summary.samples
             )
 
     # Xids

@@ -27,10 +27,10 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from pitstop.agent.gpu.base import FaultNotSupported, GpuBackend
 from pitstop.agent.rankclient import RANK_KEY_ENV, RANK_KEY_METADATA
-from pitstop.agent.steps import StepBatcher
+from pitstop.agent.steps import StepSummarizer
 from pitstop.agent.supervisor import RankSupervisor
 from pitstop.rpcguard import refusing
-from pitstop.v1 import rank_pb2, rank_pb2_grpc
+from pitstop.v1 import agent_pb2, rank_pb2, rank_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class LocalEndpoint:
         socket_path: Path,
         backend: GpuBackend,
         supervisor: RankSupervisor,
-        steps: StepBatcher,
+        steps: StepSummarizer,
         checkpointd_address: str = "",
         allow_fault_injection: bool = True,
     ) -> None:
@@ -152,9 +152,17 @@ class LocalEndpoint:
         except TimeoutError:
             return None
 
-    def set_generation(self, job_id: str, generation: int, restore_step: int) -> None:
-        """The generation and restore step Attach answers for `job_id`."""
+    def set_generation(
+        self,
+        job_id: str,
+        generation: int,
+        restore_step: int,
+        windows: agent_pb2.StepWindows | None = None,
+    ) -> None:
+        """The generation and restore step Attach answers for `job_id`; `windows`: how
+        its step times are folded (the job's straggler policy)."""
         self._generations[job_id] = (generation, restore_step)
+        self.steps.expect(job_id, generation, restore_step, windows)
 
     async def assign_standby(
         self, job_id: str, assignment: rank_pb2.StandbyAssignment, pid: int | None = None

@@ -26,7 +26,7 @@ from pitstop.agent.identity import enroll, identity_for, keep_renewed
 from pitstop.agent.link import SchedulerLink
 from pitstop.agent.local import LocalEndpoint
 from pitstop.agent.metrics import AgentMetrics, MetricsServer
-from pitstop.agent.steps import StepBatcher
+from pitstop.agent.steps import StepSummarizer
 from pitstop.agent.supervisor import RankSupervisor
 from pitstop.v1 import agent_pb2
 
@@ -39,14 +39,14 @@ EXIT_CANNOT_START = 1
 
 class NodeAgent:
     """Every part of one agent, wired together: GPU backend, rank supervisor, local
-    endpoint, step batcher, metrics, the checkpoint daemon's watch and the scheduler
+    endpoint, step summarizer, metrics, the checkpoint daemon's watch and the scheduler
     link. It owns `backend`."""
 
     def __init__(self, settings: AgentSettings, backend: GpuBackend) -> None:
         self.settings = settings
         self.backend = backend
         self.metrics = AgentMetrics(settings.node_id)
-        self.steps = StepBatcher()
+        self.steps = StepSummarizer()
         self.identity = identity_for(settings.state_dir, settings.node_id) if settings.tls else None
         self.supervisor = RankSupervisor(
             settings.node_id,

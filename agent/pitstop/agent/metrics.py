@@ -101,13 +101,14 @@ class AgentMetrics:
         )
         self.steps_reported = Counter(
             _PREFIX + "steps_reported_total",
-            "Step samples sent to the scheduler.",
+            "Step samples summarized and sent to the scheduler.",
             ("node", "job_id"),
             registry=r,
         )
         self.samples_dropped = Counter(
             _PREFIX + "step_samples_dropped_total",
-            "Step samples dropped because the buffer was full (scheduler unreachable).",
+            "Straggler-window summaries dropped because the buffer was full (scheduler "
+            "unreachable).",
             node,
             registry=r,
         )

@@ -1,68 +1,207 @@
-"""Step-time batching: ranks report every step, the agent ships them per node in batches.
+"""Step telemetry folded on the node: ranks report every step, the agent sends summaries.
 
-Ranks report faster than the scheduler needs to hear, so samples wait here until the
-agent's next batch. The buffer is bounded: when the scheduler link is down for long,
-the oldest samples go first (straggler statistics want the recent ones) and the drops
-are counted so the loss is visible in the metrics.
+Each rank reports each step to its agent. The agent folds them, per job and generation,
+into one `StepSummary` per flush: the node's slowest and newest step, the tokens and
+FLOPs since the last summary, the loss, and the straggler windows its ranks completed
+(`RankWindow`: per rank and window, the steps reported, their median and maximum time).
+What crosses the wire and lands in Redis grows with the nodes and the windows, not with
+ranks x steps: at 100,000 ranks and 20-step windows, one record per rank per 20 steps.
+
+The windows are the job's straggler policy's (the StartRanks or Reconfigure that began
+the generation names them; the defaults otherwise), counted from the generation's first
+step, so every node cuts the same windows and the scheduler judges them side by side.
+Window summaries wait for the next flush in a bounded buffer: when the scheduler link is
+down for long, the oldest go first and are counted.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
+from pitstop.health.straggler import RankWindowSummary, StragglerPolicy, WindowFold
 from pitstop.v1 import agent_pb2
 
-DEFAULT_MAX_SAMPLES = 4096
+DEFAULT_MAX_WINDOWS = 65536
+LOSSES_KEPT = 8
+"""Recent (step, loss) pairs kept per rank: enough to find every rank's loss at the
+node's slowest step while ranks are a step or two apart."""
 
 
-class StepBatcher:
-    """Buffers step samples of every rank on the node until the next `drain`.
+@dataclass
+class _Generation:
+    """One job's generation on this node."""
+
+    generation: int
+    fold: WindowFold
+    newest: dict[int, int] = field(default_factory=dict)
+    """Each rank's newest step."""
+    losses: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
+    peaks: dict[int, float] = field(default_factory=dict)
+    # Since the last summary:
+    samples: int = 0
+    tokens: int = 0
+    model_flops: float = 0.0
+    ended: agent_pb2.StepSample | None = None
+    restored: list[agent_pb2.RankRestored] = field(default_factory=list)
+    told: bool = False
+    """A summary of this generation went out (its ranks count stays news until then)."""
+
+
+class StepSummarizer:
+    """Folds the step samples of every rank on the node until the next `drain`.
 
     Not thread-safe: used from the agent's event loop only.
     """
 
-    def __init__(self, max_samples: int = DEFAULT_MAX_SAMPLES) -> None:
-        if max_samples < 1:
-            raise ValueError(f"max_samples {max_samples}: use at least 1")
-        self._samples: deque[tuple[str, int, agent_pb2.StepSample]] = deque()
-        self._max_samples = max_samples
+    def __init__(self, max_windows: int = DEFAULT_MAX_WINDOWS) -> None:
+        if max_windows < 1:
+            raise ValueError(f"max_windows {max_windows}: use at least 1")
+        self._max_windows = max_windows
+        self._jobs: dict[str, _Generation] = {}
+        self._expected: dict[str, tuple[int, int, StragglerPolicy]] = {}
+        """Per job: the generation its last command began, its first step, its windows."""
+        self._windows: deque[tuple[str, int, RankWindowSummary]] = deque()
+        self._pending = 0
         self._dropped = 0
-        self._newest: dict[str, int] = {}  # job id -> the newest generation it stepped in
+
+    def expect(
+        self,
+        job_id: str,
+        generation: int,
+        restore_step: int,
+        windows: agent_pb2.StepWindows | None = None,
+    ) -> None:
+        """Generation `generation` of `job_id` starts after `restore_step`, its windows as
+        `windows` says (unset fields: the policy's defaults)."""
+        defaults = StragglerPolicy()
+        policy = StragglerPolicy(
+            window_steps=(windows.window_steps if windows else 0) or defaults.window_steps,
+            warmup_steps=(
+                windows.warmup_steps
+                if windows is not None and windows.HasField("warmup_steps")
+                else defaults.warmup_steps
+            ),
+        )
+        self._expected[job_id] = (generation, restore_step + 1, policy)
 
     def add(self, job_id: str, generation: int, sample: agent_pb2.StepSample) -> bool:
-        """Buffer one sample of `job_id` at `generation`; past `max_samples` the oldest
-        buffered sample is dropped and counted. True for the job's first sample in a
-        generation newer than any before (it got going: worth reporting at once)."""
-        self._samples.append((job_id, generation, sample))
-        while len(self._samples) > self._max_samples:
-            self._samples.popleft()
-            self._dropped += 1
-        if generation <= self._newest.get(job_id, -1):
+        """Fold in one sample of `job_id` at `generation`; a sample of an older generation
+        than the job's newest here is dropped. True for the job's first sample in a newer
+        generation (it got going: worth reporting at once)."""
+        current = self._jobs.get(job_id)
+        news = False
+        if current is None or generation > current.generation:
+            expected = self._expected.get(job_id)
+            if expected is not None and expected[0] == generation:
+                fold = WindowFold(expected[2], start_step=expected[1])
+            else:  # not told (an agent restarted mid-generation): the defaults
+                fold = WindowFold(StragglerPolicy())
+            current = self._jobs[job_id] = _Generation(generation, fold)
+            news = True
+        elif generation < current.generation:
             return False
-        if len(self._newest) >= self._max_samples:  # jobs come and go: forget the oldest
-            del self._newest[next(iter(self._newest))]
-        self._newest[job_id] = generation
-        return True
+        self._pending += 1
+        current.samples += 1
+        current.tokens += sample.tokens
+        if sample.model_flops > 0:
+            current.model_flops += sample.model_flops
+        if sample.peak_flops > 0:
+            current.peaks[sample.rank] = sample.peak_flops
+        rank = sample.rank
+        if sample.step >= current.newest.get(rank, -1):
+            current.newest[rank] = sample.step
+            losses = current.losses.get(rank)
+            if losses is None:
+                losses = current.losses[rank] = deque(maxlen=LOSSES_KEPT)
+            losses.append((sample.step, sample.loss))
+            if current.ended is None or sample.time.ToNanoseconds() >= (
+                current.ended.time.ToNanoseconds()
+            ):
+                current.ended = sample
+        if sample.HasField("restored_at"):
+            current.restored.append(
+                agent_pb2.RankRestored(
+                    rank=rank,
+                    restored_at=sample.restored_at,
+                    restored_from=sample.restored_from,
+                )
+            )
+        for window in current.fold.add(sample):
+            self._windows.append((job_id, generation, window))
+            if len(self._windows) > self._max_windows:
+                self._windows.popleft()
+                self._dropped += 1
+        return news
 
-    def drain(self) -> list[agent_pb2.StepTimes]:
-        """Every buffered sample, one StepTimes per (job, generation) in order of first
-        arrival, samples in arrival order; the buffer is empty afterwards."""
-        batches: dict[tuple[str, int], agent_pb2.StepTimes] = {}
-        for job_id, generation, sample in self._samples:
-            batch = batches.get((job_id, generation))
-            if batch is None:
-                batch = agent_pb2.StepTimes(job_id=job_id, generation=generation)
-                batches[(job_id, generation)] = batch
-            batch.samples.append(sample)
-        self._samples.clear()
-        return list(batches.values())
+    def drain(self) -> list[agent_pb2.StepSummary]:
+        """A summary of each job with news since the last drain (steps, or a generation
+        not told yet); the news is cleared."""
+        windows: dict[str, list[RankWindowSummary]] = {}
+        for job_id, generation, window in self._windows:
+            current = self._jobs.get(job_id)
+            if current is not None and current.generation == generation:
+                windows.setdefault(job_id, []).append(window)
+        self._windows.clear()
+        self._pending = 0
+        summaries = []
+        for job_id, current in self._jobs.items():
+            done = windows.get(job_id, [])
+            if not current.samples and not done and current.told:
+                continue
+            summaries.append(_summary(job_id, current, done))
+            current.samples, current.tokens, current.model_flops = 0, 0, 0.0
+            current.restored = []
+            current.told = True
+        return summaries
 
     @property
     def pending(self) -> int:
-        """Samples buffered now."""
-        return len(self._samples)
+        """Samples folded since the last drain."""
+        return self._pending
 
     @property
     def dropped(self) -> int:
-        """Samples dropped since start because the buffer was full."""
+        """Window summaries dropped since start because the buffer was full."""
         return self._dropped
+
+
+def _summary(
+    job_id: str, current: _Generation, windows: list[RankWindowSummary]
+) -> agent_pb2.StepSummary:
+    slowest = min(current.newest.values(), default=0)
+    losses = [
+        loss
+        for kept in current.losses.values()
+        for step, loss in kept
+        if step == slowest and loss == loss  # not NaN
+    ]
+    summary = agent_pb2.StepSummary(
+        job_id=job_id,
+        generation=current.generation,
+        ranks=len(current.newest),
+        slowest_step=slowest,
+        newest_step=max(current.newest.values(), default=0),
+        samples=current.samples,
+        tokens=current.tokens,
+        model_flops=current.model_flops,
+        peak_flops=sum(current.peaks.values()),
+        loss_step=slowest if losses else 0,
+        loss=sum(losses) / len(losses) if losses else 0.0,
+        windows=[
+            agent_pb2.RankWindow(
+                rank=w.rank,
+                window=w.window,
+                steps=w.steps,
+                timed=w.timed,
+                median_seconds=w.median_seconds,
+                max_seconds=w.max_seconds,
+                first_step=w.first_step,
+            )
+            for w in windows
+        ],
+        restored=current.restored,
+    )
+    if current.ended is not None and current.ended.HasField("time"):
+        summary.time.CopyFrom(current.ended.time)
+    return summary

@@ -80,15 +80,75 @@ class StepSample(_message.Message):
     restored_from: str
     def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., checkpoint_step: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model_flops: _Optional[float] = ..., peak_flops: _Optional[float] = ..., restored_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., restored_from: _Optional[str] = ...) -> None: ...
 
-class StepTimes(_message.Message):
-    __slots__ = ("job_id", "generation", "samples")
+class StepSummary(_message.Message):
+    __slots__ = ("job_id", "generation", "node_id", "ranks", "slowest_step", "newest_step", "samples", "tokens", "model_flops", "peak_flops", "loss_step", "loss", "time", "windows", "restored")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SLOWEST_STEP_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_STEP_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    PEAK_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
-    samples: _containers.RepeatedCompositeFieldContainer[StepSample]
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., samples: _Optional[_Iterable[_Union[StepSample, _Mapping]]] = ...) -> None: ...
+    node_id: str
+    ranks: int
+    slowest_step: int
+    newest_step: int
+    samples: int
+    tokens: int
+    model_flops: float
+    peak_flops: float
+    loss_step: int
+    loss: float
+    time: _timestamp_pb2.Timestamp
+    windows: _containers.RepeatedCompositeFieldContainer[RankWindow]
+    restored: _containers.RepeatedCompositeFieldContainer[RankRestored]
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., node_id: _Optional[str] = ..., ranks: _Optional[int] = ..., slowest_step: _Optional[int] = ..., newest_step: _Optional[int] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., model_flops: _Optional[float] = ..., peak_flops: _Optional[float] = ..., loss_step: _Optional[int] = ..., loss: _Optional[float] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., windows: _Optional[_Iterable[_Union[RankWindow, _Mapping]]] = ..., restored: _Optional[_Iterable[_Union[RankRestored, _Mapping]]] = ...) -> None: ...
+
+class RankWindow(_message.Message):
+    __slots__ = ("rank", "window", "steps", "timed", "median_seconds", "max_seconds", "first_step")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    TIMED_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    window: int
+    steps: int
+    timed: int
+    median_seconds: float
+    max_seconds: float
+    first_step: int
+    def __init__(self, rank: _Optional[int] = ..., window: _Optional[int] = ..., steps: _Optional[int] = ..., timed: _Optional[int] = ..., median_seconds: _Optional[float] = ..., max_seconds: _Optional[float] = ..., first_step: _Optional[int] = ...) -> None: ...
+
+class RankRestored(_message.Message):
+    __slots__ = ("rank", "restored_at", "restored_from")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_AT_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    restored_at: _timestamp_pb2.Timestamp
+    restored_from: str
+    def __init__(self, rank: _Optional[int] = ..., restored_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., restored_from: _Optional[str] = ...) -> None: ...
+
+class StepWindows(_message.Message):
+    __slots__ = ("window_steps", "warmup_steps")
+    WINDOW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_STEPS_FIELD_NUMBER: _ClassVar[int]
+    window_steps: int
+    warmup_steps: int
+    def __init__(self, window_steps: _Optional[int] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
 
 class RankExited(_message.Message):
     __slots__ = ("job_id", "generation", "rank", "exit_code", "signal", "time", "stderr_tail", "result")
@@ -128,22 +188,22 @@ class CommandAck(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("seq", "register", "heartbeat", "xid", "step_times", "rank_exited", "ack")
+    __slots__ = ("seq", "register", "heartbeat", "xid", "step_summary", "rank_exited", "ack")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     XID_FIELD_NUMBER: _ClassVar[int]
-    STEP_TIMES_FIELD_NUMBER: _ClassVar[int]
+    STEP_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     RANK_EXITED_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     seq: int
     register: Register
     heartbeat: Heartbeat
     xid: _common_pb2.XidEvent
-    step_times: StepTimes
+    step_summary: StepSummary
     rank_exited: RankExited
     ack: CommandAck
-    def __init__(self, seq: _Optional[int] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., xid: _Optional[_Union[_common_pb2.XidEvent, _Mapping]] = ..., step_times: _Optional[_Union[StepTimes, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., xid: _Optional[_Union[_common_pb2.XidEvent, _Mapping]] = ..., step_summary: _Optional[_Union[StepSummary, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node_id", "heartbeat_interval_seconds", "role", "state", "refresh_interval_seconds")
@@ -160,7 +220,7 @@ class Registered(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., role: _Optional[_Union[_common_pb2.NodeRole, str]] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., refresh_interval_seconds: _Optional[float] = ...) -> None: ...
 
 class StartRanks(_message.Message):
-    __slots__ = ("job_id", "generation", "command", "env", "working_dir", "rank_map", "rendezvous_address", "restore_step", "standby_gpus", "beside_ranks")
+    __slots__ = ("job_id", "generation", "command", "env", "working_dir", "rank_map", "rendezvous_address", "restore_step", "standby_gpus", "beside_ranks", "step_windows")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +238,7 @@ class StartRanks(_message.Message):
     RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
     STANDBY_GPUS_FIELD_NUMBER: _ClassVar[int]
     BESIDE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     command: _containers.RepeatedScalarFieldContainer[str]
@@ -188,7 +249,8 @@ class StartRanks(_message.Message):
     restore_step: int
     standby_gpus: _containers.RepeatedScalarFieldContainer[int]
     beside_ranks: bool
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., standby_gpus: _Optional[_Iterable[int]] = ..., beside_ranks: _Optional[bool] = ...) -> None: ...
+    step_windows: StepWindows
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., standby_gpus: _Optional[_Iterable[int]] = ..., beside_ranks: _Optional[bool] = ..., step_windows: _Optional[_Union[StepWindows, _Mapping]] = ...) -> None: ...
 
 class StopRanks(_message.Message):
     __slots__ = ("job_id", "ranks", "grace_seconds", "reason")
@@ -203,20 +265,22 @@ class StopRanks(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., grace_seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Reconfigure(_message.Message):
-    __slots__ = ("job_id", "generation", "rank_map", "rendezvous_address", "restore_step", "adopted_ranks")
+    __slots__ = ("job_id", "generation", "rank_map", "rendezvous_address", "restore_step", "adopted_ranks", "step_windows")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_MAP_FIELD_NUMBER: _ClassVar[int]
     RENDEZVOUS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
     ADOPTED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     rank_map: _common_pb2.RankMap
     rendezvous_address: str
     restore_step: int
     adopted_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., adopted_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    step_windows: StepWindows
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., adopted_ranks: _Optional[_Iterable[int]] = ..., step_windows: _Optional[_Union[StepWindows, _Mapping]] = ...) -> None: ...
 
 class PauseJob(_message.Message):
     __slots__ = ("job_id", "generation")

@@ -173,21 +173,51 @@ class HotState:
     def steps_key(self, job_id: str) -> str:
         return f"{self.prefix}steps:{job_id}"
 
-    async def record_step_times(self, batch: agent_pb2.StepTimes, keep: int = 100_000) -> None:
-        """Append a node's batch to the job's capped step-time stream (one entry a batch)."""
-        if not batch.job_id or not batch.samples:
-            return
-        await self.redis.xadd(
-            self.steps_key(batch.job_id),
-            {"batch": batch.SerializeToString()},
-            maxlen=keep // 8,
-            approximate=True,
-        )
+    def windows_key(self, job_id: str) -> str:
+        return f"{self.prefix}step-windows:{job_id}"
 
-    async def read_step_batches(
+    async def record_step_summary(
+        self, summary: agent_pb2.StepSummary, keep: int = 100_000
+    ) -> None:
+        """Append a node's step summary to the job's capped stream (one entry a summary)
+        and, when it closed straggler windows, those to the job's window stream too: one
+        summary in about a window's steps carries any, and a page that opens the job
+        reads back that far for its heatmap."""
+        if not summary.job_id:
+            return
+        if not summary.windows:
+            await self.redis.xadd(
+                self.steps_key(summary.job_id),
+                {"batch": summary.SerializeToString()},
+                maxlen=keep,
+                approximate=True,
+            )
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(
+                self.steps_key(summary.job_id),
+                {"batch": summary.SerializeToString()},
+                maxlen=keep,
+                approximate=True,
+            )
+            windows = agent_pb2.StepSummary(
+                job_id=summary.job_id,
+                generation=summary.generation,
+                node_id=summary.node_id,
+                windows=summary.windows,
+            )
+            pipe.xadd(
+                self.windows_key(summary.job_id),
+                {"batch": windows.SerializeToString()},
+                maxlen=keep,
+                approximate=True,
+            )
+            await pipe.execute()
+
+    async def read_step_summaries(
         self, cursors: dict[str, str], count: int = 10_000
-    ) -> list[tuple[str, str, agent_pb2.StepTimes]]:
-        """(job id, entry id, batch) for the batches after each job's cursor entry id."""
+    ) -> list[tuple[str, str, agent_pb2.StepSummary]]:
+        """(job id, entry id, summary) for the summaries after each job's cursor entry id."""
         if not cursors:
             return []
         streams: dict[Any, Any] = {self.steps_key(job): last for job, last in cursors.items()}
@@ -197,7 +227,7 @@ class HotState:
             job_id = _text(key).rsplit(":", 1)[1]
             for entry_id, fields in entries:
                 batches.append(
-                    (job_id, _text(entry_id), agent_pb2.StepTimes.FromString(fields[b"batch"]))
+                    (job_id, _text(entry_id), agent_pb2.StepSummary.FromString(fields[b"batch"]))
                 )
         return batches
 

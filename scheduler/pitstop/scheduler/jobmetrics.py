@@ -4,7 +4,7 @@ goodput, stragglers) and what each recovery cost, phase by phase.
 Labels are per job (`job_id`: `job` is the label Prometheus gives every target), never
 per rank: a 100,000-rank job is a handful of series. The
 leader sets them from what it reads anyway (the live jobs' rows every follow tick, the
-step samples in Redis); no other process exports any, and a leader that loses the lease
+step summaries in Redis); no other process exports any, and a leader that loses the lease
 drops them (`forget_all`), so a former leader never shows a job frozen in time. Counters
 count what this process saw while it led: dashboards take rate() and sum by job.
 
@@ -44,7 +44,7 @@ class _Seen:
     generation: int = -1
     step: int = 0  # the newest step reported, as the job's row keeps it
     counted_step: int = 0  # the newest step counted in this generation
-    peaks: dict[int, float] = field(default_factory=dict)  # rank -> stated peak FLOP/s
+    peaks: dict[str, float] = field(default_factory=dict)  # node -> its ranks' stated peak
     resumed_until: float | None = None  # the newest ended_at of an incident observed
     restored_until: float = 0.0  # the newest restored_at of an incident observed
 
@@ -181,44 +181,43 @@ class JobMetrics:
         if sum(parts) > 0:
             self.goodput.labels(job_id).set(float(goodput.get("ratio", 0.0)))
 
-    def observe_steps(
+    def observe_summaries(
         self,
         job_id: str,
         generation: int,
-        samples: Sequence[agent_pb2.StepSample],
-        released: Sequence[agent_pb2.StepSample],
+        summaries: Sequence[agent_pb2.StepSummary],
+        restore_step: int = 0,
     ) -> None:
-        """Fresh step samples of the job's current generation; `released`: those every
-        rank has reached, in step order (the loss is read from them)."""
-        if not samples:
+        """Fresh step summaries of the job's current generation (`restore_step`: the
+        step it started after)."""
+        if not summaries:
             return
         seen = self._seen.setdefault(job_id, _Seen())
         if seen.generation != generation:
-            # The first steps of a generation follow its restore step.
             seen.generation, seen.peaks = generation, {}
-            seen.counted_step = min(s.step for s in samples) - 1
-        newest = max(s.step for s in samples)
+            seen.counted_step = restore_step
+        newest = max(s.newest_step for s in summaries)
         seen.step = max(seen.step, newest)
         self.step.labels(job_id).set(seen.step)
         if newest > seen.counted_step:
             self.steps.labels(job_id).inc(newest - seen.counted_step)
             seen.counted_step = newest
-        tokens = sum(s.tokens for s in samples)
+        tokens = sum(s.tokens for s in summaries)
         if tokens:
             self.tokens.labels(job_id).inc(tokens)
-        flops = sum(s.model_flops for s in samples if s.model_flops > 0)
+        flops = sum(s.model_flops for s in summaries if s.model_flops > 0)
         if flops:
             self.model_flops.labels(job_id).inc(flops)
-        for sample in samples:
-            if sample.peak_flops > 0:
-                seen.peaks[sample.rank] = sample.peak_flops
+        for summary in summaries:
+            if summary.peak_flops > 0:
+                seen.peaks[summary.node_id] = summary.peak_flops
         if seen.peaks:
             self.peak_flops.labels(job_id).set(sum(seen.peaks.values()))
-        ended = max((_epoch(s) for s in samples), default=0.0)
+        ended = max((_epoch(s) for s in summaries), default=0.0)
         self.last_step_time.labels(job_id).set(ended or time.time())
-        if released:
-            last = released[-1].step
-            losses = [s.loss for s in released if s.step == last]
+        last = max(s.loss_step for s in summaries)
+        if last:
+            losses = [s.loss for s in summaries if s.loss_step == last]
             self.loss.labels(job_id).set(sum(losses) / len(losses))
 
     def observe_ranks(self, job_id: str, *, step_seconds: float, stragglers: int) -> None:
@@ -281,8 +280,8 @@ class JobMetrics:
             self.forget(job_id)
 
 
-def _epoch(sample: agent_pb2.StepSample) -> float:
-    return sample.time.seconds + sample.time.nanos / 1e9 if sample.HasField("time") else 0.0
+def _epoch(summary: agent_pb2.StepSummary) -> float:
+    return summary.time.seconds + summary.time.nanos / 1e9 if summary.HasField("time") else 0.0
 
 
 def _remove(metric: MetricWrapperBase, *labels: str) -> None:

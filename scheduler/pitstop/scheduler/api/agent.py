@@ -334,8 +334,10 @@ class AgentServicer:
                 await health_service.record_xid(
                     session, node_id, message.xid, now=dt.datetime.now(dt.UTC)
                 )
-        elif kind == "step_times":
-            await self.hot.record_step_times(message.step_times)
+        elif kind == "step_summary":
+            summary = message.step_summary
+            summary.node_id = node_id  # the stream's node, whatever the agent wrote
+            await self.hot.record_step_summary(summary)
         elif kind == "rank_exited":
             exited = message.rank_exited
             how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"

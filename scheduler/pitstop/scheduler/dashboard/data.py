@@ -8,6 +8,7 @@ and builds what the page draws. Nothing here decides or writes.
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -29,13 +30,18 @@ from pitstop.v1 import agent_pb2, common_pb2
 
 RECENT_EVENTS = 300
 JOBS_SHOWN = 50
-HEATMAP_STEPS = 40
-"""Steps the per-rank step-time heatmap covers."""
+HEATMAP_WINDOWS = 40
+"""Straggler windows the per-rank step-time heatmap covers."""
 LOSS_POINTS = 2000
 """Steps the loss curve keeps (the newest)."""
-FIRST_READ_BATCHES = 4000
-"""Step batches read when a page first asks for a job: enough for the heatmap's window
-on a large job (one batch per node per flush), bounded for a huge one."""
+RATE_SECONDS = 60.0
+"""The step and token rates are over the last this many seconds of summaries."""
+FIRST_READ_SUMMARIES = 4000
+"""Step summaries read when a page first asks for a job: a recent stretch on a large job
+(one summary per node per flush), bounded for a huge one."""
+FIRST_READ_WINDOWS = 20_000
+"""Window entries read then: the heatmap's 40 windows of a 500-node job, 8 of a
+2,500-node one (one entry per node per window, about 250 bytes for 8 ranks)."""
 
 _VERDICTS: dict[int, str] = {
     common_pb2.HEALTH_VERDICT_UNSPECIFIED: "unknown",
@@ -244,108 +250,127 @@ async def events_after(store: Store, after_id: int) -> list[dict[str, Any]]:
 
 
 @dataclass
-class _Step:
-    times: dict[int, float] = field(default_factory=dict)
-    losses: list[float] = field(default_factory=list)
-    tokens: int = 0
-    ended: float = 0.0
-
-
-@dataclass
 class StepFeed:
     """A job's recent steps for one page: what is new since it last asked. Keeps the
-    heatmap's window and the loss curve, reads only the batches it has not seen."""
+    heatmap's windows (each rank's median step time in each straggler window) and the
+    loss curve, reads only the node summaries it has not seen."""
 
     job_id: str
     cursor: str = ""
-    steps: dict[int, _Step] = field(default_factory=dict)
-    loss: dict[int, float] = field(default_factory=dict)
+    windows_cursor: str = ""
+    windows: dict[int, dict[int, float]] = field(default_factory=dict)
+    """First step of a window -> rank -> its median step time."""
+    span: int = 0
+    """Steps a window covers."""
+    losses: dict[int, list[float]] = field(default_factory=dict)
+    """Step -> the nodes' mean losses at it."""
+    progress: deque[tuple[float, int, int]] = field(default_factory=deque)
+    """(ended, newest step, tokens) of the summaries of the last RATE_SECONDS."""
     started: bool = False
 
-    async def read(self, hot: HotState) -> list[agent_pb2.StepTimes]:
-        key = hot.steps_key(self.job_id)
-        entries: list[Any]
-        if not self.cursor:
-            newest = await hot.redis.xrevrange(key, count=FIRST_READ_BATCHES)
-            entries = list(reversed(cast(list[Any], newest or [])))
-        else:
-            entries = cast(
-                list[Any], await hot.redis.xrange(key, min=f"({self.cursor}", count=20_000)
-            )
-        batches = []
-        for entry_id, fields in entries or []:
-            self.cursor = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-            batches.append(agent_pb2.StepTimes.FromString(fields[b"batch"]))
-        return batches
+    async def read(self, hot: HotState) -> list[agent_pb2.StepSummary]:
+        """The summaries not read yet: of the steps stream (progress, loss, tokens) and
+        of the window stream (the windows: one summary in about a window's steps has
+        any, so the first read reaches much further back there)."""
+        summaries, self.cursor = await _read_stream(
+            hot, hot.steps_key(self.job_id), self.cursor, FIRST_READ_SUMMARIES
+        )
+        for summary in summaries:
+            del summary.windows[:]
+        windows, self.windows_cursor = await _read_stream(
+            hot, hot.windows_key(self.job_id), self.windows_cursor, FIRST_READ_WINDOWS
+        )
+        return summaries + windows
 
-    def add(self, batches: Iterable[agent_pb2.StepTimes]) -> set[int]:
-        """Fold batches in; returns the steps they touched that are still in the window."""
-        touched: set[int] = set()
-        for batch in batches:
-            for sample in batch.samples:
-                step = self.steps.setdefault(sample.step, _Step())
-                step.times[sample.rank] = sample.step_seconds
-                if sample.loss == sample.loss:  # not NaN
-                    step.losses.append(sample.loss)
-                step.tokens += sample.tokens
-                step.ended = max(step.ended, sample.time.ToMilliseconds() / 1000.0)
-                touched.add(sample.step)
-        for number in sorted(self.steps)[:-HEATMAP_STEPS]:
-            del self.steps[number]
-            touched.discard(number)
-        for number in touched:
-            losses = self.steps[number].losses
-            if losses:
-                self.loss[number] = statistics.fmean(losses)
-        for number in sorted(self.loss)[:-LOSS_POINTS]:
-            del self.loss[number]
-        return touched
+    def add(self, summaries: Iterable[agent_pb2.StepSummary]) -> tuple[set[int], set[int]]:
+        """Fold summaries in; returns the windows (first steps) and the loss steps they
+        touched that are still kept."""
+        windows: set[int] = set()
+        losses: set[int] = set()
+        for summary in summaries:
+            for window in summary.windows:
+                self.windows.setdefault(window.first_step, {})[window.rank] = window.median_seconds
+                self.span = max(self.span, window.steps)
+                windows.add(window.first_step)
+            if summary.loss_step and summary.loss == summary.loss:  # not NaN
+                self.losses.setdefault(summary.loss_step, []).append(summary.loss)
+                losses.add(summary.loss_step)
+            if summary.HasField("time"):
+                ended = summary.time.ToMilliseconds() / 1000.0
+                self.progress.append((ended, summary.newest_step, summary.tokens))
+        for first in sorted(self.windows)[:-HEATMAP_WINDOWS]:
+            del self.windows[first]
+            windows.discard(first)
+        for number in sorted(self.losses)[:-LOSS_POINTS]:
+            del self.losses[number]
+            losses.discard(number)
+        if self.progress:
+            newest = max(ended for ended, _, _ in self.progress)
+            while self.progress and self.progress[0][0] < newest - RATE_SECONDS:
+                self.progress.popleft()
+        return windows, losses
 
     async def update(self, hot: HotState, world_size: int) -> dict[str, Any] | None:
-        """What changed since the last update: heatmap columns of the steps that got
-        samples, their loss, the rates. The first update has the whole window and loss
-        curve; None when nothing is new."""
+        """What changed since the last update: heatmap columns of the windows that got
+        summaries, the loss of the steps that did, the rates. The first update has every
+        window and the loss curve; None when nothing is new."""
         first, self.started = not self.started, True
-        touched = self.add(await self.read(hot))
-        if not touched and not first:
+        summaries = await self.read(hot)
+        windows, losses = self.add(summaries)
+        if not summaries and not first:
             return None
-        shown = sorted(self.steps) if first else sorted(touched)
+        shown = sorted(self.windows) if first else sorted(windows)
         columns = [
             {
                 "step": number,
                 "times": [
-                    None if (t := self.steps[number].times.get(rank)) is None else round(t, 4)
+                    None if (t := self.windows[number].get(rank)) is None else round(t, 4)
                     for rank in range(world_size)
                 ],
             }
             for number in shown
         ]
-        loss = (
-            sorted(self.loss.items())
-            if first
-            else [(n, self.loss[n]) for n in shown if n in self.loss]
-        )
+        loss_steps = sorted(self.losses) if first else sorted(losses)
         return {
             "job": self.job_id,
             "reset": first,
-            "window": HEATMAP_STEPS,
+            "window": HEATMAP_WINDOWS,
+            "span": self.span,
             "columns": columns,
-            "loss": [[n, round(v, 6)] for n, v in loss],
-            **_rates(self.steps),
+            "loss": [[n, round(statistics.fmean(self.losses[n]), 6)] for n in loss_steps],
+            **_rates(self.progress),
         }
 
 
-def _rates(steps: dict[int, _Step]) -> dict[str, float]:
-    """Step rate and tokens per second over the window's complete steps."""
-    ended = sorted((n, s) for n, s in steps.items() if s.ended)
-    if len(ended) < 2:
+async def _read_stream(
+    hot: HotState, key: str, cursor: str, first: int
+) -> tuple[list[agent_pb2.StepSummary], str]:
+    """The summaries of stream `key` after entry `cursor` (the newest `first`, for none
+    yet), and the new cursor."""
+    entries: list[Any]
+    if not cursor:
+        newest = await hot.redis.xrevrange(key, count=first)
+        entries = list(reversed(cast(list[Any], newest or [])))
+    else:
+        entries = cast(list[Any], await hot.redis.xrange(key, min=f"({cursor}", count=20_000))
+    summaries = []
+    for entry_id, fields in entries or []:
+        cursor = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        summaries.append(agent_pb2.StepSummary.FromString(fields[b"batch"]))
+    return summaries, cursor
+
+
+def _rates(progress: deque[tuple[float, int, int]]) -> dict[str, float]:
+    """Step rate and tokens per second over the summaries kept."""
+    if len(progress) < 2:
         return {"steps_per_second": 0.0, "tokens_per_second": 0.0}
-    (_, first), (_, last) = ended[0], ended[-1]
-    span = last.ended - first.ended
+    ordered = sorted(progress)
+    (start, first_step, _), (end, last_step, _) = ordered[0], ordered[-1]
+    span = end - start
     if span <= 0:
         return {"steps_per_second": 0.0, "tokens_per_second": 0.0}
-    tokens = sum(s.tokens for _, s in ended[1:])
+    tokens = sum(tokens for _, _, tokens in ordered[1:])
     return {
-        "steps_per_second": round((len(ended) - 1) / span, 3),
+        "steps_per_second": round(max(0, last_step - first_step) / span, 3),
         "tokens_per_second": round(tokens / span, 1),
     }

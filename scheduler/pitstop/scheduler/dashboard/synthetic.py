@@ -20,10 +20,11 @@ Node ids start with the job id, so several fleets can share a database.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from google.protobuf import json_format, timestamp_pb2
+from google.protobuf import json_format
 
+from pitstop.health.straggler import StragglerPolicy, WindowFold
 from pitstop.scheduler.db import models
 from pitstop.scheduler.db.engine import session_factory
 from pitstop.scheduler.domain import JobState, NodeRole, NodeState
@@ -41,12 +42,25 @@ PP = 5
 """The job's pipeline-parallel size; its data-parallel size is ranks / (GPUS * PP)."""
 STEPS = 40
 """Steps of step times recorded for every rank."""
+
+
 INCIDENTS = 3
 STRAGGLER_RANK = 1234
 """The straggling rank (taken modulo the rank count in a smaller job)."""
 SPARE_SHARE = 50
 """One node in this many, the last ones, is a spare."""
 _STATES = {7: NodeState.UNHEALTHY, 8: NodeState.LOST, 9: NodeState.CORDONED}
+
+
+class StepSampleOf(NamedTuple):
+    """What the window fold reads of a step sample."""
+
+    rank: int
+    step: int
+    step_seconds: float
+    checkpoint_step: bool = False
+
+
 """Of every 100 nodes, these are not ready."""
 
 
@@ -141,21 +155,37 @@ async def seed_fleet(
         session.add_all(job_rows)
 
     slow = straggler(ranks)
-    ended = timestamp_pb2.Timestamp()
     for node in range(ranks // GPUS):
-        batch = agent_pb2.StepTimes(job_id=job_id, generation=1)
+        # What a node's agent sends each step: its ranks' steps folded into windows.
+        fold = WindowFold(StragglerPolicy(window_steps=1, warmup_steps=0), start_step=1)
+        ranks_here = range(node * GPUS, (node + 1) * GPUS)
         for step in range(1, STEPS + 1):
-            ended.FromMilliseconds(int((now - 60 + step) * 1000))
-            for rank in range(node * GPUS, (node + 1) * GPUS):
-                batch.samples.add(
-                    rank=rank,
-                    step=step,
-                    step_seconds=1.0 + (0.6 if rank == slow else 0.001 * (rank % 7)),
-                    loss=8.0 / step,
-                    tokens=4096,
-                    time=ended,
-                )
-        await scheduler.hot.record_step_times(batch)
+            summary = agent_pb2.StepSummary(
+                job_id=job_id,
+                generation=1,
+                node_id=node_id(job_id, node),
+                ranks=GPUS,
+                slowest_step=step,
+                newest_step=step,
+                samples=GPUS,
+                tokens=4096 * GPUS,
+                loss_step=step,
+                loss=8.0 / step,
+            )
+            summary.time.FromMilliseconds(int((now - 60 + step) * 1000))
+            for rank in ranks_here:
+                seconds = 1.0 + (0.6 if rank == slow else 0.001 * (rank % 7))
+                for w in fold.add(StepSampleOf(rank, step, seconds)):
+                    summary.windows.add(
+                        rank=w.rank,
+                        window=w.window,
+                        steps=w.steps,
+                        timed=w.timed,
+                        median_seconds=w.median_seconds,
+                        max_seconds=w.max_seconds,
+                        first_step=w.first_step,
+                    )
+            await scheduler.hot.record_step_summary(summary)
     await scheduler.hot.set_rank_stats(
         job_id,
         [

@@ -76,6 +76,7 @@ class JobMessages:
             rank_map=rank_map,
             rendezvous_address=start.rendezvous_address,
             restore_step=start.restore_step,
+            step_windows=start.step_windows,
         )
         if command.action is NodeAction.ADOPT:
             reconfigure.adopted_ranks.extend(a.rank for a in self.placement.ranks_on(node_id))
@@ -120,6 +121,9 @@ def start_command(
     spec = spec_from_json(job.spec)
     rank0 = placement.ranks[0].node_id
     port = rendezvous_port(job.id, job.generation)
+    windows = agent_pb2.StepWindows(window_steps=spec.straggler.window_steps)
+    if spec.straggler.HasField("warmup_steps"):
+        windows.warmup_steps = spec.straggler.warmup_steps
     return agent_pb2.StartRanks(
         job_id=job.id,
         generation=job.generation,
@@ -128,6 +132,7 @@ def start_command(
         working_dir=spec.working_dir,
         rendezvous_address=f"{hosts.get(rank0) or rank0}:{port}",
         restore_step=restore_step,
+        step_windows=windows,
     )
 
 

@@ -1,13 +1,13 @@
-"""Following the jobs' steps: the step-time streams in Redis feed each job's straggler
-detector, move a starting or recovering job to RUNNING once its generation steps, and
-keep the goodput account fresh."""
+"""Following the jobs' steps: the nodes' step summaries in Redis feed each job's
+straggler detector, move a starting or recovering job to RUNNING once its generation
+steps, advance its step to where its slowest rank is, and keep the goodput account
+fresh. The agents fold their ranks' steps (pitstop.agent.steps), so what is read here
+grows with the nodes and the straggler windows, not with ranks x steps."""
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -34,70 +34,40 @@ from pitstop.scheduler.topology import Placement
 from pitstop.v1 import agent_pb2
 
 GOODPUT_REFRESH_SECONDS = 1.0
-STEP_HOLD_SECONDS = 5.0
-"""Longest a step sample waits for the job's other ranks before the detector sees it."""
 RANK_STATS_SECONDS = 2.0
 """Per-rank statistics are published (and the typical step time worked out) at most this
-often, and at once when a straggler is flagged or cleared: every rank's window is sorted
-for them, 100,000 ranks at full scale, which every follow pass (5 a second) did."""
+often, and at once when a straggler is flagged or cleared: every rank's windows are
+sorted for them, 100,000 ranks at full scale."""
 
 
-class StepOrder:
-    """Node batches arrive at different times, so one node's ranks can be reported far
-    ahead of another's. The straggler detector judges a window once it sees later steps,
-    so it gets the samples in step order: those at or below the step every one of the
-    job's ranks has reached, and any held for `hold` seconds (a dead or silent rank must
-    not hold the rest back for longer than it takes to notice it).
+@dataclass
+class NodeSteps:
+    """Where one node's ranks of a job stand in the current generation."""
 
-    Each sample is handled a bounded number of times (a heap by step, a queue by
-    arrival, a lazy heap of the ranks' newest steps): the leader did a pass over every
-    held sample and every rank per batch read, most of its CPU at 2,500 nodes."""
+    ranks: int = 0
+    slowest: int = 0
+    newest: int = 0
 
-    def __init__(self) -> None:
-        self.rank_max: dict[int, int] = {}
-        """Each rank's newest step seen."""
-        self._by_step: list[tuple[int, int, agent_pb2.StepSample]] = []
-        self._by_arrival: deque[tuple[float, int, int]] = deque()  # (arrived, step, seq)
-        self._held: set[int] = set()  # seqs not released yet
-        self._lowest: list[tuple[int, int]] = []  # (step, rank), stale entries skipped
-        self._seq = itertools.count()
 
-    def release(
-        self, fresh: list[agent_pb2.StepSample], world_size: int, now: float, hold: float
-    ) -> list[agent_pb2.StepSample]:
-        """The samples now due, in step order (arrival order within a step)."""
-        for sample in fresh:
-            if sample.step > self.rank_max.get(sample.rank, -1):
-                self.rank_max[sample.rank] = sample.step
-                heapq.heappush(self._lowest, (sample.step, sample.rank))
-            seq = next(self._seq)
-            heapq.heappush(self._by_step, (sample.step, seq, sample))
-            self._by_arrival.append((now, sample.step, seq))
-            self._held.add(seq)
-        lowest = self._everyone()  # called always: it also drops the stale entries
-        everyone = lowest if len(self.rank_max) >= world_size else 0
-        overdue = 0
-        arrivals = self._by_arrival
-        # Oldest first: those released by step already leave; the overdue leave and
-        # are released below (the frontier reaches their step).
-        while arrivals and (arrivals[0][2] not in self._held or arrivals[0][0] + hold <= now):
-            _, step, seq = arrivals.popleft()
-            if seq in self._held:
-                overdue = max(overdue, step)
-        frontier = max(everyone, overdue)
-        ready = []
-        while self._by_step and self._by_step[0][0] <= frontier:
-            _, seq, sample = heapq.heappop(self._by_step)
-            ready.append(sample)
-            self._held.discard(seq)
-        return ready
+@dataclass
+class StepRate:
+    """The job's step time from its progress, before any straggler window closed."""
 
-    def _everyone(self) -> int:
-        """The step every rank has reached."""
-        lowest = self._lowest
-        while lowest and self.rank_max.get(lowest[0][1]) != lowest[0][0]:
-            heapq.heappop(lowest)  # that rank has stepped on since
-        return lowest[0][0] if lowest else 0
+    first: tuple[float, int] | None = None  # (epoch seconds, step)
+    last: tuple[float, int] | None = None
+
+    def add(self, at: float, step: int) -> None:
+        if at <= 0:
+            return
+        if self.first is None:
+            self.first = (at, step)
+        if self.last is None or step > self.last[1]:
+            self.last = (at, step)
+
+    def seconds(self) -> float:
+        if self.first is None or self.last is None or self.last[1] <= self.first[1]:
+            return 0.0
+        return (self.last[0] - self.first[0]) / (self.last[1] - self.first[1])
 
 
 @dataclass
@@ -108,8 +78,9 @@ class JobWatch:
     stream_id: str = "0-0"
     detector: StragglerDetector | None = None
     detector_generation: int = 0
-    # Samples held back until every rank has reached their step.
-    order: StepOrder = field(default_factory=StepOrder)
+    # Each node's ranks of this generation, by node id.
+    nodes: dict[str, NodeSteps] = field(default_factory=dict)
+    rate: StepRate = field(default_factory=StepRate)
     goodput_at: float = 0.0
     stats_at: float = 0.0
     placement: Placement | None = None
@@ -124,13 +95,17 @@ class JobWatch:
     restored_told: bool = False
 
     def step_seconds(self) -> float:
-        """The job's typical step time: the median of its ranks' medians (0 if unknown),
-        as of the last statistics published."""
+        """The job's typical step time: the median of its ranks' medians as of the last
+        statistics published; before a window closed, from its progress (0 if unknown)."""
         if self.detector is None:
             return 0.0
         if not self.typical_step_seconds:
             self.typical_step_seconds = typical(self.detector.stats())
-        return self.typical_step_seconds
+        return self.typical_step_seconds or self.rate.seconds()
+
+    def reported(self) -> int:
+        """Ranks of the generation that have reported a step."""
+        return sum(node.ranks for node in self.nodes.values())
 
 
 def typical(stats: list[RankStats]) -> float:
@@ -195,26 +170,24 @@ class StepFollower:
         if not jobs:
             return
         cursors = {j: self.watch(j).stream_id for j in jobs}
-        samples: dict[str, list[agent_pb2.StepSample]] = {}
-        for job_id, entry_id, batch in await self.leader.hot.read_step_batches(cursors):
+        summaries: dict[str, list[agent_pb2.StepSummary]] = {}
+        for job_id, entry_id, summary in await self.leader.hot.read_step_summaries(cursors):
             self.watches[job_id].stream_id = entry_id
-            if batch.generation == jobs[job_id].generation:
-                samples.setdefault(job_id, []).extend(batch.samples)
-        for job_id, fresh in samples.items():
-            newest = max(s.step for s in fresh)
-            await self._observe(jobs[job_id], self.watches[job_id], fresh, newest)
+            if summary.generation == jobs[job_id].generation:
+                summaries.setdefault(job_id, []).append(summary)
+        for job_id, fresh in summaries.items():
+            await self._observe(jobs[job_id], self.watches[job_id], fresh)
 
     async def _observe(
-        self, job: models.Job, watch: JobWatch, samples: list[agent_pb2.StepSample], newest: int
+        self, job: models.Job, watch: JobWatch, summaries: list[agent_pb2.StepSummary]
     ) -> None:
         leader = self.leader
         spec = spec_from_json(job.spec)
-        if watch.detector is None or watch.detector_generation != job.generation:
-            watch.detector = StragglerDetector(StragglerPolicy.from_proto(spec.straggler))
-            watch.detector_generation = job.generation
-            watch.order, watch.findings = StepOrder(), []
+        if watch.detector_generation != job.generation:
+            watch.detector, watch.detector_generation = None, job.generation
+            watch.nodes, watch.rate, watch.findings = {}, StepRate(), []
             watch.restored, watch.restored_told = {}, False
-        detector = watch.detector
+        newest = max(s.newest_step for s in summaries)
         async with leader.store.write() as session:
             row = await locked_job(leader, session, job.id)
             if row is None or row.generation != job.generation:
@@ -224,12 +197,26 @@ class StepFollower:
                 watch.placement = await self.leader.rank_maps.of(session, row)
                 watch.placement_generation = row.generation
             placement = watch.placement
-            released = watch.order.release(
-                samples, placement.world_size, leader.clock(), STEP_HOLD_SECONDS
-            )
-            watch.findings += detector.observe(released)
+            if watch.detector is None:
+                watch.detector = StragglerDetector(
+                    StragglerPolicy.from_proto(spec.straggler),
+                    start_step=row.restore_step + 1,
+                    world_size=placement.world_size,
+                )
+            detector = watch.detector
+            for summary in summaries:
+                node = watch.nodes.setdefault(summary.node_id, NodeSteps())
+                node.ranks = max(node.ranks, summary.ranks)
+                node.slowest = max(node.slowest, summary.slowest_step)
+                node.newest = max(node.newest, summary.newest_step)
+                if summary.HasField("time"):
+                    watch.rate.add(summary.time.ToNanoseconds() / 1e9, summary.newest_step)
+            watch.findings += detector.observe_windows(w for s in summaries for w in s.windows)
             findings = list(watch.findings)
-            row.current_step = max(row.current_step, newest)
+            # The job is where its slowest rank is, once every rank has reported.
+            if watch.reported() >= placement.world_size:
+                slowest = min(node.slowest for node in watch.nodes.values())
+                row.current_step = max(row.current_step, slowest)
             changed = False
             # A job waiting for capacity keeps its generation: the survivors' last steps
             # of it are no sign that it recovered.
@@ -247,7 +234,7 @@ class StepFollower:
                 )
                 set_deadline(row, None)
                 changed = True
-            if _record_restored(session, row, watch, samples, placement.world_size):
+            if _record_restored(session, row, watch, summaries, placement.world_size):
                 changed = True
             account = None
             if changed or leader.clock() >= watch.goodput_at:
@@ -265,7 +252,7 @@ class StepFollower:
                 )
         watch.findings = []  # committed
         metrics = leader.metrics.job
-        metrics.observe_steps(job.id, job.generation, samples, released)
+        metrics.observe_summaries(job.id, job.generation, summaries, job.restore_step)
         if account is not None:
             metrics.observe_account(job.id, account)
         if leader.clock() < watch.stats_at and not findings:
@@ -311,7 +298,7 @@ def _record_restored(
     session: AsyncSession,
     job: models.Job,
     watch: JobWatch,
-    samples: list[agent_pb2.StepSample],
+    summaries: list[agent_pb2.StepSummary],
     world_size: int,
 ) -> bool:
     """Once every rank of the generation has reported a step, record when the last of
@@ -319,11 +306,11 @@ def _record_restored(
     the recovery's resume there into restore and re-form. True when recorded."""
     if watch.restored_told:
         return False
-    for sample in samples:
-        if sample.HasField("restored_at"):
-            at = sample.restored_at.ToNanoseconds() / 1e9
-            watch.restored[sample.rank] = (at, sample.restored_from or "unknown")
-    if not watch.restored or len(watch.order.rank_max) < world_size:
+    for summary in summaries:
+        for told in summary.restored:
+            at = told.restored_at.ToNanoseconds() / 1e9
+            watch.restored[told.rank] = (at, told.restored_from or "unknown")
+    if not watch.restored or watch.reported() < world_size:
         return False
     if job.state is not JobState.RUNNING:
         return False

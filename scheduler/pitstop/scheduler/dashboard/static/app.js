@@ -21,6 +21,7 @@ const state = {
   detail: null,           // the selected job
   columns: new Map(),     // step -> per-rank seconds (heatmap)
   window: 40,
+  span: 1,                // steps a heatmap column covers (a straggler window)
   loss: new Map(),        // step -> loss
   events: [],
   kinds: new Set(),
@@ -309,6 +310,7 @@ function onSteps(message) {
   if (message.job !== state.job) return;
   if (message.reset) { state.columns.clear(); state.loss.clear(); }
   state.window = message.window;
+  state.span = message.span || 1;
   for (const column of message.columns) state.columns.set(column.step, column.times);
   const steps = [...state.columns.keys()].sort((a, b) => a - b);
   for (const old of steps.slice(0, Math.max(0, steps.length - state.window))) state.columns.delete(old);
@@ -381,7 +383,7 @@ $("heatmap").addEventListener("mousemove", (e) => {
   if (step === undefined || !r) { tip.style.display = "none"; return; }
   const t = state.columns.get(step)[rank];
   tip.textContent = `rank ${r[0]} on ${r[1]} (${[r[2], r[3], r[4]].filter(Boolean).join("/")}; dp ${r[5]} pp ${r[6]} tp ${r[7]})` +
-    ` · step ${step}: ${t === null || t === undefined ? "—" : `${t.toFixed(3)} s`}${r[8] ? " · straggler" : ""}`;
+    ` · ${state.span > 1 ? `steps ${step}–${step + state.span - 1}, median` : `step ${step}`}: ${t === null || t === undefined ? "—" : `${t.toFixed(3)} s`}${r[8] ? " · straggler" : ""}`;
   tip.style.display = "block";
   tip.style.left = `${e.clientX - box.left + 12}px`;
   tip.style.top = `${e.clientY - box.top + 24}px`;
