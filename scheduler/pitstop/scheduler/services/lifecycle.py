@@ -121,14 +121,11 @@ async def write_generation(
     not the job's 100,000)."""
     if before is None:
         before = await rank_map(session, job)
-    old = {slot.rank: slot for slot in before.ranks}
-    new = {slot.rank: slot for slot in placement.ranks}
-    gone = [rank for rank, slot in old.items() if new.get(rank) != slot]
-    added = [slot for rank, slot in new.items() if old.get(rank) != slot]
+    gone, added = map_delta(before, placement)
     job.generation += 1
     await session.flush()  # the job's row first
     a, booking = models.RankAssignment, models.GpuBooking
-    if len(gone) == len(old):  # everything moves (or goes): no list of ranks to name
+    if len(gone) == len(before.ranks):  # everything moves (or goes): no list of ranks to name
         await session.execute(
             update(a).where(a.job_id == job.id, a.current()).values(until_generation=job.generation)
         )
@@ -172,6 +169,23 @@ async def write_generation(
             for s in added
         ],
     )
+
+
+def map_delta(before: Placement, after: Placement) -> tuple[list[int], list[RankSlot]]:
+    """The ranks whose slot changed or went, and the slots that changed or came. A
+    repair keeps every other slot object as it was, and both maps are in rank order, so
+    one pass side by side with an identity test settles most (a dict of each and a
+    field-by-field comparison took about 55 ms of a decision at 100,000 ranks)."""
+    if len(before.ranks) == len(after.ranks):
+        changed = [(a, b) for a, b in zip(before.ranks, after.ranks, strict=True) if a is not b]
+        changed = [(a, b) for a, b in changed if a != b]
+        if all(a.rank == b.rank for a, b in changed):
+            return [a.rank for a, _ in changed], [b for _, b in changed]
+    old = {slot.rank: slot for slot in before.ranks}
+    new = {slot.rank: slot for slot in after.ranks}
+    gone = [rank for rank, slot in old.items() if new.get(rank) != slot]
+    added = [slot for rank, slot in new.items() if old.get(rank) != slot]
+    return gone, added
 
 
 async def release_gpus(session: AsyncSession, job_id: str) -> None:
