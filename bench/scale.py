@@ -14,8 +14,8 @@ come), each with its own channel and `AgentService.Connect` stream, as an agent 
 Register (inventory, labels, role); a look every heartbeat interval the scheduler gives
 (1 s), sending a heartbeat (node health with 8 GPUs, the running ranks) when what it
 says changed and at least every refresh interval (5 s), and its ranks' new steps
-summarized per node (and a window summary per rank every 20 steps); a CommandAck for every command; gRPC's keepalive pings answered in
-its core.
+summarized per node (and a window summary per rank every 20 steps); a CommandAck for
+every command; gRPC's keepalive pings answered in its core.
 
 Phases, each measured over --window seconds of wall time:
 
@@ -536,52 +536,66 @@ class SimNode:
         self.heartbeat()
 
 
+RELAY = """
+import asyncio, sys
+
+async def pump(reader, writer):
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        writer.close()
+
+async def main(host, port):
+    async def relay(reader, writer):
+        up_reader, up_writer = await asyncio.open_connection(host, port)
+        tasks.update(
+            asyncio.create_task(pump(*ends)) for ends in ((reader, up_writer), (up_reader, writer))
+        )
+    tasks = set()
+    server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.Event().wait()
+
+host, port = sys.argv[1].rsplit(":", 1)
+asyncio.run(main(host, int(port)))
+"""
+"""A TCP relay, run as a process of its own: in the simulator's busy event loop it
+delayed every keepalive ping of its node (all 11 false losses of a 2,568-node run were
+nodes behind one, none of the 2,544 others)."""
+
+
 class Cable:
-    """A TCP relay between one simulated node and its scheduler: `cut` stops every byte
-    both ways and closes nothing, as a cut network or a host that lost power (no FIN, no
-    reset): only the stream's keepalive pings can tell."""
+    """A TCP relay between one simulated node and its scheduler, in a process of its own:
+    `cut` stops it (SIGSTOP), so every byte stops both ways and nothing is closed, as a
+    cut network or a host that lost power (no FIN, no reset): only the stream's
+    keepalive pings can tell."""
 
     def __init__(self, target: str) -> None:
-        host, port = target.rsplit(":", 1)
-        self.host, self.port = host, int(port)
+        self.target = target
         self.is_cut = False
-        self._forever = asyncio.Event()  # never set
-        self._server: asyncio.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-        self._pumps: set[asyncio.Task[None]] = set()
+        self._process: asyncio.subprocess.Process | None = None
 
     async def start(self) -> str:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        port = self._server.sockets[0].getsockname()[1]
+        self._process = await asyncio.create_subprocess_exec(
+            *dying_with_parent([sys.executable, "-c", RELAY, self.target]),  # killed with us
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert self._process.stdout is not None
+        port = int(await self._process.stdout.readline())
         return f"127.0.0.1:{port}"
 
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
-        self._writers += [writer, up_writer]
-        for source, sink in ((reader, up_writer), (up_reader, writer)):
-            task = asyncio.create_task(self._pump(source, sink))
-            self._pumps.add(task)
-            task.add_done_callback(self._pumps.discard)
-
-    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError, asyncio.CancelledError):
-            while data := await source.read(65536):
-                if self.is_cut:
-                    await self._forever.wait()  # the bytes go nowhere; the sockets stay open
-                sink.write(data)
-                await sink.drain()
-            sink.close()
-
     def cut(self) -> None:
+        assert self._process is not None
         self.is_cut = True
+        os.kill(self._process.pid, signal.SIGSTOP)
 
     def close(self) -> None:
-        for task in list(self._pumps):
-            task.cancel()
-        for writer in self._writers:
-            writer.close()
-        if self._server is not None:
-            self._server.close()
+        if self._process is not None and self._process.returncode is None:
+            self._process.kill()  # a stopped process dies of SIGKILL too
 
 
 class NodeCertificates:
@@ -1068,8 +1082,20 @@ class Run:
         return Window(self.stores, self.schedulers, self.fleet)
 
     def job_nodes(self) -> set[str]:
+        """The nodes in the job's newest generation. A node the scheduler declared lost
+        (a false loss) and replaced was never told to stop: it still holds an older
+        generation, and is not counted (it was, so the expected fan-out grew and a
+        "failure" of it decided nothing)."""
         assert self.fleet is not None
-        return {n.node_id for n in self.fleet.nodes if self.job_id in n.jobs}
+        newest = max(
+            (n.jobs[self.job_id].generation for n in self.fleet.nodes if self.job_id in n.jobs),
+            default=0,
+        )
+        return {
+            n.node_id
+            for n in self.fleet.nodes
+            if self.job_id in n.jobs and n.jobs[self.job_id].generation == newest
+        }
 
     async def start_job(self) -> dict[str, Any]:
         assert self.fleet is not None
@@ -1120,10 +1146,11 @@ class Run:
         """Inject one failure on a node of the job; detect, decide, fan-out, resume."""
         assert self.fleet is not None
         assert self.events is not None
+        in_job = self.job_nodes()
         candidates = [
             n
             for n in self.fleet.nodes
-            if self.job_id in n.jobs
+            if n.node_id in in_job
             and not n.dead
             and not n.hung
             and n.unhealthy_gpu is None
@@ -1292,6 +1319,11 @@ async def measure_size(root: Path, n: int, args: argparse.Namespace) -> dict[str
         out["roles"] = [s.role for s in run.schedulers]
         out["false_losses"] = await asyncio.to_thread(run.false_losses)
         assert run.fleet is not None
+        # Those whose traffic passes through a relay of this process (the nodes a silent
+        # death can cut): the relay adds its own latency to every keepalive ping.
+        relayed = {n.node_id for n in run.fleet.nodes if n.cable is not None}
+        out["false_losses_relayed"] = sorted(set(out["false_losses"]) & relayed)
+        out["relayed_nodes"] = len(relayed)
         out["command_bytes_max"] = max(run.fleet.command_bytes.values(), default=None)
         out["loadavg_end"] = load()
         out["summary"] = size_summary(out)
