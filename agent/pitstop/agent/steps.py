@@ -188,18 +188,7 @@ def _summary(
         peak_flops=sum(current.peaks.values()),
         loss_step=slowest if losses else 0,
         loss=sum(losses) / len(losses) if losses else 0.0,
-        windows=[
-            agent_pb2.RankWindow(
-                rank=w.rank,
-                window=w.window,
-                steps=w.steps,
-                timed=w.timed,
-                median_seconds=w.median_seconds,
-                max_seconds=w.max_seconds,
-                first_step=w.first_step,
-            )
-            for w in windows
-        ],
+        windows=[w.to_proto() for w in windows],
         restored=current.restored,
     )
     if current.ended is not None and current.ended.HasField("time"):

@@ -58,7 +58,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pitstop.v1 import jobs_pb2
+from pitstop.v1 import agent_pb2, jobs_pb2
 
 MAD_SCALE = 1.4826
 """Makes the MAD a consistent estimate of the standard deviation of normal data."""
@@ -134,6 +134,18 @@ class RankWindowSummary:
     """Median and maximum of the usable times (0 when `timed` is 0)."""
     first_step: int = 0
     """The window's first step number."""
+
+    def to_proto(self) -> agent_pb2.RankWindow:
+        """The wire form, as an agent sends it in its StepSummary."""
+        return agent_pb2.RankWindow(
+            rank=self.rank,
+            window=self.window,
+            steps=self.steps,
+            timed=self.timed,
+            median_seconds=self.median_seconds,
+            max_seconds=self.max_seconds,
+            first_step=self.first_step,
+        )
 
 
 @dataclass(frozen=True)

@@ -175,16 +175,9 @@ async def seed_fleet(
             summary.time.FromMilliseconds(int((now - 60 + step) * 1000))
             for rank in ranks_here:
                 seconds = 1.0 + (0.6 if rank == slow else 0.001 * (rank % 7))
-                for w in fold.add(StepSampleOf(rank, step, seconds)):
-                    summary.windows.add(
-                        rank=w.rank,
-                        window=w.window,
-                        steps=w.steps,
-                        timed=w.timed,
-                        median_seconds=w.median_seconds,
-                        max_seconds=w.max_seconds,
-                        first_step=w.first_step,
-                    )
+                summary.windows.extend(
+                    w.to_proto() for w in fold.add(StepSampleOf(rank, step, seconds))
+                )
             await scheduler.hot.record_step_summary(summary)
     await scheduler.hot.set_rank_stats(
         job_id,
