@@ -103,6 +103,7 @@ from pitstop.client.client import PitstopClient
 from pitstop.client.localcluster.spawning import free_port
 from pitstop.client.localcluster.stores import OwnPostgres, OwnRedis
 from pitstop.client.signals import Terminated, dying_with_parent, exit_code, orderly_exit
+from pitstop.health.straggler import StragglerPolicy
 from pitstop.tls import (
     CertificateAuthority,
     cert_pem,
@@ -153,8 +154,8 @@ class Assignment:
     ranks: list[tuple[int, int]]
     started: float
     restore_step: int
-    window_steps: int = 20
-    warmup_steps: int = 10
+    windows: StragglerPolicy = field(default_factory=StragglerPolicy)
+    """How the node cuts the job's straggler windows (its command says)."""
 
 
 class Fleet:
@@ -449,20 +450,21 @@ class SimNode:
                 loss=2.0,
                 time=stamp(now),
             )
-            counted = job.restore_step + 1 + job.warmup_steps
+            size = job.windows.window_steps
+            counted = job.restore_step + 1 + job.windows.warmup_steps
             for s in range(last + 1, step + 1):
-                if s < counted or (s - counted + 1) % job.window_steps:
+                if s < counted or (s - counted + 1) % size:
                     continue
-                window = (s - counted) // job.window_steps
+                window = (s - counted) // size
                 for r, _ in job.ranks:
                     summary.windows.add(
                         rank=r,
                         window=window,
-                        steps=job.window_steps,
-                        timed=job.window_steps,
+                        steps=size,
+                        timed=size,
                         median_seconds=seconds * random.uniform(0.99, 1.01),
                         max_seconds=seconds * 1.02,
-                        first_step=s - job.window_steps + 1,
+                        first_step=s - size + 1,
                     )
             self.reported_step[job_id] = step
             self.send(step_summary=summary)
@@ -490,10 +492,7 @@ class SimNode:
                         ranks,
                         now,
                         body.restore_step,
-                        body.step_windows.window_steps or 20,
-                        body.step_windows.warmup_steps
-                        if body.step_windows.HasField("warmup_steps")
-                        else 10,
+                        StragglerPolicy.from_step_windows(body.step_windows),
                     )
                     self.reported_step[body.job_id] = body.restore_step
                 else:

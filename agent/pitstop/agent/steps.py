@@ -74,15 +74,7 @@ class StepSummarizer:
     ) -> None:
         """Generation `generation` of `job_id` starts after `restore_step`, its windows as
         `windows` says (unset fields: the policy's defaults)."""
-        defaults = StragglerPolicy()
-        policy = StragglerPolicy(
-            window_steps=(windows.window_steps if windows else 0) or defaults.window_steps,
-            warmup_steps=(
-                windows.warmup_steps
-                if windows is not None and windows.HasField("warmup_steps")
-                else defaults.warmup_steps
-            ),
-        )
+        policy = StragglerPolicy.from_step_windows(windows)
         self._expected[job_id] = (generation, restore_step + 1, policy)
 
     def add(self, job_id: str, generation: int, sample: agent_pb2.StepSample) -> bool:

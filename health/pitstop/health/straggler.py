@@ -180,6 +180,20 @@ class StragglerPolicy:
             )
 
     @classmethod
+    def from_step_windows(cls, windows: agent_pb2.StepWindows | None) -> StragglerPolicy:
+        """How a node cuts a job's windows, as its StartRanks or Reconfigure says (unset
+        fields, or no message: the defaults)."""
+        defaults = cls()
+        if windows is None:
+            return defaults
+        return cls(
+            window_steps=windows.window_steps or defaults.window_steps,
+            warmup_steps=(
+                windows.warmup_steps if windows.HasField("warmup_steps") else defaults.warmup_steps
+            ),
+        )
+
+    @classmethod
     def from_proto(cls, message: jobs_pb2.StragglerPolicy) -> StragglerPolicy:
         """The policy a job asked for; fields left unset (zero) take the defaults."""
         defaults = cls()

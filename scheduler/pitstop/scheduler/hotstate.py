@@ -185,33 +185,18 @@ class HotState:
         reads back that far for its heatmap."""
         if not summary.job_id:
             return
-        if not summary.windows:
-            await self.redis.xadd(
-                self.steps_key(summary.job_id),
-                {"batch": summary.SerializeToString()},
-                maxlen=keep,
-                approximate=True,
-            )
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(
-                self.steps_key(summary.job_id),
-                {"batch": summary.SerializeToString()},
-                maxlen=keep,
-                approximate=True,
-            )
-            windows = agent_pb2.StepSummary(
+        entries = [(self.steps_key(summary.job_id), summary)]
+        if summary.windows:
+            only = agent_pb2.StepSummary(
                 job_id=summary.job_id,
                 generation=summary.generation,
                 node_id=summary.node_id,
                 windows=summary.windows,
             )
-            pipe.xadd(
-                self.windows_key(summary.job_id),
-                {"batch": windows.SerializeToString()},
-                maxlen=keep,
-                approximate=True,
-            )
+            entries.append((self.windows_key(summary.job_id), only))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key, entry in entries:
+                pipe.xadd(key, {"batch": entry.SerializeToString()}, maxlen=keep, approximate=True)
             await pipe.execute()
 
     async def read_step_summaries(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -34,10 +35,45 @@ from pitstop.scheduler.topology import Placement
 from pitstop.v1 import agent_pb2
 
 GOODPUT_REFRESH_SECONDS = 1.0
+WINDOW_HOLD_SECONDS = 5.0
+"""Longest a straggler window waits for the job's other ranks before the detector sees
+it."""
 RANK_STATS_SECONDS = 2.0
 """Per-rank statistics are published (and the typical step time worked out) at most this
 often, and at once when a straggler is flagged or cleared: every rank's windows are
 sorted for them, 100,000 ranks at full scale."""
+
+
+class WindowOrder:
+    """The detector closes a window once any rank has summarized a later one (so that a
+    dead rank holds nothing for ever), but ranks drift apart: a slow rank of a job whose
+    ranks do not wait for each other, or a node whose summaries lag. So the windows go
+    to it in order: window k once every rank has summarized it, or `hold` seconds after
+    its first summary came; a summary of a window already let through goes at once."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, list[agent_pb2.RankWindow]] = {}
+        self._since: dict[int, float] = {}  # window -> when its first summary came
+        self._through = -1  # windows up to this one have gone to the detector
+
+    def release(
+        self, fresh: Iterable[agent_pb2.RankWindow], world_size: int, now: float, hold: float
+    ) -> list[agent_pb2.RankWindow]:
+        ready = []
+        for window in fresh:
+            if window.window <= self._through:
+                ready.append(window)
+            else:
+                self._held.setdefault(window.window, []).append(window)
+                self._since.setdefault(window.window, now)
+        for index in sorted(self._held):
+            held = self._held[index]
+            if len({w.rank for w in held}) < world_size and now - self._since[index] < hold:
+                break
+            ready += self._held.pop(index)
+            del self._since[index]
+            self._through = index
+        return ready
 
 
 @dataclass
@@ -81,6 +117,7 @@ class JobWatch:
     # Each node's ranks of this generation, by node id.
     nodes: dict[str, NodeSteps] = field(default_factory=dict)
     rate: StepRate = field(default_factory=StepRate)
+    order: WindowOrder = field(default_factory=WindowOrder)
     goodput_at: float = 0.0
     stats_at: float = 0.0
     placement: Placement | None = None
@@ -186,6 +223,7 @@ class StepFollower:
         if watch.detector_generation != job.generation:
             watch.detector, watch.detector_generation = None, job.generation
             watch.nodes, watch.rate, watch.findings = {}, StepRate(), []
+            watch.order = WindowOrder()
             watch.restored, watch.restored_told = {}, False
         newest = max(s.newest_step for s in summaries)
         async with leader.store.write() as session:
@@ -211,7 +249,13 @@ class StepFollower:
                 node.newest = max(node.newest, summary.newest_step)
                 if summary.HasField("time"):
                     watch.rate.add(summary.time.ToNanoseconds() / 1e9, summary.newest_step)
-            watch.findings += detector.observe_windows(w for s in summaries for w in s.windows)
+            windows = watch.order.release(
+                (w for s in summaries for w in s.windows),
+                placement.world_size,
+                leader.clock(),
+                WINDOW_HOLD_SECONDS,
+            )
+            watch.findings += detector.observe_windows(windows)
             findings = list(watch.findings)
             # The job is where its slowest rank is, once every rank has reported.
             if watch.reported() >= placement.world_size:

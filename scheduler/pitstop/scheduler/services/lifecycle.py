@@ -177,8 +177,8 @@ def map_delta(before: Placement, after: Placement) -> tuple[list[int], list[Rank
     one pass side by side with an identity test settles most (a dict of each and a
     field-by-field comparison took about 55 ms of a decision at 100,000 ranks)."""
     if len(before.ranks) == len(after.ranks):
-        changed = [(a, b) for a, b in zip(before.ranks, after.ranks, strict=True) if a is not b]
-        changed = [(a, b) for a, b in changed if a != b]
+        pairs = zip(before.ranks, after.ranks, strict=True)
+        changed = [(a, b) for a, b in pairs if a is not b and a != b]
         if all(a.rank == b.rank for a, b in changed):
             return [a.rank for a, _ in changed], [b for _, b in changed]
     old = {slot.rank: slot for slot in before.ranks}
