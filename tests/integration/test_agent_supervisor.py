@@ -9,12 +9,14 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import ForkServerProcess
 from fake_rank import NODE, ExitLog, RankNotices, start_command, wait_gone
 
 from pitstop.agent.forkserver import ForkServerClient
+from pitstop.agent.rankclient import RANK_KEY_ENV
 from pitstop.agent.supervisor import STANDBY_NICE, RankSupervisor
 from pitstop.v1 import agent_pb2
 
@@ -135,6 +137,29 @@ async def test_starts_this_nodes_ranks_with_the_torch_environment(
     assert (terminated.rank, terminated.signal) == (2, signal.SIGTERM)
     assert supervisor.running() == []
     assert (tmp_path / "logs" / "job-env" / "rank-0.log").exists()
+
+
+async def test_a_process_is_let_in_from_the_moment_it_exists(
+    supervisor: RankSupervisor, notices: RankNotices, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank (forked, it runs at once) may call the agent's socket before the
+    supervisor has read its pid: its key is accepted from the moment it exists, for a
+    rank and a standby alike. (A rank refused there exits 1, and its job restarts.)"""
+    accepted: list[bool] = []
+    start = supervisor._start
+
+    async def observed(job_id: str, argv: Any, env: dict[str, str], *rest: Any) -> Any:
+        process = await start(job_id, argv, env, *rest)  # it runs; its pid is not recorded
+        accepted.append(supervisor.started(env[RANK_KEY_ENV]))
+        return process
+
+    monkeypatch.setattr(supervisor, "_start", observed)
+    await supervisor.start_ranks(start_command("job-key", notices, "--hold"))
+    standby = start_command("job-key", notices, "--hold", ranks=(), standby_gpus=[1])
+    await supervisor.start_standbys(standby)
+    assert accepted == [True, True]
+    assert not supervisor.started("not-a-key")
+    assert not supervisor.started("")
 
 
 async def test_reports_exit_code_result_and_log_tail(

@@ -119,6 +119,9 @@ class RankSupervisor:
         # Standby processes by (job id, GPU), and the command that started each job's.
         self._standbys: dict[tuple[str, int], _Rank] = {}
         self._standby_commands: dict[str, agent_pb2.StartRanks] = {}
+        # The keys of the processes being started: a forked child can call the agent's
+        # socket before the fork server's answer (its pid) is read and its entry recorded.
+        self._launching: set[str] = set()
         # Starts and stops run one at a time, so a start never races the stop it follows.
         self._lock = asyncio.Lock()
         self._closed = False
@@ -423,9 +426,10 @@ class RankSupervisor:
         watches (a rank, or a standby): the agent's socket takes calls from those only."""
         if not key:
             return False
-        entries = [*self._ranks.values(), *self._standbys.values()]
-        # Every entry compared, in constant time: timing says nothing about a key.
-        found = [hmac.compare_digest(e.key, key) for e in entries if e.key]
+        keys = [e.key for e in (*self._ranks.values(), *self._standbys.values()) if e.key]
+        keys.extend(self._launching)
+        # Every key compared, in constant time: timing says nothing about a key.
+        found = [hmac.compare_digest(k, key) for k in keys]
         return any(found)
 
     def _rank_env(
@@ -490,7 +494,27 @@ class RankSupervisor:
         what: str,
     ) -> RankProcess:
         """Start `argv` in a session of its own, its output appended to `log_path`
-        (forked by the fork server, when there is one and it takes the command)."""
+        (forked by the fork server, when there is one and it takes the command).
+
+        The process may call the agent's socket at once, so its key is accepted from
+        before it exists; the caller records its entry (which accepts the key from then
+        on) right after this returns, with no await between."""
+        key = env[RANK_KEY_ENV]
+        self._launching.add(key)
+        try:
+            return await self._start(job_id, argv, env, cwd, log_path, what)
+        finally:
+            self._launching.discard(key)
+
+    async def _start(
+        self,
+        job_id: str,
+        argv: Sequence[str],
+        env: dict[str, str],
+        cwd: str | None,
+        log_path: Path,
+        what: str,
+    ) -> RankProcess:
         log = _open_log(log_path, what)
         if self.fork_server is not None:
             log.close()
