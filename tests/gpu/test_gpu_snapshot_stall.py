@@ -4,11 +4,13 @@ memory (cudaMemcpy, the least any copy off the GPU costs).
 
 The snapshot is the trainer's own: `Session.snapshot`, as `Session.commit` calls it when
 a snapshot is due, into a real checkpoint daemon process. On CUDA the session enqueues
-the copies (`SnapshotWriter.snapshot` returns then) and waits for the seal before the
-loop may go on (the next optimizer step must not change the tensors under the copy):
-both times are reported, with the seal's own. The check asserts what a user relies on,
-that the snapshot holds the tensors' bytes; the times are numbers to read, not assertions
-(speed is measured, not asserted, in this project)."""
+the copies into pinned host memory (`SnapshotWriter.snapshot` returns then) and waits
+until they have landed before the loop may go on (the next optimizer step must not
+change the tensors under the copy); the move into the daemon's slot and the seal go on
+in the background. Between snapshots the check waits for the seal, untimed, as a step's
+compute would overlap it. The three times are reported. The check asserts what a user
+relies on, that the snapshot holds the tensors' bytes; the times are numbers to read,
+not assertions (speed is measured, not asserted, in this project)."""
 
 from __future__ import annotations
 
@@ -121,7 +123,7 @@ def test_cuda_snapshot_stall_beside_a_pinned_copy(
     )
     weights = list(model.weights)
     state = TrainState(model)
-    held: list[float] = []  # Session.snapshot: the loop held, the seal included on CUDA
+    held: list[float] = []  # Session.snapshot: the loop held, until the copies landed
     enqueued: list[float] = []  # SnapshotWriter.snapshot: the copies enqueued
     sealed: list[float] = []  # from the snapshot's start to the daemon's seal
     with Session.from_env() as session:
@@ -138,6 +140,7 @@ def test_cuda_snapshot_stall_beside_a_pinned_copy(
             assert saved, f"snapshot of step {step} not saved: see the log above"
             assert session.last_snapshot is not None
             enqueued.append(session.last_snapshot.stall_seconds)
+            session.writer.wait()  # the seal, off the loop: the next step's compute
             sealed.append(session.writer.sealed_seconds)
         snapshot_bytes = session.last_snapshot.size_bytes
         # The last snapshot holds the tensors' bytes: restored onto the GPU, compared there.

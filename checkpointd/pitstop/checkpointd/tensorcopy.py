@@ -211,6 +211,13 @@ class CudaStager:
         self._torch = torch
         self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         self._staging: torch.Tensor | None = None
+        self._landed: Any = None  # the CUDA event of the last stage's copies
+
+    def wait_landed(self) -> None:
+        """Block until the last stage's copies are in pinned host memory: from then on
+        the tensors it was given may change."""
+        if self._landed is not None:
+            self._landed.synchronize()
 
     def stage(
         self, tensors: Mapping[str, Any], layout: ShardLayout, view: memoryview
@@ -229,6 +236,7 @@ class CudaStager:
                 )
             done = torch.cuda.Event()
             done.record(self._stream)
+        self._landed = done
 
         def complete() -> None:
             done.synchronize()

@@ -30,9 +30,10 @@ and flushes happen in the daemon.
 
 CUDA tensors are copied into pinned host memory on a side stream with a CUDA event
 marking completion (tensorcopy.CudaStager); `snapshot` returns once the copies are
-enqueued and the background thread moves them into the slot and seals it. Call `wait()`
-before anything overwrites a snapshotted CUDA tensor (the next optimizer step). That
-path needs a GPU to run.
+enqueued and the background thread moves them into the slot and seals it. Call
+`wait_copied()` before anything overwrites a snapshotted CUDA tensor (the next optimizer
+step): it returns once the copies have landed in pinned memory, not after the seal.
+That path needs a GPU to run.
 
 torch is imported only when a torch tensor is given or a restore returns tensors, so
 the daemon and torch-free callers never import it.
@@ -164,7 +165,8 @@ class SnapshotWriter:
         self._shm_dir = shm_dir
         self._keep = keep_mappings
         self._slots: OrderedDict[str, MappedSlot] = OrderedDict()
-        self._copier = Copier(copy_threads or min(4, os.cpu_count() or 1))
+        self.copy_threads = copy_threads or min(4, os.cpu_count() or 1)
+        self._copier = Copier(self.copy_threads)
         self._background = ThreadPoolExecutor(1, "pitstop-seal")
         self._finishing: Future[None] | None = None
         self._finishing_step = 0
@@ -241,6 +243,13 @@ class SnapshotWriter:
         self._finishing = self._background.submit(self._finish, seal, complete, started)
         self._finishing_step = step
         return SnapshotResult(step, layout.size, time.perf_counter() - started)
+
+    def wait_copied(self) -> None:
+        """Block until the last snapshot's CUDA tensors are copied off the GPU (into
+        pinned host memory): from then on they may change, while the move into the slot
+        and the seal go on in the background. Returns at once when it had none."""
+        if self._cuda is not None:
+            self._cuda.wait_landed()
 
     def wait(self) -> None:
         """Block until the last snapshot is sealed; raise what sealing it raised."""

@@ -485,8 +485,9 @@ class Session:
             result = self.writer.snapshot(state.step, tensors, metadata)
             if self.device.type == "cuda":
                 # The copies run on a side stream; the next optimizer step must not
-                # overwrite the tensors before they land.
-                self.writer.wait()
+                # overwrite the tensors before they land in pinned memory (the move into
+                # the slot and the seal go on in the background, as on the CPU).
+                self.writer.wait_copied()
         except Exception as exc:  # the daemon's trouble must never end the run
             if isinstance(exc, grpc.RpcError):
                 return self._snapshot_failed(state.step, f"{exc.code().name} {exc.details()}")
