@@ -178,3 +178,43 @@ def test_dashboard_benchmark_prints_one_json_line() -> None:
     (render_ms,) = report["render_ms"]
     assert render_ms > 0
     assert result.returncode == (0 if report["met"] else 1)
+
+
+def test_checkpoint_benchmark_prints_one_json_line_and_stops_its_daemons() -> None:
+    """A tiny run of every case: the floors and the peers beside pitstop's stall, the
+    tuned async_save's settings in the output, and no daemon or segment left behind."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    command = [sys.executable, "bench/checkpoint.py", "--sizes-mb", "8", "--sharded-mb", "8"]
+    bench = subprocess.Popen(
+        [*command, "--reps", "1", "--cuda"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        out, err = bench.communicate(timeout=180)
+    finally:
+        bench.kill()
+    assert bench.returncode == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["bench"] == "checkpoint"
+    plain, sharded = report["cases"]["8MB"], report["cases"]["sharded-8MB-per-rank"]
+    for case in (plain, sharded):
+        assert case["memcpy_threads"] >= 1
+        for key in ("memcpy_ms", "memcpy_1thread_ms", "pitstop_stall_ms", "async_save_ms"):
+            assert case[key] > 0, key
+    assert plain["async_save_cold_ms"] > 0
+    assert plain["torch_save_ms"] > 0
+    config = report["async_save_config"]
+    assert config["use_async_staging"] is True
+    assert config["timed_until"] == "staging_completion"
+    assert config["process_group"] == "gloo, one rank"
+    if not report.get("gpu"):
+        assert report["cuda"] == "skipped: torch.cuda.is_available() is False"
+    # Its daemons (node ids bench-a-PID, bench-b-PID) are gone, with their segments.
+    pattern = f"pitstop.checkpointd.main run --node-id bench-[ab]-{bench.pid}"
+    left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+    assert left.stdout == "", f"daemons left running: {left.stdout}"
+    assert list(Path("/dev/shm").glob(f"pitstop-ckpt-bench-[ab]-{bench.pid}-*")) == []
