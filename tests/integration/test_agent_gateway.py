@@ -19,6 +19,7 @@ import redis
 from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
 from google.protobuf import timestamp_pb2
 
+from pitstop.scheduler.services.health import LAST_SEEN_AT
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, nodes_pb2, nodes_pb2_grpc
 
 BEAT = 0.2  # seconds: liveness deadline 2.5 beats
@@ -154,16 +155,28 @@ def test_a_closed_stream_is_lost_and_a_reconnect_is_ready_again(
     assert kinds[:4] == ["node.registered", "node.lost", "node.reconnected", "node.recovered"]
 
 
-def fell_silent_and_was_lost(scheduler: SchedulerThread) -> None:
+def fell_silent_and_was_lost(scheduler: SchedulerThread) -> tuple[Any, float]:
     """An agent that sends one heartbeat on a stream of `scheduler` and then nothing is
-    declared lost at its liveness deadline, and its stream is ended."""
+    declared lost at its liveness deadline, and its stream is ended. Returns the
+    node.lost event and when the heartbeat had been sent."""
     node_id = unique("hung")
     with scheduler.agent_stream(node_id) as agent:
         agent.send(heartbeat=agent_pb2.Heartbeat(health=healthy()))
+        silent_from = time.time()
         lost = wait_for_event(scheduler, node_id, "node.lost")
         assert "liveness deadline" in lost.reason
         with pytest.raises(StopIteration):
             agent.next_command()  # the scheduler ended the stale stream
+    return lost, silent_from
+
+
+def silent_since(lost: Any, silent_from: float, silent_for: float) -> None:
+    """The node.lost event says when the agent was last heard from: no later than it
+    fell silent, and at least `silent_for` before the loss was recorded (what a
+    recovery's goodput account counts as detection, not zero)."""
+    heard = float(lost.attributes[LAST_SEEN_AT])
+    assert heard <= silent_from, (heard, silent_from)
+    assert lost.time.ToNanoseconds() / 1e9 - heard >= silent_for, (lost, heard)
 
 
 def test_a_silent_agent_is_lost_at_its_deadline_and_its_stream_is_closed(
@@ -238,9 +251,11 @@ def test_a_host_gone_silent_is_lost_by_its_streams_keepalive_long_before_any_dea
         assert host.stdout is not None
         assert host.stdout.readline().strip() == "registered"
         registered = wait_for_event(pinging, node_id, "node.registered")
+        stopped_at = time.time()
         host.send_signal(signal.SIGSTOP)
         lost = wait_for_event(pinging, node_id, "node.lost", after=registered.id)
         assert "liveness deadline" not in lost.reason  # the transport saw it, not the scan
+        silent_since(lost, stopped_at, silent_for=1.0)  # a ping unanswered for 1 s
     finally:
         host.send_signal(signal.SIGCONT)
         host.kill()
@@ -265,7 +280,8 @@ def test_the_process_holding_a_silent_stream_judges_it_without_a_leader(
         )
     )
     try:
-        fell_silent_and_was_lost(holding)
+        lost, silent_from = fell_silent_and_was_lost(holding)
+        silent_since(lost, silent_from, silent_for=2 * BEAT)  # the deadline: 2.5 beats
     finally:
         holding.stop()
 

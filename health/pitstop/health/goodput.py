@@ -16,15 +16,15 @@ after a failure. Every decision the scheduler takes to get a job going again is 
 
 A decision event carries its failure (attributes ``incident.failed_at``,
 ``incident.detected_at``, ``incident.lost_steps``, ``incident.cause``, epoch seconds as
-text): the failure itself (a last heartbeat, an Xid, a rank's exit), when the scheduler
-noticed it, and how many steps the restore gives up. The event's own time is when the
-decision committed. Each incident ends one way (:class:`Outcome`): the job steps again
-(``job.recovered``, ``job.running``: resumed), a later decision replaces its plan before
-that (superseded), the job ends first (failed, cancelled; succeeded: its ranks finished
-without reporting a step), or none yet (in progress). Once every rank of the resumed
-generation has reported a step, ``job.restored`` (attribute ``restored_at``) says when
-the last of them had loaded the restore step, splitting the resume in two. So, where
-both ends are known:
+text): the failure itself (a lost node's last sign of life, an Xid, a rank's exit), when
+the scheduler noticed it, and how many steps the restore gives up. The event's own time
+is when the decision committed. Each incident ends one way (:class:`Outcome`): the job
+steps again (``job.recovered``, ``job.running``: resumed), a later decision replaces its
+plan before that (superseded), the job ends first (failed, cancelled; succeeded: its
+ranks finished without reporting a step), or none yet (in progress). Once every rank of
+the resumed generation has reported a step, ``job.restored`` (attribute
+``restored_at``) says when the last of them had loaded the restore step, splitting the
+resume in two. So, where both ends are known:
 
     detect    = detected_at - failed_at
     decide    = decided_at  - detected_at

@@ -186,7 +186,8 @@ class AgentServicer:
             # waited for the liveness deadline while it was awaited here).
             recording = None
             if self.gateway.detach(state.node_id, queue) and not self.stopping:
-                recording = asyncio.create_task(self._lost(state.node_id, reason))
+                heard = time.time() - (time.monotonic() - state.last_seen)
+                recording = asyncio.create_task(self._lost(state.node_id, reason, heard))
                 self._recording.add(recording)
                 recording.add_done_callback(self._recording.discard)
             if pending:
@@ -237,10 +238,12 @@ class AgentServicer:
         if self._recording:
             await asyncio.wait(set(self._recording))
 
-    async def _lost(self, node_id: str, reason: str) -> None:
+    async def _lost(self, node_id: str, reason: str, last_seen_at: float) -> None:
         try:
             async with self.store.write() as session:
-                await health_service.mark_lost(session, node_id, reason=reason)
+                await health_service.mark_lost(
+                    session, node_id, reason=reason, last_seen_at=last_seen_at
+                )
             await self.hot.forget_node(node_id)
         except Exception:
             # The liveness deadline still catches it; never let cleanup kill the server.

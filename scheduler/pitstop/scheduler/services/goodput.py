@@ -17,6 +17,7 @@ from pitstop.health.goodput import Goodput, JobEvent, account, epoch, incident_a
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import NodeState
 from pitstop.scheduler.hotstate import HotState
+from pitstop.scheduler.services.health import LAST_SEEN_AT
 
 NODE_FAILURE_KINDS = ("node.lost", "node.unhealthy")
 
@@ -62,24 +63,30 @@ async def node_incident(
     restore_step: int,
 ) -> dict[str, str]:
     """The incident for a recovery that moves ranks off ``failed`` nodes: when the first
-    of them failed (a lost node's last heartbeat; an unhealthy node's fatal report) and
-    when the scheduler noticed (its state change)."""
+    of them failed (a lost node's last sign of life: what its stream last carried, as
+    its node.lost event keeps it, else its last heartbeat; an unhealthy node's fatal
+    report) and when the scheduler noticed (its state change)."""
     now = time.time()
     failed_at, detected_at, causes = now, now, []
     for node_id, state in failed.items():
         if state not in (NodeState.LOST, NodeState.UNHEALTHY):
             causes.append(f"{node_id} swapped out")
             continue
-        noticed = await session.scalar(
-            select(models.Event.time)
-            .where(models.Event.node_id == node_id)
-            .where(models.Event.kind.in_(NODE_FAILURE_KINDS))
-            .order_by(models.Event.id.desc())
-            .limit(1)
-        )
-        seen = epoch(noticed) if noticed is not None else now
+        noticed = (
+            await session.execute(
+                select(models.Event.time, models.Event.attributes)
+                .where(models.Event.node_id == node_id)
+                .where(models.Event.kind.in_(NODE_FAILURE_KINDS))
+                .order_by(models.Event.id.desc())
+                .limit(1)
+            )
+        ).first()
+        seen = epoch(noticed.time) if noticed is not None else now
         began = seen
-        if state is NodeState.LOST:
+        heard = (noticed.attributes or {}).get(LAST_SEEN_AT) if noticed is not None else None
+        if state is NodeState.LOST and heard is not None:
+            began = min(seen, float(heard))
+        elif state is NodeState.LOST:  # judged by the liveness scan: its holder is gone
             live = await hot.node_health(node_id)
             if live is not None:
                 began = min(seen, float(live.get("received_at", seen)))

@@ -13,7 +13,7 @@ node state change, with its event, in the caller's transaction:
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from google.protobuf import json_format
@@ -141,19 +141,33 @@ async def apply_health(
     return None
 
 
-async def mark_lost(session: AsyncSession, node_id: str, *, reason: str) -> bool:
+LAST_SEEN_AT = "last_seen_at"
+"""A node.lost event's attribute: when its agent was last heard from (epoch seconds),
+where the process that held its stream knew: the failure began there, not when it was
+noticed (a silent host is noticed a liveness timeout later)."""
+
+
+async def mark_lost(
+    session: AsyncSession, node_id: str, *, reason: str, last_seen_at: float | None = None
+) -> bool:
     """LOST with its event, unless already lost. An unhealthy node stays unhealthy (the
     worse news) but is recorded as disconnected. True if the state changed."""
-    return bool(await mark_all_lost(session, [node_id], reason=reason))
+    last_seen = {node_id: last_seen_at} if last_seen_at is not None else None
+    return bool(await mark_all_lost(session, [node_id], reason=reason, last_seen=last_seen))
 
 
 async def mark_all_lost(
-    session: AsyncSession, node_ids: Sequence[str], *, reason: str
+    session: AsyncSession,
+    node_ids: Sequence[str],
+    *,
+    reason: str,
+    last_seen: Mapping[str, float] | None = None,
 ) -> list[str]:
     """``mark_lost`` for any number of nodes in the session's one transaction: one
     statement locks their rows (in id order, so two callers never deadlock on each
     other), one forgets the shards their daemons held; the state changes and events go
-    out in the flush's batches. Returns the nodes that became LOST."""
+    out in the flush's batches. Returns the nodes that became LOST. `last_seen`: when
+    each node's agent was last heard from, kept on its event (LAST_SEEN_AT)."""
     nodes = (
         await session.scalars(
             select(models.Node)
@@ -166,8 +180,15 @@ async def mark_all_lost(
     for node in nodes:
         node.connected = False
         if node.state in _LIVE:
+            heard = (last_seen or {}).get(node.id)
             move_node(
-                session, node, NodeState.LOST, kind="node.lost", reason=reason, actor="scheduler"
+                session,
+                node,
+                NodeState.LOST,
+                kind="node.lost",
+                reason=reason,
+                actor="scheduler",
+                attributes=None if heard is None else {LAST_SEEN_AT: f"{heard:.6f}"},
             )
             lost.append(node.id)
         else:
