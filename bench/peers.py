@@ -3,8 +3,10 @@ extension (NVRx), with the kill -9 failures of bench/recovery.py.
 
 torchft (`run_torchft`, `pip install torchft==0.2.0`): one replica group (one process,
 bench/torchft_train.py) per simulated node, a lighthouse (the `torchft_lighthouse`
-binary, port 0, torchft's default timeouts), a `torchft.Manager` over `ProcessGroupGloo`
-in each replica. Every --every steps one replica's process is killed (kill -9); the bench
+binary, port 0, started as torchft's README starts it), a `torchft.Manager` over
+`ProcessGroupGloo` in each replica, with the timeouts and checkpoint transport of
+torchft's own train_ddp.py (the JSON's `config` says each and where it comes from).
+Every --every steps one replica's process is killed (kill -9); the bench
 starts it again at once, as torchx or SLURM would (torchft needs an outside supervisor),
 and it heals from a peer through torchft's live checkpoint transfer while the survivors
 go on. Per failure:
@@ -26,9 +28,11 @@ the launcher sees. Per failure: total (kill -> the first step after the reload),
 kill minus the step reloaded).
 
 Each returns {"failures": [...], "seconds": wall, "hash": rank or replica 0's final
-weights' hash, "hash_note": ...}, or {"skipped": why} when its package is missing. Both
-stop every process they started however they end. Alone (progress on stderr, one JSON
-line on stdout, with each hash compared to a fault-free run's):
+weights' hash, "hash_note": ..., "config": ...}, or {"skipped": why} when its package is
+missing. A run that breaks down (a process that exits or a step that never comes)
+returns the failures it completed with {"error": what}: the caller goes on with the
+other systems. Both stop every process they started however they end. Alone (progress
+on stderr, one JSON line on stdout, with each hash compared to a fault-free run's):
 
     .venv/bin/python bench/peers.py [--workers 2] [--failures 2] [--every 10] [--steps 60]
         [--step-seconds 0.1] [--skip-nvrx] [--skip-torchft] [--keep]
@@ -59,10 +63,14 @@ from pitstop.client.signals import Terminated, dying_with_parent, exit_code, ord
 
 BIN = Path(sys.executable).parent
 TORCHFT_TRAIN = Path(__file__).with_name("torchft_train.py")
-# torchft's own defaults, said here because they set its detection time: a replica
-# whose heartbeat is this late is dead, and only then may the survivors form a quorum.
+# The lighthouse as torchft's README and its SLURM example start it (`--min_replicas 1
+# --quorum_tick_ms 100 --join_timeout_ms 10000`); its heartbeat timeout is its default,
+# said here because it sets torchft's detection time: a replica whose heartbeat is this
+# late is dead, and only then may the survivors form a quorum.
 HEARTBEAT_TIMEOUT_MS = 5000
-JOIN_TIMEOUT_MS = 60000
+JOIN_TIMEOUT_MS = 10000
+QUORUM_TICK_MS = 100
+LIGHTHOUSE_SOURCE = "torchft README.md, torchft/examples/slurm/README.md"
 WAIT_SECONDS = 300.0  # for any one thing the run must do (a step, a restart)
 STOP_SECONDS = 10.0
 
@@ -272,46 +280,31 @@ def run_torchft(
 
         current = {replica: start(replica, 0) for replica in range(workers)}
         rows: list[dict[str, float]] = []
-        for index in range(failures):
-            target = every * (index + 1)
-            procs.wait(step_line(above=target - 1), f"torchft: step {target}")
-            # Half a step on: the replicas are computing. Killed as the step line comes,
-            # the victim dies before asking for its next quorum, torchft's best case
-            # (the survivors wait for the quorum, no step fails).
-            time.sleep(step_seconds / 2)
-            victim = index % workers
-            old = procs.started[current[victim]]
-            killed_at = time.time()
-            os.kill(old.pid, signal.SIGKILL)
-            old.wait(timeout=STOP_SECONDS)
-            current[victim] = start(victim, index + 1)
-            survivors = {s for r, s in current.items() if r != victim}
-            again = procs.wait(
-                step_line(sources=survivors, quorum_after=killed_at),
-                f"torchft failure {index + 1}: a survivor's step after the kill",
-            )
-            back = procs.wait(
-                step_line(sources={current[victim]}),
-                f"torchft failure {index + 1}: the restarted replica {victim}'s first step",
-            )
-            redone = {
-                line.fields["redo_step"]
-                for line in procs.between(killed_at, max(again.at, back.at))
-                if "redo_step" in line.fields
+        config: dict[str, Any] = {
+            "replica_groups": workers,
+            "processes_per_group": 1,
+            "lighthouse": {
+                "min_replicas": 1,
+                "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
+                "join_timeout_ms": JOIN_TIMEOUT_MS,
+                "quorum_tick_ms": QUORUM_TICK_MS,
+                "source": LIGHTHOUSE_SOURCE,
+            },
+            "restart": "the killed replica's process started again at once (torchx, SLURM)",
+        }
+        try:
+            first = procs.wait(lambda line: "torchft_config" in line.fields, "torchft's config")
+            config["replica"] = first.fields["torchft_config"]
+            run_torchft_failures(procs, current, start, rows, failures, every, step_seconds, say)
+            finished(procs, list(current.values()), "a torchft replica")
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:  # recorded, not fatal
+            say(f"torchft: {exc}; {len(rows)} of {failures} failures completed")
+            return {
+                "failures": rows,
+                "seconds": time.monotonic() - started,
+                "error": str(exc),
+                "config": config,
             }
-            rows.append(
-                {
-                    "total": again.at - killed_at,
-                    "rejoin": back.at - killed_at,
-                    "lost_steps": float(len(redone)),
-                }
-            )
-            say(
-                f"torchft: failure {index + 1} (replica {victim}): training again after "
-                f"{rows[-1]['total']:.1f} s, rejoined after {rows[-1]['rejoin']:.1f} s, "
-                f"{len(redone)} steps run twice"
-            )
-        finished(procs, list(current.values()), "a torchft replica")
         hashes = final_hashes(procs, current)
     return {
         "failures": rows,
@@ -320,7 +313,62 @@ def run_torchft(
         "hash_note": hash_note(hashes, workers)
         + "; the gradient exchange keeps the example's shards (an allreduce of per-shard "
         "rows), so a quorum of fewer replicas computes the same global batch",
+        "config": config,
     }
+
+
+def run_torchft_failures(
+    procs: Processes,
+    current: dict[int, int],
+    start: Callable[[int, int], int],
+    rows: list[dict[str, float]],
+    failures: int,
+    every: int,
+    step_seconds: float,
+    say: Callable[[str], None],
+) -> None:
+    """Kill one replica's process every `every` steps, start it again at once, and
+    append each failure's row to `rows` as it completes."""
+    workers = len(current)
+    for index in range(failures):
+        target = every * (index + 1)
+        procs.wait(step_line(above=target - 1), f"torchft: step {target}")
+        # Half a step on: the replicas are computing. Killed as the step line comes,
+        # the victim dies before asking for its next quorum, torchft's best case
+        # (the survivors wait for the quorum, no step fails).
+        time.sleep(step_seconds / 2)
+        victim = index % workers
+        old = procs.started[current[victim]]
+        killed_at = time.time()
+        os.kill(old.pid, signal.SIGKILL)
+        old.wait(timeout=STOP_SECONDS)
+        current[victim] = start(victim, index + 1)
+        survivors = {s for r, s in current.items() if r != victim}
+        again = procs.wait(
+            step_line(sources=survivors, quorum_after=killed_at),
+            f"torchft failure {index + 1}: a survivor's step after the kill",
+        )
+        back = procs.wait(
+            step_line(sources={current[victim]}),
+            f"torchft failure {index + 1}: the restarted replica {victim}'s first step",
+        )
+        redone = {
+            line.fields["redo_step"]
+            for line in procs.between(killed_at, max(again.at, back.at))
+            if "redo_step" in line.fields
+        }
+        rows.append(
+            {
+                "total": again.at - killed_at,
+                "rejoin": back.at - killed_at,
+                "lost_steps": float(len(redone)),
+            }
+        )
+        say(
+            f"torchft: failure {index + 1} (replica {victim}): training again after "
+            f"{rows[-1]['total']:.1f} s, rejoined after {rows[-1]['rejoin']:.1f} s, "
+            f"{len(redone)} steps run twice"
+        )
 
 
 def start_lighthouse(procs: Processes, binary: Path, log: Path) -> str:
@@ -329,6 +377,7 @@ def start_lighthouse(procs: Processes, binary: Path, log: Path) -> str:
     argv += [
         f"--heartbeat_timeout_ms={HEARTBEAT_TIMEOUT_MS}",
         f"--join_timeout_ms={JOIN_TIMEOUT_MS}",
+        f"--quorum_tick_ms={QUORUM_TICK_MS}",
     ]
     procs.start(argv, log, follow=False)
     deadline = time.monotonic() + WAIT_SECONDS
@@ -398,45 +447,65 @@ def run_nvrx(
             for node in range(workers)
         ]
         rows: list[dict[str, float]] = []
-        for index in range(failures):
-            target = every * (index + 1)
-            procs.wait(step_line(above=target - 1), f"nvrx: step {target}")
-            last = max(int(line.fields.get("step", 0)) for line in procs.between(0))
-            ranks = nvrx_workers(save_dir)
-            if not ranks:
-                raise RuntimeError("nvrx: no worker process found to kill")
-            victim_rank, victim_pid = sorted(ranks.items())[index % len(ranks)]
-            seen = procs.count()
-            killed_at = time.time()
-            os.kill(victim_pid, signal.SIGKILL)
-            loaded = procs.wait(
-                has_key("loaded_step"), f"nvrx failure {index + 1}: the workers' reload", seen
-            )
-            step = int(loaded.fields["loaded_step"])
-            # A rank the kill did not stop may print a step after it: only the steps read
-            # after the reload count.
-            again = procs.wait(
-                step_line(above=step, read_after=loaded.at),
-                f"nvrx failure {index + 1}: a step after the reload",
-                seen,
-            )
-            back = procs.wait(
-                step_line(above=step, read_after=loaded.at, rank=victim_rank),
-                f"nvrx failure {index + 1}: rank {victim_rank}'s step after the reload",
-                seen,
-            )
-            rows.append(
-                {
-                    "total": again.at - killed_at,
-                    "rejoin": back.at - killed_at,
-                    "lost_steps": float(last - step),
-                }
-            )
-            say(
-                f"nvrx: failure {index + 1} (rank {victim_rank}): training again after "
-                f"{rows[-1]['total']:.1f} s, {last - step} steps lost"
-            )
-        finished(procs, agents, "an ft_launcher")
+        config = {
+            "launcher": "ft_launcher, one per simulated node, --nproc-per-node=1",
+            "rendezvous": "c10d",
+            "max_restarts": failures + 5,
+            "monitor_interval_s": 0.1,
+            "restart": "in-job: every worker restarted, the newest torch.save loaded",
+            "checkpoint": f"torch.save every {save_every} steps",
+            "rank_monitor": "off (--ignore-missing-fault-tol-cfg)",
+            "inprocess_restart": "not used",
+            "local_checkpoints": "not used",
+        }
+        try:
+            for index in range(failures):
+                target = every * (index + 1)
+                procs.wait(step_line(above=target - 1), f"nvrx: step {target}")
+                last = max(int(line.fields.get("step", 0)) for line in procs.between(0))
+                ranks = nvrx_workers(save_dir)
+                if not ranks:
+                    raise RuntimeError("nvrx: no worker process found to kill")
+                victim_rank, victim_pid = sorted(ranks.items())[index % len(ranks)]
+                seen = procs.count()
+                killed_at = time.time()
+                os.kill(victim_pid, signal.SIGKILL)
+                loaded = procs.wait(
+                    has_key("loaded_step"), f"nvrx failure {index + 1}: the workers' reload", seen
+                )
+                step = int(loaded.fields["loaded_step"])
+                # A rank the kill did not stop may print a step after it: only the steps read
+                # after the reload count.
+                again = procs.wait(
+                    step_line(above=step, read_after=loaded.at),
+                    f"nvrx failure {index + 1}: a step after the reload",
+                    seen,
+                )
+                back = procs.wait(
+                    step_line(above=step, read_after=loaded.at, rank=victim_rank),
+                    f"nvrx failure {index + 1}: rank {victim_rank}'s step after the reload",
+                    seen,
+                )
+                rows.append(
+                    {
+                        "total": again.at - killed_at,
+                        "rejoin": back.at - killed_at,
+                        "lost_steps": float(last - step),
+                    }
+                )
+                say(
+                    f"nvrx: failure {index + 1} (rank {victim_rank}): training again after "
+                    f"{rows[-1]['total']:.1f} s, {last - step} steps lost"
+                )
+            finished(procs, agents, "an ft_launcher")
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:  # recorded, not fatal
+            say(f"nvrx: {exc}; {len(rows)} of {failures} failures completed")
+            return {
+                "failures": rows,
+                "seconds": time.monotonic() - started,
+                "error": str(exc),
+                "config": config,
+            }
         hashes = {
             int(line.fields["rank"]): str(line.fields["final_weights_sha256"])
             for line in procs.between(0)
@@ -447,6 +516,7 @@ def run_nvrx(
         "seconds": time.monotonic() - started,
         "hash": hashes.get(0, ""),
         "hash_note": hash_note(hashes, workers),
+        "config": config,
     }
 
 

@@ -25,6 +25,11 @@ clock for the failure, the scheduler's goodput incident and the rank logs:
 
 Steps lost: the steps the ranks ran twice, counted from their logs, per failure.
 
+Each failure is matched to the incident that ended it: of those the scheduler noticed
+between it and the next failure, the one after which the job stepped again (earlier
+ones it superseded count in its detect). A failure with none is listed under
+`unrecovered`, with why, and the benchmark exits 1 after printing its JSON.
+
 torchrun: the same job, steps and number of failures under `torchrun` (c10d
 rendezvous, --max-restarts, one torchrun agent per node), the example saving a
 torch.save checkpoint every --save-every steps and loading the newest at start, as a
@@ -56,6 +61,7 @@ import contextlib
 import datetime as dt
 import importlib
 import json
+import math
 import os
 import re
 import shutil
@@ -190,7 +196,12 @@ def run_pitstop(
                     step_lines += 1
     if job.state != common_pb2.JOB_STATE_SUCCEEDED:
         raise SystemExit(f"pitstop: job ended {common_pb2.JobState.Name(job.state)}: {job.reason}")
-    per_failure = split(job.goodput, run.injected, restores, left)
+    per_failure, missed = split(job.goodput, run.injected, restores, left)
+    for failure in missed:
+        say(
+            f"pitstop: {failure['kind']} on {failure['node']} at step {failure['step']}: "
+            f"{failure['why']}"
+        )
     for row in per_failure:
         say(
             f"pitstop: {KINDS[int(row['kind_index'])]}: {row['total']:.2f} s = detect "
@@ -202,6 +213,8 @@ def run_pitstop(
     return {
         "job": job,
         "failures": per_failure,
+        "unrecovered": missed,
+        "injected": len(run.injected),
         "seconds": run.seconds,
         "steps_lost_per_failure": redone / args.workers / max(len(run.injected), 1),
         "goodput": job.goodput.ratio,
@@ -255,26 +268,44 @@ class WarmGate:
         return all(job.id in self.client.get_node(n).standby_job_ids for n in nodes)
 
 
+ENDED_BY = (jobs_pb2.INCIDENT_OUTCOME_RESUMED, jobs_pb2.INCIDENT_OUTCOME_JOB_SUCCEEDED)
+"""The outcomes of the incident that ends a failure: the job stepped again."""
+
+
 def split(
     goodput: jobs_pb2.Goodput, injected: list[Injected], restores: list[float], left: list[float]
-) -> list[dict[str, float]]:
+) -> tuple[list[dict[str, float]], list[dict[str, Any]]]:
     """Per failure: detect, decide, restore, re-form and total seconds; abort: the
     failure -> the last rank out of its collective (it overlaps detect and decide); and
     stalled: how long the job did not train (the total, but for a hung agent, whose
-    node trains on until the decision stops the survivors: from then on)."""
-    out = []
-    incidents = list(goodput.incidents)
-    for fault in injected:
-        # The incident this failure opened: the first whose failure is not before it.
-        incident = next(
-            (i for i in incidents if i.failed_at + i.detect_seconds >= fault.at - 0.5), None
-        )
-        if incident is None:
+    node trains on until the decision stops the survivors: from then on).
+
+    A failure's incidents are those the scheduler noticed between it and the next
+    failure (each failure waits for the previous recovery); it ended with the one whose
+    outcome is that the job stepped again, after any it superseded. Detection counts
+    from the failure to the first of them, the rest from that one's commit. A failure
+    with no such incident is returned apart, with why: it was not recovered from."""
+    out: list[dict[str, float]] = []
+    missed: list[dict[str, Any]] = []
+    incidents = sorted(goodput.incidents, key=lambda i: i.detected_at)
+    for number, fault in enumerate(injected):
+        until = injected[number + 1].at if number + 1 < len(injected) else math.inf
+        mine = [i for i in incidents if fault.at - 0.5 <= i.detected_at < until]
+        ended = next((i for i in mine if i.outcome in ENDED_BY), None)
+        if ended is None:
+            outcomes = [jobs_pb2.IncidentOutcome.Name(i.outcome) for i in mine]
+            missed.append(
+                {
+                    "kind": fault.fault.kind,
+                    "node": fault.node_id,
+                    "step": fault.step,
+                    "why": f"no incident resumed the job (incidents: {outcomes or 'none'})",
+                }
+            )
             continue
-        incidents.remove(incident)
-        detected = incident.failed_at + incident.detect_seconds
-        decided = detected + incident.decide_seconds
-        resumed = decided + incident.resume_seconds
+        detected = mine[0].detected_at
+        decided = ended.decided_at
+        resumed = ended.resumed_at
         restored = max((t for t in restores if decided <= t <= resumed), default=decided)
         leaving = [t for t in left if fault.at <= t <= resumed]
         out_of_collective = max(leaving, default=fault.at)
@@ -289,14 +320,15 @@ def split(
                 "abort": out_of_collective - fault.at,
                 "stalled": resumed - stalled_from,
                 "detect": max(0.0, detected - fault.at),
-                "decide": incident.decide_seconds,
+                "decide": decided - detected,
                 "restore": restored - decided,
                 "reform": resumed - restored,
                 "total": resumed - fault.at,
-                "lost_steps_seen": float(incident.lost_steps),
+                "incidents": float(len(mine)),
+                "lost_steps_seen": float(ended.lost_steps),
             }
         )
-    return out
+    return out, missed
 
 
 # torchrun ------------------------------------------------------------------------------
@@ -451,24 +483,28 @@ def peer_summary(peer: dict[str, Any], expected: str) -> dict[str, Any]:
     if "skipped" in peer:
         return {"skipped": peer["skipped"]}
     failures = peer["failures"]
-    return {
-        "failures": len(failures),
-        "detect_to_resume_seconds": summary([f["total"] for f in failures]),
-        "rejoin_seconds": summary([f["rejoin"] for f in failures]),
-        "steps_lost_per_failure": round(
-            statistics.mean(f["lost_steps"] for f in failures) if failures else 0.0, 2
-        ),
-        "wall_seconds": round(peer["seconds"], 1),
-        "hash_equal": peer["hash"] == expected,
-        "hash_note": peer.get("hash_note", ""),
-    }
+    out: dict[str, Any] = {"failures": len(failures)}
+    if failures:
+        out["detect_to_resume_seconds"] = summary([f["total"] for f in failures])
+        out["rejoin_seconds"] = summary([f["rejoin"] for f in failures])
+        out["steps_lost_per_failure"] = round(statistics.mean(f["lost_steps"] for f in failures), 2)
+    out["wall_seconds"] = round(peer["seconds"], 1)
+    if "error" in peer:  # it broke down: what it completed, and why it stopped
+        out["error"] = peer["error"]
+    else:
+        out["hash_equal"] = peer["hash"] == expected
+        out["hash_note"] = peer.get("hash_note", "")
+    out["config"] = peer.get("config", {})
+    return out
 
 
 def pitstop_summary(run: dict[str, Any], expected: str) -> dict[str, Any]:
     """What one pitstop run measured, for the JSON line."""
     rows = run["failures"]
     return {
-        "failures": len(rows),
+        "failures": run["injected"],
+        "recovered": len(rows),
+        "unrecovered": run["unrecovered"],
         "by_kind": {k: sum(1 for r in rows if KINDS[int(r["kind_index"])] == k) for k in KINDS},
         "detect_to_resume_seconds": summary([r["total"] for r in rows]),
         "p50_by_kind": {
@@ -568,7 +604,10 @@ def measure(args: argparse.Namespace) -> int:
             torchrun = None if args.skip_torchrun else run_torchrun(args, steps, root)
             peer_runs: dict[str, dict[str, Any]] = {}
             for name, run in (("torchft", peers.run_torchft), ("nvrx", peers.run_nvrx)):
-                if name not in args.skip:
+                if name in args.skip:
+                    continue
+                began = time.monotonic()
+                try:
                     peer_runs[name] = run(
                         workers=args.workers,
                         steps=steps,
@@ -578,6 +617,10 @@ def measure(args: argparse.Namespace) -> int:
                         root=root / name,
                         say=say,
                     )
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:  # set-up broke
+                    say(f"{name}: {exc}; the benchmark goes on without it")
+                    seconds = time.monotonic() - began
+                    peer_runs[name] = {"failures": [], "seconds": seconds, "error": str(exc)}
             pitstop = run_pitstop(args, steps, root)
             insecure = run_pitstop(args, steps, root, insecure=True) if args.insecure_too else None
     finally:
@@ -628,6 +671,12 @@ def measure(args: argparse.Namespace) -> int:
                 2,
             )
     print(json.dumps(result))
+    unrecovered = [
+        f for r in ("pitstop", "pitstop_insecure") for f in result.get(r, {}).get("unrecovered", [])
+    ]
+    if unrecovered:
+        say(f"error: {len(unrecovered)} failure(s) not recovered from (see the JSON)")
+        return 1
     return 0
 
 

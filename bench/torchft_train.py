@@ -37,6 +37,9 @@ from torch.distributed import ReduceOp, TCPStore  # type: ignore[attr-defined]
 
 # torchft ships no type information, and the dev environment does not install it.
 from torchft import Manager  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from torchft.checkpointing.pg_transport import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
+    PGTransport,
+)
 from torchft.process_group import (  # type: ignore[import-untyped, import-not-found, unused-ignore]
     ProcessGroupGloo,
 )
@@ -44,9 +47,28 @@ from torchft.process_group import (  # type: ignore[import-untyped, import-not-f
 from pitstop.trainer import TrainState
 from pitstop.trainer.example import Job, learning_rate, parse_args, weights_sha256
 
-# Longer than the lighthouse's heartbeat timeout, so a quorum that waits out a dead
-# replica's heartbeat does not time out itself.
+# As torchft's own train_ddp.py sets them for gloo on the CPU (torchft at v0.2.0 and
+# main): the process group's collectives time out after 5 s, the Manager's operations
+# after 30 s, the live checkpoint moves over the process group (PGTransport, 10 s); the
+# quorum's timeout is the Manager's default (60 s), longer than the lighthouse's
+# heartbeat timeout, so a quorum that waits out a dead replica does not time out itself.
+PG_TIMEOUT = timedelta(seconds=5)
+MANAGER_TIMEOUT = timedelta(seconds=30)
+TRANSPORT_TIMEOUT = timedelta(seconds=10)
 QUORUM_TIMEOUT = timedelta(seconds=60)
+SOURCE = "torchft train_ddp.py (ProcessGroupGloo, Manager, PGTransport for the CPU)"
+CONFIG = {
+    "process_group": f"ProcessGroupGloo(timeout={PG_TIMEOUT.total_seconds():g} s)",
+    "manager_timeout_s": MANAGER_TIMEOUT.total_seconds(),
+    "quorum_timeout_s": QUORUM_TIMEOUT.total_seconds(),
+    "checkpoint_transport": f"PGTransport(timeout={TRANSPORT_TIMEOUT.total_seconds():g} s)",
+    "min_replica_size": 1,
+    "use_async_quorum": False,
+    "source": SOURCE,
+    "differs_from_source": "use_async_quorum=False: a step must know its quorum before "
+    "it computes, to keep the example's global batch whatever the quorum",
+}
+"""What bench/peers.py reports as torchft's settings."""
 BARRIER_TIMEOUT = 300.0
 
 
@@ -80,15 +102,18 @@ def main(argv: list[str] | None = None) -> int:
 
     # Each replica group is one process: its own TCPStore, rank 0 of world 1.
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=PG_TIMEOUT)
     manager = Manager(
-        pg=ProcessGroupGloo(),
+        pg=pg,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=1,
         # Quorum and healing before the step's compute: the step must know its quorum
         # rank to know its shards.
         use_async_quorum=False,
+        timeout=MANAGER_TIMEOUT,
         quorum_timeout=QUORUM_TIMEOUT,
+        checkpoint_transport=PGTransport(pg, timeout=TRANSPORT_TIMEOUT, device=torch.device("cpu")),
         # Every replica builds the same seeded weights; a late one heals from a peer.
         init_sync=False,
         rank=0,
@@ -99,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         replica_id=f"replica_{mine.replica}",
         hostname="localhost",
     )
+    say(rank=mine.replica, torchft_config=CONFIG)
     try:
         if mine.barrier:
             wait_for_peers(Path(mine.barrier), mine.replica, mine.replicas)

@@ -1,0 +1,80 @@
+"""bench/recovery.py matches each injected failure to the incident that ended it, by
+outcome, and never drops one without a word."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from pitstop.client.scenario import Fault, Injected
+from pitstop.v1 import jobs_pb2
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def recovery() -> ModuleType:
+    sys.path.insert(0, str(BENCH))  # as a script's own directory is: it imports peers
+    try:
+        spec = importlib.util.spec_from_file_location("bench_recovery", BENCH / "recovery.py")
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def incident(detected: float, outcome: int, decided: float, resumed: float = 0.0) -> object:
+    return jobs_pb2.GoodputIncident(
+        detected_at=detected,
+        decided_at=decided,
+        resumed_at=resumed,
+        outcome=outcome,
+        lost_steps=1,
+    )
+
+
+def test_a_superseded_decision_is_part_of_the_failure_it_answered(recovery: ModuleType) -> None:
+    faults = [
+        Injected(Fault(20, "node_kill"), "n1", at=100.0, step=20),
+        Injected(Fault(40, "rank_kill"), "n2", at=200.0, step=40),
+    ]
+    goodput = jobs_pb2.Goodput(
+        incidents=[
+            incident(100.5, jobs_pb2.INCIDENT_OUTCOME_SUPERSEDED, decided=100.6),
+            incident(101.0, jobs_pb2.INCIDENT_OUTCOME_RESUMED, decided=101.1, resumed=102.0),
+            incident(200.1, jobs_pb2.INCIDENT_OUTCOME_RESUMED, decided=200.2, resumed=200.9),
+        ]
+    )
+    rows, missed = recovery.split(goodput, faults, restores=[], left=[])
+    assert missed == []
+    first, second = rows
+    assert first["detect"] == pytest.approx(0.5)  # to the first incident it opened
+    assert first["decide"] == pytest.approx(0.6)  # to the decision that resumed the job
+    assert first["total"] == pytest.approx(2.0)
+    assert first["incidents"] == 2
+    assert second["total"] == pytest.approx(0.9)
+
+
+def test_a_failure_nothing_resumed_is_reported_not_dropped(recovery: ModuleType) -> None:
+    faults = [
+        Injected(Fault(20, "agent_hang"), "n3", at=100.0, step=20),
+        Injected(Fault(40, "xid"), "n4", at=200.0, step=40),
+    ]
+    goodput = jobs_pb2.Goodput(
+        incidents=[
+            incident(100.5, jobs_pb2.INCIDENT_OUTCOME_SUPERSEDED, decided=100.6),
+            incident(200.3, jobs_pb2.INCIDENT_OUTCOME_RESUMED, decided=200.4, resumed=201.0),
+        ]
+    )
+    rows, missed = recovery.split(goodput, faults, restores=[], left=[])
+    assert [r["kind_index"] for r in rows] == [recovery.KINDS.index("xid")]
+    (lost,) = missed
+    assert (lost["kind"], lost["node"], lost["step"]) == ("agent_hang", "n3", 20)
+    assert "INCIDENT_OUTCOME_SUPERSEDED" in lost["why"]
