@@ -158,24 +158,25 @@ def test_a_closed_stream_is_lost_and_a_reconnect_is_ready_again(
 def fell_silent_and_was_lost(scheduler: SchedulerThread) -> tuple[Any, float]:
     """An agent that sends one heartbeat on a stream of `scheduler` and then nothing is
     declared lost at its liveness deadline, and its stream is ended. Returns the
-    node.lost event and when the heartbeat had been sent."""
+    node.lost event and when the heartbeat was about to be sent."""
     node_id = unique("hung")
     with scheduler.agent_stream(node_id) as agent:
+        sending = time.time()
         agent.send(heartbeat=agent_pb2.Heartbeat(health=healthy()))
-        silent_from = time.time()
         lost = wait_for_event(scheduler, node_id, "node.lost")
         assert "liveness deadline" in lost.reason
         with pytest.raises(StopIteration):
             agent.next_command()  # the scheduler ended the stale stream
-    return lost, silent_from
+    return lost, sending
 
 
-def silent_since(lost: Any, silent_from: float, silent_for: float) -> None:
-    """The node.lost event says when the agent was last heard from: no later than it
-    fell silent, and at least `silent_for` before the loss was recorded (what a
-    recovery's goodput account counts as detection, not zero)."""
+def silent_since(lost: Any, silent_for: float, after: float = 0.0, before: float = 0.0) -> None:
+    """The node.lost event says when the agent was last heard from (after `after`, before
+    `before` where given), at least `silent_for` before the loss was recorded: what a
+    recovery's goodput account counts as detection, not zero."""
     heard = float(lost.attributes[LAST_SEEN_AT])
-    assert heard <= silent_from, (heard, silent_from)
+    assert heard >= after, (heard, after)
+    assert not before or heard <= before, (heard, before)
     assert lost.time.ToNanoseconds() / 1e9 - heard >= silent_for, (lost, heard)
 
 
@@ -255,7 +256,7 @@ def test_a_host_gone_silent_is_lost_by_its_streams_keepalive_long_before_any_dea
         host.send_signal(signal.SIGSTOP)
         lost = wait_for_event(pinging, node_id, "node.lost", after=registered.id)
         assert "liveness deadline" not in lost.reason  # the transport saw it, not the scan
-        silent_since(lost, stopped_at, silent_for=1.0)  # a ping unanswered for 1 s
+        silent_since(lost, silent_for=1.0, before=stopped_at)  # a ping unanswered for 1 s
     finally:
         host.send_signal(signal.SIGCONT)
         host.kill()
@@ -280,8 +281,9 @@ def test_the_process_holding_a_silent_stream_judges_it_without_a_leader(
         )
     )
     try:
-        lost, silent_from = fell_silent_and_was_lost(holding)
-        silent_since(lost, silent_from, silent_for=2 * BEAT)  # the deadline: 2.5 beats
+        lost, sending = fell_silent_and_was_lost(holding)
+        # Its heartbeat was the last it said; the deadline is 2.5 beats after it.
+        silent_since(lost, silent_for=2 * BEAT, after=sending)
     finally:
         holding.stop()
 

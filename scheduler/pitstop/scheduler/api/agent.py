@@ -64,8 +64,10 @@ class StreamState:
     # or converted again (ingest reads thousands of heartbeats in a recovery's burst).
     health_sent: tuple[bytes, tuple[str, ...]] | None = None
     health_json: str = "{}"
-    # When this process last read a message of the stream (time.monotonic()).
+    # When this process last read a message of the stream (time.monotonic(); a stalled
+    # judge moves it on), and the wall time it did (the node's last sign of life).
     last_seen: float = field(default_factory=time.monotonic)
+    heard_at: float = field(default_factory=time.time)
     # The stale-process check in flight: it reads PostgreSQL, so it runs beside the
     # stream's reader, never in its way (the next heartbeat must not wait for a pool).
     stale_check: asyncio.Task[None] | None = None
@@ -186,8 +188,7 @@ class AgentServicer:
             # waited for the liveness deadline while it was awaited here).
             recording = None
             if self.gateway.detach(state.node_id, queue) and not self.stopping:
-                heard = time.time() - (time.monotonic() - state.last_seen)
-                recording = asyncio.create_task(self._lost(state.node_id, reason, heard))
+                recording = asyncio.create_task(self._lost(state.node_id, reason, state.heard_at))
                 self._recording.add(recording)
                 recording.add_done_callback(self._recording.discard)
             if pending:
@@ -319,7 +320,7 @@ class AgentServicer:
                     f"expected {state.seq + 1}: sequence numbers increase by one",
                 )
             state.seq = message.seq
-            state.last_seen = time.monotonic()
+            state.last_seen, state.heard_at = time.monotonic(), time.time()
             if message.WhichOneof("body") == "heartbeat":
                 # Its health is checked by _heartbeat, when it changed.
                 check_agent_message(message.heartbeat, path="heartbeat", skip=HEALTH_PATH)
