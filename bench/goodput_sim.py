@@ -22,28 +22,26 @@ Inputs and where each comes from (every default is printed in the JSON's "assump
 * Checkpoint-restart from durable storage: every failure costs a full job restart of
   --full-restart-minutes 8-12 (uniform; the seeds' figure), from detection to training
   again, and the work since the last durable checkpoint.
-* torchrun-style elastic restart: measured on 4 nodes by bench/recovery.py (README: p50
-  10.17 s, p95 12.16 s, kill -9 to training again), plus at 100,000 ranks what that run
-  does not have: re-rendezvous, process start and NCCL init of every rank
-  (--elastic-restart-seconds 90, an assumption) and the reload of the durable
+* torchrun-style elastic restart: kill -9 to training again as bench/recovery.py measured
+  it on 4 nodes (torchrun's p50 in --recovery-json, else --torchrun-p50), plus at 100,000
+  ranks what that run does not have: re-rendezvous, process start and NCCL init of every
+  rank (--elastic-restart-seconds 90, an assumption) and the reload of the durable
   checkpoint (--durable-save-seconds); a dead or hung node is seen through the
   rendezvous keep-alive (--elastic-detect-seconds 30, an assumption), a crashed worker
   at once. Same Young/Daly checkpoints as checkpoint-restart.
-* pitstop: in-memory snapshots, each a stall of --snapshot-stall-seconds 0.26 (per GPU
-  6.4 GB: the 405B model's bf16 weights over TP 8 x PP 16 plus its ZeRO-1 shard of the
-  optimizer, copied to host at ~25 GB/s; bench/checkpoint.py measures pitstop's stall at
-  0.80-1.12 x memcpy), at the Young/Daly interval for that stall, rounded to whole steps
-  of --step-seconds. Recovery time per failure kind: bench/recovery.py's medians on 8
-  nodes (README, "What happens when a node fails": node kill 0.67 s, fatal Xid 0.68 s,
-  hung agent 2.76 s, rank kill 0.47 s, application Xid 0.51 s) times a lognormal factor
-  (sigma --recovery-sigma 0.25: the run's p95 of 2.81 s over a p50 of 0.65 s comes
-  from the kinds, not the spread within one), plus what 12,500 nodes add, from
-  bench/scale.py's fit at 12,500 nodes (--scale-extra-seconds: decide beyond the 8-node
-  decide, plus the Reconfigure fan-out to every node). Hardware failures split evenly
-  over node crash, fatal Xid and hung node; the others evenly over rank kill and
-  application Xid. A share --durable-fallback-share (2%, an assumption) of failures
-  lose both in-memory copies (a node and its buddy at once: a rack's switch or power)
-  and cost a full restart from the durable checkpoint, written in the background every
+* pitstop, from measured inputs: the snapshot stall at the rate bench/checkpoint.py
+  measured (--checkpoint-json, default bench/results/checkpoint-h200.json: the GPU case,
+  pinned copies off an H200) for --state-gb-per-gpu 6.4 (the 405B model's bf16 weights
+  over TP 8 x PP 16 plus its ZeRO-1 optimizer shard), at the Young/Daly interval for that
+  stall, rounded to whole steps of --step-seconds; recovery time per failure kind:
+  bench/recovery.py's medians (--recovery-json, default bench/results/recovery.json)
+  times a lognormal factor (sigma --recovery-sigma 0.25), plus for a node's failure what
+  12,500 nodes add (--scale-extra-seconds 14.6: bench/scale.py's linear fit of decide
+  and fan-out p99 to 12,500 nodes, docs/scale.md). Hardware failures split evenly over
+  node crash, fatal Xid and hung node; the others evenly over rank kill and application
+  Xid. A share --durable-fallback-share (2%, an assumption) of failures lose both
+  in-memory copies (a node and its buddy at once: a rack's switch or power) and cost a
+  full restart from the durable checkpoint, written in the background every
   --durable-flush-minutes 10 (no stall: the checkpoint daemon flushes it).
 * Spares: --spares 250 hot spares (2% of nodes); a failed node is repaired in
   --repair-hours 72 and returns as a spare. With no spare, pitstop shrinks the job by one
@@ -68,28 +66,68 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 LLAMA3_INTERRUPTIONS, LLAMA3_DAYS, LLAMA3_GPUS = 419, 54, 16_384
 LLAMA3_HARDWARE_SHARE = 0.78
 DP_REPLICAS = 781
 """The 99,968-rank gang's data-parallel replicas (TP 8 x PP 16 x DP 781)."""
-# bench/recovery.py medians by kind on 8 simulated nodes (README), seconds.
-PITSTOP_RECOVERY_MEDIANS = {
-    "node_kill": 0.67,
-    "xid_fatal": 0.68,
-    "hung_node": 2.76,
-    "rank_kill": 0.47,
-    "xid_app": 0.51,
-}
 HARDWARE_KINDS = ("node_kill", "xid_fatal", "hung_node")
 SOFTWARE_KINDS = ("rank_kill", "xid_app")
-TORCHRUN_MEASURED_P50 = 10.17  # bench/recovery.py, README: kill -9 -> training again, 4 nodes
+RECOVERY_KINDS = {
+    "node_kill": "node_kill",
+    "xid": "xid_fatal",
+    "agent_hang": "hung_node",
+    "rank_kill": "rank_kill",
+    "app_xid": "xid_app",
+}
+"""bench/recovery.py's failure kinds -> this simulation's."""
+RESULTS = Path(__file__).with_name("results")
+STATE_GB_PER_GPU = 6.4
+"""The 405B model's bf16 weights over TP 8 x PP 16 plus its ZeRO-1 optimizer shard."""
 ANCHORS = {
     "ByteRobust (9,600 GPUs, ETTR)": 0.97,
     "Gemini (goodput)": 0.97,
     "Llama 3 (16,384 GPUs, effective training time, lower bound)": 0.90,
 }
+
+
+def recovery_inputs(path: Path, torchrun_p50: float | None) -> tuple[dict[str, float], float, str]:
+    """pitstop's recovery medians by kind and torchrun's p50 (kill -9 -> training again)
+    from a bench/recovery.py JSON line; torchrun's from `torchrun_p50` when given or when
+    that run left torchrun out. Returns them and where each came from."""
+    report = json.loads(path.read_text().strip().splitlines()[-1])
+    by_kind = report["pitstop"]["p50_by_kind"]
+    missing = [kind for kind in RECOVERY_KINDS if kind not in by_kind]
+    if missing:
+        raise ValueError(f"{path}: pitstop.p50_by_kind lacks {missing}; run bench/recovery.py")
+    medians = {ours: float(by_kind[theirs]) for theirs, ours in RECOVERY_KINDS.items()}
+    source = f"pitstop: {path.name} (bench/recovery.py, {report.get('date', 'undated')})"
+    measured = report.get("torchrun", {}).get("detect_to_resume_seconds", {}).get("p50")
+    if torchrun_p50 is not None:
+        return medians, torchrun_p50, source + "; torchrun: --torchrun-p50"
+    if measured is None:
+        raise ValueError(
+            f"{path} has no torchrun run (--skip-torchrun): give --torchrun-p50 SECONDS"
+        )
+    return medians, float(measured), source + f"; torchrun: {path.name}"
+
+
+def stall_input(path: Path, gigabytes: float) -> tuple[float, str]:
+    """pitstop's snapshot stall for `gigabytes` per GPU, at the rate bench/checkpoint.py
+    measured its largest GPU case (else its largest CPU case) at."""
+    report = json.loads(path.read_text().strip().splitlines()[-1])
+    cuda = report.get("cuda")
+    cases = cuda if isinstance(cuda, dict) and cuda else report["cases"]
+    label, case = max(cases.items(), key=lambda item: item[1].get("bytes", 0))
+    seconds_per_gb = case["pitstop_stall_ms"] / 1e3 / (case["bytes"] / 1e9)
+    where = "GPU" if cases is cuda else "CPU"
+    source = (
+        f"{path.name} (bench/checkpoint.py on {report.get('gpu', 'this machine')}): the "
+        f"{label} {where} case's {case['pitstop_stall_ms']} ms, scaled to {gigabytes:g} GB"
+    )
+    return seconds_per_gb * gigabytes, source
 
 
 @dataclass
@@ -108,6 +146,8 @@ class Params:
     durable_flush_minutes: float
     spares: int
     repair_hours: float
+    pitstop_recovery_medians: dict[str, float] = field(default_factory=dict)
+    torchrun_p50_seconds: float = 0.0
 
     @property
     def failures_per_second(self) -> float:
@@ -308,7 +348,7 @@ class ElasticRestart(Policy):
     def recovery(self, kind: str, rng: random.Random) -> tuple[float, bool]:
         p = self.p
         detect = p.elastic_detect_seconds if kind in ("node_kill", "hung_node") else 0.0
-        measured = TORCHRUN_MEASURED_P50 * rng.lognormvariate(0.0, p.recovery_sigma)
+        measured = p.torchrun_p50_seconds * rng.lognormvariate(0.0, p.recovery_sigma)
         return detect + measured + p.elastic_restart_seconds + p.durable_save_seconds, False
 
 
@@ -328,7 +368,8 @@ class Pitstop(Policy):
         if rng.random() < p.durable_fallback_share:
             low, high = p.full_restart_minutes
             return rng.uniform(low, high) * 60, True
-        measured = PITSTOP_RECOVERY_MEDIANS[kind] * rng.lognormvariate(0.0, p.recovery_sigma)
+        median = p.pitstop_recovery_medians[kind]
+        measured = median * rng.lognormvariate(0.0, p.recovery_sigma)
         extra = p.scale_extra_seconds if kind in HARDWARE_KINDS else 0.0
         return measured + extra, False
 
@@ -391,15 +432,39 @@ def main(argv: list[str] | None = None) -> int:
     add("--full-restart-minutes", type=float, nargs=2, default=(8.0, 12.0), metavar=("LO", "HI"))
     add("--elastic-restart-seconds", type=float, default=90.0)
     add("--elastic-detect-seconds", type=float, default=30.0)
-    add("--snapshot-stall-seconds", type=float, default=0.26)
+    add(
+        "--recovery-json",
+        type=Path,
+        default=RESULTS / "recovery.json",
+        help="a bench/recovery.py JSON line: pitstop's recovery medians by kind and torchrun's p50",
+    )
+    add(
+        "--torchrun-p50",
+        type=float,
+        default=None,
+        help="torchrun's kill -9 -> training again, seconds, where --recovery-json has none",
+    )
+    add(
+        "--checkpoint-json",
+        type=Path,
+        default=RESULTS / "checkpoint-h200.json",
+        help="a bench/checkpoint.py JSON line: pitstop's snapshot stall per GB",
+    )
+    add("--state-gb-per-gpu", type=float, default=STATE_GB_PER_GPU)
+    add(
+        "--snapshot-stall-seconds",
+        type=float,
+        default=None,
+        help="instead of the stall --checkpoint-json gives",
+    )
     add("--recovery-sigma", type=float, default=0.25)
     add(
         "--scale-extra-seconds",
         type=float,
-        default=4.5,
-        help="what 12,500 nodes add to a node recovery: bench/scale.py's decide-to-commit "
-        "p99 (~0.6 s, measured to 400 nodes) plus its Reconfigure fan-out after the commit "
-        "fitted to 12,500 nodes (3.9 s; the linear fit says 22 s) (README 'Scale')",
+        default=14.6,
+        help="what 12,500 nodes add to a node recovery: bench/scale.py's linear fit of decide "
+        "p99 (2.5 s) and fan-out p99 (12.1 s) over 538, 1,038 and 2,568 simulated nodes "
+        "(docs/scale.md)",
     )
     add("--durable-fallback-share", type=float, default=0.02)
     add("--durable-flush-minutes", type=float, default=10.0)
@@ -417,6 +482,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: give a positive value")
     if not 0 <= args.durable_fallback_share <= 1:
         parser.error(f"--durable-fallback-share {args.durable_fallback_share}: give 0..1")
+    try:
+        medians, torchrun_p50, recovery_source = recovery_inputs(
+            args.recovery_json, args.torchrun_p50
+        )
+        if args.snapshot_stall_seconds is None:
+            stall, stall_source = stall_input(args.checkpoint_json, args.state_gb_per_gpu)
+        else:
+            stall, stall_source = args.snapshot_stall_seconds, "--snapshot-stall-seconds"
+    except (OSError, ValueError, KeyError, IndexError) as exc:
+        parser.error(f"reading the measured inputs: {exc}")
     params = Params(
         gpus=args.gpus,
         days=args.days,
@@ -425,13 +500,15 @@ def main(argv: list[str] | None = None) -> int:
         full_restart_minutes=tuple(args.full_restart_minutes),
         elastic_restart_seconds=args.elastic_restart_seconds,
         elastic_detect_seconds=args.elastic_detect_seconds,
-        snapshot_stall_seconds=args.snapshot_stall_seconds,
+        snapshot_stall_seconds=stall,
         recovery_sigma=args.recovery_sigma,
         scale_extra_seconds=args.scale_extra_seconds,
         durable_fallback_share=args.durable_fallback_share,
         durable_flush_minutes=args.durable_flush_minutes,
         spares=args.spares,
         repair_hours=args.repair_hours,
+        pitstop_recovery_medians=medians,
+        torchrun_p50_seconds=torchrun_p50,
     )
     began = time.perf_counter()
     policies = run(params, args.seeds, args.seed)
@@ -446,9 +523,9 @@ def main(argv: list[str] | None = None) -> int:
             "hardware_share": LLAMA3_HARDWARE_SHARE,
             "failure_source": f"Llama 3: {LLAMA3_INTERRUPTIONS} interruptions in "
             f"{LLAMA3_DAYS} days on {LLAMA3_GPUS:,} GPUs, scaled per GPU",
-            "pitstop_recovery_medians_seconds": PITSTOP_RECOVERY_MEDIANS,
-            "pitstop_recovery_source": "bench/recovery.py on 8 simulated nodes (README)",
-            "torchrun_measured_p50_seconds": TORCHRUN_MEASURED_P50,
+            "recovery_source": recovery_source,
+            "snapshot_stall_source": stall_source,
+            "scale_extra_source": "--scale-extra-seconds (docs/scale.md's fit)",
         },
         "policies": policies,
         "anchors": ANCHORS,
@@ -457,8 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sensitivity:
         rows = []
         for share in (0.0, 0.02, 0.05, 0.10):
-            for stall in (0.1, 0.26, 1.0):
-                for extra in (0.5, 4.5, 22.0):
+            for stall in (params.snapshot_stall_seconds * f for f in (0.5, 1.0, 4.0)):
+                for extra in (0.5, params.scale_extra_seconds, 2 * params.scale_extra_seconds):
                     varied = Params(
                         **{
                             **vars(params),
@@ -474,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(
                         {
                             "durable_fallback_share": share,
-                            "snapshot_stall_seconds": stall,
+                            "snapshot_stall_seconds": round(stall, 4),
                             "scale_extra_seconds": extra,
                             "goodput_mean": round(
                                 statistics.fmean(x.goodput() for x in ledgers), 5

@@ -630,6 +630,7 @@ def measure(args: argparse.Namespace) -> int:
             shutil.rmtree(root, ignore_errors=True)
     result: dict[str, Any] = {
         "bench": "recovery",
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": {"cpus": os.cpu_count()},
         "nodes": args.workers + args.spares,
         "steps": steps,

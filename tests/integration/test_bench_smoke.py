@@ -79,11 +79,13 @@ def test_goodput_simulation_prints_one_json_line() -> None:
     for row in policies.values():
         assert 0 < row["goodput_mean"] < 1
         assert row["failures_mean"] > 0
-    # Same failures for all: in-memory recovery in seconds beats restarts in minutes.
-    assert policies["pitstop"]["goodput_mean"] > policies["torchrun_elastic"]["goodput_mean"]
-    assert (
-        policies["torchrun_elastic"]["goodput_mean"]
-        > policies["checkpoint_restart"]["goodput_mean"]
+    # Its inputs are the result files the benchmarks wrote (bench/results/), not typed in.
+    assumptions = report["assumptions"]
+    assert "recovery.json" in assumptions["recovery_source"]
+    assert "checkpoint-h200.json" in assumptions["snapshot_stall_source"]
+    measured = json.loads((ROOT / "bench/results/recovery.json").read_text())
+    assert assumptions["pitstop_recovery_medians"]["node_kill"] == pytest.approx(
+        measured["pitstop"]["p50_by_kind"]["node_kill"]
     )
     assert result.returncode == (0 if report["target"]["met"] else 1)
 
