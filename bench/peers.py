@@ -225,6 +225,26 @@ def finished(procs: Processes, sources: list[int], what: str) -> None:
             raise RuntimeError(f"{what} (pid {procs.started[source].pid}) exited {code}")
 
 
+def broke_down(
+    name: str,
+    exc: Exception,
+    rows: list[dict[str, float]],
+    failures: int,
+    started: float,
+    config: dict[str, Any],
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """A peer's run that broke down (a process exited, a step never came): the failures
+    it completed and why it stopped, for the caller to report and go on."""
+    say(f"{name}: {exc}; {len(rows)} of {failures} failures completed")
+    return {
+        "failures": rows,
+        "seconds": time.monotonic() - started,
+        "error": str(exc),
+        "config": config,
+    }
+
+
 def final_hashes(procs: Processes, sources: dict[int, int]) -> dict[int, str]:
     """rank -> the final weights' hash printed by its process at `sources[rank]`."""
     return {
@@ -298,13 +318,7 @@ def run_torchft(
             run_torchft_failures(procs, current, start, rows, failures, every, step_seconds, say)
             finished(procs, list(current.values()), "a torchft replica")
         except (RuntimeError, subprocess.TimeoutExpired) as exc:  # recorded, not fatal
-            say(f"torchft: {exc}; {len(rows)} of {failures} failures completed")
-            return {
-                "failures": rows,
-                "seconds": time.monotonic() - started,
-                "error": str(exc),
-                "config": config,
-            }
+            return broke_down("torchft", exc, rows, failures, started, config, say)
         hashes = final_hashes(procs, current)
     return {
         "failures": rows,
@@ -499,13 +513,7 @@ def run_nvrx(
                 )
             finished(procs, agents, "an ft_launcher")
         except (RuntimeError, subprocess.TimeoutExpired) as exc:  # recorded, not fatal
-            say(f"nvrx: {exc}; {len(rows)} of {failures} failures completed")
-            return {
-                "failures": rows,
-                "seconds": time.monotonic() - started,
-                "error": str(exc),
-                "config": config,
-            }
+            return broke_down("nvrx", exc, rows, failures, started, config, say)
         hashes = {
             int(line.fields["rank"]): str(line.fields["final_weights_sha256"])
             for line in procs.between(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -146,14 +147,25 @@ async def test_a_process_is_let_in_from_the_moment_it_exists(
     supervisor has read its pid: its key is accepted from the moment it exists, for a
     rank and a standby alike. (A rank refused there exits 1, and its job restarts.)"""
     accepted: list[bool] = []
-    start = supervisor._start
 
-    async def observed(job_id: str, argv: Any, env: dict[str, str], *rest: Any) -> Any:
-        process = await start(job_id, argv, env, *rest)  # it runs; its pid is not recorded
-        accepted.append(supervisor.started(env[RANK_KEY_ENV]))
-        return process
+    def observed(start: Any) -> Any:
+        async def started(*args: Any, **kwargs: Any) -> Any:
+            process = await start(*args, **kwargs)  # it runs; its pid is not recorded yet
+            env = kwargs["env"] if "env" in kwargs else args[1]
+            if process is not None:
+                accepted.append(supervisor.started(env[RANK_KEY_ENV]))
+            return process
 
-    monkeypatch.setattr(supervisor, "_start", observed)
+        return started
+
+    if supervisor.fork_server is not None:
+        monkeypatch.setattr(
+            supervisor.fork_server, "launch", observed(supervisor.fork_server.launch)
+        )
+    else:
+        monkeypatch.setattr(
+            asyncio, "create_subprocess_exec", observed(asyncio.create_subprocess_exec)
+        )
     await supervisor.start_ranks(start_command("job-key", notices, "--hold"))
     standby = start_command("job-key", notices, "--hold", ranks=(), standby_gpus=[1])
     await supervisor.start_standbys(standby)

@@ -502,43 +502,32 @@ class RankSupervisor:
         key = env[RANK_KEY_ENV]
         self._launching.add(key)
         try:
-            return await self._start(job_id, argv, env, cwd, log_path, what)
+            log = _open_log(log_path, what)
+            if self.fork_server is not None:
+                log.close()
+                forked = await self.fork_server.launch(argv, env, cwd, log_path)
+                if forked is not None:
+                    return forked
+                log = log_path.open("ab")
+            try:
+                return await asyncio.create_subprocess_exec(
+                    *argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=cwd,
+                    env=env,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise ValueError(
+                    f"job {job_id!r} {what}: cannot run {argv[0]!r}: "
+                    f"{exc.strerror or exc}; check the job's command"
+                ) from exc
+            finally:
+                log.close()  # the child holds its own descriptor
         finally:
             self._launching.discard(key)
-
-    async def _start(
-        self,
-        job_id: str,
-        argv: Sequence[str],
-        env: dict[str, str],
-        cwd: str | None,
-        log_path: Path,
-        what: str,
-    ) -> RankProcess:
-        log = _open_log(log_path, what)
-        if self.fork_server is not None:
-            log.close()
-            forked = await self.fork_server.launch(argv, env, cwd, log_path)
-            if forked is not None:
-                return forked
-            log = log_path.open("ab")
-        try:
-            return await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=cwd,
-                env=env,
-                start_new_session=True,
-            )
-        except OSError as exc:
-            raise ValueError(
-                f"job {job_id!r} {what}: cannot run {argv[0]!r}: "
-                f"{exc.strerror or exc}; check the job's command"
-            ) from exc
-        finally:
-            log.close()  # the child holds its own descriptor
 
     def _watch_entry(self, entry: _Rank) -> None:
         entry.watcher = asyncio.create_task(self._watch(entry), name=entry.describe())
