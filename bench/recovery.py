@@ -658,6 +658,14 @@ def measure(args: argparse.Namespace) -> int:
             ),
             "wall_seconds": round(torchrun["seconds"], 1),
             "hash_equal": torchrun["hash"] == expected,
+            "config": {
+                "launcher": "torchrun, one agent per simulated node, --nproc-per-node=1",
+                "rendezvous": "c10d, a store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE)",
+                "max_restarts": args.failures + 5,
+                "monitor_interval_s": 0.1,
+                "restart": "every worker restarted, the newest torch.save loaded",
+                "checkpoint": f"torch.save every {args.save_every} steps",
+            },
         }
         pitstop_p50 = result["pitstop"]["detect_to_resume_seconds"]["p50"]
         result["torchrun_over_pitstop_p50"] = round(
