@@ -15,12 +15,12 @@ unmeasured warm-ups:
   daemons idle, as at a step boundary seconds after the previous one;
 * torch_save: torch.save of the state to a file on local disk (until it returns; the
   bytes may still be in the page cache);
-* async_save: torch.distributed.checkpoint.async_save at its best, as torch's docs and
-  torchtitan's `async_with_pinned_mem` mode set it up: one persistent `DefaultStager`
-  (its staging buffers allocated once and reused; pinned memory and non-blocking copies
-  on a side stream where there is a GPU), a process group (gloo, one rank), timed from
-  the call to its `staging_completion`: the moment training may change the state again.
-  The write to disk goes on in the background and is awaited, untimed;
+* async_save: torch.distributed.checkpoint.async_save at its best, as torch's docs
+  describe it: one persistent `DefaultStager` (its staging buffers allocated once and
+  reused; pinned memory and non-blocking copies on a side stream where there is a GPU,
+  as torchtitan's `async_with_pinned_mem` mode stages), a process group (gloo, one
+  rank), timed from the call to its `staging_completion`: the moment training may change
+  the state again. The write to disk goes on in a thread and is awaited, untimed;
 * async_save_cold: async_save with its defaults (a fresh stager each call, no process
   group), until it returns, for reference.
 
