@@ -216,7 +216,14 @@ def test_checkpoint_benchmark_prints_one_json_line_and_stops_its_daemons() -> No
     if not report.get("gpu"):
         assert report["cuda"] == "skipped: torch.cuda.is_available() is False"
     # Its daemons (node ids bench-a-PID, bench-b-PID) are gone, with their segments.
-    pattern = f"pitstop.checkpointd.main run --node-id bench-[ab]-{bench.pid}"
-    left = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
-    assert left.stdout == "", f"daemons left running: {left.stdout}"
+    names = {f"bench-{side}-{bench.pid}".encode() for side in "ab"}
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if b"pitstop.checkpointd.main" in argv and names & set(argv):
+            left.append(cmdline.parent.name)
+    assert left == [], f"daemons left running: {left}"
     assert list(Path("/dev/shm").glob(f"pitstop-ckpt-bench-[ab]-{bench.pid}-*")) == []
