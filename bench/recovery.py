@@ -5,15 +5,17 @@ pitstop: a local cluster (`pitstop.client.localcluster`, embedded PostgreSQL and
 simulated GPUs) of --workers worker nodes and --spares hot spares runs the example GPT
 job (dp = --workers, an in-memory snapshot every step, standby processes on 2 spares and
 one beside its ranks on each of its nodes). The driver fails a node of the job every
---every steps at least, cycling through five kinds: kill -9 of the whole node (agent,
+--every steps at least, cycling through six kinds: kill -9 of the whole node (agent,
 checkpoint daemon, ranks), a fatal Xid (79), a hung agent (SIGSTOP: heartbeats stop, the
-stream stays open), kill -9 of one rank, and an application Xid (13: the rank dies, the
-GPU stays). The first three move the node's ranks to a spare; the other two restart the
-rank in place. Failed nodes come back as spares once the job has left them. A failure
-waits until the previous one's recovery was decided and the standbys it will need are
-warm (`WarmGate`: this run fails the job every few seconds; one failing every few hours
-meets each failure that way); the wait is printed. Per failure, from the driver's own
-clock for the failure, the scheduler's goodput incident and the rank logs:
+stream stays open), kill -9 of one rank, an application Xid (13: the rank dies, the GPU
+stays), and a frozen node (SIGSTOP of its agent, checkpoint daemon and ranks: a silent
+host, no connection reset, its peers blocked on it). Those on a node move its ranks to a
+spare; the two on a rank restart it in place. Failed nodes come back as spares once the
+job has left them. A failure waits until the previous one's recovery was decided and
+the standbys it will need are warm (`WarmGate`: this run fails the job every few
+seconds; one failing every few hours meets each failure that way); the wait is printed.
+Per failure, from the driver's own clock for the failure, the scheduler's goodput
+incident and the rank logs:
 
 * detect: failure -> the scheduler marks the node (lost or unhealthy) or sees the exit;
 * abort: failure -> the last survivor out of its collective (overlaps the others);
@@ -101,8 +103,15 @@ LEFT = re.compile(
     r"(?:group abandoned the process group|recovery rank \d+ lost a peer)"
 )
 STEP_LINE = re.compile(r'^\{"rank": (\d+), "step": (\d+), ')
-KINDS: tuple[FaultKind, ...] = ("node_kill", "xid", "agent_hang", "rank_kill", "app_xid")
-ON_A_SPARE: tuple[FaultKind, ...] = ("node_kill", "xid", "agent_hang")
+KINDS: tuple[FaultKind, ...] = (
+    "node_kill",
+    "xid",
+    "agent_hang",
+    "rank_kill",
+    "app_xid",
+    "node_freeze",
+)
+ON_A_SPARE: tuple[FaultKind, ...] = ("node_kill", "xid", "agent_hang", "node_freeze")
 """The kinds that move the node's ranks to a spare (the others restart them in place)."""
 
 

@@ -580,6 +580,17 @@ class Cluster:
         for pid in ranks:
             killpg(pid, signal.SIGKILL)
 
+    def freeze_node(self, node_id: str) -> None:
+        """SIGSTOP of everything on the node, as a host that lost power or its network is
+        to the others: nothing answers, no connection is reset."""
+        node = self.nodes[node_id]
+        ranks = self.rank_pids(node_id)
+        for proc in (node.agent, node.checkpointd):
+            assert proc is not None
+            killpg(proc.pid, signal.SIGSTOP)
+        for pid in ranks:
+            killpg(pid, signal.SIGSTOP)
+
     def inject(self, node_id: str, fault: common_pb2.Fault) -> None:
         self.node_api.InjectFault(nodes_pb2.InjectFaultRequest(node_id=node_id, fault=fault))
 
@@ -967,7 +978,14 @@ def check_shards_stay_in_the_job(cluster: Cluster, done: jobs_pb2.Job, lost: str
     assert foreign.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
-FAULTS = ["rank_killed", "agent_killed", "node_killed", "fatal_xid", "application_xid"]
+FAULTS = [
+    "rank_killed",
+    "agent_killed",
+    "node_killed",
+    "node_frozen",
+    "fatal_xid",
+    "application_xid",
+]
 IN_PLACE = ("rank_killed", "application_xid")  # the rank restarts on its own node
 
 
@@ -996,11 +1014,17 @@ def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
         killpg(victim.agent.pid, signal.SIGKILL)  # its ranks and checkpointd live on
     elif fault == "node_killed":
         cluster.kill_node(victim.node_id)
+    elif fault == "node_frozen":  # a silent host: no connection reset, its peers blocked
+        cluster.freeze_node(victim.node_id)
     elif fault == "fatal_xid":
         cluster.inject(victim.node_id, common_pb2.Fault(gpu_index=0, xid=79))
     else:  # Xid 13, graphics engine exception: the agent ends the rank on that GPU
         cluster.inject(victim.node_id, common_pb2.Fault(gpu_index=0, xid=13))
-    done = cluster.finish(job.id)
+    try:
+        done = cluster.finish(job.id)
+    finally:
+        if fault == "node_frozen":  # its stopped processes would wait out a SIGTERM
+            cluster.kill_node(victim.node_id)
     context = f"{fault} on {victim.node_id} (rank {victim_rank}) at step {at_step}"
     check_result(done, standalone_hash)
     assert done.generation >= 2, context
@@ -1031,7 +1055,7 @@ def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
     assert last.resume_seconds > 0, goodput
     if fault not in IN_PLACE:
         assert victim.node_id in first.cause, goodput
-    if fault in ("agent_killed", "node_killed"):  # from its last sign of life to its loss
+    if fault in ("agent_killed", "node_killed", "node_frozen"):  # last sign of life to loss
         assert 0 < first.detect_seconds < 5, goodput
     shown = CliRunner().invoke(
         app, [*cluster.cli_options(), "job", "show", job.id], catch_exceptions=False

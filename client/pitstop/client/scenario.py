@@ -5,7 +5,10 @@ A fault is due at a step; once the job reaches it, the driver picks a node of th
 (not the one failed last) and fails it: ``xid`` injects a fatal Xid (79, fallen off the
 bus) through the scheduler, ``node_kill`` is kill -9 of the node's agent, checkpoint
 daemon and ranks, ``agent_hang`` stops the agent (SIGSTOP) so its heartbeats cease while
-its stream stays open, and ``rank_kill`` is kill -9 of one rank. Failed nodes come back
+its stream stays open, ``node_freeze`` stops every process of the node (SIGSTOP: its
+agent, checkpoint daemon and ranks), as a host that lost power or its network is to the
+others (no connection resets; peers blocked on its ranks wait), and ``rank_kill`` is
+kill -9 of one rank. Failed nodes come back
 as hot spares once the job has moved off them, so a long run can fail many times.
 
 Nothing here waits without a deadline. A job that makes no step for `STALL_TIMEOUT` s,
@@ -38,8 +41,15 @@ from pitstop.client.localcluster import DEFAULT_TIMEOUT, STOP_TIMEOUT, ClusterEr
 from pitstop.client.signals import dying_with_parent
 from pitstop.v1 import common_pb2, jobs_pb2
 
-FaultKind = Literal["xid", "node_kill", "agent_hang", "rank_kill", "app_xid"]
-FAULT_KINDS: tuple[FaultKind, ...] = ("xid", "node_kill", "agent_hang", "rank_kill", "app_xid")
+FaultKind = Literal["xid", "node_kill", "agent_hang", "node_freeze", "rank_kill", "app_xid"]
+FAULT_KINDS: tuple[FaultKind, ...] = (
+    "xid",
+    "node_kill",
+    "agent_hang",
+    "node_freeze",
+    "rank_kill",
+    "app_xid",
+)
 FATAL_XID = 79
 APPLICATION_XID = 13
 """Graphics engine exception: the rank on that GPU dies, the GPU and the node stay."""
@@ -362,6 +372,11 @@ class Driver:
             if not agents:
                 raise ClusterError(f"{node_id} has no agent to hang")
             os.kill(agents[0].pid, signal.SIGSTOP)
+        elif fault.kind == "node_freeze":
+            daemons = [p.pid for p in self.cluster.node_processes(node_id)]
+            for pid in [*daemons, *self.cluster.rank_pids(node_id)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
         else:
             pids = self.cluster.rank_pids(node_id)
             if pids:
