@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -261,6 +262,29 @@ async def test_a_process_that_exits_at_once_is_reported_exited(
     assert codes == [0] * 40
 
 
+OTHER_USER = """
+import os, socket, sys
+
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)  # nobody, from here on
+answer = b"not connected"
+try:
+    with socket.socket(socket.AF_UNIX) as probe:
+        probe.settimeout(float(sys.argv[3]))
+        probe.connect(sys.argv[1])
+        answer = b"closed:"  # unless an answer comes
+        probe.sendall(sys.argv[2].encode() + b"\\n")
+        answer += probe.recv(100)
+except OSError as exc:
+    answer += f" ({exc!r})".encode() if answer != b"closed:" else b""
+sys.stdout.buffer.write(answer)
+"""
+"""What another user's process does at the fork server's socket: become nobody, connect,
+ask for a fork, print what came back (``closed:`` and nothing when the server hangs
+up). Started by root, it has what it imports before it gives up root."""
+
+
 def test_another_users_connection_is_closed_unanswered(
     server: ForkServerProcess, script: Path, tmp_path: Path
 ) -> None:
@@ -273,32 +297,22 @@ def test_another_users_connection_is_closed_unanswered(
     request = {"id": 1, "argv": [sys.executable, str(script)], "env": env(), "log": str(log)}
     os.chmod(folder, 0o755)
     os.chmod(server.socket_path, 0o666)
-    read_end, write_end = os.pipe()
     try:
-        pid = os.fork()
-        if pid == 0:  # the other user: nobody
-            answer = b"not connected"
-            try:
-                os.setgid(65534)
-                os.setuid(65534)
-                with socket.socket(socket.AF_UNIX) as probe:
-                    probe.settimeout(TIMEOUT)
-                    probe.connect(str(server.socket_path))
-                    answer = b"closed:"  # unless an answer comes
-                    probe.sendall(json.dumps(request).encode() + b"\n")
-                    answer += probe.recv(100)
-            except OSError as exc:
-                answer += f" ({exc!r})".encode() if answer != b"closed:" else b""
-            finally:
-                os.write(write_end, answer)
-                os._exit(0)
-        os.close(write_end)
-        os.waitpid(pid, 0)
-        said = os.read(read_end, 200)
+        # The other user: a fresh interpreter that turns itself into nobody, not a
+        # fork of this one, whose threads (gRPC's among them) a forked child would
+        # inherit half-held (such a child once died before it said anything).
+        argv = [str(server.socket_path), json.dumps(request), str(TIMEOUT)]
+        other = subprocess.run(
+            [sys.executable, "-c", OTHER_USER, *argv],
+            capture_output=True,
+            timeout=TIMEOUT,
+            check=False,
+        )
+        said = other.stdout
     finally:
-        os.close(read_end)
         os.chmod(server.socket_path, 0o600)
         os.chmod(folder, 0o700)
+    assert other.returncode == 0, other.stderr
     assert said == b"closed:", said  # connected, then closed without an answer
     assert not log.exists()
 
