@@ -373,10 +373,7 @@ class Driver:
                 raise ClusterError(f"{node_id} has no agent to hang")
             os.kill(agents[0].pid, signal.SIGSTOP)
         elif fault.kind == "node_freeze":
-            daemons = [p.pid for p in self.cluster.node_processes(node_id)]
-            for pid in [*daemons, *self.cluster.rank_pids(node_id)]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGSTOP)
+            self.cluster.kill_node(node_id, signal.SIGSTOP, wait=False)
         else:
             pids = self.cluster.rank_pids(node_id)
             if pids:
