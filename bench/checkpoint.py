@@ -216,7 +216,7 @@ def memcpy_once(
         size = tensor.numel() * tensor.element_size()
         moves.append((base + offset, tensor.data_ptr(), size))
         offset += size
-    threads = getattr(pool, "threads", 1)
+    threads = pool.threads if pool is not None else 1
     share = -(-offset // threads)
     pieces = []  # (target, source, bytes), each thread's share of the whole
     for thread in range(threads):

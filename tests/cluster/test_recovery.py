@@ -570,26 +570,17 @@ class Cluster:
         socket = str(self.nodes[node_id].root / "agent" / SOCKET_NAME)
         return rank_pids({node_id: socket})[node_id]
 
-    def kill_node(self, node_id: str) -> None:
-        """kill -9 of everything on the node: its agent, its checkpoint daemon, its ranks."""
+    def kill_node(self, node_id: str, signum: signal.Signals = signal.SIGKILL) -> None:
+        """kill -9 of everything on the node: its agent, its checkpoint daemon, its ranks.
+        With SIGSTOP, a frozen node: to the others as a host that lost power or its
+        network, nothing answers and no connection is reset."""
         node = self.nodes[node_id]
         ranks = self.rank_pids(node_id)
         for proc in (node.agent, node.checkpointd):
             assert proc is not None
-            killpg(proc.pid, signal.SIGKILL)
+            killpg(proc.pid, signum)
         for pid in ranks:
-            killpg(pid, signal.SIGKILL)
-
-    def freeze_node(self, node_id: str) -> None:
-        """SIGSTOP of everything on the node, as a host that lost power or its network is
-        to the others: nothing answers, no connection is reset."""
-        node = self.nodes[node_id]
-        ranks = self.rank_pids(node_id)
-        for proc in (node.agent, node.checkpointd):
-            assert proc is not None
-            killpg(proc.pid, signal.SIGSTOP)
-        for pid in ranks:
-            killpg(pid, signal.SIGSTOP)
+            killpg(pid, signum)
 
     def inject(self, node_id: str, fault: common_pb2.Fault) -> None:
         self.node_api.InjectFault(nodes_pb2.InjectFaultRequest(node_id=node_id, fault=fault))
@@ -1015,7 +1006,7 @@ def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
     elif fault == "node_killed":
         cluster.kill_node(victim.node_id)
     elif fault == "node_frozen":  # a silent host: no connection reset, its peers blocked
-        cluster.freeze_node(victim.node_id)
+        cluster.kill_node(victim.node_id, signal.SIGSTOP)
     elif fault == "fatal_xid":
         cluster.inject(victim.node_id, common_pb2.Fault(gpu_index=0, xid=79))
     else:  # Xid 13, graphics engine exception: the agent ends the rank on that GPU

@@ -53,6 +53,7 @@ class WindowOrder:
 
     def __init__(self) -> None:
         self._held: dict[int, list[agent_pb2.RankWindow]] = {}
+        self._ranks: dict[int, set[int]] = {}  # window -> the ranks that summarized it
         self._since: dict[int, float] = {}  # window -> when its first summary came
         self._through = -1  # windows up to this one have gone to the detector
 
@@ -65,13 +66,13 @@ class WindowOrder:
                 ready.append(window)
             else:
                 self._held.setdefault(window.window, []).append(window)
+                self._ranks.setdefault(window.window, set()).add(window.rank)
                 self._since.setdefault(window.window, now)
         for index in sorted(self._held):
-            held = self._held[index]
-            if len({w.rank for w in held}) < world_size and now - self._since[index] < hold:
+            if len(self._ranks[index]) < world_size and now - self._since[index] < hold:
                 break
             ready += self._held.pop(index)
-            del self._since[index]
+            del self._ranks[index], self._since[index]
             self._through = index
         return ready
 
