@@ -1,59 +1,65 @@
-"""Recovery benchmark: many failures under one long run, pitstop beside plain torchrun,
-torchft and NVIDIA's resiliency extension.
+"""Recovery benchmark: the same failures for pitstop, plain torchrun, torchft and NVIDIA's
+resiliency extension (NVRx), each under one long run of the example GPT job.
+
+Every system meets, in turn, --failures of each of two kinds (bench/peers.py says how
+each peer is set up and how it is failed):
+
+* ``rank_kill``: kill -9 of one rank's process;
+* ``node_silent``: a host that dies silently: every process of one node frozen
+  (SIGSTOP: no connection reset, its peers blocked on it wait). pitstop's own scheduler
+  declares it lost after its liveness deadline (--liveness-seconds) and moves its ranks
+  to a spare; for the peers the benchmark plays the cluster manager they rely on, with
+  the same deadline, and starts their replacement then.
+
+pitstop also meets --own-failures of each of its own kinds, reported apart: kill -9 of
+a whole node (agent, checkpoint daemon, ranks: the connection resets at once), a fatal
+Xid (79), a hung agent (SIGSTOP of the agent alone: heartbeats stop, the stream stays
+open) and an application Xid (13: the rank dies, the GPU stays).
+
+Per failure, every system: ``to_progress`` (the failure -> any training step committed
+again), ``to_full`` (-> the job trains at full strength again: every replica, the whole
+world) and ``lost_gpu`` (GPU-seconds of the job's own GPUs not doing kept work because of
+the failure: idle, waiting or computing steps again; a spare's GPU, idle anyway, is not
+counted); p50, p95 and max per kind, and whether the final weights equal a fault-free
+run's. pitstop stops every rank and resumes at full strength, so its to_progress is its
+to_full; torchft's survivors go on without the failed replica, so its to_progress comes
+first.
 
 pitstop: a local cluster (`pitstop.client.localcluster`, embedded PostgreSQL and Redis,
-simulated GPUs) of --workers worker nodes and --spares hot spares runs the example GPT
-job (dp = --workers, an in-memory snapshot every step, standby processes on 2 spares and
-one beside its ranks on each of its nodes). The driver fails a node of the job every
---every steps at least, cycling through six kinds: kill -9 of the whole node (agent,
-checkpoint daemon, ranks), a fatal Xid (79), a hung agent (SIGSTOP: heartbeats stop, the
-stream stays open), kill -9 of one rank, an application Xid (13: the rank dies, the GPU
-stays), and a frozen node (SIGSTOP of its agent, checkpoint daemon and ranks: a silent
-host, no connection reset, its peers blocked on it). Those on a node move its ranks to a
-spare; the two on a rank restart it in place. Failed nodes come back as spares once the
-job has left them. A failure waits until the previous one's recovery was decided and
-the standbys it will need are warm (`WarmGate`: this run fails the job every few
-seconds; one failing every few hours meets each failure that way); the wait is printed.
-Per failure, from the driver's own clock for the failure, the scheduler's goodput
-incident and the rank logs:
+simulated GPUs) of --workers worker nodes and --spares hot spares runs the example job
+(dp = --workers, an in-memory snapshot every step). Warm by default: standby processes
+(torch imported) on 2 spares and beside each node's ranks, and a failure waits until the
+previous one's recovery was decided and the standby it will need is ready
+(`WarmGate`: this run fails the job every few seconds; one failing every few hours
+meets each failure that way; the wait is printed). --cold-too runs it again with no
+standby processes, for the two shared kinds. Failed nodes come back as spares once the
+job has left them. Each pitstop recovery is also split into its phases, from the
+benchmark's clock for the failure, the scheduler's goodput incident and the rank logs:
 
 * detect: failure -> the scheduler marks the node (lost or unhealthy) or sees the exit;
 * abort: failure -> the last survivor out of its collective (overlaps the others);
 * decide: -> the new rank map is committed (spare chosen, restore step picked);
 * restore: -> the last rank has loaded the restore step (rank logs);
-* re-form: -> the process group is formed again and the job steps (scheduler event);
-* stalled: how long the job did not train (a hung agent's node trains on until the
-  decision stops the survivors).
+* re-form: -> the process group is formed again and the job steps (scheduler event).
 
-Steps lost: the steps the ranks ran twice, counted from their logs, per failure.
+Each pitstop failure is matched to the incident that ended it: of those the scheduler
+noticed between it and the next failure, the one after which the job stepped again
+(earlier ones it superseded count in its detect). A failure with none is listed under
+`unrecovered`, with why, and the benchmark exits 1 after printing its JSON. A peer that
+breaks down (a process exits, a step never comes) is recorded with its error and the
+failures it completed, and the benchmark goes on.
 
-Each failure is matched to the incident that ended it: of those the scheduler noticed
-between it and the next failure, the one after which the job stepped again (earlier
-ones it superseded count in its detect). A failure with none is listed under
-`unrecovered`, with why, and the benchmark exits 1 after printing its JSON.
+    .venv/bin/python bench/recovery.py [--failures 20] [--own-failures 5] [--workers 4]
+        [--spares 4] [--liveness-seconds 2] [--skip torchrun|torchft|nvrx] [--cold-too]
+        [--insecure-too] [--load [2]]
 
-torchrun: the same job, steps and number of failures under `torchrun` (c10d
-rendezvous, --max-restarts, one torchrun agent per node), the example saving a
-torch.save checkpoint every --save-every steps and loading the newest at start, as a
-plain torchrun user would. torchrun has no spare to swap in, so its failure is kill -9
-of one worker process; the elastic agents then restart every worker. Measured from the
-kill to the first step after the reload; steps lost = last step before the kill minus
-the step reloaded. torchft and NVRx: bench/peers.py (kill -9 of a replica or worker;
-skipped, saying why, when their packages are missing: pip install -e '.[bench]').
-
-Every run must end with the same final-weights hash as a fault-free run. Run from the
-repository root (about 25 minutes on 2 cores with every peer):
-
-    .venv/bin/python bench/recovery.py [--failures 20] [--workers 4] [--spares 4]
-        [--liveness-seconds 2] [--skip-torchrun] [--skip torchft] [--skip nvrx]
-        [--load [2]]
-
-A hung agent is detected by the local cluster's liveness deadline (--liveness-seconds,
-the local cluster's default; the JSON says which was used): that deadline is most of its
-detect time. Progress goes to stderr; the last line of stdout is one JSON object. A job
-that makes no step for 90 s, or a wait that passes its deadline, ends the benchmark with
-a message and exit code 1; on any end (Ctrl-C, SIGTERM and SIGHUP included) the cluster,
-the torchrun agents, the peers' processes, the reference run and the load are stopped.
+Run from the repository root (about 50 minutes on 2 cores with every peer; the peers
+need `pip install -e '.[bench]'`, else they are reported skipped). Progress goes to
+stderr; the last line of stdout is one JSON object, with the targets and whether each is
+met. A pitstop job that makes no step for 90 s, or a wait that passes its deadline, ends
+the benchmark with a message and exit code 1; on any end (Ctrl-C, SIGTERM and SIGHUP
+included) the cluster, the peers' processes, the reference runs and the load are
+stopped.
 """
 
 from __future__ import annotations
@@ -67,13 +73,10 @@ import math
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -88,10 +91,9 @@ from pitstop.client.scenario import (
     Injected,
     JobStuck,
     ReferenceRun,
-    example_command,
     example_spec,
 )
-from pitstop.client.signals import Terminated, dying_with_parent, exit_code, orderly_exit
+from pitstop.client.signals import Terminated, exit_code, orderly_exit
 from pitstop.v1 import common_pb2, jobs_pb2
 
 # bench/peers.py, the torchft and NVRx runs: a script's own directory is first on sys.path.
@@ -113,25 +115,14 @@ KINDS: tuple[FaultKind, ...] = (
 )
 ON_A_SPARE: tuple[FaultKind, ...] = ("node_kill", "xid", "agent_hang", "node_freeze")
 """The kinds that move the node's ranks to a spare (the others restart them in place)."""
+REPORTED: dict[FaultKind, str] = {"node_freeze": "node_silent"}
+"""The scenario's kinds under the names every system's results share (bench/peers.py)."""
+SHARED: tuple[FaultKind, ...] = ("rank_kill", "node_freeze")
+"""The kinds every system meets; the others are pitstop's own."""
 
 
 def say(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    return {
-        "p50": round(percentile(values, 0.5), 3),
-        "p95": round(percentile(values, 0.95), 3),
-        "max": round(max(values), 3) if values else float("nan"),
-    }
 
 
 def log_time(text: str) -> float:
@@ -143,15 +134,20 @@ def log_time(text: str) -> float:
 
 
 def run_pitstop(
-    args: argparse.Namespace, steps: int, root: Path, insecure: bool = False
+    args: argparse.Namespace,
+    faults: list[Fault],
+    steps: int,
+    root: Path,
+    insecure: bool = False,
+    cold: bool = False,
 ) -> dict[str, Any]:
-    faults = [Fault(args.every * (i + 1), KINDS[i % len(KINDS)]) for i in range(args.failures)]
+    label = "pitstop" + (" (insecure)" if insecure else "") + (" (cold)" if cold else "")
     say(
-        f"pitstop{' (insecure)' if insecure else ''}: {args.workers} workers + {args.spares} "
-        f"spares, {len(faults)} failures, a silent node lost after {args.liveness_seconds:g} s"
+        f"{label}: {args.workers} workers + {args.spares} spares, {len(faults)} failures, "
+        f"a silent node lost after {args.liveness_seconds:g} s"
     )
     with running_cluster(
-        root / ("cluster-insecure" if insecure else "cluster"),
+        root / f"cluster{'-insecure' if insecure else ''}{'-cold' if cold else ''}",
         nodes=args.workers,
         spares=args.spares,
         port=0,
@@ -167,14 +163,15 @@ def run_pitstop(
             # again while the other waits, ready for the next.
             spares=2,
         )
+        spec.standby_processes = not cold
 
         client = cluster.client(timeout=10.0)
-        gate = WarmGate(client)
+        gate = WarmGate(client, cold=cold)
 
         def on_fault(injected: Injected) -> None:
             waited = gate.waited
             say(
-                f"pitstop: {injected.fault.kind} on {injected.node_id} at step {injected.step}"
+                f"{label}: {injected.fault.kind} on {injected.node_id} at step {injected.step}"
                 + (f" (waited {waited:.1f} s for warm standbys)" if waited > 0.5 else "")
             )
 
@@ -206,14 +203,31 @@ def run_pitstop(
     if job.state != common_pb2.JOB_STATE_SUCCEEDED:
         raise SystemExit(f"pitstop: job ended {common_pb2.JobState.Name(job.state)}: {job.reason}")
     per_failure, missed = split(job.goodput, run.injected, restores, left)
+    # A failure the job ended before is one not measured: said, and the run fails.
+    missed += [
+        {
+            "kind": fault.kind,
+            "node": "",
+            "step": fault.at_step,
+            "why": "never injected: the job ended first (its waits for a warm standby "
+            "used up the steps; give it more with --slack-steps)",
+        }
+        for fault in faults[len(run.injected) :]
+    ]
     for failure in missed:
         say(
-            f"pitstop: {failure['kind']} on {failure['node']} at step {failure['step']}: "
+            f"{label}: {failure['kind']} on {failure['node']} at step {failure['step']}: "
             f"{failure['why']}"
         )
     for row in per_failure:
+        # Every rank stops and resumes at full strength: training again is whole again.
+        row["to_progress"] = row["to_full"] = row["total"]
+        row["lost_steps"] = row["lost_steps_seen"]
+        row["lost_gpu"] = peers.lost_gpu_all_restart(
+            args.workers, row["stalled"], row["lost_steps"], args.step_seconds
+        )
         say(
-            f"pitstop: {KINDS[int(row['kind_index'])]}: {row['total']:.2f} s = detect "
+            f"{label}: {row['kind']}: {row['total']:.2f} s = detect "
             f"{row['detect']:.2f} + decide {row['decide']:.2f} + restore {row['restore']:.2f} "
             f"+ re-form {row['reform']:.2f} (survivors out of their collective after "
             f"{row['abort']:.2f} s)"
@@ -227,22 +241,36 @@ def run_pitstop(
         "seconds": run.seconds,
         "steps_lost_per_failure": redone / args.workers / max(len(run.injected), 1),
         "goodput": job.goodput.ratio,
+        "config": {
+            "workers": args.workers,
+            "spares": args.spares,
+            "liveness_timeout_s": args.liveness_seconds,
+            "snapshot": "in memory every step, a copy on a buddy node",
+            "replacement": "cold: no standby processes, a new rank process per replacement"
+            if cold
+            else "warm: a standby process with torch imported on 2 spares and beside each "
+            "node's ranks; each failure waits until one is ready (printed)",
+            "security": "plaintext, open API" if insecure else "mutual TLS, enrollment",
+        },
     }
 
 
 class WarmGate:
     """When the next failure may come. This run fails the job every few seconds; a job
-    failing every few hours would meet each failure recovered from the one before and
-    with its standbys warm. So a failure waits until the previous one's recovery was
-    decided (the job's generation moved on, and it steps again) and, for one that moves
-    a node's ranks, a spare holds a standby of the job done importing; for one that
-    restarts a rank in place, each of the job's nodes holds one beside its ranks. The
-    wait is reported with each failure."""
+    failing every few hours would meet each failure recovered from the one before, with
+    its standbys warm and its nodes quiet (on this one machine, a standby importing torch
+    for one simulated node slows the recovery of the others). So a failure waits until
+    the previous one's recovery was decided (the job's generation moved on, and it steps
+    again) and, for one that moves a node's ranks, a spare holds a standby of the job
+    done importing; for one that restarts a rank in place, each of the job's nodes holds
+    one beside its ranks. The wait is reported with each failure. Cold (no standby
+    processes): only the recovery is waited for."""
 
     CHECK_SECONDS = 0.5
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, cold: bool = False) -> None:
         self.client = client
+        self.cold = cold
         self.due_at = 0.0  # when the pending failure fell due
         self.waited = 0.0  # how long the last failure waited after it fell due
         self.generation = -1  # the job's generation when the previous failure came
@@ -264,6 +292,8 @@ class WarmGate:
         return warm
 
     def _warm(self, job: jobs_pb2.Job, kind: str) -> bool:
+        if self.cold:
+            return True
         nodes = {a.node_id for a in job.rank_map.ranks}
         if kind in ON_A_SPARE:
             # A spare that took a node's ranks keeps its role; its standby beside them
@@ -283,7 +313,7 @@ ENDED_BY = (jobs_pb2.INCIDENT_OUTCOME_RESUMED, jobs_pb2.INCIDENT_OUTCOME_JOB_SUC
 
 def split(
     goodput: jobs_pb2.Goodput, injected: list[Injected], restores: list[float], left: list[float]
-) -> tuple[list[dict[str, float]], list[dict[str, Any]]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Per failure: detect, decide, restore, re-form and total seconds; abort: the
     failure -> the last rank out of its collective (it overlaps detect and decide); and
     stalled: how long the job did not train (the total, but for a hung agent, whose
@@ -294,7 +324,7 @@ def split(
     outcome is that the job stepped again, after any it superseded. Detection counts
     from the failure to the first of them, the rest from that one's commit. A failure
     with no such incident is returned apart, with why: it was not recovered from."""
-    out: list[dict[str, float]] = []
+    out: list[dict[str, Any]] = []
     missed: list[dict[str, Any]] = []
     incidents = sorted(goodput.incidents, key=lambda i: i.detected_at)
     for number, fault in enumerate(injected):
@@ -325,6 +355,7 @@ def split(
         )
         out.append(
             {
+                "kind": REPORTED.get(fault.fault.kind, fault.fault.kind),
                 "kind_index": KINDS.index(fault.fault.kind),
                 "abort": out_of_collective - fault.at,
                 "stalled": resumed - stalled_from,
@@ -340,219 +371,148 @@ def split(
     return out, missed
 
 
-# torchrun ------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-class Follower:
-    """Reads rank 0's output as it comes, stamping each line."""
-
-    def __init__(self, stream: Any) -> None:
-        self.lines: list[tuple[float, str]] = []
-        self.cond = threading.Condition()
-        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
-
-    def _read(self, stream: Any) -> None:
-        for line in stream:
-            with self.cond:
-                self.lines.append((time.time(), line.strip()))
-                self.cond.notify_all()
-
-    def wait(self, pred: Any, timeout: float, start: int = 0) -> tuple[float, str] | None:
-        """The first line from index `start` on that `pred` accepts, waiting for it."""
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            seen = start
-            while True:
-                for item in self.lines[seen:]:
-                    if pred(item[1]):
-                        return item
-                seen = len(self.lines)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self.cond.wait(left)
-
-
-def worker_pids(run_dir: Path) -> list[int]:
-    """The example's worker processes under this torchrun run (by their save dir)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(arg.endswith(b"torchrun") for arg in cmdline):
-            continue  # an elastic agent (its argv names the script too), not a worker
-        if b"pitstop.trainer.example" in cmdline and str(run_dir).encode() in cmdline:
-            pids.append(int(proc.name))
-    return pids
-
-
-def run_torchrun(args: argparse.Namespace, steps: int, root: Path) -> dict[str, Any]:
-    save_dir = root / "torchrun-save"
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-    # torchrun shares one TCPStore server across rendezvous rounds by default, and the
-    # restarted workers' gloo group then reads the previous round's peer addresses from
-    # it ("Connection refused" in connectFullMesh, or a hang). This opt-out gives each
-    # round a store of its own; it is what a torchrun user who restarts workers needs.
-    env.update(PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    command = example_command(steps, args.step_seconds)
-    command += ["--save-dir", str(save_dir), "--save-every", str(args.save_every)]
-    agents = []
-    say(f"torchrun: {args.workers} agents, {args.failures} failures")
-    started = time.monotonic()
-    for node in range(args.workers):
-        agents.append(
-            subprocess.Popen(
-                dying_with_parent(
-                    [
-                        str(Path(sys.executable).parent / "torchrun"),
-                        f"--nnodes={args.workers}",
-                        "--nproc-per-node=1",
-                        "--rdzv-backend=c10d",
-                        f"--rdzv-endpoint=127.0.0.1:{port}",
-                        f"--rdzv-id=bench-{port}",
-                        f"--max-restarts={args.failures + 5}",
-                        "--monitor-interval=0.1",
-                        *command[1:],
-                    ]
-                ),
-                stdout=subprocess.PIPE if node == 0 else subprocess.DEVNULL,
-                stderr=(root / f"torchrun-{node}.log").open("w"),
-                text=True,
-                env=env,
-                start_new_session=True,
-            )
-        )
-    follower = Follower(agents[0].stdout)
-    failures: list[dict[str, float]] = []
-    try:
-        for index in range(args.failures):
-            target = args.every * (index + 1)
-            hit = follower.wait(
-                lambda line, t=target: (m := STEP_LINE.match(line)) and int(m.group(2)) >= t,
-                timeout=300,
-            )
-            if hit is None:
-                raise SystemExit(f"torchrun: step {target} never came")
-            last = max(
-                int(m.group(2))
-                for _, line in follower.lines
-                if (m := STEP_LINE.match(line)) is not None
-            )
-            victims = worker_pids(save_dir)
-            if not victims:
-                raise SystemExit("torchrun: no worker process found to kill")
-            with follower.cond:
-                seen = len(follower.lines)
-            killed_at = time.time()
-            os.kill(victims[index % len(victims)], signal.SIGKILL)
-            loaded = follower.wait(lambda line: '"loaded_step"' in line, timeout=300, start=seen)
-            if loaded is None:
-                raise SystemExit("torchrun: the workers never reloaded")
-            step = json.loads(loaded[1])["loaded_step"]
-            resumed = follower.wait(
-                lambda line, s=step: (m := STEP_LINE.match(line)) and int(m.group(2)) > s,
-                timeout=300,
-                start=seen,
-            )
-            if resumed is None:
-                raise SystemExit("torchrun: the workers never stepped after the reload")
-            failures.append({"total": resumed[0] - killed_at, "lost_steps": float(last - step)})
-            say(
-                f"torchrun: failure {index + 1}: {failures[-1]['total']:.1f} s, "
-                f"{last - step} steps lost"
-            )
-        for agent in agents:
-            agent.wait(timeout=900)
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-    final = follower.wait(lambda line: "final_weights_sha256" in line, timeout=1)
-    return {
-        "failures": failures,
-        "seconds": time.monotonic() - started,
-        "hash": json.loads(final[1])["final_weights_sha256"] if final else "",
-    }
-
-
 def peer_summary(peer: dict[str, Any], expected: str) -> dict[str, Any]:
-    """A peer's run (bench/peers.py) as the JSON reports it: its failure -> training
-    again seconds, the failed replica's rejoin, steps run twice, and its hash compared."""
+    """A peer's run (bench/peers.py) as the JSON reports it: per failure kind, to
+    progress, to full strength and the GPU-seconds lost; its hash compared; its config."""
     if "skipped" in peer:
         return {"skipped": peer["skipped"]}
-    failures = peer["failures"]
-    out: dict[str, Any] = {"failures": len(failures)}
-    if failures:
-        out["detect_to_resume_seconds"] = summary([f["total"] for f in failures])
-        out["rejoin_seconds"] = summary([f["rejoin"] for f in failures])
-        out["steps_lost_per_failure"] = round(statistics.mean(f["lost_steps"] for f in failures), 2)
+    rows = peer["failures"]
+    out: dict[str, Any] = {"failures": len(rows), **peers.by_kind(rows, peers.KINDS)}
     out["wall_seconds"] = round(peer["seconds"], 1)
     if "error" in peer:  # it broke down: what it completed, and why it stopped
         out["error"] = peer["error"]
+        out["final_hash_equal"] = False
     else:
-        out["hash_equal"] = peer["hash"] == expected
+        out["final_hash_equal"] = peer["hash"] == expected
         out["hash_note"] = peer.get("hash_note", "")
     out["config"] = peer.get("config", {})
     return out
 
 
 def pitstop_summary(run: dict[str, Any], expected: str) -> dict[str, Any]:
-    """What one pitstop run measured, for the JSON line."""
+    """What one pitstop run measured, for the JSON line: the kinds every system meets
+    (rank_kill, node_silent) with the same keys as the peers', pitstop's own kinds apart,
+    and each kind's recovery split into its phases (medians)."""
     rows = run["failures"]
+    own = sorted({r["kind"] for r in rows} - set(peers.KINDS))
+    phases = ("detect", "abort", "decide", "restore", "reform")
     return {
         "failures": run["injected"],
         "recovered": len(rows),
         "unrecovered": run["unrecovered"],
-        "by_kind": {k: sum(1 for r in rows if KINDS[int(r["kind_index"])] == k) for k in KINDS},
-        "detect_to_resume_seconds": summary([r["total"] for r in rows]),
-        "p50_by_kind": {
-            k: round(
-                statistics.median([r["total"] for r in rows if KINDS[int(r["kind_index"])] == k]),
-                3,
-            )
-            for k in KINDS
-            if any(KINDS[int(r["kind_index"])] == k for r in rows)
+        **peers.by_kind(rows, peers.KINDS),
+        "own_kinds": peers.by_kind(rows, own),
+        "phases_p50_by_kind": {
+            kind: {
+                phase: round(statistics.median(r[phase] for r in rows if r["kind"] == kind), 3)
+                for phase in phases
+            }
+            for kind in (*peers.KINDS, *own)
+            if any(r["kind"] == kind for r in rows)
         },
-        "detect_seconds": summary([r["detect"] for r in rows]),
-        "abort_seconds": summary([r["abort"] for r in rows]),
-        "training_stalled_seconds": summary([r["stalled"] for r in rows]),
-        "decide_seconds": summary([r["decide"] for r in rows]),
-        "restore_seconds": summary([r["restore"] for r in rows]),
-        "reform_seconds": summary([r["reform"] for r in rows]),
+        "detect_to_resume_seconds": peers.summary([r["total"] for r in rows]),
+        "p50_by_kind": {
+            k: round(statistics.median(r["total"] for r in rows if r["kind"] == k), 3)
+            for k in (*peers.KINDS, *own)
+            if any(r["kind"] == k for r in rows)
+        },
         "steps_lost_per_failure": round(run["steps_lost_per_failure"], 2),
         "goodput": round(run["goodput"], 4),
         "wall_seconds": round(run["seconds"], 1),
-        "hash_equal": run["job"].result.get("final_weights_sha256") == expected,
+        "final_hash_equal": run["job"].result.get("final_weights_sha256") == expected,
+        "config": run["config"],
     }
+
+
+TO_FULL_TARGETS: dict[str, dict[str, float]] = {
+    "rank_kill": {"to_full_p50_s": 1.0, "to_full_p95_s": 2.0},
+    "node_silent": {"to_full_p50_s": 2.0, "to_full_p95_s": 3.0},
+}
+LOST_GPU_OF_BEST_PEER = 1 / 3
+"""pitstop's lost GPU-seconds p50, per kind, at most this share of the best peer's."""
+TARGETS: dict[str, Any] = {
+    **TO_FULL_TARGETS,
+    "lost_gpu_p50_of_best_peer": round(LOST_GPU_OF_BEST_PEER, 3),
+}
+
+
+def targets_met(result: dict[str, Any]) -> dict[str, Any]:
+    """Each target of the JSON's `targets`, met or not, with the measured number."""
+    mine = result["pitstop"]
+    met: dict[str, Any] = {"final_hash_equal": mine["final_hash_equal"]}
+    for kind in peers.KINDS:
+        if kind not in mine:
+            continue
+        full = mine[kind]["to_full_s"]
+        want = TO_FULL_TARGETS[kind]
+        met[f"{kind}_to_full_p50"] = full["p50"] <= want["to_full_p50_s"]
+        met[f"{kind}_to_full_p95"] = full["p95"] <= want["to_full_p95_s"]
+        theirs = {
+            name: result[name][kind]["lost_gpu_s"]["p50"]
+            for name in peers.RUNS
+            if kind in result.get(name, {})
+        }
+        if theirs:
+            best = min(theirs, key=lambda name: theirs[name])
+            ratio = mine[kind]["lost_gpu_s"]["p50"] / theirs[best]
+            met[f"{kind}_lost_gpu_p50_over_best_peer"] = {
+                "best_peer": best,
+                "ratio": round(ratio, 3),
+                "met": ratio <= LOST_GPU_OF_BEST_PEER,
+            }
+    return met
+
+
+def ratios(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Each peer's p50 over pitstop's, per kind, for to_full_s and lost_gpu_s."""
+    out: dict[str, dict[str, float]] = {}
+    for name in peers.RUNS:
+        for kind in peers.KINDS:
+            theirs, mine = result.get(name, {}).get(kind), result["pitstop"].get(kind)
+            if theirs is None or mine is None:
+                continue
+            out[f"{name}_over_pitstop_{kind}"] = {
+                key: round(theirs[key]["p50"] / mine[key]["p50"], 2)
+                for key in ("to_full_s", "lost_gpu_s")
+                if mine[key]["p50"] > 0
+            }
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--failures", type=int, default=20)
+    parser.add_argument(
+        "--failures",
+        type=int,
+        default=20,
+        help="failures of each kind every system meets (rank_kill, node_silent)",
+    )
+    parser.add_argument(
+        "--own-failures",
+        type=int,
+        default=5,
+        help="failures of each of pitstop's own kinds (node kill, fatal and application "
+        "Xid, hung agent)",
+    )
     parser.add_argument("--every", type=int, default=20, help="steps between failures")
+    parser.add_argument(
+        "--slack-steps",
+        type=int,
+        default=200,
+        help="pitstop's job runs this many steps more per failure: room for the waits for "
+        "warm standbys and the recoveries (cold: a third of it)",
+    )
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--spares", type=int, default=4)
     parser.add_argument("--step-seconds", type=float, default=0.1)
     parser.add_argument("--save-every", type=int, default=25, help="torchrun's torch.save")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-torchrun", action="store_true")
     parser.add_argument(
         "--skip",
         action="append",
         default=[],
-        choices=("torchft", "nvrx"),
-        help="leave a peer out (repeat for both); a peer whose package is missing is "
+        choices=tuple(peers.RUNS),
+        help="leave a peer out (repeat for more); a peer whose package is missing is "
         "reported skipped (pip install -e '.[bench]')",
     )
     parser.add_argument(
@@ -562,7 +522,14 @@ def main() -> int:
         "--liveness-seconds",
         type=float,
         default=DEFAULT_LIVENESS_TIMEOUT,
-        help="a node silent this long is lost: a hung agent's detection deadline",
+        help="a node silent this long is lost: pitstop's deadline, and the one the "
+        "benchmark's cluster manager gives the peers for a silent host",
+    )
+    parser.add_argument(
+        "--cold-too",
+        action="store_true",
+        help="also run pitstop with no standby processes (every replacement starts cold), "
+        "for the kinds every system meets",
     )
     parser.add_argument(
         "--insecure-too",
@@ -598,31 +565,34 @@ def main() -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
+    faults = schedule(args.failures, args.own_failures, args.every)
+    cold_faults = schedule(args.failures, 0, args.every)
     # Room for each failure's wait for a warm standby and its recovery.
-    steps = (args.every + 60) * (args.failures + 1)
+    steps = (args.every + args.slack_steps) * (len(faults) + 1)
+    cold_steps = (args.every + args.slack_steps // 3) * (len(cold_faults) + 1)
+    peer_steps = peers.run_steps(args.failures, args.every)
     root = Path(tempfile.mkdtemp(prefix="pitstop-recovery-"))
     try:
         with contextlib.ExitStack() as stack:
             if args.load:
                 stack.enter_context(cpu_load(args.load, MAX_SECONDS))
                 say(f"CPU load: {args.load} busy processes beside the benchmark")
-            with ReferenceRun(steps) as reference:
-                expected = reference.final_hash()
-            # torchrun first, on a quiet machine: run after the local cluster, its workers
-            # once hung forming their group (not understood yet; see the README).
-            torchrun = None if args.skip_torchrun else run_torchrun(args, steps, root)
+            expected = reference_hashes({steps, cold_steps, peer_steps})
             peer_runs: dict[str, dict[str, Any]] = {}
-            for name, run in (("torchft", peers.run_torchft), ("nvrx", peers.run_nvrx)):
+            # The peers first, on a quiet machine: torchrun run after the local cluster
+            # once hung forming its group (not understood; see the README).
+            for name, run in peers.RUNS.items():
                 if name in args.skip:
                     continue
                 began = time.monotonic()
                 try:
                     peer_runs[name] = run(
                         workers=args.workers,
-                        steps=steps,
+                        steps=peer_steps,
                         step_seconds=args.step_seconds,
                         failures=args.failures,
                         every=args.every,
+                        silent_after=args.liveness_seconds,
                         root=root / name,
                         say=say,
                     )
@@ -630,8 +600,15 @@ def measure(args: argparse.Namespace) -> int:
                     say(f"{name}: {exc}; the benchmark goes on without it")
                     seconds = time.monotonic() - began
                     peer_runs[name] = {"failures": [], "seconds": seconds, "error": str(exc)}
-            pitstop = run_pitstop(args, steps, root)
-            insecure = run_pitstop(args, steps, root, insecure=True) if args.insecure_too else None
+            pitstop = run_pitstop(args, faults, steps, root)
+            cold = (
+                run_pitstop(args, cold_faults, cold_steps, root, cold=True)
+                if args.cold_too
+                else None
+            )
+            insecure = (
+                run_pitstop(args, faults, steps, root, insecure=True) if args.insecure_too else None
+            )
     finally:
         if args.keep:
             say(f"kept {root}")
@@ -641,61 +618,59 @@ def measure(args: argparse.Namespace) -> int:
         "bench": "recovery",
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": {"cpus": os.cpu_count()},
-        "nodes": args.workers + args.spares,
-        "steps": steps,
+        "command": " ".join(sys.argv),
+        "workers": args.workers,
+        "spares": args.spares,
+        "steps": {"pitstop": steps, "peers": peer_steps},
         "step_seconds": args.step_seconds,
         "liveness_timeout_seconds": args.liveness_seconds,
         "cpu_load_procs": args.load,
-        "pitstop": pitstop_summary(pitstop, expected),
-        "targets": {"p50_seconds": 1.5, "p95_seconds": 2.5, "max_seconds": 4.0, "steps_lost": 1},
+        "pitstop": pitstop_summary(pitstop, expected[steps]),
     }
+    if cold is not None:
+        result["pitstop_cold"] = pitstop_summary(cold, expected[cold_steps])
     if insecure is not None:
-        result["pitstop_insecure"] = pitstop_summary(insecure, expected)
+        result["pitstop_insecure"] = pitstop_summary(insecure, expected[steps])
         result["secure_over_insecure_p50"] = round(
             result["pitstop"]["detect_to_resume_seconds"]["p50"]
             / result["pitstop_insecure"]["detect_to_resume_seconds"]["p50"],
             3,
         )
-
-    if torchrun is not None:
-        totals = [f["total"] for f in torchrun["failures"]]
-        result["torchrun"] = {
-            "failures": len(totals),
-            "detect_to_resume_seconds": summary(totals),
-            "steps_lost_per_failure": round(
-                statistics.mean(f["lost_steps"] for f in torchrun["failures"]), 2
-            ),
-            "wall_seconds": round(torchrun["seconds"], 1),
-            "hash_equal": torchrun["hash"] == expected,
-            "config": {
-                "launcher": "torchrun, one agent per simulated node, --nproc-per-node=1",
-                "rendezvous": "c10d, a store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE)",
-                "max_restarts": args.failures + 5,
-                "monitor_interval_s": 0.1,
-                "restart": "every worker restarted, the newest torch.save loaded",
-                "checkpoint": f"torch.save every {args.save_every} steps",
-            },
-        }
-        pitstop_p50 = result["pitstop"]["detect_to_resume_seconds"]["p50"]
-        result["torchrun_over_pitstop_p50"] = round(
-            result["torchrun"]["detect_to_resume_seconds"]["p50"] / pitstop_p50, 2
-        )
     for name, peer in peer_runs.items():
-        result[name] = peer_summary(peer, expected)
-        if "detect_to_resume_seconds" in result[name]:
-            result[f"{name}_over_pitstop_p50"] = round(
-                result[name]["detect_to_resume_seconds"]["p50"]
-                / result["pitstop"]["detect_to_resume_seconds"]["p50"],
-                2,
-            )
+        result[name] = peer_summary(peer, expected[peer_steps])
+    result["ratios"] = ratios(result)
+    result["targets"] = TARGETS
+    result["met"] = targets_met(result)
     print(json.dumps(result))
     unrecovered = [
-        f for r in ("pitstop", "pitstop_insecure") for f in result.get(r, {}).get("unrecovered", [])
+        f
+        for r in ("pitstop", "pitstop_cold", "pitstop_insecure")
+        for f in result.get(r, {}).get("unrecovered", [])
     ]
     if unrecovered:
         say(f"error: {len(unrecovered)} failure(s) not recovered from (see the JSON)")
         return 1
     return 0
+
+
+def reference_hashes(step_counts: set[int]) -> dict[int, str]:
+    """The fault-free final hash for each run length, the runs side by side."""
+    with contextlib.ExitStack() as stack:
+        runs = {steps: stack.enter_context(ReferenceRun(steps)) for steps in step_counts}
+        return {steps: run.final_hash() for steps, run in runs.items()}
+
+
+def schedule(failures: int, own: int, every: int) -> list[Fault]:
+    """`failures` of each kind every system meets and `own` of each of pitstop's own,
+    interleaved, one due every `every` steps."""
+    counts = {kind: failures if kind in SHARED else own for kind in KINDS}
+    kinds: list[FaultKind] = []
+    while any(counts.values()):
+        for kind in KINDS:
+            if counts[kind]:
+                kinds.append(kind)
+                counts[kind] -= 1
+    return [Fault(every * (i + 1), kind) for i, kind in enumerate(kinds)]
 
 
 if __name__ == "__main__":

@@ -78,3 +78,47 @@ def test_a_failure_nothing_resumed_is_reported_not_dropped(recovery: ModuleType)
     (lost,) = missed
     assert (lost["kind"], lost["node"], lost["step"]) == ("agent_hang", "n3", 20)
     assert "INCIDENT_OUTCOME_SUPERSEDED" in lost["why"]
+
+
+def test_every_system_meets_as_many_failures_of_each_shared_kind(recovery: ModuleType) -> None:
+    faults = recovery.schedule(failures=3, own=1, every=20)
+    kinds = [fault.kind for fault in faults]
+    assert kinds.count("rank_kill") == kinds.count("node_freeze") == 3
+    for own in ("node_kill", "xid", "agent_hang", "app_xid"):
+        assert kinds.count(own) == 1
+    assert [fault.at_step for fault in faults] == [20 * (i + 1) for i in range(len(faults))]
+    # The peers meet the same two kinds, as many of each, under the names shared by all.
+    peer_kinds = recovery.peers.kinds_in_turn(3)
+    assert sorted(peer_kinds) == sorted(
+        recovery.REPORTED.get(k, k) for k in kinds if k in recovery.SHARED
+    )
+
+
+def test_a_kinds_costs_are_summarized_apart(recovery: ModuleType) -> None:
+    peers = recovery.peers
+    rows = [
+        {"kind": "rank_kill", "to_progress": 1.0, "to_full": 1.0, "lost_gpu": 4.0, "lost_steps": 1},
+        {
+            "kind": "rank_kill",
+            "to_progress": 3.0,
+            "to_full": 3.0,
+            "lost_gpu": 12.0,
+            "lost_steps": 0,
+        },
+        {
+            "kind": "node_silent",
+            "to_progress": 5.0,
+            "to_full": 6.0,
+            "lost_gpu": 21.0,
+            "lost_steps": 2,
+        },
+    ]
+    out = peers.by_kind(rows, peers.KINDS)
+    assert out["rank_kill"]["failures"] == 2
+    assert out["rank_kill"]["to_full_s"]["max"] == 3.0
+    assert out["rank_kill"]["steps_lost_per_failure"] == 0.5
+    assert out["node_silent"]["lost_gpu_s"]["p50"] == 21.0
+    # Every GPU waits when all restart; when survivors go on, only the failed slot waits
+    # past their first step.
+    assert peers.lost_gpu_all_restart(4, to_full=2.0, lost_steps=5, step_seconds=0.1) == 10.0
+    assert peers.lost_gpu_survivors_go_on(4, to_progress=1.0, to_full=6.0) == 9.0
