@@ -509,7 +509,9 @@ def torchft_failure(
     back = procs.wait(
         step_line(sources={current[victim]}), f"{what}: the replacement of replica {victim}"
     )
-    bury(frozen)
+    if frozen:
+        bury(frozen)
+        old.wait(timeout=STOP_SECONDS)
     redone = {
         line.fields["redo_step"]
         for line in procs.between(failed_at, max(again.at, back.at))
@@ -762,6 +764,7 @@ def elastic_failure(
     seen = procs.count()
     failed_at = time.time()
     frozen: list[int] = []
+    dead: subprocess.Popen[str] | None = None  # a frozen node's launcher
     if kind == "rank_kill":
         os.kill(ranks[victim], signal.SIGKILL)
     else:
@@ -770,6 +773,7 @@ def elastic_failure(
         frozen = freeze(agent)
         # The cluster manager's deadline for a silent host: a timer, not a wait on the peer.
         time.sleep(max(0.0, failed_at + silent_after - time.time()))
+        dead = procs.started[agents[node]]
         agents[node] = procs.start(argv, Path(str(log).replace("{node}", str(node))))
     what = f"{kind} {index + 1}"
     loaded = procs.wait(has_key("loaded_step"), f"{what}: the workers' reload", seen)
@@ -785,6 +789,8 @@ def elastic_failure(
         for rank in range(workers)
     ]
     bury(frozen)
+    if dead is not None:
+        dead.wait(timeout=STOP_SECONDS)
     to_progress, to_full = min(firsts) - failed_at, max(firsts) - failed_at
     return {
         "kind": kind,

@@ -175,9 +175,20 @@ def run_pitstop(
                 + (f" (waited {waited:.1f} s for warm standbys)" if waited > 0.5 else "")
             )
 
+        # The job's account keeps only its newest incidents (50): each is gathered as it
+        # comes, the newest version of each (its outcome is settled later).
+        incidents: dict[tuple[str, float], jobs_pb2.GoodputIncident] = {}
+
+        def on_step(job: jobs_pb2.Job) -> None:
+            for incident in job.goodput.incidents:
+                kept = jobs_pb2.GoodputIncident()
+                kept.CopyFrom(incident)
+                incidents[(incident.cause, incident.detected_at)] = kept
+
         try:
             with Driver(
                 cluster,
+                on_step=on_step,
                 on_fault=on_fault,
                 on_problem=say,
                 seed=args.seed,
@@ -202,7 +213,10 @@ def run_pitstop(
                     step_lines += 1
     if job.state != common_pb2.JOB_STATE_SUCCEEDED:
         raise SystemExit(f"pitstop: job ended {common_pb2.JobState.Name(job.state)}: {job.reason}")
-    per_failure, missed = split(job.goodput, run.injected, restores, left)
+    on_step(job)
+    every = jobs_pb2.Goodput()
+    every.incidents.extend(sorted(incidents.values(), key=lambda i: i.detected_at))
+    per_failure, missed = split(every, run.injected, restores, left)
     # A failure the job ended before is one not measured: said, and the run fails.
     missed += [
         {
