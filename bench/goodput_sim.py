@@ -1,59 +1,69 @@
-"""Goodput over a month, by simulation: checkpoint-restart, torchrun-style elastic restart
-and pitstop on 100,000 GPUs, under the same seeded failures.
+"""Goodput over a month, by simulation: checkpoint-restart, torchrun, NVRx, torchft and
+pitstop on 100,000 GPUs, under the same seeded failures.
 
 A discrete-event simulation (no cluster, no torch; seconds to run). Each policy trains
 one job for --days of wall time on --gpus GPUs. Failures arrive as a Poisson process
 over wall time (they keep coming during a recovery, which then starts over). Goodput =
 the training time whose work was kept (not recomputed, not a checkpoint stall, not a
-recovery) over the wall time; that is also Meta's ETTR (effective training time ratio)
-under this model, so one number is reported for both.
+recovery, not a missing replica's share) over the wall time; that is also Meta's ETTR
+(effective training time ratio) under this model, so one number is reported for both.
 
-Inputs and where each comes from (every default is printed in the JSON's "assumptions"):
+Inputs and where each comes from (every value is printed in the JSON's "assumptions"):
 
 * Failure rate: Llama 3 (Meta, "The Llama 3 Herd of Models", 2024): 419 unexpected
   interruptions in 54 days on 16,384 GPUs, scaled linearly per GPU: at 100,000 GPUs one
-  every ~30 min (~1,420 in 30 days). ~78% of them hardware (issue 19 quotes the share):
-  here a node is lost and replaced; the other ~22% a rank/job crash on healthy nodes.
-* Checkpoint cost (checkpoint-restart and torchrun): a stated assumption, not measured:
-  a 405B-parameter model's training state (bf16 weights + fp32 master and Adam moments,
-  16 bytes/parameter, 6.5 TB) written synchronously to durable storage at 100 GB/s
-  aggregate: --durable-save-seconds 65; reading it back costs the same. The interval is
-  Young/Daly's sqrt(2 * C * MTBF).
-* Checkpoint-restart from durable storage: every failure costs a full job restart of
-  --full-restart-minutes 8-12 (uniform; the seeds' figure), from detection to training
-  again, and the work since the last durable checkpoint.
-* torchrun-style elastic restart: kill -9 to training again as bench/recovery.py measured
-  it on 4 nodes (torchrun's p50 in --recovery-json, else --torchrun-p50), plus at 100,000
-  ranks what that run does not have: re-rendezvous, process start and NCCL init of every
-  rank (--elastic-restart-seconds 90, an assumption) and the reload of the durable
-  checkpoint (--durable-save-seconds); a dead or hung node is seen through the
-  rendezvous keep-alive (--elastic-detect-seconds 30, an assumption), a crashed worker
-  at once. Same Young/Daly checkpoints as checkpoint-restart.
-* pitstop, from measured inputs: the snapshot stall at the rate bench/checkpoint.py
-  measured (--checkpoint-json, default bench/results/checkpoint-h200.json: the GPU case,
-  pinned copies off an H200) for --state-gb-per-gpu 6.4 (the 405B model's bf16 weights
-  over TP 8 x PP 16 plus its ZeRO-1 optimizer shard), at the Young/Daly interval for that
-  stall, rounded to whole steps of --step-seconds; recovery time per failure kind:
-  bench/recovery.py's medians (--recovery-json, default bench/results/recovery.json)
-  times a lognormal factor (sigma --recovery-sigma 0.25), plus for a node's failure what
-  12,500 nodes add (--scale-extra-seconds 14.6: bench/scale.py's linear fit of decide
-  and fan-out p99 to 12,500 nodes, docs/scale.md). Hardware failures split evenly over
-  node crash, fatal Xid and hung node; the others evenly over rank kill and application
-  Xid. A share --durable-fallback-share (2%, an assumption) of failures lose both
-  in-memory copies (a node and its buddy at once: a rack's switch or power) and cost a
-  full restart from the durable checkpoint, written in the background every
-  --durable-flush-minutes 10 (no stall: the checkpoint daemon flushes it).
-* Spares: --spares 250 hot spares (2% of nodes); a failed node is repaired in
-  --repair-hours 72 and returns as a spare. With no spare, pitstop shrinks the job by one
-  data-parallel replica of 781 (its throughput drops by 1/781 until one returns); the
-  other two policies wait for a repaired node.
+  every ~30 min (~1,420 in 30 days). ~78% of them hardware, split evenly over a node
+  crash, a fatal Xid, a hung node and a silently dead node (no process reports those
+  two: a deadline finds them); the other ~22% evenly over a rank kill and an application
+  Xid.
+* Measured recovery, --recovery-json (default bench/results/recovery.json, a
+  bench/recovery.py run on 4 nodes): pitstop's median per kind; each peer's medians of
+  failure -> training again (to_progress) and -> full strength (to_full) for a dead
+  process and for a silent host (a peer meets the crash kinds as the first, the silent
+  ones as the second). Each drawn recovery is its median times a lognormal factor
+  (sigma --recovery-sigma 0.25). A peer that run did not measure is not simulated.
+* Snapshot stalls, --checkpoint-json (default bench/results/checkpoint-h200.json, the
+  GPU case of bench/checkpoint.py on an H200): pitstop's stall and tuned DCP
+  async_save's, per GB, for --state-gb-per-gpu 6.4 (the 405B model's bf16 weights over
+  TP 8 x PP 16 plus its ZeRO-1 optimizer shard).
+* What 12,500 nodes add to a node's recovery in pitstop, --scale-json (default
+  bench/results/scale.json): bench/scale.py's linear fit of decide p99 and fan-out p99
+  taken to 12,500 nodes.
+* Stated assumptions, not measured: the durable store writes or reads the whole state
+  (6.5 TB) in --durable-save-seconds 65 (100 GB/s); a restart of every one of 100,000
+  ranks adds --elastic-restart-seconds 90 (rendezvous, process start, NCCL init); a
+  restart from durable storage takes --full-restart-minutes 8-12; a share
+  --durable-fallback-share 2% of pitstop's failures lose both in-memory copies and go
+  back to the durable copy flushed every --durable-flush-minutes 10.
 
-    .venv/bin/python bench/goodput_sim.py [--seeds 20] [--seed 0] [--days 30]
+Policies:
+
+* checkpoint_restart: synchronous durable saves at Young/Daly's sqrt(2 * C * MTBF); every
+  failure a full restart and the work since the last save.
+* torchrun and nvrx: DCP async_save (the stall is its staging) at the Young/Daly
+  interval for that stall, but no more often than one write takes; a failure costs the
+  measured to_full, the 100,000-rank restart, the reload and the work since the last
+  save. NVRx as bench/recovery.py runs it: in-job restart (its in-process restart and
+  local checkpoints are not measured).
+* torchft: the survivors stand still for the measured to_progress, then train one
+  replica group (1/781) short for to_full - to_progress while the failed one heals from
+  a peer; no committed step is lost and no save is waited for. Generous where nothing
+  was measured: no stall for its durable checkpoints, no cost of a 781-group quorum.
+* pitstop: snapshots at the Young/Daly interval for its stall, rounded to whole steps of
+  --step-seconds; a failure costs the measured median (plus the 12,500-node extra for a
+  node's failure) and the work since the snapshot, or on a fallback a full restart and
+  the work since the durable flush.
+
+Spares: --spares 250 hot spares (2% of nodes); a failed node is repaired in
+--repair-hours 72 and returns as a spare. With none left, pitstop and torchft train one
+data-parallel replica of 781 short until one returns; the others wait for it.
+
+    .venv/bin/python bench/goodput_sim.py [--seeds 20] [--seed 0] [--days 30] [--sensitivity]
 
 The last line of stdout is one JSON object: each policy's goodput (mean, p5, p95 over
 --seeds runs), where the rest went, and the published anchors beside them (ByteRobust
-97% ETTR on 9,600 GPUs, Gemini 97% goodput, Llama 3 > 90% effective training time, as
-issue 19 quotes them). Exit status 1 when pitstop's mean is under --target (0.98).
+97% ETTR on 9,600 GPUs, Gemini 97% goodput, Llama 3 > 90% effective training time).
+Exit status 1 when pitstop's mean is under --target (0.98).
 """
 
 from __future__ import annotations
@@ -73,16 +83,21 @@ LLAMA3_INTERRUPTIONS, LLAMA3_DAYS, LLAMA3_GPUS = 419, 54, 16_384
 LLAMA3_HARDWARE_SHARE = 0.78
 DP_REPLICAS = 781
 """The 99,968-rank gang's data-parallel replicas (TP 8 x PP 16 x DP 781)."""
-HARDWARE_KINDS = ("node_kill", "xid_fatal", "hung_node")
+HARDWARE_KINDS = ("node_kill", "xid_fatal", "hung_node", "node_silent")
 SOFTWARE_KINDS = ("rank_kill", "xid_app")
+SILENT_KINDS = ("hung_node", "node_silent")
+"""The kinds no process reports: seen only when a deadline passes."""
 RECOVERY_KINDS = {
     "node_kill": "node_kill",
     "xid": "xid_fatal",
     "agent_hang": "hung_node",
+    "node_silent": "node_silent",
     "rank_kill": "rank_kill",
     "app_xid": "xid_app",
 }
 """bench/recovery.py's failure kinds -> this simulation's."""
+PEERS = ("torchrun", "torchft", "nvrx")
+"""The peers bench/recovery.py measures beside pitstop."""
 RESULTS = Path(__file__).with_name("results")
 STATE_GB_PER_GPU = 6.4
 """The 405B model's bf16 weights over TP 8 x PP 16 plus its ZeRO-1 optimizer shard."""
@@ -93,41 +108,87 @@ ANCHORS = {
 }
 
 
-def recovery_inputs(path: Path, torchrun_p50: float | None) -> tuple[dict[str, float], float, str]:
-    """pitstop's recovery medians by kind and torchrun's p50 (kill -9 -> training again)
-    from a bench/recovery.py JSON line; torchrun's from `torchrun_p50` when given or when
-    that run left torchrun out. Returns them and where each came from."""
+def last_json(path: Path) -> dict[str, Any]:
     report = json.loads(path.read_text().strip().splitlines()[-1])
+    if not isinstance(report, dict):
+        raise ValueError(f"{path}: its last line is not a JSON object")
+    return report
+
+
+@dataclass(frozen=True)
+class PeerMedians:
+    """One peer's medians from a bench/recovery.py run, by its kinds (rank_kill,
+    node_silent): failure -> any step again, and -> full strength again."""
+
+    to_progress: dict[str, float]
+    to_full: dict[str, float]
+
+    def of(self, kind: str) -> tuple[float, float]:
+        """(to_progress, to_full) for one of this simulation's kinds: a silent one as
+        the peer met a silent host, any other as it met a dead process."""
+        measured = "node_silent" if kind in SILENT_KINDS else "rank_kill"
+        return self.to_progress[measured], self.to_full[measured]
+
+
+def recovery_inputs(path: Path) -> tuple[dict[str, float], dict[str, PeerMedians], str]:
+    """pitstop's recovery medians by kind and each measured peer's, from a
+    bench/recovery.py JSON line; and where they came from."""
+    report = last_json(path)
     by_kind = report["pitstop"]["p50_by_kind"]
     missing = [kind for kind in RECOVERY_KINDS if kind not in by_kind]
     if missing:
         raise ValueError(f"{path}: pitstop.p50_by_kind lacks {missing}; run bench/recovery.py")
     medians = {ours: float(by_kind[theirs]) for theirs, ours in RECOVERY_KINDS.items()}
-    source = f"pitstop: {path.name} (bench/recovery.py, {report.get('date', 'undated')})"
-    measured = report.get("torchrun", {}).get("detect_to_resume_seconds", {}).get("p50")
-    if torchrun_p50 is not None:
-        return medians, torchrun_p50, source + "; torchrun: --torchrun-p50"
-    if measured is None:
-        raise ValueError(
-            f"{path} has no torchrun run (--skip-torchrun): give --torchrun-p50 SECONDS"
-        )
-    return medians, float(measured), source + f"; torchrun: {path.name}"
+    peers: dict[str, PeerMedians] = {}
+    for name in PEERS:
+        entry = report.get(name, {})
+        if all(kind in entry for kind in ("rank_kill", "node_silent")):
+            peers[name] = PeerMedians(
+                {k: float(entry[k]["to_progress_s"]["p50"]) for k in ("rank_kill", "node_silent")},
+                {k: float(entry[k]["to_full_s"]["p50"]) for k in ("rank_kill", "node_silent")},
+            )
+    source = f"{path.name} (bench/recovery.py, {report.get('date', 'undated')})"
+    if len(peers) < len(PEERS):
+        source += f"; not measured there, so not simulated: {sorted(set(PEERS) - set(peers))}"
+    return medians, peers, source
 
 
-def stall_input(path: Path, gigabytes: float) -> tuple[float, str]:
-    """pitstop's snapshot stall for `gigabytes` per GPU, at the rate bench/checkpoint.py
-    measured its largest GPU case (else its largest CPU case) at."""
-    report = json.loads(path.read_text().strip().splitlines()[-1])
+def stall_inputs(path: Path, gigabytes: float) -> tuple[float, float, str]:
+    """The snapshot stall of pitstop and of DCP async_save (tuned) for `gigabytes` per
+    GPU, at the rates bench/checkpoint.py measured its largest GPU case (else its
+    largest CPU case) at."""
+    report = last_json(path)
     cuda = report.get("cuda")
     cases = cuda if isinstance(cuda, dict) and cuda else report["cases"]
     label, case = max(cases.items(), key=lambda item: item[1].get("bytes", 0))
-    seconds_per_gb = case["pitstop_stall_ms"] / 1e3 / (case["bytes"] / 1e9)
+    per_gb = case["bytes"] / 1e9
     where = "GPU" if cases is cuda else "CPU"
     source = (
         f"{path.name} (bench/checkpoint.py on {report.get('gpu', 'this machine')}): the "
-        f"{label} {where} case's {case['pitstop_stall_ms']} ms, scaled to {gigabytes:g} GB"
+        f"{label} {where} case's pitstop stall {case['pitstop_stall_ms']} ms and async_save "
+        f"{case['async_save_ms']} ms, scaled to {gigabytes:g} GB"
     )
-    return seconds_per_gb * gigabytes, source
+    return (
+        case["pitstop_stall_ms"] / 1e3 / per_gb * gigabytes,
+        case["async_save_ms"] / 1e3 / per_gb * gigabytes,
+        source,
+    )
+
+
+def scale_input(path: Path) -> tuple[float, str]:
+    """What 12,500 nodes add to a node's recovery: bench/scale.py's fit of the decide and
+    fan-out p99 taken to 12,500 nodes."""
+    report = last_json(path)
+    projected = report.get("at_12500") or {}
+    decide, fanout = projected.get("decide_s"), projected.get("fanout_s")
+    if decide is None or fanout is None:
+        raise ValueError(f"{path}: no at_12500 decide_s and fanout_s (run bench/scale.py)")
+    sizes = [size["nodes"] for size in report.get("sizes", [])]
+    source = (
+        f"{path.name} (bench/scale.py at {sizes} nodes, {report.get('date', 'undated')}): "
+        f"decide p99 {decide:g} s + fan-out p99 {fanout:g} s at 12,500 nodes"
+    )
+    return float(decide) + float(fanout), source
 
 
 @dataclass
@@ -138,8 +199,8 @@ class Params:
     durable_save_seconds: float
     full_restart_minutes: tuple[float, float]
     elastic_restart_seconds: float
-    elastic_detect_seconds: float
     snapshot_stall_seconds: float
+    async_save_stall_seconds: float
     recovery_sigma: float
     scale_extra_seconds: float
     durable_fallback_share: float
@@ -147,7 +208,8 @@ class Params:
     spares: int
     repair_hours: float
     pitstop_recovery_medians: dict[str, float] = field(default_factory=dict)
-    torchrun_p50_seconds: float = 0.0
+    peer_medians: dict[str, PeerMedians] = field(default_factory=dict)
+    torchft_scale_extra_seconds: float = 0.0
 
     @property
     def failures_per_second(self) -> float:
@@ -214,6 +276,18 @@ class Spares:
         return min(self.back) if self.back else math.inf
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """What one failure costs: wall seconds the whole job stands still, whether the work
+    since the last durable checkpoint (not the last save) is lost, and the seconds after
+    that the job trains one data-parallel replica short (torchft's survivors go on while
+    the failed replica group heals)."""
+
+    seconds: float
+    fallback: bool = False
+    degraded: float = 0.0
+
+
 def failure_kind(rng: random.Random) -> str:
     kinds = HARDWARE_KINDS if rng.random() < LLAMA3_HARDWARE_SHARE else SOFTWARE_KINDS
     return rng.choice(kinds)
@@ -226,13 +300,13 @@ class Policy:
     name = ""
     interval = 0.0  # seconds of training between saves
     stall = 0.0  # wall seconds a save stops training
+    keeps_work = False  # a failure loses no committed step (no save to go back to)
 
     def __init__(self, p: Params) -> None:
         self.p = p
 
-    def recovery(self, kind: str, rng: random.Random) -> tuple[float, bool]:
-        """Wall seconds from the failure to training again, and whether the work since the
-        last durable checkpoint (rather than the last save) is lost."""
+    def recovery(self, kind: str, rng: random.Random) -> Recovery:
+        """What a failure of `kind` costs."""
         raise NotImplementedError
 
     def waits_for_spare(self) -> bool:
@@ -280,12 +354,16 @@ class Policy:
             # A failure at t.
             ledger.failures += 1
             kind = failure_kind(rng)
-            took, fallback = self.recovery(kind, rng)
+            first = self.recovery(kind, rng)
+            took, fallback = first.seconds, first.fallback
+            ledger.shrunk_loss += first.degraded / DP_REPLICAS
             if fallback:
                 ledger.fallbacks += 1
                 ledger.kept -= max(since_durable - since_save, 0.0)
                 ledger.recomputed += since_durable
                 since_durable = 0.0
+            elif self.keeps_work:
+                ledger.kept += since_save
             else:
                 ledger.recomputed += since_save
             since_durable = max(since_durable - since_save, 0.0)
@@ -302,7 +380,9 @@ class Policy:
             while next_failure < end and next_failure < wall:
                 ledger.failures += 1
                 kind = failure_kind(rng)
-                again, fallback = self.recovery(kind, rng)
+                next_one = self.recovery(kind, rng)
+                again, fallback = next_one.seconds, next_one.fallback
+                ledger.shrunk_loss += next_one.degraded / DP_REPLICAS
                 if fallback:  # both copies lost while recovering: back to the durable one
                     ledger.fallbacks += 1
                     ledger.kept -= since_durable
@@ -332,24 +412,63 @@ class CheckpointRestart(Policy):
         self.stall = p.durable_save_seconds
         self.interval = p.young_daly(self.stall)
 
-    def recovery(self, kind: str, rng: random.Random) -> tuple[float, bool]:
+    def recovery(self, kind: str, rng: random.Random) -> Recovery:
         low, high = self.p.full_restart_minutes
-        return rng.uniform(low, high) * 60, False
+        return Recovery(rng.uniform(low, high) * 60)
 
 
 class ElasticRestart(Policy):
-    name = "torchrun_elastic"
+    """torchrun: every worker restarted, the newest durable checkpoint reloaded. Saved
+    with DCP async_save (tuned: the stall is its staging, bench/checkpoint.py), at the
+    Young/Daly interval for that stall but no more often than one write takes."""
+
+    name = "torchrun"
 
     def __init__(self, p: Params) -> None:
         super().__init__(p)
-        self.stall = p.durable_save_seconds
-        self.interval = p.young_daly(self.stall)
+        self.stall = p.async_save_stall_seconds
+        self.interval = max(p.young_daly(self.stall), p.durable_save_seconds)
 
-    def recovery(self, kind: str, rng: random.Random) -> tuple[float, bool]:
+    def recovery(self, kind: str, rng: random.Random) -> Recovery:
         p = self.p
-        detect = p.elastic_detect_seconds if kind in ("node_kill", "hung_node") else 0.0
-        measured = p.torchrun_p50_seconds * rng.lognormvariate(0.0, p.recovery_sigma)
-        return detect + measured + p.elastic_restart_seconds + p.durable_save_seconds, False
+        _, to_full = p.peer_medians[self.name].of(kind)
+        measured = to_full * rng.lognormvariate(0.0, p.recovery_sigma)
+        return Recovery(measured + p.elastic_restart_seconds + p.durable_save_seconds)
+
+
+class NVRxRestart(ElasticRestart):
+    """NVRx's ft_launcher as bench/recovery.py runs it (in-job restart: its in-process
+    restart and local checkpoints are not measured), saving as torchrun does."""
+
+    name = "nvrx"
+
+
+class Torchft(Policy):
+    """torchft: the survivors stand still until their new quorum (to_progress), then go
+    on one replica group short while the failed one restarts and heals from a peer
+    (to_full); a committed step is never lost, so no save is waited for. Without a spare
+    the group stays out until a repaired node returns. Generous where not measured: no
+    stall for its (rare, background) durable checkpoints, no cost of a quorum of 781
+    groups, no loss of every replica at once."""
+
+    name = "torchft"
+    keeps_work = True
+
+    def __init__(self, p: Params) -> None:
+        super().__init__(p)
+        self.interval = p.days * 86_400 + 1.0  # never waits for a save
+
+    def waits_for_spare(self) -> bool:
+        return False
+
+    def recovery(self, kind: str, rng: random.Random) -> Recovery:
+        p = self.p
+        to_progress, to_full = p.peer_medians[self.name].of(kind)
+        factor = rng.lognormvariate(0.0, p.recovery_sigma)
+        extra = p.torchft_scale_extra_seconds if kind in HARDWARE_KINDS else 0.0
+        return Recovery(
+            to_progress * factor + extra, degraded=max(to_full - to_progress, 0.0) * factor
+        )
 
 
 class Pitstop(Policy):
@@ -363,18 +482,24 @@ class Pitstop(Policy):
     def waits_for_spare(self) -> bool:
         return False
 
-    def recovery(self, kind: str, rng: random.Random) -> tuple[float, bool]:
+    def recovery(self, kind: str, rng: random.Random) -> Recovery:
         p = self.p
         if rng.random() < p.durable_fallback_share:
             low, high = p.full_restart_minutes
-            return rng.uniform(low, high) * 60, True
+            return Recovery(rng.uniform(low, high) * 60, fallback=True)
         median = p.pitstop_recovery_medians[kind]
         measured = median * rng.lognormvariate(0.0, p.recovery_sigma)
         extra = p.scale_extra_seconds if kind in HARDWARE_KINDS else 0.0
-        return measured + extra, False
+        return Recovery(measured + extra)
 
 
-POLICIES = (CheckpointRestart, ElasticRestart, Pitstop)
+POLICIES: tuple[type[Policy], ...] = (
+    CheckpointRestart,
+    ElasticRestart,
+    NVRxRestart,
+    Torchft,
+    Pitstop,
+)
 
 
 def summarize(ledgers: list[Ledger], policy: Policy) -> dict[str, Any]:
@@ -388,7 +513,7 @@ def summarize(ledgers: list[Ledger], policy: Policy) -> dict[str, Any]:
         "goodput_mean": round(statistics.fmean(goodputs), 5),
         "goodput_p5": round(goodputs[int(0.05 * (len(goodputs) - 1))], 5),
         "goodput_p95": round(goodputs[int(0.95 * (len(goodputs) - 1))], 5),
-        "save_interval_seconds": round(policy.interval, 1),
+        "save_interval_seconds": None if policy.keeps_work else round(policy.interval, 1),
         "save_stall_seconds": policy.stall,
         "lost_to": {
             "save_stalls": share("stalls"),
@@ -409,6 +534,8 @@ def summarize(ledgers: list[Ledger], policy: Policy) -> dict[str, Any]:
 def run(p: Params, seeds: int, seed: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for cls in POLICIES:
+        if cls.name in PEERS and cls.name not in p.peer_medians:
+            continue  # not measured: the JSON's recovery_source says so
         policy = cls(p)
         # The same seeds for every policy: the same failure draws at the start of each run.
         ledgers = [policy.simulate(random.Random(seed * 1_000_003 + i)) for i in range(seeds)]
@@ -430,25 +557,30 @@ def main(argv: list[str] | None = None) -> int:
     add("--step-seconds", type=float, default=2.0, help="training step (stated assumption)")
     add("--durable-save-seconds", type=float, default=65.0)
     add("--full-restart-minutes", type=float, nargs=2, default=(8.0, 12.0), metavar=("LO", "HI"))
-    add("--elastic-restart-seconds", type=float, default=90.0)
-    add("--elastic-detect-seconds", type=float, default=30.0)
+    add(
+        "--elastic-restart-seconds",
+        type=float,
+        default=90.0,
+        help="what 100,000 ranks add to a restart of every worker (torchrun, NVRx): "
+        "rendezvous, process start and NCCL init (an assumption)",
+    )
     add(
         "--recovery-json",
         type=Path,
         default=RESULTS / "recovery.json",
-        help="a bench/recovery.py JSON line: pitstop's recovery medians by kind and torchrun's p50",
-    )
-    add(
-        "--torchrun-p50",
-        type=float,
-        default=None,
-        help="torchrun's kill -9 -> training again, seconds, where --recovery-json has none",
+        help="a bench/recovery.py JSON line: every system's recovery medians by kind",
     )
     add(
         "--checkpoint-json",
         type=Path,
         default=RESULTS / "checkpoint-h200.json",
-        help="a bench/checkpoint.py JSON line: pitstop's snapshot stall per GB",
+        help="a bench/checkpoint.py JSON line: pitstop's and async_save's stall per GB",
+    )
+    add(
+        "--scale-json",
+        type=Path,
+        default=RESULTS / "scale.json",
+        help="a bench/scale.py JSON line: what 12,500 nodes add to a node's recovery",
     )
     add("--state-gb-per-gpu", type=float, default=STATE_GB_PER_GPU)
     add(
@@ -461,10 +593,15 @@ def main(argv: list[str] | None = None) -> int:
     add(
         "--scale-extra-seconds",
         type=float,
-        default=14.6,
-        help="what 12,500 nodes add to a node recovery: bench/scale.py's linear fit of decide "
-        "p99 (2.5 s) and fan-out p99 (12.1 s) over 538, 1,038 and 2,568 simulated nodes "
-        "(docs/scale.md)",
+        default=None,
+        help="instead of what --scale-json gives",
+    )
+    add(
+        "--torchft-scale-extra-seconds",
+        type=float,
+        default=0.0,
+        help="what a quorum change of 781 replica groups on 12,500 nodes adds to torchft's "
+        "survivors' wait after a node's failure (not measured; 0: nothing, generous)",
     )
     add("--durable-fallback-share", type=float, default=0.02)
     add("--durable-flush-minutes", type=float, default=10.0)
@@ -483,14 +620,15 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.durable_fallback_share <= 1:
         parser.error(f"--durable-fallback-share {args.durable_fallback_share}: give 0..1")
     try:
-        medians, torchrun_p50, recovery_source = recovery_inputs(
-            args.recovery_json, args.torchrun_p50
-        )
-        if args.snapshot_stall_seconds is None:
-            stall, stall_source = stall_input(args.checkpoint_json, args.state_gb_per_gpu)
-        else:
+        medians, peer_medians, recovery_source = recovery_inputs(args.recovery_json)
+        stall, async_stall, stall_source = stall_inputs(args.checkpoint_json, args.state_gb_per_gpu)
+        if args.snapshot_stall_seconds is not None:
             stall, stall_source = args.snapshot_stall_seconds, "--snapshot-stall-seconds"
-    except (OSError, ValueError, KeyError, IndexError) as exc:
+        if args.scale_extra_seconds is None:
+            scale_extra, scale_source = scale_input(args.scale_json)
+        else:
+            scale_extra, scale_source = args.scale_extra_seconds, "--scale-extra-seconds"
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
         parser.error(f"reading the measured inputs: {exc}")
     params = Params(
         gpus=args.gpus,
@@ -499,16 +637,17 @@ def main(argv: list[str] | None = None) -> int:
         durable_save_seconds=args.durable_save_seconds,
         full_restart_minutes=tuple(args.full_restart_minutes),
         elastic_restart_seconds=args.elastic_restart_seconds,
-        elastic_detect_seconds=args.elastic_detect_seconds,
         snapshot_stall_seconds=stall,
+        async_save_stall_seconds=async_stall,
         recovery_sigma=args.recovery_sigma,
-        scale_extra_seconds=args.scale_extra_seconds,
+        scale_extra_seconds=scale_extra,
         durable_fallback_share=args.durable_fallback_share,
         durable_flush_minutes=args.durable_flush_minutes,
         spares=args.spares,
         repair_hours=args.repair_hours,
         pitstop_recovery_medians=medians,
-        torchrun_p50_seconds=torchrun_p50,
+        peer_medians=peer_medians,
+        torchft_scale_extra_seconds=args.torchft_scale_extra_seconds,
     )
     began = time.perf_counter()
     policies = run(params, args.seeds, args.seed)
@@ -517,7 +656,11 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "seeds": args.seeds,
         "assumptions": {
-            **{k: v for k, v in vars(params).items()},
+            **{k: v for k, v in vars(params).items() if k != "peer_medians"},
+            "peer_medians": {
+                name: {"to_progress_p50_s": m.to_progress, "to_full_p50_s": m.to_full}
+                for name, m in params.peer_medians.items()
+            },
             "mtbf_minutes": round(params.mtbf / 60, 2),
             "failures_per_day": round(params.failures_per_second * 86_400, 1),
             "hardware_share": LLAMA3_HARDWARE_SHARE,
@@ -525,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{LLAMA3_DAYS} days on {LLAMA3_GPUS:,} GPUs, scaled per GPU",
             "recovery_source": recovery_source,
             "snapshot_stall_source": stall_source,
-            "scale_extra_source": "--scale-extra-seconds (docs/scale.md's fit)",
+            "scale_extra_source": scale_source,
         },
         "policies": policies,
         "anchors": ANCHORS,
@@ -559,8 +702,30 @@ def main(argv: list[str] | None = None) -> int:
                         }
                     )
         result["pitstop_sensitivity"] = rows
+        if "torchft" in params.peer_medians:
+            # torchft's unmeasured cost at scale: none, or as much as pitstop's decision
+            # and fan-out take to reach 12,500 nodes.
+            result["torchft_sensitivity"] = [
+                {
+                    "torchft_scale_extra_seconds": extra,
+                    "goodput_mean": round(
+                        statistics.fmean(
+                            Torchft(
+                                Params(**{**vars(params), "torchft_scale_extra_seconds": extra})
+                            )
+                            .simulate(random.Random(args.seed * 1_000_003 + i))
+                            .goodput()
+                            for i in range(max(args.seeds // 4, 3))
+                        ),
+                        5,
+                    ),
+                }
+                for extra in (0.0, params.scale_extra_seconds)
+            ]
     pitstop = policies["pitstop"]["goodput_mean"]
+    others = {name: row["goodput_mean"] for name, row in policies.items() if name != "pitstop"}
     result["target"]["met"] = pitstop >= args.target
+    result["target"]["ahead_of"] = {name: pitstop > theirs for name, theirs in others.items()}
     result["wall_seconds"] = round(time.perf_counter() - began, 2)
     for name, row in policies.items():
         print(

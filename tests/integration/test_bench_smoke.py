@@ -75,7 +75,10 @@ def test_goodput_simulation_prints_one_json_line() -> None:
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["bench"] == "goodput_sim"
     policies = report["policies"]
-    assert set(policies) == {"checkpoint_restart", "torchrun_elastic", "pitstop"}
+    measured = json.loads((ROOT / "bench/results/recovery.json").read_text())
+    # Every peer the recovery run measured is simulated beside pitstop, and no other.
+    peers = {name for name in ("torchrun", "torchft", "nvrx") if "rank_kill" in measured[name]}
+    assert set(policies) == {"checkpoint_restart", "pitstop", *peers}
     for row in policies.values():
         assert 0 < row["goodput_mean"] < 1
         assert row["failures_mean"] > 0
@@ -83,9 +86,17 @@ def test_goodput_simulation_prints_one_json_line() -> None:
     assumptions = report["assumptions"]
     assert "recovery.json" in assumptions["recovery_source"]
     assert "checkpoint-h200.json" in assumptions["snapshot_stall_source"]
-    measured = json.loads((ROOT / "bench/results/recovery.json").read_text())
-    assert assumptions["pitstop_recovery_medians"]["node_kill"] == pytest.approx(
-        measured["pitstop"]["p50_by_kind"]["node_kill"]
+    assert "scale.json" in assumptions["scale_extra_source"]
+    assert assumptions["pitstop_recovery_medians"]["node_silent"] == pytest.approx(
+        measured["pitstop"]["p50_by_kind"]["node_silent"]
+    )
+    for name in peers:
+        assert assumptions["peer_medians"][name]["to_full_p50_s"]["rank_kill"] == pytest.approx(
+            measured[name]["rank_kill"]["to_full_s"]["p50"]
+        )
+    scale = json.loads((ROOT / "bench/results/scale.json").read_text())["at_12500"]
+    assert assumptions["scale_extra_seconds"] == pytest.approx(
+        scale["decide_s"] + scale["fanout_s"]
     )
     assert result.returncode == (0 if report["target"]["met"] else 1)
 
