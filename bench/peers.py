@@ -552,76 +552,29 @@ def start_lighthouse(procs: Processes, binary: Path, log: Path) -> str:
 # torchrun and NVRx: launchers that restart every worker ----------------------------------
 
 
-def run_torchrun(
-    *,
-    workers: int,
-    steps: int,
-    step_seconds: float,
-    failures: int,
-    every: int,
-    silent_after: float,
-    root: Path,
-    say: Callable[[str], None],
-    save_every: int = 25,
-) -> dict[str, Any]:
-    """The example under plain torchrun as a torchrun user runs it: `workers` agents of
-    one worker, in-job restart from the newest torch.save checkpoint."""
-    return run_elastic(
-        "torchrun",
-        BIN / "torchrun",
-        [],
-        {"launcher": "torchrun, one agent per simulated node, --nproc-per-node=1"},
-        workers=workers,
-        steps=steps,
-        step_seconds=step_seconds,
-        failures=failures,
-        every=every,
-        silent_after=silent_after,
-        root=root,
-        say=say,
-        save_every=save_every,
-    )
+def run_torchrun(**run: Any) -> dict[str, Any]:
+    """The example under plain torchrun as a torchrun user runs it: launchers of one
+    worker, in-job restart from the newest torch.save checkpoint (run_elastic's
+    arguments)."""
+    described = {"launcher": "torchrun, one agent per simulated node, --nproc-per-node=1"}
+    return run_elastic("torchrun", BIN / "torchrun", [], described, **run)
 
 
-def run_nvrx(
-    *,
-    workers: int,
-    steps: int,
-    step_seconds: float,
-    failures: int,
-    every: int,
-    silent_after: float,
-    root: Path,
-    say: Callable[[str], None],
-    save_every: int = 25,
-) -> dict[str, Any]:
-    """The example under NVRx's ft_launcher (in-job restart), as torchrun's run; {"skipped":
-    why} without NVRx."""
+def run_nvrx(**run: Any) -> dict[str, Any]:
+    """The example under NVRx's ft_launcher (in-job restart), as torchrun's run;
+    {"skipped": why} without NVRx."""
     launcher = BIN / "ft_launcher"
     if not launcher.exists():
         return {
             "skipped": f"no {launcher}: pip install nvidia-resiliency-ext==0.4.1 (pitstop[bench])"
         }
-    return run_elastic(
-        "nvrx",
-        launcher,
-        ["--ignore-missing-fault-tol-cfg"],
-        {
-            "launcher": "ft_launcher, one per simulated node, --nproc-per-node=1",
-            "rank_monitor": "off (--ignore-missing-fault-tol-cfg)",
-            "inprocess_restart": "not used",
-            "local_checkpoints": "not used",
-        },
-        workers=workers,
-        steps=steps,
-        step_seconds=step_seconds,
-        failures=failures,
-        every=every,
-        silent_after=silent_after,
-        root=root,
-        say=say,
-        save_every=save_every,
-    )
+    described = {
+        "launcher": "ft_launcher, one per simulated node, --nproc-per-node=1",
+        "rank_monitor": "off (--ignore-missing-fault-tol-cfg)",
+        "inprocess_restart": "not used",
+        "local_checkpoints": "not used",
+    }
+    return run_elastic("nvrx", launcher, ["--ignore-missing-fault-tol-cfg"], described, **run)
 
 
 RENDEZVOUS_STORE = """
@@ -648,7 +601,7 @@ def run_elastic(
     silent_after: float,
     root: Path,
     say: Callable[[str], None],
-    save_every: int,
+    save_every: int = 25,
 ) -> dict[str, Any]:
     """`workers` launchers (torchrun or ft_launcher) of one worker each, `failures` of
     each kind in turn, one every `every` steps; the launchers restart every worker, which
