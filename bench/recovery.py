@@ -591,7 +591,8 @@ def measure(args: argparse.Namespace) -> int:
             if args.load:
                 stack.enter_context(cpu_load(args.load, MAX_SECONDS))
                 say(f"CPU load: {args.load} busy processes beside the benchmark")
-            expected = reference_hashes({steps, cold_steps, peer_steps})
+            lengths = {steps, peer_steps} | ({cold_steps} if args.cold_too else set())
+            expected = reference_hashes(lengths)
             peer_runs: dict[str, dict[str, Any]] = {}
             # The peers first, on a quiet machine: torchrun run after the local cluster
             # once hung forming its group (not understood; see the README).
