@@ -1707,6 +1707,8 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="pitstop-scale-", dir="/tmp"))
     result: dict[str, Any] = {
         "bench": "scale",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": " ".join(sys.argv),
         "machine": {"cpus": os.cpu_count()},
         "insecure": args.insecure,
         "ingest_processes": args.ingest,
