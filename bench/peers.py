@@ -6,8 +6,8 @@ meets, in turn:
 * ``node_silent``: a host that dies silently: every process of the node is frozen
   (SIGSTOP: no connection reset, its peers blocked on it wait). The benchmark then plays
   the cluster manager every one of these systems relies on for a lost host (torchx,
-  SLURM, Kubernetes): it declares the host dead after --silent-after seconds (the
-  liveness deadline pitstop's own scheduler uses, so every system gets the same), starts
+  SLURM, Kubernetes): it declares the host dead after --silent-after seconds (by
+  when pitstop's own scheduler has lost a silent host, so every system gets the same), starts
   a replacement and, once the job trains at full strength again, kills the frozen
   processes (a host powered off for repair).
 
@@ -52,7 +52,7 @@ Alone (progress on stderr, one JSON line on stdout, with each hash compared to a
 fault-free run's):
 
     .venv/bin/python bench/peers.py [--workers 2] [--failures 2] [--every 10]
-        [--step-seconds 0.1] [--silent-after 2] [--skip torchrun|torchft|nvrx] [--keep]
+        [--step-seconds 0.1] [--silent-after 1] [--skip torchrun|torchft|nvrx] [--keep]
 
 (--failures of each kind; the run's steps follow from them.)
 """
@@ -382,8 +382,9 @@ def by_kind(rows: list[dict[str, Any]], kinds: Collection[str]) -> dict[str, dic
 def silent_host_config(silent_after: float) -> str:
     return (
         f"node_silent: the node's processes frozen (SIGSTOP); the benchmark, as the "
-        f"cluster manager, starts a replacement after {silent_after:g} s (pitstop's "
-        f"liveness deadline) and kills the frozen processes once the job is whole again"
+        f"cluster manager, starts a replacement after {silent_after:g} s (when "
+        f"pitstop's scheduler has lost a silent host, at the latest) and kills the "
+        f"frozen processes once the job is whole again"
     )
 
 
@@ -806,8 +807,9 @@ def main() -> int:
     parser.add_argument(
         "--silent-after",
         type=float,
-        default=2.0,
-        help="seconds until the cluster manager replaces a silent host",
+        default=1.0,
+        help="seconds until the cluster manager replaces a silent host (default: when the "
+        "local cluster's scheduler has lost one at the latest, 0.5 s of keepalive + 0.5 s)",
     )
     parser.add_argument("--skip", action="append", default=[], choices=tuple(RUNS))
     parser.add_argument("--keep", action="store_true", help="keep the run's directory (logs)")

@@ -61,6 +61,13 @@ def _count(n: int, noun: str, plural: str = "s") -> str:
     return f"{n} {noun}{'' if n == 1 else plural}"
 
 
+def _lost_after(cluster: LocalCluster) -> str:
+    return (
+        f"a host gone silent is lost within {cluster.silent_host_timeout:g} s, "
+        f"a hung agent after {cluster.liveness_timeout:g} s"
+    )
+
+
 def _status_console() -> Console:
     # Progress goes to stderr: stdout holds only the result.
     return Console(stderr=True, highlight=False)
@@ -110,9 +117,10 @@ def up(
         float | None,
         typer.Option(
             "--liveness-timeout",
-            help="Seconds without a heartbeat before a node is lost (a hung agent; a dead "
-            "one is seen at once); default 4 (or PITSTOP_LIVENESS_TIMEOUT_INTERVALS beats "
-            "of 0.5 s).",
+            help="Seconds without a heartbeat before a node is lost (a hung agent whose "
+            "connection still answers; a dead one is seen at once, a host gone silent "
+            "within 1 s by the connection's keepalive); default 2 (or "
+            "PITSTOP_LIVENESS_TIMEOUT_INTERVALS beats of 0.25 s).",
             show_default=False,
         ),
     ] = None,
@@ -152,7 +160,7 @@ def up(
     out.print(
         f"cluster up in {elapsed:.1f} s: scheduler at {cluster.scheduler_address}, "
         f"{_count(len(ready), 'node')} ready (state and logs in {cluster.state_dir}); "
-        f"a silent node is lost after {cluster.liveness_timeout:g} s"
+        f"{_lost_after(cluster)}"
     )
     out.print(nodes_table(ready, datetime.now(UTC)))
     if cluster.network is not None:
@@ -242,6 +250,7 @@ def status(state_dir: StateDirOption = DEFAULT_STATE_DIR, json_out: JsonFlag = F
                 "running": any(alive.values()),
                 "scheduler_address": cluster.scheduler_address,
                 "liveness_timeout_seconds": cluster.liveness_timeout,
+                "silent_host_timeout_seconds": cluster.silent_host_timeout,
                 "tls": cluster.tls,
                 "ca_cert": None if cluster.ca_cert is None else str(cluster.ca_cert),
                 "admin_token_file": str(cluster.admin_token_file) if cluster.tls else None,
@@ -276,7 +285,7 @@ def status(state_dir: StateDirOption = DEFAULT_STATE_DIR, json_out: JsonFlag = F
     else:
         out.print(
             f"cluster in {cluster.state_dir}: scheduler at {cluster.scheduler_address}; "
-            f"a silent node is lost after {cluster.liveness_timeout:g} s"
+            f"{_lost_after(cluster)}"
         )
     processes = table("NAME", "PID", "ALIVE", "ADDRESS")
     for p in cluster.processes:

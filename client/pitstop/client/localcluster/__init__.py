@@ -55,6 +55,7 @@ from pitstop.client.localcluster.settings import (
     SCHEDULER_ENV,
     STATE_FILE,
     STOP_TIMEOUT,
+    silent_host_of,
 )
 from pitstop.client.localcluster.spawning import binary
 from pitstop.client.localcluster.statefile import (
@@ -98,6 +99,7 @@ __all__ = [
     "pid_alive",
     "rank_pids",
     "running_cluster",
+    "silent_host_of",
     "start_ticks",
     "stop_cluster",
     "tagged_processes",

@@ -48,12 +48,23 @@ DAEMON_ENV = "PITSTOP_LOCAL_CLUSTER_DAEMON"
 HEARTBEAT_ENV = "PITSTOP_HEARTBEAT_INTERVAL_SECONDS"
 REFRESH_ENV = "PITSTOP_REFRESH_INTERVAL_SECONDS"
 LIVENESS_ENV = "PITSTOP_LIVENESS_TIMEOUT_INTERVALS"
+KEEPALIVE_ENV = "PITSTOP_KEEPALIVE_SECONDS"
+KEEPALIVE_TIMEOUT_ENV = "PITSTOP_KEEPALIVE_TIMEOUT_SECONDS"
+KEEPALIVE_SECONDS = 0.5
+"""Seconds between the scheduler's pings on each agent stream of a local cluster, and
+how long one may go unanswered: a host gone silent (frozen, cut off; no TCP reset) is
+lost within their sum, 1 s. A fleet's scheduler keeps its defaults of 1 s and 1 s: at
+thousands of nodes on two shared cores a starved process missed 1 s timeouts (see
+docs/scale.md); a handful of nodes sends a few pings a second."""
+SCHEDULER_KEEPALIVE_DEFAULT = "1"  # the scheduler's keepalive_seconds and _timeout_, unset
 # A handful of nodes: every look is a heartbeat (the scheduler's default refresh of 5 s
 # is for fleets), so the liveness deadline stays that of the heartbeats.
 SCHEDULER_ENV = {
     HEARTBEAT_ENV: f"{HEARTBEAT_INTERVAL:g}",
     REFRESH_ENV: f"{HEARTBEAT_INTERVAL:g}",
     LIVENESS_ENV: f"{DEFAULT_LIVENESS_TIMEOUT / HEARTBEAT_INTERVAL:g}",
+    KEEPALIVE_ENV: f"{KEEPALIVE_SECONDS:g}",
+    KEEPALIVE_TIMEOUT_ENV: f"{KEEPALIVE_SECONDS:g}",
     "PITSTOP_LIVENESS_STARTUP_GRACE_SECONDS": "0",
 }
 MIN_LIVENESS_INTERVALS = 1.5  # the scheduler's own floor
@@ -71,6 +82,20 @@ def check_liveness(seconds: float) -> None:
             f"liveness timeout {seconds:g} s: give at least {floor:g} s "
             f"({MIN_LIVENESS_INTERVALS:g} heartbeats of {HEARTBEAT_INTERVAL:g} s)"
         )
+
+
+def silent_host_of(env: Mapping[str, str]) -> float:
+    """Seconds after which a scheduler started with `env` has lost a host gone silent at
+    the latest: one keepalive interval, then the ping's timeout."""
+    try:
+        return float(env.get(KEEPALIVE_ENV, SCHEDULER_KEEPALIVE_DEFAULT)) + float(
+            env.get(KEEPALIVE_TIMEOUT_ENV, SCHEDULER_KEEPALIVE_DEFAULT)
+        )
+    except ValueError:
+        raise ClusterError(
+            f"{KEEPALIVE_ENV}={env.get(KEEPALIVE_ENV)!r} and "
+            f"{KEEPALIVE_TIMEOUT_ENV}={env.get(KEEPALIVE_TIMEOUT_ENV)!r}: give numbers"
+        ) from None
 
 
 def liveness_of(env: Mapping[str, str]) -> float:

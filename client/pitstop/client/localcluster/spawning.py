@@ -36,6 +36,7 @@ from pitstop.client.localcluster.settings import (
     REFRESH_ENV,
     SCHEDULER_ENV,
     liveness_of,
+    silent_host_of,
 )
 from pitstop.client.localcluster.statefile import (
     ClusterProcess,
@@ -198,6 +199,7 @@ class ClusterSpawning(ClusterState):
             env[HEARTBEAT_ENV] = env[REFRESH_ENV] = f"{HEARTBEAT_INTERVAL:g}"
             env[LIVENESS_ENV] = f"{liveness_timeout / HEARTBEAT_INTERVAL:g}"
         self.liveness_timeout = liveness_of(env)
+        self.silent_host_timeout = silent_host_of(env)
         # URLs through the environment, not argv: a password stays out of `ps`.
         if database_url:
             env["PITSTOP_DATABASE_URL"] = database_url

@@ -36,6 +36,7 @@ from pitstop.client.localcluster.settings import (
     ADMIN_TOKEN_FILE,
     DEFAULT_LIVENESS_TIMEOUT,
     DEFAULT_STATE_DIR,
+    KEEPALIVE_SECONDS,
     LOCK_FILE,
     STATE_FILE,
 )
@@ -261,6 +262,9 @@ class ClusterState:
     (`ca_cert`), every node enrolls with a one-time join token and speaks mutual TLS,
     and the API wants the admin token in `admin_token_file`. False only when asked for
     (``--insecure``): every wire plaintext, the API open."""
+    silent_host_timeout: float = field(default=2 * KEEPALIVE_SECONDS, compare=False)
+    """Seconds after which the scheduler has lost a host gone silent (no heartbeat, no
+    TCP reset) at the latest: its keepalive interval plus the ping's timeout."""
     env: dict[str, str] = field(default_factory=dict, compare=False)
     """Extra environment (over os.environ) for every daemon started from this object;
     not recorded in cluster.json, so a loaded cluster starts nodes without it."""
@@ -304,6 +308,7 @@ class ClusterState:
                 bool(data.get("agent_owns_checkpointd", False)),
                 # A record from before TLS was the default ran insecure.
                 bool(data.get("tls", False)),
+                float(data.get("silent_host_timeout_seconds", 2 * KEEPALIVE_SECONDS)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ClusterError(
@@ -476,6 +481,7 @@ class ClusterState:
             "liveness_timeout_seconds": self.liveness_timeout,
             "agent_owns_checkpointd": self.agent_owns_checkpointd,
             "tls": self.tls,
+            "silent_host_timeout_seconds": self.silent_host_timeout,
         }
         tmp = self.state_dir / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
