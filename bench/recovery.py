@@ -40,7 +40,9 @@ benchmark's clock for the failure, the scheduler's goodput incident and the rank
 * abort: failure -> the last survivor out of its collective (overlaps the others);
 * decide: -> the new rank map is committed (spare chosen, restore step picked);
 * restore: -> the last rank has loaded the restore step (rank logs);
-* re-form: -> the process group is formed again and the job steps (scheduler event).
+* re-form: -> the process group is formed again and every rank has taken a step (the
+  ranks' own step lines, timed as the peers' are); the scheduler hears of it one step
+  report later (`reported`: how much later).
 
 Each pitstop failure is matched to the incident that ended it: of those the scheduler
 noticed between it and the next failure, the one after which the job stepped again
@@ -65,6 +67,7 @@ stopped.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import datetime as dt
 import importlib
@@ -78,12 +81,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pitstop.client.cpuload import DEFAULT_PROCS, MAX_SECONDS, cpu_load
 from pitstop.client.errors import PitstopError
-from pitstop.client.localcluster import DEFAULT_LIVENESS_TIMEOUT, ClusterError, running_cluster
+from pitstop.client.localcluster import (
+    DEFAULT_LIVENESS_TIMEOUT,
+    SCHEDULER_ENV,
+    ClusterError,
+    running_cluster,
+    silent_host_of,
+)
 from pitstop.client.scenario import (
     Driver,
     Fault,
@@ -99,12 +109,16 @@ from pitstop.v1 import common_pb2, jobs_pb2
 # bench/peers.py, the torchft and NVRx runs: a script's own directory is first on sys.path.
 peers = importlib.import_module("peers")
 
+SILENT_HOST_SECONDS = silent_host_of({**SCHEDULER_ENV, **os.environ})
+"""When the local cluster's scheduler has lost a host gone silent, at the latest (its
+keepalive interval plus the ping's timeout): the peers' cluster manager waits as long."""
 RESTORED = re.compile(r"^(\S+ \S+) pitstop\.trainer\.session rank (\d+) restored step (\d+)")
 LEFT = re.compile(
     r"^(\S+ \S+) pitstop\.trainer\."
     r"(?:group abandoned the process group|recovery rank \d+ lost a peer)"
 )
 STEP_LINE = re.compile(r'^\{"rank": (\d+), "step": (\d+), ')
+JOINED = re.compile(r"^(\S+ \S+) pitstop\.trainer\.recovery rank (\d+) joined generation ")
 KINDS: tuple[FaultKind, ...] = (
     "node_kill",
     "xid",
@@ -144,7 +158,8 @@ def run_pitstop(
     label = "pitstop" + (" (insecure)" if insecure else "") + (" (cold)" if cold else "")
     say(
         f"{label}: {args.workers} workers + {args.spares} spares, {len(faults)} failures, "
-        f"a silent node lost after {args.liveness_seconds:g} s"
+        f"a host gone silent lost within {SILENT_HOST_SECONDS:g} s, a hung agent after "
+        f"{args.liveness_seconds:g} s"
     )
     with running_cluster(
         root / f"cluster{'-insecure' if insecure else ''}{'-cold' if cold else ''}",
@@ -202,6 +217,7 @@ def run_pitstop(
         logs = sorted((cluster.state_dir / "nodes").glob(f"*/agent/ranks/{job.id}/rank-*.log"))
         restores: list[float] = []
         left: list[float] = []
+        ranks = RankTimes()
         step_lines = 0
         for path in logs:
             for line in path.read_text(errors="replace").splitlines():
@@ -209,14 +225,18 @@ def run_pitstop(
                     restores.append(log_time(m.group(1)))
                 elif (m := LEFT.match(line)) is not None:
                     left.append(log_time(m.group(1)))
-                elif STEP_LINE.match(line):
+                elif (m := JOINED.match(line)) is not None:
+                    ranks.joined.append((log_time(m.group(1)), int(m.group(2))))
+                elif (m := STEP_LINE.match(line)) is not None:
                     step_lines += 1
+                    with contextlib.suppress(ValueError, KeyError, TypeError):
+                        ranks.stepped.append((float(json.loads(line)["at"]), int(m.group(1))))
     if job.state != common_pb2.JOB_STATE_SUCCEEDED:
         raise SystemExit(f"pitstop: job ended {common_pb2.JobState.Name(job.state)}: {job.reason}")
     on_step(job)
     every = jobs_pb2.Goodput()
     every.incidents.extend(sorted(incidents.values(), key=lambda i: i.detected_at))
-    per_failure, missed = split(every, run.injected, restores, left)
+    per_failure, missed = split(every, run.injected, restores, left, ranks)
     # A failure the job ended before is one not measured: said, and the run fails.
     missed += [
         {
@@ -259,6 +279,7 @@ def run_pitstop(
             "workers": args.workers,
             "spares": args.spares,
             "liveness_timeout_s": args.liveness_seconds,
+            "silent_host_timeout_s": SILENT_HOST_SECONDS,
             "snapshot": "in memory every step, a copy on a buddy node",
             "replacement": "cold: no standby processes, a new rank process per replacement"
             if cold
@@ -325,10 +346,46 @@ ENDED_BY = (jobs_pb2.INCIDENT_OUTCOME_RESUMED, jobs_pb2.INCIDENT_OUTCOME_JOB_SUC
 """The outcomes of the incident that ends a failure: the job stepped again."""
 
 
+@dataclass
+class RankTimes:
+    """From the rank logs: when each rank joined a generation, and when it took each
+    step (the example's step lines say), as (epoch seconds, rank)."""
+
+    joined: list[tuple[float, int]] = field(default_factory=list)
+    stepped: list[tuple[float, int]] = field(default_factory=list)
+
+    def whole_again(self, failed: float, resumed: float) -> float:
+        """When every rank that joined a new generation between the failure and the
+        scheduler's word that the job steps again (`resumed`) had taken its first step
+        in it: the job at full strength, timed as the peers' are (each rank's first
+        step after the reload). `resumed` where the logs do not say."""
+        last_join: dict[int, float] = {}
+        for at, rank in self.joined:
+            if failed <= at <= resumed:
+                last_join[rank] = max(at, last_join.get(rank, at))
+        steps: dict[int, list[float]] = {}
+        for at, rank in sorted(self.stepped):
+            steps.setdefault(rank, []).append(at)
+        firsts = []
+        for rank, joined in last_join.items():
+            mine = steps.get(rank, [])
+            after = bisect.bisect_left(mine, joined)
+            if after == len(mine):
+                return resumed
+            firsts.append(mine[after])
+        return max(firsts, default=resumed)
+
+
 def split(
-    goodput: jobs_pb2.Goodput, injected: list[Injected], restores: list[float], left: list[float]
+    goodput: jobs_pb2.Goodput,
+    injected: list[Injected],
+    restores: list[float],
+    left: list[float],
+    ranks: RankTimes | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per failure: detect, decide, restore, re-form and total seconds; abort: the
+    """Per failure: detect, decide, restore, re-form and total seconds (to when every
+    rank stepped again, by `ranks`' logs; without them, to the scheduler's word, which
+    comes a step report later: `reported`); abort: the
     failure -> the last rank out of its collective (it overlaps detect and decide); and
     stalled: how long the job did not train (the total, but for a hung agent, whose
     node trains on until the decision stops the survivors: from then on).
@@ -358,7 +415,8 @@ def split(
             continue
         detected = mine[0].detected_at
         decided = ended.decided_at
-        resumed = ended.resumed_at
+        seen = ended.resumed_at  # the scheduler's word: one step report after the step
+        resumed = seen if ranks is None else ranks.whole_again(fault.at, seen)
         restored = max((t for t in restores if decided <= t <= resumed), default=decided)
         leaving = [t for t in left if fault.at <= t <= resumed]
         out_of_collective = max(leaving, default=fault.at)
@@ -378,6 +436,7 @@ def split(
                 "restore": restored - decided,
                 "reform": resumed - restored,
                 "total": resumed - fault.at,
+                "reported": seen - resumed,
                 "incidents": float(len(mine)),
                 "lost_steps_seen": float(ended.lost_steps),
             }
@@ -409,7 +468,7 @@ def pitstop_summary(run: dict[str, Any], expected: str) -> dict[str, Any]:
     and each kind's recovery split into its phases (medians)."""
     rows = run["failures"]
     own = sorted({r["kind"] for r in rows} - set(peers.KINDS))
-    phases = ("detect", "abort", "decide", "restore", "reform")
+    phases = ("detect", "abort", "decide", "restore", "reform", "reported")
     return {
         "failures": run["injected"],
         "recovered": len(rows),
@@ -536,8 +595,9 @@ def main() -> int:
         "--liveness-seconds",
         type=float,
         default=DEFAULT_LIVENESS_TIMEOUT,
-        help="a node silent this long is lost: pitstop's deadline, and the one the "
-        "benchmark's cluster manager gives the peers for a silent host",
+        help="pitstop's heartbeat deadline: an agent hung this long (its connection still "
+        "answering) is lost; a host gone silent is lost sooner, by the connection's "
+        "keepalive (the local cluster's, 1 s, which the peers' cluster manager uses too)",
     )
     parser.add_argument(
         "--cold-too",
@@ -591,7 +651,11 @@ def measure(args: argparse.Namespace) -> int:
             if args.load:
                 stack.enter_context(cpu_load(args.load, MAX_SECONDS))
                 say(f"CPU load: {args.load} busy processes beside the benchmark")
-            lengths = {steps, peer_steps} | ({cold_steps} if args.cold_too else set())
+            lengths = (
+                {steps}
+                | ({peer_steps} if set(peers.RUNS) - set(args.skip) else set())
+                | ({cold_steps} if args.cold_too else set())
+            )
             expected = reference_hashes(lengths)
             peer_runs: dict[str, dict[str, Any]] = {}
             # The peers first, on a quiet machine: torchrun run after the local cluster
@@ -607,7 +671,7 @@ def measure(args: argparse.Namespace) -> int:
                         step_seconds=args.step_seconds,
                         failures=args.failures,
                         every=args.every,
-                        silent_after=args.liveness_seconds,
+                        silent_after=SILENT_HOST_SECONDS,
                         root=root / name,
                         say=say,
                     )
@@ -639,6 +703,7 @@ def measure(args: argparse.Namespace) -> int:
         "steps": {"pitstop": steps, "peers": peer_steps},
         "step_seconds": args.step_seconds,
         "liveness_timeout_seconds": args.liveness_seconds,
+        "silent_host_timeout_seconds": SILENT_HOST_SECONDS,
         "cpu_load_procs": args.load,
         "pitstop": pitstop_summary(pitstop, expected[steps]),
     }

@@ -24,6 +24,7 @@ def recovery() -> ModuleType:
         assert spec is not None
         assert spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
         spec.loader.exec_module(module)
         return module
     finally:
@@ -60,6 +61,33 @@ def test_a_superseded_decision_is_part_of_the_failure_it_answered(recovery: Modu
     assert first["total"] == pytest.approx(2.0)
     assert first["incidents"] == 2
     assert second["total"] == pytest.approx(0.9)
+
+
+def test_a_recovery_ends_when_every_rank_stepped_as_the_peers_are_timed(
+    recovery: ModuleType,
+) -> None:
+    faults = [Injected(Fault(20, "rank_kill"), "n1", at=100.0, step=20)]
+    goodput = jobs_pb2.Goodput(
+        incidents=[
+            incident(100.1, jobs_pb2.INCIDENT_OUTCOME_RESUMED, decided=100.3, resumed=101.5),
+        ]
+    )
+    ranks = recovery.RankTimes(
+        # rank 0 joined twice (a superseded generation first): its last join counts
+        joined=[(100.6, 0), (100.8, 0), (100.9, 1)],
+        # rank 1 stepped before the failure (old generation), then after its join
+        stepped=[(99.9, 1), (100.7, 0), (101.0, 0), (101.2, 1), (101.3, 0), (101.4, 1)],
+    )
+    rows, missed = recovery.split(goodput, faults, restores=[], left=[], ranks=ranks)
+    assert missed == []
+    (row,) = rows
+    assert row["total"] == pytest.approx(1.2)  # rank 1's first step in its generation
+    assert row["reported"] == pytest.approx(0.3)  # the scheduler heard of it later
+    # A rank that joined but whose step the logs do not show: the scheduler's word.
+    ranks.stepped = [(101.0, 0)]
+    (row,), _ = recovery.split(goodput, faults, restores=[], left=[], ranks=ranks)
+    assert row["total"] == pytest.approx(1.5)
+    assert row["reported"] == 0.0
 
 
 def test_a_failure_nothing_resumed_is_reported_not_dropped(recovery: ModuleType) -> None:

@@ -317,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tokens = len(range(session.rank, args.shards, session.world_size))
                 session.commit(state, loss=loss, tokens=tokens * args.shard_batch * args.context)
                 if args.log_every and step % args.log_every == 0:
-                    _say(rank=session.rank, step=step, loss=round(float(loss), 4))
+                    at = round(time.time(), 3)  # when the step was done, for benchmarks
+                    _say(rank=session.rank, step=step, loss=round(float(loss), 4), at=at)
             if args.save_dir and step % args.save_every == 0 and session.rank == 0:
                 save(state, Path(args.save_dir))
         if not session.finished:
