@@ -428,7 +428,6 @@ def split(
         out.append(
             {
                 "kind": REPORTED.get(fault.fault.kind, fault.fault.kind),
-                "kind_index": KINDS.index(fault.fault.kind),
                 "abort": out_of_collective - fault.at,
                 "stalled": resumed - stalled_from,
                 "detect": max(0.0, detected - fault.at),
@@ -438,6 +437,7 @@ def split(
                 "total": resumed - fault.at,
                 "reported": seen - resumed,
                 "incidents": float(len(mine)),
+                "fallback": any(i.kind == jobs_pb2.INCIDENT_KIND_FALLBACK for i in mine),
                 "lost_steps_seen": float(ended.lost_steps),
             }
         )
@@ -490,6 +490,8 @@ def pitstop_summary(run: dict[str, Any], expected: str) -> dict[str, Any]:
             if any(r["kind"] == k for r in rows)
         },
         "steps_lost_per_failure": round(run["steps_lost_per_failure"], 2),
+        # Recoveries whose deadline passed: a full restart of every rank instead.
+        "fallbacks": sum(1 for r in rows if r["fallback"]),
         "goodput": round(run["goodput"], 4),
         "wall_seconds": round(run["seconds"], 1),
         "final_hash_equal": run["job"].result.get("final_weights_sha256") == expected,
