@@ -161,6 +161,10 @@ def test_a_node_is_never_started_twice(stores: StoreUrls, state_dir: Path, tmp_p
     assert scheduler_env["PITSTOP_LIVENESS_TIMEOUT_INTERVALS"] == "8"
     assert scheduler_env["PITSTOP_HEARTBEAT_INTERVAL_SECONDS"] == "0.25"
     assert scheduler_env[CLUSTER_ENV] == str(state_dir)
+    # A host gone silent: a ping every 0.5 s, unanswered for 0.5 s, and it is lost.
+    assert scheduler_env["PITSTOP_KEEPALIVE_SECONDS"] == "0.5"
+    assert scheduler_env["PITSTOP_KEEPALIVE_TIMEOUT_SECONDS"] == "0.5"
+    assert cluster.silent_host_timeout == 1.0
 
     checkpointd = cluster.process("checkpointd-node-1").pid
     refused = rf"the checkpoint daemon of node-1 already runs \(pid {checkpointd}\)"
@@ -168,6 +172,7 @@ def test_a_node_is_never_started_twice(stores: StoreUrls, state_dir: Path, tmp_p
         cluster.start_node("node-1")
     loaded = LocalCluster.load(state_dir)  # another process's view: cluster.json
     assert loaded is not None
+    assert (loaded.liveness_timeout, loaded.silent_host_timeout) == (2.0, 1.0)
     with pytest.raises(ClusterError, match=refused):
         loaded.start_node("node-1")
     assert sorted(daemons(state_dir).values()) == [

@@ -308,7 +308,8 @@ class ClusterState:
                 bool(data.get("agent_owns_checkpointd", False)),
                 # A record from before TLS was the default ran insecure.
                 bool(data.get("tls", False)),
-                float(data.get("silent_host_timeout_seconds", 2 * KEEPALIVE_SECONDS)),
+                # A record from before it was written: its scheduler kept 1 s + 1 s.
+                float(data.get("silent_host_timeout_seconds", 2.0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ClusterError(
