@@ -4,7 +4,7 @@ with torch.distributed.checkpoint through `DurableReader`, and writes to OUT (ra
 the step loaded and the weights' hash the example reports (`weights_sha256`: every
 stage's whole parameters, so the same at any dp).
 
-    python dcp3d_rank.py --url URL --job JOB --out OUT.json
+    python dcp3d_rank.py --url URL --job JOB --out OUT.json [the example's model flags]
     (RANK, WORLD_SIZE, MASTER_*, PITSTOP_DP/PP/TP set)
 """
 
@@ -28,11 +28,11 @@ def main() -> None:
     parser.add_argument("--url", required=True)
     parser.add_argument("--job", required=True)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args, model = parser.parse_known_args()  # the rest: the job's --layers and such
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     with Session.from_env() as session:
-        job = Job(parse_args([]), session)  # the example's defaults: the job's model
+        job = Job(parse_args(model), session)  # the job's model
         state = job.make_state(session.mesh)
         with torch.no_grad():
             for tensor in state.model.state_dict().values():

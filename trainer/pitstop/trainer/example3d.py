@@ -306,7 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.log_every and step % args.log_every == 0:
                     last = session.shape.pp_rank == session.shape.pp - 1
                     shown = round(float(loss), 4) if last else None  # the last stage's
-                    _say(rank=session.rank, step=step, loss=shown)
+                    at = round(time.time(), 3)  # when the step was done, for benchmarks
+                    _say(rank=session.rank, step=step, loss=shown, at=at)
         if not session.finished:
             _say(rank=session.rank, stopped_at=state.step)
             return 0
