@@ -61,13 +61,15 @@ compose-check:
 # Two passes: every test but the fault matrix and Slurm on two pytest-xdist workers (most
 # of them wait on processes, sockets and deadlines more than they compute), then the
 # `cluster`-marked tests in one process, alone, since a fault-matrix scenario needs both
-# cores. The second pass runs after failed tests too, so one run shows every failure, but
-# not after an interrupt (Ctrl-C, SIGTERM: pytest's exit status 2) or an error of pytest's.
+# cores; that pass collects tests/cluster and tests/slurm only (tests/conftest.py refuses
+# a `cluster` test anywhere else). The second pass runs after failed tests too, so one run
+# shows every failure, but not after an interrupt (Ctrl-C, SIGTERM: pytest's exit status
+# 2) or an error of pytest's.
 # Each pass names its ten slowest tests: the suite must stay within 15 minutes here.
 pytest: $(STAMP)
 	@$(BIN)/python -m pytest -q -m 'not cluster' -n 2 --durations=10; first=$$?; \
 	if [ $$first -gt 1 ]; then exit $$first; fi; \
-	$(BIN)/python -m pytest -q -m cluster --durations=10; second=$$?; \
+	$(BIN)/python -m pytest -q -m cluster --durations=10 tests/cluster tests/slurm; second=$$?; \
 	if [ $$second -ne 0 ]; then exit $$second; fi; exit $$first
 
 bench: $(STAMP)

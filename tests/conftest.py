@@ -99,6 +99,27 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGTERM, _terminated)
 
 
+CLUSTER_PATHS = ("tests/cluster", "tests/slurm")
+"""Where `cluster`-marked tests live: `make test` collects only these for its second pass
+(collecting the whole suite to keep 27 tests took 14 s)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A `cluster` test elsewhere would run in neither pass of `make test`: refused."""
+    root = Path(str(config.rootpath))
+    astray = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("cluster") is not None
+        and not Path(item.path).relative_to(root).as_posix().startswith(CLUSTER_PATHS)
+    ]
+    if astray:
+        raise pytest.UsageError(
+            f"cluster-marked tests outside {', '.join(CLUSTER_PATHS)}, which `make test` "
+            f"runs apart: move them there or drop the mark: {astray}"
+        )
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
