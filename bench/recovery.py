@@ -44,6 +44,13 @@ benchmark's clock for the failure, the scheduler's goodput incident and the rank
   ranks' own step lines, timed as the peers' are); the scheduler hears of it one step
   report later (`reported`: how much later).
 
+pitstop also trains the 3D example (``pitstop_3d``: tp = pp = dp = 2, a TP pair on
+each of four 2-GPU nodes, one block a stage, 1F1B over two microbatches; unpaced, its
+steps CPU-bound) through --failures-3d of each shared kind, warm, on a cluster of its
+own; a failed node's TP pair moves to a spare together, and every other rank rebuilds
+the mesh, its process groups and the parallelized model in place. Its lost GPU-seconds
+count its 8 GPUs at the pace its ranks kept.
+
 Each pitstop failure is matched to the incident that ended it: of those the scheduler
 noticed between it and the next failure, the one after which the job stepped again
 (earlier ones it superseded count in its detect). A failure with none is listed under
@@ -52,8 +59,8 @@ breaks down (a process exits, a step never comes) is recorded with its error and
 failures it completed, and the benchmark goes on.
 
     .venv/bin/python bench/recovery.py [--failures 20] [--own-failures 5] [--workers 4]
-        [--spares 4] [--liveness-seconds 2] [--skip torchrun|torchft|nvrx] [--cold-too]
-        [--insecure-too] [--load [2]]
+        [--spares 4] [--liveness-seconds 2] [--failures-3d 20] [--cold-too]
+        [--skip torchrun|torchft|nvrx|pitstop] [--insecure-too] [--load [2]]
 
 Run from the repository root (about 50 minutes on 2 cores with every peer; the peers
 need `pip install -e '.[bench]'`, else they are reported skipped). Progress goes to
@@ -71,6 +78,7 @@ import bisect
 import contextlib
 import datetime as dt
 import importlib
+import itertools
 import json
 import math
 import os
@@ -81,6 +89,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,6 +110,7 @@ from pitstop.client.scenario import (
     Injected,
     JobStuck,
     ReferenceRun,
+    example3d_spec,
     example_spec,
 )
 from pitstop.client.signals import Terminated, exit_code, orderly_exit
@@ -109,6 +119,8 @@ from pitstop.v1 import common_pb2, jobs_pb2
 # bench/peers.py, the torchft and NVRx runs: a script's own directory is first on sys.path.
 peers = importlib.import_module("peers")
 
+REFERENCE_3D_TIMEOUT = 3600.0
+"""Seconds the 3D job's fault-free run may take (its steps are CPU-bound: 0.4 s here)."""
 SILENT_HOST_SECONDS = silent_host_of({**SCHEDULER_ENV, **os.environ})
 """When the local cluster's scheduler has lost a host gone silent, at the latest (its
 keepalive interval plus the ping's timeout): the peers' cluster manager waits as long."""
@@ -147,6 +159,56 @@ def log_time(text: str) -> float:
 # pitstop -------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Workload:
+    """The job a pitstop run trains: its nodes, their GPUs, its ranks, and its spec."""
+
+    name: str  # in the output
+    nodes: int
+    gpus_per_node: int
+    ranks: int
+    every: int  # steps between failures
+    step_seconds: float | None  # the pace; None: unpaced, measured from its step lines
+    spec: Callable[[int], jobs_pb2.JobSpec]  # steps -> spec
+
+    @classmethod
+    def data_parallel(cls, args: argparse.Namespace) -> Workload:
+        """The example GPT job, one rank on each of --workers nodes."""
+        return cls(
+            "pitstop",
+            args.workers,
+            1,
+            args.workers,
+            args.every,
+            args.step_seconds,
+            lambda steps: example_spec(
+                "bench-recovery",
+                dp=args.workers,
+                steps=steps,
+                step_seconds=args.step_seconds,
+                # Two spares hold standby processes: the one a failure takes is started
+                # again while the other waits, ready for the next.
+                spares=2,
+            ),
+        )
+
+    @classmethod
+    def three_d(cls, args: argparse.Namespace) -> Workload:
+        """The 3D example (tp = pp = dp = 2): a TP pair on each of four 2-GPU nodes,
+        unpaced (its steps are CPU-bound here)."""
+        return cls(
+            "pitstop_3d",
+            4,
+            2,
+            8,
+            args.every_3d,
+            None,
+            lambda steps: example3d_spec(
+                "bench-recovery-3d", steps=steps, step_seconds=0.0, spares=2
+            ),
+        )
+
+
 def run_pitstop(
     args: argparse.Namespace,
     faults: list[Fault],
@@ -154,30 +216,25 @@ def run_pitstop(
     root: Path,
     insecure: bool = False,
     cold: bool = False,
+    workload: Workload | None = None,
 ) -> dict[str, Any]:
-    label = "pitstop" + (" (insecure)" if insecure else "") + (" (cold)" if cold else "")
+    work = workload or Workload.data_parallel(args)
+    label = work.name + (" (insecure)" if insecure else "") + (" (cold)" if cold else "")
     say(
-        f"{label}: {args.workers} workers + {args.spares} spares, {len(faults)} failures, "
-        f"a host gone silent lost within {SILENT_HOST_SECONDS:g} s, a hung agent after "
-        f"{args.liveness_seconds:g} s"
+        f"{label}: {work.nodes} workers of {work.gpus_per_node} GPU(s) + {args.spares} "
+        f"spares, {len(faults)} failures, a host gone silent lost within "
+        f"{SILENT_HOST_SECONDS:g} s, a hung agent after {args.liveness_seconds:g} s"
     )
     with running_cluster(
-        root / f"cluster{'-insecure' if insecure else ''}{'-cold' if cold else ''}",
-        nodes=args.workers,
+        root / f"cluster-{work.name}{'-insecure' if insecure else ''}{'-cold' if cold else ''}",
+        nodes=work.nodes,
         spares=args.spares,
+        gpus_per_node=work.gpus_per_node,
         port=0,
         liveness_timeout=args.liveness_seconds,
         insecure=insecure,
     ) as cluster:
-        spec = example_spec(
-            "bench-recovery",
-            dp=args.workers,
-            steps=steps,
-            step_seconds=args.step_seconds,
-            # Two spares hold standby processes: the one a failure takes is started
-            # again while the other waits, ready for the next.
-            spares=2,
-        )
+        spec = work.spec(steps)
         spec.standby_processes = not cold
 
         client = cluster.client(timeout=10.0)
@@ -207,7 +264,7 @@ def run_pitstop(
                 on_fault=on_fault,
                 on_problem=say,
                 seed=args.seed,
-                spacing=args.every,
+                spacing=work.every,
                 ready=gate.ready,
             ) as driver:
                 run = driver.run(spec, faults)
@@ -253,12 +310,13 @@ def run_pitstop(
             f"{label}: {failure['kind']} on {failure['node']} at step {failure['step']}: "
             f"{failure['why']}"
         )
+    step_seconds = work.step_seconds if work.step_seconds is not None else ranks.step_seconds()
     for row in per_failure:
         # Every rank stops and resumes at full strength: training again is whole again.
         row["to_progress"] = row["to_full"] = row["total"]
         row["lost_steps"] = row["lost_steps_seen"]
         row["lost_gpu"] = peers.lost_gpu_all_restart(
-            args.workers, row["stalled"], row["lost_steps"], args.step_seconds
+            work.ranks, row["stalled"], row["lost_steps"], step_seconds
         )
         say(
             f"{label}: {row['kind']}: {row['total']:.2f} s = detect "
@@ -266,17 +324,23 @@ def run_pitstop(
             f"+ re-form {row['reform']:.2f} (survivors out of their collective after "
             f"{row['abort']:.2f} s)"
         )
-    redone = step_lines - steps * args.workers
+    redone = step_lines - steps * work.ranks
     return {
         "job": job,
         "failures": per_failure,
         "unrecovered": missed,
         "injected": len(run.injected),
         "seconds": run.seconds,
-        "steps_lost_per_failure": redone / args.workers / max(len(run.injected), 1),
+        "steps_lost_per_failure": redone / work.ranks / max(len(run.injected), 1),
         "goodput": job.goodput.ratio,
         "config": {
-            "workers": args.workers,
+            "workers": work.nodes,
+            "gpus_per_node": work.gpus_per_node,
+            "ranks": work.ranks,
+            "mesh": {"dp": spec.dp, "pp": spec.pp or 1, "tp": spec.tp or 1},
+            "command": " ".join(spec.command[1:]),
+            "step_seconds": round(step_seconds, 3),
+            "steps_between_failures": work.every,
             "spares": args.spares,
             "liveness_timeout_s": args.liveness_seconds,
             "silent_host_timeout_s": SILENT_HOST_SECONDS,
@@ -353,6 +417,18 @@ class RankTimes:
 
     joined: list[tuple[float, int]] = field(default_factory=list)
     stepped: list[tuple[float, int]] = field(default_factory=list)
+
+    def step_seconds(self) -> float:
+        """The median time between one rank's consecutive steps (0 without any)."""
+        by_rank: dict[int, list[float]] = {}
+        for at, rank in self.stepped:
+            by_rank.setdefault(rank, []).append(at)
+        gaps = [
+            later - earlier
+            for times in by_rank.values()
+            for earlier, later in itertools.pairwise(sorted(times))
+        ]
+        return statistics.median(gaps) if gaps else 0.0
 
     def whole_again(self, failed: float, resumed: float) -> float:
         """When every rank that joined a new generation between the failure and the
@@ -503,18 +579,32 @@ TO_FULL_TARGETS: dict[str, dict[str, float]] = {
     "rank_kill": {"to_full_p50_s": 1.0, "to_full_p95_s": 2.0},
     "node_silent": {"to_full_p50_s": 2.0, "to_full_p95_s": 3.0},
 }
+TO_FULL_3D_P50 = 3.0
+"""The 3D job's to_full p50, per shared kind, at most this many seconds."""
 LOST_GPU_OF_BEST_PEER = 1 / 3
 """pitstop's lost GPU-seconds p50, per kind, at most this share of the best peer's."""
 TARGETS: dict[str, Any] = {
     **TO_FULL_TARGETS,
     "lost_gpu_p50_of_best_peer": round(LOST_GPU_OF_BEST_PEER, 3),
+    "pitstop_3d": {kind: {"to_full_p50_s": TO_FULL_3D_P50} for kind in peers.KINDS},
 }
 
 
 def targets_met(result: dict[str, Any]) -> dict[str, Any]:
-    """Each target of the JSON's `targets`, met or not, with the measured number."""
+    """Each target of the JSON's `targets`, met or not, with the measured number; those
+    of a system the run left out are not there."""
+    met: dict[str, Any] = {}
+    if "pitstop_3d" in result:
+        three_d = result["pitstop_3d"]
+        met["pitstop_3d"] = {"final_hash_equal": three_d["final_hash_equal"]}
+        for kind in peers.KINDS:
+            if kind in three_d:
+                p50 = three_d[kind]["to_full_s"]["p50"]
+                met["pitstop_3d"][f"{kind}_to_full_p50"] = p50 <= TO_FULL_3D_P50
+    if "pitstop" not in result:
+        return met
     mine = result["pitstop"]
-    met: dict[str, Any] = {"final_hash_equal": mine["final_hash_equal"]}
+    met["final_hash_equal"] = mine["final_hash_equal"]
     for kind in peers.KINDS:
         if kind not in mine:
             continue
@@ -543,7 +633,7 @@ def ratios(result: dict[str, Any]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name in peers.RUNS:
         for kind in peers.KINDS:
-            theirs, mine = result.get(name, {}).get(kind), result["pitstop"].get(kind)
+            theirs, mine = result.get(name, {}).get(kind), result.get("pitstop", {}).get(kind)
             if theirs is None or mine is None:
                 continue
             out[f"{name}_over_pitstop_{kind}"] = {
@@ -578,6 +668,24 @@ def main() -> int:
         "warm standbys and the recoveries (48 failures took 65 steps each on this 2-core "
         "machine, the 20 between them included; steps left over run after the last one)",
     )
+    parser.add_argument(
+        "--failures-3d",
+        type=int,
+        default=20,
+        help="failures of each kind every system meets for the 3D job (pitstop_3d: tp = pp "
+        "= dp = 2, a TP pair on each of 4 two-GPU nodes); 0 leaves it out",
+    )
+    parser.add_argument(
+        "--every-3d", type=int, default=5, help="the 3D job's steps between failures"
+    )
+    parser.add_argument(
+        "--slack-steps-3d",
+        type=int,
+        default=80,
+        help="the 3D job runs this many steps more per failure: room for its waits for warm "
+        "standbys (here its steps take 0.7 s, and a standby imports torch for up to a "
+        "minute beside 8 busy ranks)",
+    )
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--spares", type=int, default=4)
     parser.add_argument("--step-seconds", type=float, default=0.1)
@@ -587,9 +695,10 @@ def main() -> int:
         "--skip",
         action="append",
         default=[],
-        choices=tuple(peers.RUNS),
-        help="leave a peer out (repeat for more); a peer whose package is missing is "
-        "reported skipped (pip install -e '.[bench]')",
+        choices=(*peers.RUNS, "pitstop"),
+        help="leave a system out (repeat for more; pitstop: its data-parallel run, not the "
+        "3D one); a peer whose package is missing is reported skipped (pip install -e "
+        "'.[bench]')",
     )
     parser.add_argument(
         "--keep", action="store_true", help="keep the run's directory (logs, rank logs)"
@@ -648,6 +757,9 @@ def measure(args: argparse.Namespace) -> int:
     steps = (args.every + args.slack_steps) * (len(faults) + 1)
     cold_steps = (args.every + args.slack_steps) * (len(cold_faults) + 1)
     peer_steps = peers.run_steps(args.failures, args.every)
+    faults_3d = schedule(args.failures_3d, 0, args.every_3d)
+    steps_3d = (args.every_3d + args.slack_steps_3d) * (len(faults_3d) + 1)
+    data_parallel = "pitstop" not in args.skip
     root = Path(tempfile.mkdtemp(prefix="pitstop-recovery-"))
     try:
         with contextlib.ExitStack() as stack:
@@ -655,11 +767,11 @@ def measure(args: argparse.Namespace) -> int:
                 stack.enter_context(cpu_load(args.load, MAX_SECONDS))
                 say(f"CPU load: {args.load} busy processes beside the benchmark")
             lengths = (
-                {steps}
+                ({steps} if data_parallel else set())
                 | ({peer_steps} if set(peers.RUNS) - set(args.skip) else set())
-                | ({cold_steps} if args.cold_too else set())
+                | ({cold_steps} if args.cold_too and data_parallel else set())
             )
-            expected = reference_hashes(lengths)
+            expected, expected_3d = reference_hashes(lengths, steps_3d if faults_3d else 0)
             peer_runs: dict[str, dict[str, Any]] = {}
             # The peers first, on a quiet machine: torchrun run after the local cluster
             # once hung forming its group (not understood; see the README).
@@ -682,14 +794,21 @@ def measure(args: argparse.Namespace) -> int:
                     say(f"{name}: {exc}; the benchmark goes on without it")
                     seconds = time.monotonic() - began
                     peer_runs[name] = {"failures": [], "seconds": seconds, "error": str(exc)}
-            pitstop = run_pitstop(args, faults, steps, root)
+            pitstop = run_pitstop(args, faults, steps, root) if data_parallel else None
             cold = (
                 run_pitstop(args, cold_faults, cold_steps, root, cold=True)
-                if args.cold_too
+                if args.cold_too and data_parallel
                 else None
             )
             insecure = (
-                run_pitstop(args, faults, steps, root, insecure=True) if args.insecure_too else None
+                run_pitstop(args, faults, steps, root, insecure=True)
+                if args.insecure_too and data_parallel
+                else None
+            )
+            three_d = (
+                run_pitstop(args, faults_3d, steps_3d, root, workload=Workload.three_d(args))
+                if faults_3d
+                else None
             )
     finally:
         if args.keep:
@@ -703,13 +822,16 @@ def measure(args: argparse.Namespace) -> int:
         "command": " ".join(sys.argv),
         "workers": args.workers,
         "spares": args.spares,
-        "steps": {"pitstop": steps, "peers": peer_steps},
+        "steps": {"pitstop": steps, "peers": peer_steps, "pitstop_3d": steps_3d},
         "step_seconds": args.step_seconds,
         "liveness_timeout_seconds": args.liveness_seconds,
         "silent_host_timeout_seconds": SILENT_HOST_SECONDS,
         "cpu_load_procs": args.load,
-        "pitstop": pitstop_summary(pitstop, expected[steps]),
     }
+    if pitstop is not None:
+        result["pitstop"] = pitstop_summary(pitstop, expected[steps])
+    if three_d is not None:
+        result["pitstop_3d"] = pitstop_summary(three_d, expected_3d)
     if cold is not None:
         result["pitstop_cold"] = pitstop_summary(cold, expected[cold_steps])
     if insecure is not None:
@@ -727,7 +849,7 @@ def measure(args: argparse.Namespace) -> int:
     print(json.dumps(result))
     unrecovered = [
         f
-        for r in ("pitstop", "pitstop_cold", "pitstop_insecure")
+        for r in ("pitstop", "pitstop_cold", "pitstop_insecure", "pitstop_3d")
         for f in result.get(r, {}).get("unrecovered", [])
     ]
     if unrecovered:
@@ -736,11 +858,14 @@ def measure(args: argparse.Namespace) -> int:
     return 0
 
 
-def reference_hashes(step_counts: set[int]) -> dict[int, str]:
-    """The fault-free final hash for each run length, the runs side by side."""
+def reference_hashes(step_counts: set[int], steps_3d: int) -> tuple[dict[int, str], str]:
+    """The fault-free final hash for each run length of the example, and for `steps_3d`
+    steps of the 3D one (0: none, ""), the runs side by side."""
     with contextlib.ExitStack() as stack:
         runs = {steps: stack.enter_context(ReferenceRun(steps)) for steps in step_counts}
-        return {steps: run.final_hash() for steps, run in runs.items()}
+        run_3d = stack.enter_context(ReferenceRun(steps_3d, three_d=True)) if steps_3d else None
+        hashes = {steps: run.final_hash() for steps, run in runs.items()}
+        return hashes, run_3d.final_hash(timeout=REFERENCE_3D_TIMEOUT) if run_3d else ""
 
 
 def schedule(failures: int, own: int, every: int) -> list[Fault]:

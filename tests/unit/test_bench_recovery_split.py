@@ -150,3 +150,37 @@ def test_a_kinds_costs_are_summarized_apart(recovery: ModuleType) -> None:
     # past their first step.
     assert peers.lost_gpu_all_restart(4, to_full=2.0, lost_steps=5, step_seconds=0.1) == 10.0
     assert peers.lost_gpu_survivors_go_on(4, to_progress=1.0, to_full=6.0) == 9.0
+
+
+def test_an_unpaced_jobs_step_time_is_read_from_its_ranks_step_lines(
+    recovery: ModuleType,
+) -> None:
+    """The 3D job is not paced: the GPU-seconds a failure cost count its steps at the
+    pace its ranks kept, the median gap between one rank's steps (a recovery's gap and
+    the other rank's interleaved lines do not move it)."""
+    ranks = recovery.RankTimes(
+        stepped=[(10.0, 0), (10.5, 0), (11.0, 0), (14.0, 0), (10.1, 1), (10.6, 1), (11.1, 1)]
+    )
+    assert ranks.step_seconds() == pytest.approx(0.5)
+    assert recovery.RankTimes().step_seconds() == 0.0
+
+
+def test_the_3d_jobs_targets_are_judged_apart_and_a_left_out_system_is_not(
+    recovery: ModuleType,
+) -> None:
+    def kinds(p50: float) -> dict[str, object]:
+        full = {"to_full_s": {"p50": p50, "p95": p50, "max": p50}}
+        return {"rank_kill": full, "node_silent": full, "final_hash_equal": True}
+
+    met = recovery.targets_met({"pitstop_3d": kinds(2.9)})
+    assert met == {
+        "pitstop_3d": {
+            "final_hash_equal": True,
+            "rank_kill_to_full_p50": True,
+            "node_silent_to_full_p50": True,
+        }
+    }
+    assert not recovery.targets_met({"pitstop_3d": kinds(3.1)})["pitstop_3d"][
+        "rank_kill_to_full_p50"
+    ]
+    assert recovery.ratios({"pitstop_3d": kinds(1.0)}) == {}

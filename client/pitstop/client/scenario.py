@@ -37,7 +37,13 @@ from types import TracebackType
 from typing import Literal, Self
 
 from pitstop.client.errors import PitstopError
-from pitstop.client.localcluster import DEFAULT_TIMEOUT, STOP_TIMEOUT, ClusterError, LocalCluster
+from pitstop.client.localcluster import (
+    DEFAULT_TIMEOUT,
+    STOP_TIMEOUT,
+    ClusterError,
+    LocalCluster,
+    free_port,
+)
 from pitstop.client.signals import dying_with_parent
 from pitstop.v1 import common_pb2, jobs_pb2
 
@@ -104,6 +110,47 @@ def example_command(steps: int, step_seconds: float, *extra: str) -> list[str]:
     ]
 
 
+MESH_3D = {"dp": 2, "pp": 2, "tp": 2}
+"""The 3D example's shape in these runs: 8 ranks, a TP pair on each 2-GPU node."""
+MODEL_3D = ("--layers", "2", "--microbatches", "2")
+"""The 3D example's model in these runs: one block a stage, two microbatches through
+1F1B (every kind of parallelism still; 0.4 s a step on 2 shared cores, the example's
+default model 1.2 s)."""
+
+
+def example3d_command(steps: int, step_seconds: float = 0.0, log_every: int = 1) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pitstop.trainer.example3d",
+        *MODEL_3D,
+        "--steps",
+        str(steps),
+        "--step-seconds",
+        str(step_seconds),
+        "--log-every",
+        str(log_every),
+    ]
+
+
+def example3d_spec(name: str, *, steps: int, step_seconds: float, spares: int) -> jobs_pb2.JobSpec:
+    """The 3D example (tp = pp = dp = 2) on four 2-GPU nodes, a snapshot every step; a
+    lost node's TP pair moves to a 2-GPU spare together."""
+    return jobs_pb2.JobSpec(
+        name=name,
+        command=example3d_command(steps, step_seconds),
+        dp=MESH_3D["dp"],
+        pp=MESH_3D["pp"],
+        tp=MESH_3D["tp"],
+        gpus_per_node=2,
+        min_dp=MESH_3D["dp"],
+        spares=spares,
+        standby_processes=True,
+        max_restarts=1000,
+        env={"PYTHONUNBUFFERED": "1"},
+    )
+
+
 def example_spec(
     name: str, *, dp: int, steps: int, step_seconds: float, spares: int
 ) -> jobs_pb2.JobSpec:
@@ -131,14 +178,33 @@ def run_deadline(steps: int, step_seconds: float, faults: int) -> float:
 
 
 class ReferenceRun:
-    """The example run alone in one process, started now, beside the cluster: the
-    fault-free final-weights hash a run must end with. A context manager that kills it
-    on exit; it also dies with this process, whatever kills that."""
+    """The example run alone, started now, beside the cluster: the fault-free
+    final-weights hash a run must end with. `three_d`: the 3D example's 8 ranks
+    (`MESH_3D`, `MODEL_3D`) as one gloo world on loopback, as torchrun would start them.
+    A context manager that kills it on exit; it also dies with this process, whatever
+    kills that."""
 
-    def __init__(self, steps: int) -> None:
+    def __init__(self, steps: int, *, three_d: bool = False) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-        self._proc = subprocess.Popen(
-            dying_with_parent(example_command(steps, 0.0)),
+        if not three_d:
+            self._procs = [self._start(example_command(steps, 0.0), env)]
+            return
+        world = MESH_3D["dp"] * MESH_3D["pp"] * MESH_3D["tp"]
+        mesh = {f"PITSTOP_{axis.upper()}": str(size) for axis, size in MESH_3D.items()}
+        mesh.update(WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        self._procs = []
+        try:
+            for rank in range(world):
+                command = example3d_command(steps, log_every=0)
+                self._procs.append(self._start(command, {**env, **mesh, "RANK": str(rank)}))
+        except BaseException:
+            self.stop()
+            raise
+
+    @staticmethod
+    def _start(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            dying_with_parent(command),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -148,28 +214,43 @@ class ReferenceRun:
 
     @property
     def pid(self) -> int:
-        return self._proc.pid
+        return self._procs[0].pid
 
     def final_hash(self, timeout: float = REFERENCE_TIMEOUT) -> str:
         """The run's final-weights hash, waiting up to `timeout` s for it to end
         (RuntimeError when it fails or takes longer; it is killed then)."""
-        try:
-            out, _ = self._proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise RuntimeError(
-                f"the fault-free reference run (pid {self.pid}) did not end within {timeout:.0f} s"
-            ) from None
-        if self._proc.returncode != 0:
-            raise RuntimeError(f"the fault-free reference run exited {self._proc.returncode}")
-        return str(json.loads(out.strip().splitlines()[-1])["final_weights_sha256"])
+        deadline = time.monotonic() + timeout
+        outputs = []
+        for proc in self._procs:
+            try:
+                out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise RuntimeError(
+                    f"the fault-free reference run (pid {proc.pid}) did not end within "
+                    f"{timeout:.0f} s"
+                ) from None
+            if proc.returncode != 0:
+                self.stop()
+                raise RuntimeError(
+                    f"the fault-free reference run (pid {proc.pid}) exited {proc.returncode}"
+                )
+            outputs.append(out)
+        hashes = {
+            str(json.loads(out.strip().splitlines()[-1])["final_weights_sha256"]) for out in outputs
+        }
+        if len(hashes) != 1:
+            raise RuntimeError(f"the fault-free reference run's ranks disagree: {sorted(hashes)}")
+        return hashes.pop()
 
     def stop(self) -> None:
         """Kill the run if it still goes; reap it."""
-        if self._proc.poll() is None:
-            self._proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.communicate(timeout=STOP_TIMEOUT)
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=STOP_TIMEOUT)
 
     def __enter__(self) -> Self:
         return self

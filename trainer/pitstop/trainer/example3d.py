@@ -288,11 +288,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(args.threads)
     with Session.from_env() as session:
-        if not dist.is_initialized():
+        # A standby process has no group nor rank until `restore` hands it one; the ranks
+        # of the job it joins checked its shape.
+        standby = session.config.standby
+        if not standby and not dist.is_initialized():
             raise SystemExit(
                 "the 3D example needs a process group: run it under torchrun or pitstop"
             )
-        if args.layers % session.shape.pp:
+        if not standby and args.layers % session.shape.pp:
             raise SystemExit(
                 f"--layers {args.layers} does not split into {session.shape.pp} stages"
             )

@@ -57,7 +57,7 @@ from pitstop.client.localcluster.settings import (
     STOP_TIMEOUT,
     silent_host_of,
 )
-from pitstop.client.localcluster.spawning import binary
+from pitstop.client.localcluster.spawning import binary, free_port
 from pitstop.client.localcluster.statefile import (
     ClusterProcess,
     Kind,
@@ -94,6 +94,7 @@ __all__ = [
     "Role",
     "TaggedProcess",
     "binary",
+    "free_port",
     "log_tail",
     "node_layout",
     "pid_alive",
