@@ -140,16 +140,18 @@ def daemon_forks() -> Iterator[ForkClient]:
 
 
 @pytest.fixture(scope="module")
-def standalone_hash() -> str:
-    """The example run alone in one process: the hash every run must end with."""
-    done = subprocess.run(
-        [*EXAMPLE, "--log-every", "0"],
-        capture_output=True,
-        env=clean_env(),
-        timeout=TIMEOUT,
-        check=True,
-    )
-    return str(json.loads(done.stdout.splitlines()[-1])["final_weights_sha256"])
+def standalone_hash(rank_forks: ForkClient, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The example run alone in one process, forked from the ranks' fork server (torch
+    imported: a fresh Python spent 4-5 CPU-seconds importing it): the hash every run
+    must end with."""
+    log = tmp_path_factory.mktemp("standalone") / "example.log"
+    child = rank_forks.launch([*EXAMPLE, "--log-every", "0"], clean_env(), log)
+    returncode = child.wait(TIMEOUT)
+    output = log.read_text(errors="replace")
+    assert returncode == 0, output[-3000:]
+    said = re.findall(r'"final_weights_sha256": "([0-9a-f]{64})"', output)
+    assert said, output[-3000:]
+    return said[-1]
 
 
 @dataclass
