@@ -431,3 +431,21 @@ def test_the_overhead_benchmark_prints_one_json_line() -> None:
     assert report["steps_per_variant"] == 10
     assert report["snapshot_stall_ms_median"] > 0
     assert isinstance(report["target_met"], bool)
+
+
+def test_the_3d_example_as_a_standby_waits_for_a_rank_before_it_needs_a_group() -> None:
+    """A standby process of the 3D example has no process group until the agent hands
+    it a rank inside `session.restore`: it must get that far (here, with no agent, to
+    the session's word that a standby needs one), not stop at the example's own check
+    for a group, which once made every 3D standby exit at once."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pitstop.trainer.example3d", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=base_env(PITSTOP_STANDBY="1", PITSTOP_JOB_ID="job-standby"),
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode != 0, said[-2000:]
+    assert "needs a process group" not in said, said[-2000:]
+    assert "PITSTOP_STANDBY=1 needs PITSTOP_AGENT_SOCKET" in said, said[-2000:]
