@@ -51,6 +51,7 @@ from pitstop.agent.identity import enroll, identity_for
 from pitstop.checkpointd.instances import remove_stale_segments
 from pitstop.checkpointd.peers import pull_shard
 from pitstop.checkpointd.slots import segment_prefix
+from pitstop.client import scenario
 from pitstop.client.cli import app
 from pitstop.client.cpuload import cpu_load_from_env
 from pitstop.client.localcluster import rank_pids
@@ -1497,9 +1498,10 @@ def test_the_leader_killed_in_the_middle_of_a_recovery_the_new_leader_finishes_i
 # The 3D example (pitstop.trainer.example3d): tp = pp = dp = 2 on four 2-GPU nodes (a
 # node holds one TP pair: a pipeline stage of a replica) and a 2-GPU spare.
 STEPS_3D = 16
-MODEL_3D = ["--layers", "2", "--microbatches", "2"]
-"""One block a stage and two microbatches through 1F1B: still every kind of parallelism,
-at 0.4 s a step here rather than the example's default 1.2 s (8 ranks on 2 cores)."""
+MODEL_3D = list(scenario.MODEL_3D)
+"""One block a stage and two microbatches through 1F1B, as the recovery benchmark's 3D
+job: still every kind of parallelism, at 0.4 s a step here rather than the example's
+default 1.2 s (8 ranks on 2 cores)."""
 EXAMPLE_3D = [
     sys.executable,
     "-m",
