@@ -5,6 +5,12 @@ The strongest assertion this project has (torchft's): the final weights are bitw
 same with and without failures. Every test compares the final weights' sha256 with
 that of one uninterrupted single-process run. Tests wait on what the processes print
 or report, never on a sleep.
+
+The example's processes are forked from a fork server that has imported torch (see
+`forks`): they test what the ranks do, not how a Python starts, and a fresh interpreter
+spent most of a rank's CPU importing torch. Each forked process is still a process of
+its own, with its own torch.distributed group. The standalone run and the overhead
+benchmark start afresh (see each).
 """
 
 from __future__ import annotations
@@ -23,11 +29,11 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import grpc
 import pytest
-from conftest import free_port
+from conftest import ForkClient, ForkedChild, forking, free_port
 
 from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
 from pitstop.v1 import (
@@ -45,23 +51,35 @@ STEPS = 40
 TIMEOUT = 90.0  # a guard against a hang only: a run takes about 10 s alone, and took
 # over 30 s beside the fault matrix on the 2-core machine (under pytest-xdist)
 EXAMPLE = [sys.executable, "-m", "pitstop.trainer.example", "--steps", str(STEPS)]
+# What the fork server imports before it forks (the fault matrix's): what an example's
+# process would otherwise import afresh, all but a few tenths of a CPU-second of it.
+PRELOAD = "torch,torch.distributed,torch._dynamo,torch.optim,pitstop.trainer"
 
 
 class Proc:
-    """A child process whose output lines the test reads as they come."""
+    """A child process whose output lines (stdout and stderr) the test reads as they
+    come: started afresh, or, with `forks`, forked from that fork server."""
 
-    def __init__(self, command: list[str], env: dict[str, str]) -> None:
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
+    def __init__(
+        self, command: list[str], env: dict[str, str], forks: ForkClient | None = None
+    ) -> None:
+        self.process: subprocess.Popen[str] | ForkedChild
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        if forks is None:
+            self.process = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            )
+            assert self.process.stdout is not None
+            stream: IO[str] = self.process.stdout
+        else:
+            self.process, stream = fork(forks, command, env)
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
 
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self.lines.put(line.rstrip())
+    def _read(self, stream: IO[str]) -> None:
+        with stream:
+            for line in stream:
+                self.lines.put(line.rstrip())
         self.lines.put(None)
 
     def wait_for(self, holds: Callable[[str], bool], timeout: float = TIMEOUT) -> str:
@@ -97,6 +115,34 @@ class Proc:
         return self.seen
 
 
+def fork(forks: ForkClient, command: list[str], env: dict[str, str]) -> tuple[ForkedChild, IO[str]]:
+    """Fork `command` there, its output into a FIFO rather than a file: the test reads
+    each line as it comes, as from a pipe. The test holds a write end of its own until
+    the child has exited, so the output ends at the child's exit (as a pipe's does), not
+    before the child has opened the FIFO."""
+    folder = Path(tempfile.mkdtemp(prefix="pitstop-trainer-"))
+    fifo = folder / "output"
+    os.mkfifo(fifo, 0o600)
+    reading = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # no writer yet: returns at once
+    holding = os.open(fifo, os.O_WRONLY)
+    os.set_blocking(reading, True)
+    try:
+        child = forks.launch(command, env, fifo)
+    except BaseException:
+        os.close(reading)
+        os.close(holding)
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+    def release() -> None:  # the child's exit is known (reaped by the fork server)
+        child.wait()
+        os.close(holding)
+        shutil.rmtree(folder, ignore_errors=True)
+
+    threading.Thread(target=release, daemon=True).start()
+    return child, open(reading)  # Proc._read closes it
+
+
 def base_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PITSTOP_", "MASTER_"))}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"):
@@ -105,7 +151,9 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_ranks(world: int, args: list[str] | None = None, **extra: str) -> list[Proc]:
+def start_ranks(
+    forks: ForkClient, world: int, args: list[str] | None = None, **extra: str
+) -> list[Proc]:
     port = str(free_port())
     return [
         Proc(
@@ -119,6 +167,7 @@ def start_ranks(world: int, args: list[str] | None = None, **extra: str) -> list
                 MASTER_PORT=port,
                 **extra,
             ),
+            forks,
         )
         for rank in range(world)
     ]
@@ -144,9 +193,20 @@ def processes() -> Iterator[list[Proc]]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> str:
-    """The final weights of one uninterrupted single-process run."""
-    proc = Proc(EXAMPLE, base_env())
+def forks() -> Iterator[ForkClient]:
+    """A fork server with torch imported (in the environment of `base_env`, which its
+    children's start-up variables equal), and this module's connection to it: the
+    example's processes are forked from it, each in milliseconds instead of a fresh
+    Python's import of torch. Whatever it forked dies when the connection closes."""
+    with forking(PRELOAD, base_env()) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def reference(forks: ForkClient) -> str:
+    """The final weights of one uninterrupted single-process run (forked: a fresh
+    interpreter's run must match it, see test_a_standalone_run_is_reproducible)."""
+    proc = Proc(EXAMPLE, base_env(), forks)
     try:
         return str(proc.result()["final_weights_sha256"])
     finally:
@@ -197,21 +257,25 @@ def test_the_example_job_spec_is_valid() -> None:
 
 
 def test_a_standalone_run_is_reproducible(reference: str, processes: list[Proc]) -> None:
+    """Started afresh, as a user runs it: a fresh interpreter ends with the weights of
+    the forked reference run, which every other test compares with."""
     processes.append(Proc(EXAMPLE, base_env()))
     assert processes[0].result()["final_weights_sha256"] == reference
 
 
-def test_two_ranks_give_the_single_process_weights(reference: str, processes: list[Proc]) -> None:
-    processes += start_ranks(2)
+def test_two_ranks_give_the_single_process_weights(
+    reference: str, processes: list[Proc], forks: ForkClient
+) -> None:
+    processes += start_ranks(forks, 2)
     assert [p.result()["final_weights_sha256"] for p in processes] == [reference] * 2
 
 
 def test_a_restart_from_a_snapshot_is_bitwise_the_same(
-    reference: str, processes: list[Proc], checkpointd: str
+    reference: str, processes: list[Proc], checkpointd: str, forks: ForkClient
 ) -> None:
     job = f"job-{uuid.uuid4().hex[:6]}"
     snapshots = {"PITSTOP_CHECKPOINTD": checkpointd, "PITSTOP_JOB_ID": job}
-    first = start_ranks(2, ["--log-every", "1"], PITSTOP_GENERATION="1", **snapshots)
+    first = start_ranks(forks, 2, ["--log-every", "1"], PITSTOP_GENERATION="1", **snapshots)
     processes += first
     for proc in first:
         proc.wait_for(lambda line: step_of(line) >= STEPS // 2)
@@ -219,7 +283,9 @@ def test_a_restart_from_a_snapshot_is_bitwise_the_same(
         proc.kill()
     restore = common_step(checkpointd, job, range(2))
     assert STEPS // 2 - 1 <= restore < STEPS
-    second = start_ranks(2, PITSTOP_GENERATION="2", PITSTOP_RESTORE_STEP=str(restore), **snapshots)
+    second = start_ranks(
+        forks, 2, PITSTOP_GENERATION="2", PITSTOP_RESTORE_STEP=str(restore), **snapshots
+    )
     processes += second
     assert [p.result()["final_weights_sha256"] for p in second] == [reference] * 2
 
@@ -307,10 +373,12 @@ def agent(checkpointd: str) -> Iterator[FakeAgent]:
     shutil.rmtree(fake.path.parent, ignore_errors=True)  # the socket's private folder
 
 
-def test_pause_resume_and_stop_act_at_one_boundary(agent: FakeAgent, processes: list[Proc]) -> None:
+def test_pause_resume_and_stop_act_at_one_boundary(
+    agent: FakeAgent, processes: list[Proc], forks: ForkClient
+) -> None:
     job = f"job-{uuid.uuid4().hex[:6]}"
     env = agent.env(PITSTOP_JOB_ID=job, PITSTOP_GENERATION="1", PITSTOP_COMMAND_WAIT="0.5")
-    processes += start_ranks(2, ["--steps", "100000", "--peak-flops", "1e12"], **env)
+    processes += start_ranks(forks, 2, ["--steps", "100000", "--peak-flops", "1e12"], **env)
     agent.wait(lambda: min(agent.steps.get(r, 0) for r in range(2)) >= 3)
     # Each step carries the model FLOPs of the rank's tokens and its GPU's peak (MFU).
     import torch
@@ -367,10 +435,10 @@ def same_map_reconfigure(job: str, generation: int, restore: int) -> agent_pb2.R
 
 
 def test_a_reconfigure_at_a_boundary_rolls_back_bitwise(
-    reference: str, agent: FakeAgent, processes: list[Proc]
+    reference: str, agent: FakeAgent, processes: list[Proc], forks: ForkClient
 ) -> None:
     job = f"job-{uuid.uuid4().hex[:6]}"
-    processes += start_ranks(2, PITSTOP_GENERATION="1", **agent.env(PITSTOP_JOB_ID=job))
+    processes += start_ranks(forks, 2, PITSTOP_GENERATION="1", **agent.env(PITSTOP_JOB_ID=job))
     agent.wait(lambda: min(agent.steps.get(r, 0) for r in range(2)) >= 10)
     # Every rank is alive: they agree on the Reconfigure at one boundary, drop the
     # group, roll back from their own snapshots (they ran on) and re-form it.
@@ -385,12 +453,12 @@ def test_a_reconfigure_at_a_boundary_rolls_back_bitwise(
 
 
 def test_a_lost_rank_is_replaced_in_process_bitwise(
-    reference: str, agent: FakeAgent, processes: list[Proc]
+    reference: str, agent: FakeAgent, processes: list[Proc], forks: ForkClient
 ) -> None:
     job = f"job-{uuid.uuid4().hex[:6]}"
     env = agent.env(PITSTOP_JOB_ID=job, PITSTOP_RECONFIGURE_TIMEOUT="20")
-    ranks = start_ranks(2, PITSTOP_GENERATION="1", **env)
-    standby = Proc(EXAMPLE, base_env(PITSTOP_STANDBY="1", **env))
+    ranks = start_ranks(forks, 2, PITSTOP_GENERATION="1", **env)
+    standby = Proc(EXAMPLE, base_env(PITSTOP_STANDBY="1", **env), forks)
     processes += [*ranks, standby]
     agent.wait(lambda: agent.standby_waiting == 1)
     agent.wait(lambda: min(agent.steps.get(r, 0) for r in range(2)) >= STEPS // 2)
@@ -415,6 +483,8 @@ def test_a_lost_rank_is_replaced_in_process_bitwise(
 
 
 def test_the_overhead_benchmark_prints_one_json_line() -> None:
+    """Started afresh, as a user runs it: its last line of stdout (apart from stderr,
+    which a forked process shares with stdout) is the JSON object."""
     root = Path(__file__).resolve().parents[2]
     command = [sys.executable, "bench/overhead.py", "--steps", "10", "--block", "5"]
     result = subprocess.run(
@@ -433,19 +503,21 @@ def test_the_overhead_benchmark_prints_one_json_line() -> None:
     assert isinstance(report["target_met"], bool)
 
 
-def test_the_3d_example_as_a_standby_waits_for_a_rank_before_it_needs_a_group() -> None:
+def test_the_3d_example_as_a_standby_waits_for_a_rank_before_it_needs_a_group(
+    processes: list[Proc], forks: ForkClient
+) -> None:
     """A standby process of the 3D example has no process group until the agent hands
     it a rank inside `session.restore`: it must get that far (here, with no agent, to
     the session's word that a standby needs one), not stop at the example's own check
     for a group, which once made every 3D standby exit at once."""
-    done = subprocess.run(
+    standby = Proc(
         [sys.executable, "-m", "pitstop.trainer.example3d", "--steps", "2"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=base_env(PITSTOP_STANDBY="1", PITSTOP_JOB_ID="job-standby"),
+        base_env(PITSTOP_STANDBY="1", PITSTOP_JOB_ID="job-standby"),
+        forks,
     )
-    said = done.stdout + done.stderr
-    assert done.returncode != 0, said[-2000:]
+    processes.append(standby)
+    returncode = standby.process.wait(TIMEOUT)
+    said = "\n".join(standby.output())
+    assert returncode != 0, said[-2000:]
     assert "needs a process group" not in said, said[-2000:]
     assert "PITSTOP_STANDBY=1 needs PITSTOP_AGENT_SOCKET" in said, said[-2000:]
