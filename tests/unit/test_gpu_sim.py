@@ -15,7 +15,7 @@ from pitstop.agent.gpu import (
     SimulatedBackend,
     open_backend,
 )
-from pitstop.v1 import common_pb2
+from pitstop.v1 import common_pb2, rank_pb2
 
 NOW = 1_700_000_000.5
 
@@ -269,3 +269,27 @@ def test_open_backend_refuses_bad_specs(spec: str) -> None:
 def test_error_types_are_distinct() -> None:
     assert not issubclass(FaultNotSupported, GpuBackendError)
     assert not issubclass(GpuBackendError, FaultNotSupported)
+
+
+@pytest.mark.parametrize(
+    ("fault", "expected"),
+    [
+        (common_pb2.Fault(sdc=True), rank_pb2.RANK_FAULT_SDC),
+        (common_pb2.Fault(nan=True), rank_pb2.RANK_FAULT_NAN),
+    ],
+    ids=["sdc", "nan"],
+)
+def test_a_rank_fault_is_handed_to_its_gpus_rank_once_and_leaves_the_readings(
+    fault: common_pb2.Fault, expected: int
+) -> None:
+    sim = backend()
+    before = sim.read_health()
+    fault.gpu_index = 1
+    sim.inject_fault(fault)
+    assert sim.read_health() == before  # nothing NVML reads: only the rank notices
+    assert sim.take_rank_fault(0) == rank_pb2.RANK_FAULT_NONE
+    assert sim.take_rank_fault(1) == expected
+    assert sim.take_rank_fault(1) == rank_pb2.RANK_FAULT_NONE  # carried out once
+    sim.inject_fault(fault)
+    sim.inject_fault(common_pb2.Fault(gpu_index=1, clear=True))
+    assert sim.take_rank_fault(1) == rank_pb2.RANK_FAULT_NONE

@@ -173,6 +173,14 @@ class SchedulerLink:
         self._heartbeats.flush_steps()
         self._send(rank_exited=exited)
 
+    def report_finding(self, finding: agent_pb2.IntegrityFinding) -> None:
+        """Send a rank's integrity finding at once, after the step times still waiting."""
+        self._metrics.findings.labels(
+            self._settings.node_id, agent_pb2.FindingKind.Name(finding.kind)
+        ).inc()
+        self._heartbeats.flush_steps()
+        self._send(finding=finding)
+
     async def run(self, stop: asyncio.Event) -> None:
         """Keep a registered stream to the scheduler until `stop` is set."""
         self._loop = asyncio.get_running_loop()

@@ -78,6 +78,8 @@ class LocalEndpoint:
         self._adopted: dict[_Key, tuple[int, int]] = {}
         # Replaced on every change, so waiters wake without polling.
         self._changed = asyncio.Event()
+        self.on_finding: Callable[[agent_pb2.IntegrityFinding], None] = lambda _finding: None
+        """Called with each integrity finding a rank reports (its GPU filled in)."""
         self.report_soon: Callable[[], None] = lambda: None
         """Called when something the scheduler acts on changed here: a standby process
         started waiting for a rank or was handed one, a job stepped in a new generation
@@ -339,6 +341,12 @@ class _RankControlServicer:
         except ValueError:  # a GPU the backend does not know cannot be simulated slow
             return 1.0
 
+    def _rank_fault(self, gpu: int) -> int:
+        try:
+            return self._endpoint.backend.take_rank_fault(gpu)
+        except ValueError:  # nor have a fault injected
+            return rank_pb2.RANK_FAULT_NONE
+
     async def ReportStep(  # noqa: N802
         self, request: rank_pb2.StepReport, context: Any
     ) -> rank_pb2.StepReportResponse:
@@ -354,7 +362,9 @@ class _RankControlServicer:
         supervisor.record_generation(request.job_id, request.rank, request.generation)
         pending = self._endpoint._unacked_by_current((request.job_id, request.rank))
         return rank_pb2.StepReportResponse(
-            command_pending=bool(pending), slow_multiplier=self._slow_multiplier(gpu)
+            command_pending=bool(pending),
+            slow_multiplier=self._slow_multiplier(gpu),
+            rank_fault=self._rank_fault(gpu),  # type: ignore[arg-type]
         )
 
     async def Commands(  # noqa: N802
@@ -393,6 +403,13 @@ class _RankControlServicer:
         await self._gpu(request.job_id, request.rank, context)
         self._endpoint.supervisor.record_result(request.job_id, request.rank, request.result)
         return rank_pb2.RankResultResponse()
+
+    async def ReportFinding(  # noqa: N802
+        self, request: agent_pb2.IntegrityFinding, context: Any
+    ) -> rank_pb2.FindingResponse:
+        request.gpu_index = await self._gpu(request.job_id, request.rank, context)
+        self._endpoint.on_finding(request)
+        return rank_pb2.FindingResponse()
 
     async def InjectFault(  # noqa: N802
         self, request: rank_pb2.LocalFaultRequest, context: Any

@@ -86,11 +86,23 @@ class NodeAgent:
         # A standby waiting for a rank is reported ready; one handed a rank no longer.
         self.supervisor.standby_waits = self.local.standby_waits
         self.local.report_soon = self.link.beat_soon
+        self.local.on_finding = self._integrity_finding
         self.metrics_server: MetricsServer | None = None
         self.node_conditions: k8s_publisher.NodeConditionPublisher | None = None
 
     async def _report_rank_exit(self, exited: agent_pb2.RankExited) -> None:
         await self.link.report_rank_exit(exited)
+
+    def _integrity_finding(self, finding: agent_pb2.IntegrityFinding) -> None:
+        """Send a rank's finding on; one that names this node's GPU as corrupt (SDC) also
+        ends the ranks on it, after the finding (the scheduler quarantines the node
+        before it sees the exits, and moves the ranks to a spare)."""
+        self.link.report_finding(finding)
+        if finding.kind == agent_pb2.FINDING_KIND_SDC:
+            self.supervisor.kill_gpu(
+                finding.gpu_index,
+                f"silent data corruption at step {finding.step} of job {finding.job_id}",
+            )
 
     def _node_health_changed(self) -> None:
         self.link.beat_soon()

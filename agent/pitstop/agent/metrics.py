@@ -99,6 +99,13 @@ class AgentMetrics:
             ("node", "job_id"),
             registry=r,
         )
+        self.findings = Counter(
+            _PREFIX + "integrity_findings_total",
+            "Integrity findings the node's ranks reported: silent data corruption, "
+            "NaN/Inf losses and loss spikes (each rolled back).",
+            ("node", "kind"),
+            registry=r,
+        )
         self.steps_reported = Counter(
             _PREFIX + "steps_reported_total",
             "Step samples summarized and sent to the scheduler.",

@@ -45,6 +45,9 @@ class RankControlClient:
         self.slow_multiplier = 1.0
         """How much slower the rank's GPU runs (the agent's answer to attach and to each
         step report); 1 except on a simulated slow GPU."""
+        self.rank_fault = rank_pb2.RANK_FAULT_NONE
+        """A fault injected on the rank's GPU for it to carry out at its next step (the
+        agent's answer to a step report); the session takes it (`take_rank_fault`)."""
         self._channel: Any = grpc.insecure_channel(f"unix:{socket_path}")
         self._stub: Any = _Keyed(
             rank_pb2_grpc.RankControlStub(self._channel), os.environ.get(RANK_KEY_ENV, "")
@@ -122,7 +125,19 @@ class RankControlClient:
         )
         response: rank_pb2.StepReportResponse = self._stub.ReportStep(request, timeout=self.timeout)
         self.slow_multiplier = response.slow_multiplier or 1.0
+        if response.rank_fault:
+            self.rank_fault = response.rank_fault
         return response.command_pending
+
+    def take_rank_fault(self) -> int:
+        """The injected fault waiting to be carried out (RANK_FAULT_NONE: none), once."""
+        fault, self.rank_fault = self.rank_fault, rank_pb2.RANK_FAULT_NONE
+        return int(fault)
+
+    def report_finding(self, finding: agent_pb2.IntegrityFinding) -> None:
+        """Report what this rank's integrity checks found (see pitstop.trainer.integrity)."""
+        finding.job_id, finding.rank, finding.generation = self.job_id, self.rank, self.generation
+        self._stub.ReportFinding(finding, timeout=self.timeout)
 
     def commands(self) -> Iterator[rank_pb2.RankCommand]:
         """Commands for this rank as they come, until the agent ends the stream (a newer

@@ -149,6 +149,18 @@ def inject_fault(
     slow: Annotated[
         float | None, typer.Option("--slow", metavar="MULT", help="Multiply step times (> 1).")
     ] = None,
+    sdc: Annotated[
+        bool,
+        typer.Option(
+            "--sdc", help="The rank on the GPU flips one bit of its weights at its next step."
+        ),
+    ] = False,
+    nan: Annotated[
+        bool,
+        typer.Option(
+            "--nan", help="The rank on the GPU gets a NaN loss and gradients at its next step."
+        ),
+    ] = False,
     clear: Annotated[bool, typer.Option("--clear", help="Clear injected faults.")] = False,
     json_out: JsonFlag = False,
 ) -> None:
@@ -162,6 +174,8 @@ def inject_fault(
         "--thermal-throttle": ("thermal_throttle", thermal_throttle or None),
         "--nvlink-errors": ("nvlink_errors", nvlink_errors),
         "--slow": ("slow_multiplier", slow),
+        "--sdc": ("sdc", sdc or None),
+        "--nan": ("nan", nan or None),
         "--clear": ("clear", clear or None),
     }
     given = [option for option, (_, value) in options.items() if value is not None]

@@ -3,12 +3,26 @@ import datetime
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from pitstop.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class FindingKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINDING_KIND_UNSPECIFIED: _ClassVar[FindingKind]
+    FINDING_KIND_SDC: _ClassVar[FindingKind]
+    FINDING_KIND_SDC_UNLOCATED: _ClassVar[FindingKind]
+    FINDING_KIND_NONFINITE: _ClassVar[FindingKind]
+    FINDING_KIND_SPIKE: _ClassVar[FindingKind]
+FINDING_KIND_UNSPECIFIED: FindingKind
+FINDING_KIND_SDC: FindingKind
+FINDING_KIND_SDC_UNLOCATED: FindingKind
+FINDING_KIND_NONFINITE: FindingKind
+FINDING_KIND_SPIKE: FindingKind
 
 class Register(_message.Message):
     __slots__ = ("node_id", "inventory", "labels", "requested_role", "running_ranks", "agent_started_at")
@@ -177,6 +191,36 @@ class RankExited(_message.Message):
     result: _containers.ScalarMap[str, str]
     def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stderr_tail: _Optional[str] = ..., result: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class IntegrityFinding(_message.Message):
+    __slots__ = ("job_id", "generation", "rank", "kind", "step", "rolled_back_to", "skipped_step", "digest", "expected_digest", "ranks", "detail", "pause", "gpu_index")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROLLED_BACK_TO_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_FIELD_NUMBER: _ClassVar[int]
+    GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    rank: int
+    kind: FindingKind
+    step: int
+    rolled_back_to: int
+    skipped_step: int
+    digest: str
+    expected_digest: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    detail: str
+    pause: bool
+    gpu_index: int
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[FindingKind, str]] = ..., step: _Optional[int] = ..., rolled_back_to: _Optional[int] = ..., skipped_step: _Optional[int] = ..., digest: _Optional[str] = ..., expected_digest: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., detail: _Optional[str] = ..., pause: _Optional[bool] = ..., gpu_index: _Optional[int] = ...) -> None: ...
+
 class CommandAck(_message.Message):
     __slots__ = ("command_id", "ok", "error")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
@@ -188,7 +232,7 @@ class CommandAck(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("seq", "register", "heartbeat", "xid", "step_summary", "rank_exited", "ack")
+    __slots__ = ("seq", "register", "heartbeat", "xid", "step_summary", "rank_exited", "ack", "finding")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +240,7 @@ class AgentMessage(_message.Message):
     STEP_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     RANK_EXITED_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    FINDING_FIELD_NUMBER: _ClassVar[int]
     seq: int
     register: Register
     heartbeat: Heartbeat
@@ -203,7 +248,8 @@ class AgentMessage(_message.Message):
     step_summary: StepSummary
     rank_exited: RankExited
     ack: CommandAck
-    def __init__(self, seq: _Optional[int] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., xid: _Optional[_Union[_common_pb2.XidEvent, _Mapping]] = ..., step_summary: _Optional[_Union[StepSummary, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ...) -> None: ...
+    finding: IntegrityFinding
+    def __init__(self, seq: _Optional[int] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., xid: _Optional[_Union[_common_pb2.XidEvent, _Mapping]] = ..., step_summary: _Optional[_Union[StepSummary, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., finding: _Optional[_Union[IntegrityFinding, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node_id", "heartbeat_interval_seconds", "role", "state", "refresh_interval_seconds")
@@ -265,7 +311,7 @@ class StopRanks(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., grace_seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Reconfigure(_message.Message):
-    __slots__ = ("job_id", "generation", "rank_map", "rendezvous_address", "restore_step", "adopted_ranks", "step_windows")
+    __slots__ = ("job_id", "generation", "rank_map", "rendezvous_address", "restore_step", "adopted_ranks", "step_windows", "skipped_steps")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RANK_MAP_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +319,7 @@ class Reconfigure(_message.Message):
     RESTORE_STEP_FIELD_NUMBER: _ClassVar[int]
     ADOPTED_RANKS_FIELD_NUMBER: _ClassVar[int]
     STEP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     rank_map: _common_pb2.RankMap
@@ -280,7 +327,8 @@ class Reconfigure(_message.Message):
     restore_step: int
     adopted_ranks: _containers.RepeatedScalarFieldContainer[int]
     step_windows: StepWindows
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., adopted_ranks: _Optional[_Iterable[int]] = ..., step_windows: _Optional[_Union[StepWindows, _Mapping]] = ...) -> None: ...
+    skipped_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., adopted_ranks: _Optional[_Iterable[int]] = ..., step_windows: _Optional[_Union[StepWindows, _Mapping]] = ..., skipped_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PauseJob(_message.Message):
     __slots__ = ("job_id", "generation")

@@ -265,7 +265,7 @@ class XidEvent(_message.Message):
     def __init__(self, gpu_index: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., xid: _Optional[int] = ..., message: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., source: _Optional[_Union[XidSource, str]] = ..., verdict: _Optional[_Union[HealthVerdict, str]] = ...) -> None: ...
 
 class Fault(_message.Message):
-    __slots__ = ("gpu_index", "xid", "ecc_double_bit", "pending_row_remap", "gpu_lost", "thermal_throttle", "nvlink_errors", "slow_multiplier", "clear")
+    __slots__ = ("gpu_index", "xid", "ecc_double_bit", "pending_row_remap", "gpu_lost", "thermal_throttle", "nvlink_errors", "slow_multiplier", "clear", "sdc", "nan")
     GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
     XID_FIELD_NUMBER: _ClassVar[int]
     ECC_DOUBLE_BIT_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +275,8 @@ class Fault(_message.Message):
     NVLINK_ERRORS_FIELD_NUMBER: _ClassVar[int]
     SLOW_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
     CLEAR_FIELD_NUMBER: _ClassVar[int]
+    SDC_FIELD_NUMBER: _ClassVar[int]
+    NAN_FIELD_NUMBER: _ClassVar[int]
     gpu_index: int
     xid: int
     ecc_double_bit: int
@@ -284,7 +286,9 @@ class Fault(_message.Message):
     nvlink_errors: NvLinkFault
     slow_multiplier: float
     clear: bool
-    def __init__(self, gpu_index: _Optional[int] = ..., xid: _Optional[int] = ..., ecc_double_bit: _Optional[int] = ..., pending_row_remap: _Optional[bool] = ..., gpu_lost: _Optional[bool] = ..., thermal_throttle: _Optional[bool] = ..., nvlink_errors: _Optional[_Union[NvLinkFault, _Mapping]] = ..., slow_multiplier: _Optional[float] = ..., clear: _Optional[bool] = ...) -> None: ...
+    sdc: bool
+    nan: bool
+    def __init__(self, gpu_index: _Optional[int] = ..., xid: _Optional[int] = ..., ecc_double_bit: _Optional[int] = ..., pending_row_remap: _Optional[bool] = ..., gpu_lost: _Optional[bool] = ..., thermal_throttle: _Optional[bool] = ..., nvlink_errors: _Optional[_Union[NvLinkFault, _Mapping]] = ..., slow_multiplier: _Optional[float] = ..., clear: _Optional[bool] = ..., sdc: _Optional[bool] = ..., nan: _Optional[bool] = ...) -> None: ...
 
 class NvLinkFault(_message.Message):
     __slots__ = ("link", "crc_errors", "down")

@@ -78,8 +78,22 @@ class StragglerPolicy(_message.Message):
     warmup_steps: int
     def __init__(self, action: _Optional[_Union[StragglerAction, str]] = ..., threshold: _Optional[float] = ..., windows: _Optional[int] = ..., window_steps: _Optional[int] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
 
+class IntegrityPolicy(_message.Message):
+    __slots__ = ("sdc_check_disabled", "spike_watch_disabled", "loss_window", "spike_sigma", "max_rollbacks")
+    SDC_CHECK_DISABLED_FIELD_NUMBER: _ClassVar[int]
+    SPIKE_WATCH_DISABLED_FIELD_NUMBER: _ClassVar[int]
+    LOSS_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SPIKE_SIGMA_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROLLBACKS_FIELD_NUMBER: _ClassVar[int]
+    sdc_check_disabled: bool
+    spike_watch_disabled: bool
+    loss_window: int
+    spike_sigma: float
+    max_rollbacks: int
+    def __init__(self, sdc_check_disabled: _Optional[bool] = ..., spike_watch_disabled: _Optional[bool] = ..., loss_window: _Optional[int] = ..., spike_sigma: _Optional[float] = ..., max_rollbacks: _Optional[int] = ...) -> None: ...
+
 class JobSpec(_message.Message):
-    __slots__ = ("name", "command", "tp", "pp", "dp", "gpus_per_node", "min_dp", "spares", "priority", "max_restarts", "checkpoint", "env", "straggler", "working_dir", "standby_processes")
+    __slots__ = ("name", "command", "tp", "pp", "dp", "gpus_per_node", "min_dp", "spares", "priority", "max_restarts", "checkpoint", "env", "straggler", "working_dir", "standby_processes", "integrity")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +116,7 @@ class JobSpec(_message.Message):
     STRAGGLER_FIELD_NUMBER: _ClassVar[int]
     WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
     STANDBY_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    INTEGRITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     command: _containers.RepeatedScalarFieldContainer[str]
     tp: int
@@ -117,7 +132,8 @@ class JobSpec(_message.Message):
     straggler: StragglerPolicy
     working_dir: str
     standby_processes: bool
-    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., min_dp: _Optional[int] = ..., spares: _Optional[int] = ..., priority: _Optional[int] = ..., max_restarts: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointPolicy, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., straggler: _Optional[_Union[StragglerPolicy, _Mapping]] = ..., working_dir: _Optional[str] = ..., standby_processes: _Optional[bool] = ...) -> None: ...
+    integrity: IntegrityPolicy
+    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., min_dp: _Optional[int] = ..., spares: _Optional[int] = ..., priority: _Optional[int] = ..., max_restarts: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointPolicy, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., straggler: _Optional[_Union[StragglerPolicy, _Mapping]] = ..., working_dir: _Optional[str] = ..., standby_processes: _Optional[bool] = ..., integrity: _Optional[_Union[IntegrityPolicy, _Mapping]] = ...) -> None: ...
 
 class Goodput(_message.Message):
     __slots__ = ("productive_seconds", "detect_seconds", "recovery_seconds", "recompute_seconds", "ratio", "recoveries", "incidents", "incident_count")
@@ -190,7 +206,7 @@ class RankStepStats(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., p50_seconds: _Optional[float] = ..., p99_seconds: _Optional[float] = ..., straggler: _Optional[bool] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "spec", "state", "reason", "generation", "rank_map", "created_at", "updated_at", "restarts", "current_step", "committed_step", "durable_step", "goodput", "rank_stats", "result")
+    __slots__ = ("id", "spec", "state", "reason", "generation", "rank_map", "created_at", "updated_at", "restarts", "current_step", "committed_step", "durable_step", "goodput", "rank_stats", "result", "skipped_steps")
     class ResultEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +229,7 @@ class Job(_message.Message):
     GOODPUT_FIELD_NUMBER: _ClassVar[int]
     RANK_STATS_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
     id: str
     spec: JobSpec
     state: _common_pb2.JobState
@@ -228,7 +245,8 @@ class Job(_message.Message):
     goodput: Goodput
     rank_stats: _containers.RepeatedCompositeFieldContainer[RankStepStats]
     result: _containers.ScalarMap[str, str]
-    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., restarts: _Optional[int] = ..., current_step: _Optional[int] = ..., committed_step: _Optional[int] = ..., durable_step: _Optional[int] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., rank_stats: _Optional[_Iterable[_Union[RankStepStats, _Mapping]]] = ..., result: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    skipped_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., restarts: _Optional[int] = ..., current_step: _Optional[int] = ..., committed_step: _Optional[int] = ..., durable_step: _Optional[int] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., rank_stats: _Optional[_Iterable[_Union[RankStepStats, _Mapping]]] = ..., result: _Optional[_Mapping[str, str]] = ..., skipped_steps: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("spec", "request_id")

@@ -1,12 +1,22 @@
 from pitstop.v1 import agent_pb2 as _agent_pb2
 from pitstop.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class RankFault(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RANK_FAULT_NONE: _ClassVar[RankFault]
+    RANK_FAULT_SDC: _ClassVar[RankFault]
+    RANK_FAULT_NAN: _ClassVar[RankFault]
+RANK_FAULT_NONE: RankFault
+RANK_FAULT_SDC: RankFault
+RANK_FAULT_NAN: RankFault
 
 class AttachRequest(_message.Message):
     __slots__ = ("job_id", "rank", "generation", "pid")
@@ -45,12 +55,18 @@ class StepReport(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., sample: _Optional[_Union[_agent_pb2.StepSample, _Mapping]] = ...) -> None: ...
 
 class StepReportResponse(_message.Message):
-    __slots__ = ("command_pending", "slow_multiplier")
+    __slots__ = ("command_pending", "slow_multiplier", "rank_fault")
     COMMAND_PENDING_FIELD_NUMBER: _ClassVar[int]
     SLOW_MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    RANK_FAULT_FIELD_NUMBER: _ClassVar[int]
     command_pending: bool
     slow_multiplier: float
-    def __init__(self, command_pending: _Optional[bool] = ..., slow_multiplier: _Optional[float] = ...) -> None: ...
+    rank_fault: RankFault
+    def __init__(self, command_pending: _Optional[bool] = ..., slow_multiplier: _Optional[float] = ..., rank_fault: _Optional[_Union[RankFault, str]] = ...) -> None: ...
+
+class FindingResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class CommandStreamRequest(_message.Message):
     __slots__ = ("job_id", "rank")

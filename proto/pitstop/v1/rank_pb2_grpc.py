@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from pitstop.v1 import agent_pb2 as pitstop_dot_v1_dot_agent__pb2
 from pitstop.v1 import rank_pb2 as pitstop_dot_v1_dot_rank__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -65,6 +66,11 @@ class RankControlStub:
                 request_serializer=pitstop_dot_v1_dot_rank__pb2.RankResult.SerializeToString,
                 response_deserializer=pitstop_dot_v1_dot_rank__pb2.RankResultResponse.FromString,
                 _registered_method=True)
+        self.ReportFinding = channel.unary_unary(
+                '/pitstop.v1.RankControl/ReportFinding',
+                request_serializer=pitstop_dot_v1_dot_agent__pb2.IntegrityFinding.SerializeToString,
+                response_deserializer=pitstop_dot_v1_dot_rank__pb2.FindingResponse.FromString,
+                _registered_method=True)
         self.InjectFault = channel.unary_unary(
                 '/pitstop.v1.RankControl/InjectFault',
                 request_serializer=pitstop_dot_v1_dot_rank__pb2.LocalFaultRequest.SerializeToString,
@@ -118,6 +124,13 @@ class RankControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFinding(self, request, context):
+        """A rank reports what its integrity checks found (a corrupt replica, a rollback).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def InjectFault(self, request, context):
         """Inject a fault on the simulated backend (local drills and tests).
         """
@@ -157,6 +170,11 @@ def add_RankControlServicer_to_server(servicer, server):
                     servicer.ReportResult,
                     request_deserializer=pitstop_dot_v1_dot_rank__pb2.RankResult.FromString,
                     response_serializer=pitstop_dot_v1_dot_rank__pb2.RankResultResponse.SerializeToString,
+            ),
+            'ReportFinding': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFinding,
+                    request_deserializer=pitstop_dot_v1_dot_agent__pb2.IntegrityFinding.FromString,
+                    response_serializer=pitstop_dot_v1_dot_rank__pb2.FindingResponse.SerializeToString,
             ),
             'InjectFault': grpc.unary_unary_rpc_method_handler(
                     servicer.InjectFault,
@@ -327,6 +345,33 @@ class RankControl:
             '/pitstop.v1.RankControl/ReportResult',
             pitstop_dot_v1_dot_rank__pb2.RankResult.SerializeToString,
             pitstop_dot_v1_dot_rank__pb2.RankResultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFinding(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pitstop.v1.RankControl/ReportFinding',
+            pitstop_dot_v1_dot_agent__pb2.IntegrityFinding.SerializeToString,
+            pitstop_dot_v1_dot_rank__pb2.FindingResponse.FromString,
             options,
             channel_credentials,
             insecure,

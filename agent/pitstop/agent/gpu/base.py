@@ -67,6 +67,11 @@ class GpuBackend(abc.ABC):
     def close(self) -> None:
         """Stop the Xid watch (joining its thread) and release the driver. Idempotent."""
 
+    def take_rank_fault(self, gpu_index: int) -> int:
+        """The rank fault (rank_pb2.RankFault) injected on this GPU and not yet handed to
+        its rank, cleared as it is taken; RANK_FAULT_NONE (0) unless simulated."""
+        return 0
+
     def kernel_log_xids(self) -> list[common_pb2.XidEvent]:
         """Xids the kernel logged before the agent started; empty where there is no log.
 

@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from pitstop.agent.gpu.base import GpuBackend, XidCallback
-from pitstop.v1 import common_pb2
+from pitstop.v1 import common_pb2, rank_pb2
 
 GPU_NAME = "Simulated H100 80GB HBM3"
 MEMORY_BYTES = 80 << 30
@@ -78,6 +78,8 @@ class SimulatedBackend(GpuBackend):
         ]
         self._readings = [healthy_reading(gpu.index, gpu.uuid) for gpu in self._inventory]
         self._multipliers = [1.0] * count
+        # Faults the rank on each GPU carries out at its next step (handed out once).
+        self._rank_faults = [rank_pb2.RANK_FAULT_NONE] * count
         self._on_xid: XidCallback | None = None
         # Xids injected before the watch starts are delivered when it does.
         self._undelivered: list[common_pb2.XidEvent] = []
@@ -130,9 +132,14 @@ class SimulatedBackend(GpuBackend):
                 self._add_nvlink_errors(reading, fault.nvlink_errors)
             elif kind == "slow_multiplier":
                 self._multipliers[index] = _checked_multiplier(index, fault.slow_multiplier)
+            elif kind == "sdc":
+                self._rank_faults[index] = rank_pb2.RANK_FAULT_SDC
+            elif kind == "nan":
+                self._rank_faults[index] = rank_pb2.RANK_FAULT_NAN
             elif kind == "clear":
                 self._readings[index] = healthy_reading(index, reading.uuid)
                 self._multipliers[index] = 1.0
+                self._rank_faults[index] = rank_pb2.RANK_FAULT_NONE
             else:  # a Fault kind added to the proto after this backend
                 raise ValueError(f"fault kind {kind!r} is unknown to the simulated backend")
 
@@ -160,6 +167,12 @@ class SimulatedBackend(GpuBackend):
         index = self._check_index(gpu_index)
         with self._lock:
             return self._multipliers[index]
+
+    def take_rank_fault(self, gpu_index: int) -> int:
+        index = self._check_index(gpu_index)
+        with self._lock:
+            fault, self._rank_faults[index] = self._rank_faults[index], rank_pb2.RANK_FAULT_NONE
+        return fault
 
     def close(self) -> None:
         with self._lock:
