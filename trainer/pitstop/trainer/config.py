@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from pitstop.trainer.integrity import IntegrityPolicy, skipped_from
 from pitstop.trainer.mesh import Shape, ShapeError
 
 
@@ -60,6 +61,13 @@ class RankConfig:
     command_wait: float = 10.0
     """PITSTOP_COMMAND_WAIT seconds: how long the chief waits for every rank to hold its
     copy of a Pause or Stop before it makes all ranks act on it anyway."""
+    integrity: IntegrityPolicy = field(default_factory=IntegrityPolicy)
+    """The job's IntegrityPolicy: PITSTOP_SDC_CHECK and PITSTOP_SPIKE_WATCH (0 or 1),
+    PITSTOP_LOSS_WINDOW, PITSTOP_SPIKE_SIGMA, PITSTOP_MAX_ROLLBACKS (the scheduler sets
+    them from the job spec)."""
+    skip_steps: frozenset[int] = frozenset()
+    """PITSTOP_SKIP_STEPS ("17,40"): steps whose batch is skipped (the job's record of
+    rolled-back batches, or a fault-free run told to skip the same ones)."""
     shape: Shape = field(default_factory=Shape)
     """dp x pp x tp and this rank's coordinates (PITSTOP_DP/PP/TP and their _RANK, as
     the agent sets them); without them, pure data parallel over WORLD_SIZE."""
@@ -106,6 +114,14 @@ class RankConfig:
             collective_timeout=_seconds(env, "PITSTOP_COLLECTIVE_TIMEOUT", 30.0),
             reconfigure_timeout=_seconds(env, "PITSTOP_RECONFIGURE_TIMEOUT", 60.0),
             command_wait=_seconds(env, "PITSTOP_COMMAND_WAIT", 10.0),
+            integrity=IntegrityPolicy(
+                sdc_check=_flag(env, "PITSTOP_SDC_CHECK", True),
+                spike_watch=_flag(env, "PITSTOP_SPIKE_WATCH", True),
+                loss_window=_integer(env, "PITSTOP_LOSS_WINDOW", 100, low=2),
+                spike_sigma=_seconds(env, "PITSTOP_SPIKE_SIGMA", 5.0, what="number"),
+                max_rollbacks=_integer(env, "PITSTOP_MAX_ROLLBACKS", 3, low=1),
+            ),
+            skip_steps=_steps(env, "PITSTOP_SKIP_STEPS"),
             shape=shape,
         )
 
@@ -119,7 +135,9 @@ def _integer(env: Mapping[str, str], name: str, default: int, low: int = 0) -> i
     return int(text)
 
 
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+def _seconds(
+    env: Mapping[str, str], name: str, default: float, what: str = "number of seconds"
+) -> float:
     text = env.get(name, "").strip()
     if not text:
         return default
@@ -127,6 +145,26 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ConfigError(f"{name}={text!r} is not a positive number of seconds; fix or unset it")
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{name}={text!r} is not a positive {what}; fix or unset it")
     return value
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    text = env.get(name, "").strip().lower()
+    if not text:
+        return default
+    if text not in ("0", "1", "true", "false"):
+        raise ConfigError(f"{name}={text!r} is not 0 or 1; fix or unset it")
+    return text in ("1", "true")
+
+
+def _steps(env: Mapping[str, str], name: str) -> frozenset[int]:
+    text = env.get(name, "")
+    try:
+        steps = skipped_from(text)
+    except ValueError:
+        steps = {-1}
+    if any(step < 1 for step in steps):
+        raise ConfigError(f"{name}={text!r} is not a list of steps like 17,40; fix or unset it")
+    return frozenset(steps)

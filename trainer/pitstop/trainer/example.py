@@ -130,6 +130,8 @@ class Job:
         self.ids = torch.tensor([lookup[c] for c in corpus], dtype=torch.int64)
         self.windows = len(self.ids) - args.context - 1
         self._perm: tuple[int, torch.Tensor] | None = None
+        self.grad_norm: torch.Tensor | None = None
+        """The last step's gradient norm (before clipping)."""
 
     def make_state(self) -> TrainState:
         """The state at step 0: seeded, so every rank (and every restart) builds the same."""
@@ -160,6 +162,10 @@ class Job:
         x = torch.stack([self.ids[s : s + context] for s in starts])
         y = torch.stack([self.ids[s + 1 : s + context + 1] for s in starts])
         return x.to(self.device), y.to(self.device)
+
+    def skip_batch(self, state: TrainState) -> None:
+        """Move the data position past one global batch (a rolled-back bad batch)."""
+        self.next_batch(state.cursor, self.args.shards * self.args.shard_batch)
 
     def train_step(
         self,
@@ -204,7 +210,7 @@ class Job:
         total /= args.shards
         for param, grad in zip(params, torch.split(total[:-1], sizes), strict=True):
             param.grad = grad.view_as(param)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        self.grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(self.args, step)
         optimizer.step()
@@ -309,13 +315,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.shards < session.world_size:
             raise SystemExit(f"--shards {args.shards} is below the world size {session.world_size}")
-        for step in session.steps(state, until=args.steps):
+        for step in session.steps(state, until=args.steps, skip_batch=job.skip_batch):
             with session.guard():
                 loss = job.train_step(
                     state, step, session.rank, session.world_size, session.waiting
                 )
                 tokens = len(range(session.rank, args.shards, session.world_size))
-                session.commit(state, loss=loss, tokens=tokens * args.shard_batch * args.context)
+                session.commit(
+                    state,
+                    loss=loss,
+                    tokens=tokens * args.shard_batch * args.context,
+                    grad_norm=job.grad_norm,
+                )
                 if args.log_every and step % args.log_every == 0:
                     at = round(time.time(), 3)  # when the step was done, for benchmarks
                     _say(rank=session.rank, step=step, loss=round(float(loss), 4), at=at)

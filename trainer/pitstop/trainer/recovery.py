@@ -179,6 +179,7 @@ class Recovery:
         None: a standby's, built there), and the state moved into it. Returns the state."""
         session = self._session
         session.generation = int(new.generation)
+        session.checks.skipped.update(new.skipped_steps)  # as the scheduler recorded them
         if session.control is not None:
             session.control.generation = session.generation
         if session.writer is not None:

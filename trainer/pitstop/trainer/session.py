@@ -73,6 +73,7 @@ from pitstop.trainer import group
 from pitstop.trainer.boundary import at_boundary
 from pitstop.trainer.commands import Inbox, StepReporter
 from pitstop.trainer.config import RankConfig
+from pitstop.trainer.integrity import Checker, SilentCorruption
 from pitstop.trainer.mesh import Shape, build_mesh
 from pitstop.trainer.recovery import Recovery
 from pitstop.trainer.reshard import reshard
@@ -129,6 +130,8 @@ class Session:
         self.inbox: Inbox | None = None
         self._reporter: StepReporter | None = None
         self.recovery = Recovery(self)
+        self.checks = Checker(self, config.integrity, config.skip_steps)
+        """The checks for silent data corruption and bad losses (see integrity.py)."""
         """In-place recoveries; `recovery.recoveries` records each one's timings."""
         self.shape = config.shape
         """dp x pp x tp and this rank's coordinates; a Reconfigure brings the new ones."""
@@ -301,6 +304,7 @@ class Session:
         `pitstop.trainer.reshard`)."""
         if step == 0:
             apply(state, *capture(self.build()))
+            self.checks.restored(0, {})
             return
         if self.writer is None:
             raise RuntimeError(
@@ -319,6 +323,7 @@ class Session:
             if taken is not None and taken.sizes != self.shape.sizes:
                 tensors, metadata = self._resharded(state, step, restored, taken, written)
         apply(state, tensors, metadata)
+        self.checks.restored(step, metadata)
         log.info("rank %d restored step %d from %s", self.rank, step, restored.source)
         self._restored = (time.time(), restored.source)  # told with the next step
 
@@ -380,9 +385,18 @@ class Session:
         """The shape this process snapshotted `step` in, when it did."""
         return self._snapshot_shapes.get(step)
 
-    def steps(self, state: TrainState, until: int | None = None) -> Iterator[int]:
+    def steps(
+        self,
+        state: TrainState,
+        until: int | None = None,
+        *,
+        skip_batch: Callable[[TrainState], object] | None = None,
+    ) -> Iterator[int]:
         """The steps to run, from `state.step + 1` up to `until` (None: no end). Commands
-        are obeyed between steps, and only there."""
+        are obeyed between steps, and only there. `skip_batch(state)`: move the state's
+        data position past one batch; given, a step rolled back for a NaN/Inf loss or a
+        spike skips its batch when it runs again (without it, the batch is retried)."""
+        self.checks.skip_batch = skip_batch
         while True:
             if self._aborted is not None:
                 aborted, self._aborted = self._aborted, None
@@ -400,6 +414,7 @@ class Session:
                 return
             if at_boundary(self, state):
                 continue  # the state or the group changed: decide again, all together
+            self.checks.before_step(state)
             self._pending_step = state.step + 1
             self._started = self._mark = time.perf_counter()
             self._waited = 0.0
@@ -441,8 +456,18 @@ class Session:
         if multiplier > 1.0 and self._pending_step is not None:
             time.sleep((multiplier - 1.0) * (time.perf_counter() - self._mark))
 
-    def commit(self, state: TrainState, loss: float | torch.Tensor = 0.0, tokens: int = 0) -> None:
-        """The step is done: count it, snapshot when due, report it to the agent."""
+    def commit(
+        self,
+        state: TrainState,
+        loss: float | torch.Tensor = 0.0,
+        tokens: int = 0,
+        grad_norm: float | torch.Tensor | None = None,
+    ) -> None:
+        """The step is done: count it, check and snapshot it when due, report it to the
+        agent. `grad_norm`: the step's gradient norm, when the script has it (a NaN/Inf
+        one rolls the step back as a NaN loss does). A step the checks find bad is
+        rolled back here (the loop runs it again) or, for a corrupt replica, ends in a
+        recovery as a lost peer does; neither is snapshotted or reported."""
         step = self._pending_step
         if step is None:
             raise RuntimeError("commit() outside a step: call it once per step of steps()")
@@ -451,9 +476,20 @@ class Session:
         state.step = step
         self._last_wall = time.perf_counter() - self._started
         seconds = self._last_wall - self._waited
+        fault = self.control.take_rank_fault() if self.control is not None else 0
+        if fault:
+            loss = self.checks.carry_out(fault, state, loss)
         every = self.config.snapshot_every
         if self.writer is not None and every > 0 and step % every == 0:
-            self.snapshot(state)
+            captured = self._capture(state)
+            try:
+                good = self.checks.check(state, *captured, float(loss), _number(grad_norm))
+            except SilentCorruption as exc:
+                self._aborted = exc  # the next boundary waits for the recovery
+                return
+            if not good:
+                return  # rolled back: the loop runs the step again
+            self.snapshot(state, captured)
         if self._reporter is not None:
             # `seconds` was taken before the snapshot, so its stall is in no step's time
             # and the step is not reported as a checkpoint step: it counts in straggler
@@ -469,12 +505,18 @@ class Session:
         lost = self.writer.lost_seals if self.writer is not None else 0
         return self._failed_snapshots + lost
 
-    def snapshot(self, state: TrainState) -> bool:
-        """Snapshot `state` now; False when it was not saved. Whatever went wrong is
-        logged and counted in `snapshot_failures`; the next snapshot tries again."""
+    def snapshot(
+        self,
+        state: TrainState,
+        captured: tuple[Mapping[str, torch.Tensor], dict[str, str]] | None = None,
+    ) -> bool:
+        """Snapshot `state` now (`captured`: its capture, when taken already); False
+        when it was not saved. Whatever went wrong is logged and counted in
+        `snapshot_failures`; the next snapshot tries again."""
         if self.writer is None:
             return False
-        tensors, metadata = self._capture(state)
+        tensors, metadata = captured if captured is not None else self._capture(state)
+        metadata.update(self.checks.metadata())
         if self._shape_json[0] is not self.shape:  # worked out once per generation
             self._shape_json = (self.shape, self.shape.to_json())
         metadata[SHAPE_KEY] = self._shape_json[1]
@@ -566,6 +608,10 @@ class Session:
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _number(value: float | torch.Tensor | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def _checked_flops(model_flops_per_token: float, peak_flops: float) -> tuple[float, float]:

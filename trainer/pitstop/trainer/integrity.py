@@ -1,0 +1,524 @@
+"""The failures that do not crash, caught inside the ranks at every snapshot.
+
+- Silent data corruption: data-parallel replicas hold bitwise the same state after every
+  optimizer step (the whole product rests on determinism). At each snapshot step every
+  rank hashes its state (xxh3 over the tensors' bytes, the RNG states left out) and the
+  ranks exchange one small row each (`all_gather`, 40 bytes a rank). In a replica group
+  (the ranks at the same pipeline and tensor coordinates) of three or more, the rank
+  whose digest is not the majority's is named; with two (or a tie) every rank rolls
+  back to the last checked snapshot and replays the steps since: the replay of a
+  transient fault is clean, so the rank whose first result differs from its replay is
+  the one named. A named rank's agent quarantines its node; all ranks drop the group
+  and the job recovers on a spare from the last checked step (the step found bad is
+  never snapshotted, so nothing newer is restorable).
+- NaN/Inf and loss spikes: a loss (or gradient norm, when the script gives it) that is
+  not finite on any rank, or a loss above the window's mean by `spike_sigma` standard
+  deviations once the window is full, rolls every rank back to the last checked
+  snapshot; the batch of the bad step is skipped from then on (`skip_batch`, the
+  script's) and the step is run again on the next batch. `max_rollbacks` of them within
+  the window asks the scheduler to pause the job.
+
+Every rank takes the same decision from the same exchanged table, so no further
+agreement is needed. The check needs a state that is replicated across data parallel
+(no DTensor shards: FSDP shards differ by design); a sharded or single-replica job gets
+the loss watch only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import xxhash
+
+from pitstop.trainer.mesh import Shape
+from pitstop.trainer.state import DTENSOR_KEY, TrainState
+from pitstop.v1 import agent_pb2, rank_pb2
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from pitstop.trainer.session import Session
+
+log = logging.getLogger(__name__)
+
+LOSS_WINDOW_KEY = "pitstop.loss_window"
+SKIPPED_KEY = "pitstop.skipped_steps"
+"""Snapshot metadata: the loss history a spike is judged against, and the steps whose
+batch is skipped, so a rank that restores the snapshot decides as the others do."""
+
+OK, NONFINITE, SPIKE, SDC, REPLAY, UNLOCATED = (
+    "ok",
+    "nonfinite",
+    "spike",
+    "sdc",
+    "replay",
+    "unlocated",
+)
+
+
+@dataclass(frozen=True)
+class IntegrityPolicy:
+    """The job's IntegrityPolicy as the rank reads it from its environment."""
+
+    sdc_check: bool = True
+    spike_watch: bool = True
+    loss_window: int = 100
+    spike_sigma: float = 5.0
+    max_rollbacks: int = 3
+
+
+@dataclass(frozen=True)
+class Row:
+    """What one rank contributes to a check."""
+
+    digest: int = 0
+    """xxh3_64 of its state (0: not compared)."""
+    first: int = 0
+    """In a replay: the digest the step had the first time (0 otherwise)."""
+    loss: float = 0.0
+    grad_norm: float = 0.0
+
+    def encode(self) -> list[int]:
+        pack = struct.Struct("<q")
+        return [
+            _signed(self.digest),
+            _signed(self.first),
+            pack.unpack(struct.pack("<d", self.loss))[0],
+            pack.unpack(struct.pack("<d", self.grad_norm))[0],
+        ]
+
+    @classmethod
+    def decode(cls, words: Sequence[int]) -> Row:
+        def as_float(word: int) -> float:
+            return float(struct.unpack("<d", struct.pack("<q", int(word)))[0])
+
+        return cls(
+            digest=int(words[0]) & (2**64 - 1),
+            first=int(words[1]) & (2**64 - 1),
+            loss=as_float(words[2]),
+            grad_norm=as_float(words[3]),
+        )
+
+
+ROW_WORDS = 4
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the ranks do after a check."""
+
+    kind: str
+    ranks: tuple[int, ...] = ()
+    """The ranks it names: the corrupt ones (sdc), those with a bad loss (nonfinite)."""
+    expected: dict[int, int] = field(default_factory=dict)
+    """For sdc: per named rank, the digest its replicas agreed on."""
+    loss: float = 0.0
+    """The job's loss at the step (the mean over ranks)."""
+    detail: str = ""
+
+
+def replica_groups(shape: Shape) -> list[list[int]]:
+    """The ranks holding the same shard: one group per (pipeline, tensor) coordinate,
+    its members across data parallel."""
+    groups = []
+    for pp_rank in range(shape.pp):
+        for tp_rank in range(shape.tp):
+            first = Shape(shape.dp, shape.pp, shape.tp, 0, pp_rank, tp_rank)
+            groups.append([first.at(d).rank for d in range(shape.dp)])
+    return groups
+
+
+def judge(
+    rows: Sequence[Row],
+    groups: Iterable[Sequence[int]],
+    window: Sequence[float],
+    policy: IntegrityPolicy,
+    *,
+    replaying: bool = False,
+) -> Verdict:
+    """The verdict on one checked step from every rank's row (index = rank). `window`:
+    the job's losses of the steps before (oldest first). `replaying`: this is the replay
+    of a step whose replicas disagreed, each row carrying its first digest too."""
+    loss = math.fsum(r.loss for r in rows) / max(len(rows), 1)
+    bad = tuple(
+        rank
+        for rank, row in enumerate(rows)
+        if not (math.isfinite(row.loss) and math.isfinite(row.grad_norm))
+    )
+    if bad:
+        return Verdict(
+            NONFINITE,
+            bad,
+            loss=loss,
+            detail=f"loss or gradient norm not finite on ranks {list(bad)}",
+        )
+    if policy.spike_watch and len(window) >= policy.loss_window >= 2:
+        mean, deviation = statistics.fmean(window), statistics.pstdev(window)
+        limit = mean + policy.spike_sigma * deviation
+        if deviation > 0 and loss > limit:
+            return Verdict(
+                SPIKE,
+                loss=loss,
+                detail=(
+                    f"loss {loss:.6g} above {limit:.6g}: the mean {mean:.6g} of the last "
+                    f"{len(window)} steps + {policy.spike_sigma:g} x their deviation "
+                    f"{deviation:.6g}"
+                ),
+            )
+    if replaying:
+        return _located_by_replay(rows, groups, loss)
+    corrupt: list[int] = []
+    expected: dict[int, int] = {}
+    tied: list[list[int]] = []
+    for members in groups:
+        digests = [rows[r].digest for r in members if rows[r].digest]
+        if len(digests) < 2 or len(set(digests)) == 1:
+            continue
+        counts = {d: digests.count(d) for d in set(digests)}
+        majority, votes = max(counts.items(), key=lambda item: item[1])
+        if votes * 2 > len(digests):
+            odd = [r for r in members if rows[r].digest and rows[r].digest != majority]
+            corrupt.extend(odd)
+            expected.update(dict.fromkeys(odd, majority))
+        else:
+            tied.append(list(members))
+    if tied:
+        return Verdict(
+            REPLAY,
+            tuple(r for members in tied for r in members),
+            loss=loss,
+            detail=f"replicas {tied} disagree with no majority: replaying to tell which is wrong",
+        )
+    if corrupt:
+        return Verdict(
+            SDC,
+            tuple(sorted(corrupt)),
+            expected,
+            loss,
+            f"ranks {sorted(corrupt)} disagree with the majority of their replicas",
+        )
+    return Verdict(OK, loss=loss)
+
+
+def _located_by_replay(
+    rows: Sequence[Row], groups: Iterable[Sequence[int]], loss: float
+) -> Verdict:
+    """After a replay: the ranks whose first result differs from their replay, where
+    the replicas' replays agree; unlocated otherwise."""
+    corrupt: list[int] = []
+    expected: dict[int, int] = {}
+    for members in groups:
+        replays = {rows[r].digest for r in members if rows[r].digest}
+        if len(replays) > 1:
+            return Verdict(
+                UNLOCATED,
+                tuple(members),
+                loss=loss,
+                detail=f"replicas {list(members)} disagree again on the replay",
+            )
+        for rank in members:
+            row = rows[rank]
+            if row.first and row.digest and row.first != row.digest:
+                corrupt.append(rank)
+                expected[rank] = row.digest
+    if not corrupt:
+        return Verdict(
+            UNLOCATED,
+            loss=loss,
+            detail="the replay agrees with every rank's first result: no rank could be named",
+        )
+    return Verdict(
+        SDC,
+        tuple(sorted(corrupt)),
+        expected,
+        loss,
+        f"ranks {sorted(corrupt)} computed a result their replay does not reproduce",
+    )
+
+
+def state_digest(tensors: Mapping[str, torch.Tensor]) -> int:
+    """xxh3_64 over the bytes of every tensor but the RNG states, in name order; never 0
+    (0 means "not compared")."""
+    digest = xxhash.xxh3_64()
+    for name in sorted(tensors):
+        if name.startswith("rng."):
+            continue
+        tensor = tensors[name].detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        flat = tensor.contiguous().reshape(-1)
+        if flat.numel():
+            digest.update(flat.view(torch.uint8).numpy().data)
+    return digest.intdigest() or 1
+
+
+def exchange(row: Row, world_size: int, device: torch.device) -> list[Row]:
+    """Every rank's row (a collective: call it on every rank at the same step)."""
+    mine = torch.tensor(row.encode(), dtype=torch.int64, device=device)
+    if world_size == 1:
+        return [row]
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, mine)
+    return [Row.decode(t.tolist()) for t in gathered]
+
+
+class LossWindow:
+    """The job's loss at its last checked steps (at most `size`), by step: rolled back
+    with the state, and carried in every snapshot so that a rank that restores one
+    judges spikes as the others do."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._losses: dict[int, float] = {}
+
+    def add(self, step: int, loss: float) -> None:
+        self._losses[step] = loss
+        while len(self._losses) > self.size:
+            del self._losses[min(self._losses)]
+
+    def values(self) -> list[float]:
+        return [self._losses[s] for s in sorted(self._losses)]
+
+    def rewind(self, step: int) -> None:
+        """Forget the losses of steps after `step` (the state went back to it)."""
+        for later in [s for s in self._losses if s > step]:
+            del self._losses[later]
+
+    def to_json(self) -> str:
+        return json.dumps([[s, self._losses[s]] for s in sorted(self._losses)])
+
+    def load(self, text: str, step: int) -> None:
+        """The window as a snapshot of `step` held it."""
+        self._losses = {int(s): float(v) for s, v in json.loads(text) if int(s) <= step}
+
+
+def skipped_from(text: str) -> set[int]:
+    """Steps in a comma-separated list ("17,40"), or a snapshot's JSON list."""
+    text = text.strip()
+    if not text:
+        return set()
+    if text.startswith("["):
+        return {int(s) for s in json.loads(text)}
+    return {int(part) for part in text.split(",") if part.strip()}
+
+
+def flip_a_bit(model: torch.nn.Module) -> str:
+    """What a silently corrupting GPU does: one bit of the first floating parameter
+    flipped (a mantissa bit of its first element). Returns the parameter's name."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    for name, param in model.named_parameters():
+        tensor = param.detach()
+        if tensor.is_floating_point() and tensor.numel() and tensor.element_size() in ints:
+            local: Any = getattr(tensor, "_local_tensor", tensor)
+            with torch.no_grad():
+                word = local.reshape(-1)[:1].view(ints[tensor.element_size()])
+                word ^= 1 << (tensor.element_size() * 8 // 2 - 2)
+            return name
+    return ""
+
+
+def poison(model: torch.nn.Module) -> None:
+    """What a NaN gradient through the optimizer does: every parameter NaN."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                getattr(param, "_local_tensor", param).fill_(math.nan)
+
+
+class SilentCorruption(RuntimeError):
+    """A replica computed a wrong result: every rank drops the group and waits for the
+    scheduler to move the corrupt rank's node out (a Reconfigure from the last checked
+    step), as after a lost peer."""
+
+
+_FINDING_KINDS = {
+    NONFINITE: agent_pb2.FINDING_KIND_NONFINITE,
+    SPIKE: agent_pb2.FINDING_KIND_SPIKE,
+    SDC: agent_pb2.FINDING_KIND_SDC,
+    UNLOCATED: agent_pb2.FINDING_KIND_SDC_UNLOCATED,
+}
+
+
+class Checker:
+    """One session's checks: run at each snapshot step, before the snapshot, so a step
+    found bad is never snapshotted."""
+
+    def __init__(self, session: Session, policy: IntegrityPolicy, skipped: Iterable[int]) -> None:
+        self._session = session
+        self.policy = policy
+        self.skipped = set(skipped)
+        """Steps whose batch is skipped: each time such a step is about to run, the
+        script's `skip_batch` moves its data past one batch first."""
+        self.skip_batch: Callable[[TrainState], object] | None = None
+        self.window = LossWindow(policy.loss_window)
+        self.verified = 0
+        """The newest step checked good (and snapshotted): where a rollback goes."""
+        self.verdicts: list[tuple[int, Verdict]] = []
+        """Every verdict that was not OK, with its step (the logs and tests read it)."""
+        self._replay: tuple[int, int] | None = None  # (step, its first digest)
+        self._rollbacks: list[int] = []  # steps that rolled back, for the pause
+        self._said_why_not = False
+
+    def restored(self, step: int, metadata: Mapping[str, str]) -> None:
+        """The state went back to (or was loaded at) `step`."""
+        self.verified = step
+        self._replay = None
+        if step == 0:
+            self.window.rewind(0)
+        elif LOSS_WINDOW_KEY in metadata:
+            self.window.load(metadata[LOSS_WINDOW_KEY], step)
+        else:
+            self.window.rewind(step)
+        if SKIPPED_KEY in metadata:
+            self.skipped |= skipped_from(metadata[SKIPPED_KEY])
+
+    def metadata(self) -> dict[str, str]:
+        """What every snapshot carries for the checks."""
+        return {
+            LOSS_WINDOW_KEY: self.window.to_json(),
+            SKIPPED_KEY: json.dumps(sorted(self.skipped)),
+        }
+
+    def before_step(self, state: TrainState) -> None:
+        """Skip the batch of the step about to run when it is one to skip."""
+        step = state.step + 1
+        if step in self.skipped and self.skip_batch is not None:
+            self.skip_batch(state)
+            log.info("rank %d: step %d skips its batch", self._session.rank, step)
+
+    def carry_out(self, fault: int, state: TrainState, loss: Any) -> Any:
+        """Do what an injected rank fault stands for; returns the step's loss."""
+        rank = self._session.rank
+        if fault == rank_pb2.RANK_FAULT_SDC:
+            name = flip_a_bit(state.model)
+            log.warning(
+                "rank %d: injected SDC: one bit of %s flipped at step %d", rank, name, state.step
+            )
+        elif fault == rank_pb2.RANK_FAULT_NAN:
+            poison(state.model)
+            log.warning("rank %d: injected NaN at step %d", rank, state.step)
+            return math.nan
+        return loss
+
+    def check(
+        self,
+        state: TrainState,
+        tensors: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, str],
+        loss: float,
+        grad_norm: float | None,
+    ) -> bool:
+        """Judge step `state.step` with every other rank; True when it is good (snapshot
+        it). A bad step is rolled back (False) or, for a corrupt replica, raises
+        SilentCorruption."""
+        session, step = self._session, state.step
+        digest = state_digest(tensors) if self._compares(metadata) else 0
+        replaying = self._replay is not None and self._replay[0] == step
+        first = self._replay[1] if self._replay is not None and replaying else 0
+        norm = 0.0 if grad_norm is None else float(grad_norm)
+        with session.waiting():
+            rows = exchange(
+                Row(digest, first, float(loss), norm), session.world_size, session.device
+            )
+        groups = replica_groups(session.shape)
+        verdict = judge(rows, groups, self.window.values(), self.policy, replaying=replaying)
+        if verdict.kind == OK:
+            self.window.add(step, verdict.loss)
+            self.verified = step
+            return True
+        self.verdicts.append((step, verdict))
+        log.warning("rank %d: step %d: %s: %s", session.rank, step, verdict.kind, verdict.detail)
+        self._replay = None
+        if verdict.kind == SDC:
+            if session.rank in verdict.ranks:
+                self._report(
+                    verdict,
+                    step,
+                    digest=f"{first or digest:016x}",
+                    expected=f"{verdict.expected.get(session.rank, 0):016x}",
+                    ranks=next((g for g in groups if session.rank in g), []),
+                )
+            raise SilentCorruption(f"step {step}: {verdict.detail}")
+        if verdict.kind == REPLAY:
+            self._roll_back(state)  # which forgets any replay: this one starts after it
+            self._replay = (step, digest)
+            return False
+        skipped = 0
+        pause = False
+        if verdict.kind in (NONFINITE, SPIKE):
+            if self.skip_batch is not None:
+                self.skipped.add(step)
+                skipped = step
+            recent = step - self.policy.loss_window
+            self._rollbacks = [s for s in self._rollbacks if s > recent] + [step]
+            pause = len(self._rollbacks) >= self.policy.max_rollbacks
+        else:  # UNLOCATED: nobody to move out; a person decides
+            pause = True
+        self._roll_back(state)
+        if session.is_chief:
+            self._report(verdict, step, skipped=skipped, pause=pause, ranks=verdict.ranks)
+        return False
+
+    def _compares(self, metadata: Mapping[str, str]) -> bool:
+        session = self._session
+        why = ""
+        if not self.policy.sdc_check:
+            return False
+        if session.shape.dp < 2:
+            why = "one data-parallel replica: nothing to compare"
+        elif DTENSOR_KEY in metadata:
+            why = "the state is sharded (DTensor): replicas do not hold the same bytes"
+        if why and not self._said_why_not:
+            log.warning("rank %d: no SDC check by replica agreement: %s", session.rank, why)
+            self._said_why_not = True
+        return not why
+
+    def _roll_back(self, state: TrainState) -> None:
+        step = self.verified
+        self._session.load(state, step)  # which calls `restored`
+        log.warning("rank %d: rolled back to step %d", self._session.rank, step)
+
+    def _report(
+        self,
+        verdict: Verdict,
+        step: int,
+        *,
+        skipped: int = 0,
+        pause: bool = False,
+        digest: str = "",
+        expected: str = "",
+        ranks: Iterable[int] = (),
+    ) -> None:
+        control = self._session.control
+        if control is None:
+            return
+        finding = agent_pb2.IntegrityFinding(
+            kind=_FINDING_KINDS[verdict.kind],
+            step=step,
+            rolled_back_to=self.verified,
+            skipped_step=skipped,
+            digest=digest,
+            expected_digest=expected,
+            ranks=list(ranks),
+            detail=verdict.detail,
+            pause=pause,
+        )
+        try:
+            control.report_finding(finding)
+        except Exception as exc:  # grpc.RpcError: the finding is logged; training goes on
+            log.warning(
+                "rank %d: the finding was not reported to the agent: %s", self._session.rank, exc
+            )
+
+
+def _signed(value: int) -> int:
+    value &= 2**64 - 1
+    return value - 2**64 if value >= 2**63 else value
