@@ -8,6 +8,8 @@ import pytest
 
 from pitstop.scheduler.errors import InvalidArgument
 from pitstop.scheduler.jobspec import validate_job_spec
+from pitstop.scheduler.reconcile.commands import rank_policy_env
+from pitstop.trainer.config import RankConfig
 from pitstop.v1 import jobs_pb2
 
 
@@ -27,6 +29,10 @@ def test_defaults_fill_unset_fields() -> None:
     assert spec.checkpoint.keep_durable == 3
     assert spec.straggler.action == jobs_pb2.STRAGGLER_ACTION_REPORT
     assert spec.straggler.warmup_steps == 10
+    integrity = spec.integrity
+    assert not integrity.sdc_check_disabled
+    assert not integrity.spike_watch_disabled
+    assert (integrity.loss_window, integrity.spike_sigma, integrity.max_rollbacks) == (100, 5, 3)
 
 
 def test_explicit_zero_restarts_and_warmup_are_kept() -> None:
@@ -92,6 +98,21 @@ def test_the_input_is_not_modified() -> None:
             "spec.straggler.action",
             "report or swap",
         ),
+        (
+            {"integrity": jobs_pb2.IntegrityPolicy(loss_window=1)},
+            "spec.integrity.loss_window",
+            "2 to 100000",
+        ),
+        (
+            {"integrity": jobs_pb2.IntegrityPolicy(spike_sigma=float("nan"))},
+            "spec.integrity.spike_sigma",
+            "positive",
+        ),
+        (
+            {"integrity": jobs_pb2.IntegrityPolicy(loss_window=10, max_rollbacks=11)},
+            "spec.integrity.max_rollbacks",
+            "at most loss_window (10)",
+        ),
     ],
 )
 def test_bad_fields_are_named(fields: dict[str, Any], field: str, fix_part: str) -> None:
@@ -107,3 +128,28 @@ def test_valid_durable_urls_are_accepted() -> None:
     for url in ("file:///var/lib/pitstop", "s3://bucket/prefix", "gs://b/p"):
         spec = validate_job_spec(make(checkpoint=jobs_pb2.CheckpointPolicy(durable_url=url)))
         assert spec.checkpoint.durable_url == url
+
+
+def test_the_ranks_are_told_the_snapshot_interval_the_integrity_policy_and_the_skips() -> None:
+    spec = validate_job_spec(
+        make(
+            dp=4,
+            checkpoint=jobs_pb2.CheckpointPolicy(snapshot_every_steps=5),
+            integrity=jobs_pb2.IntegrityPolicy(sdc_check_disabled=True, spike_sigma=4),
+        )
+    )
+    env = rank_policy_env(spec, [40, 17])
+    assert env == {
+        "PITSTOP_SNAPSHOT_EVERY": "5",
+        "PITSTOP_SDC_CHECK": "0",
+        "PITSTOP_SPIKE_WATCH": "1",
+        "PITSTOP_LOSS_WINDOW": "100",
+        "PITSTOP_SPIKE_SIGMA": "4.0",
+        "PITSTOP_MAX_ROLLBACKS": "3",
+        "PITSTOP_SKIP_STEPS": "17,40",
+    }
+    # What the rank makes of it is what the spec said.
+    config = RankConfig.from_env(env)
+    assert (config.snapshot_every, config.integrity.sdc_check) == (5, False)
+    assert config.integrity.spike_sigma == 4.0
+    assert config.skip_steps == {17, 40}

@@ -84,12 +84,18 @@ def job_to_pb(job: models.Job, ranks: Sequence[models.RankAssignment] = ()) -> j
         committed_step=job.committed_step,
         durable_step=job.durable_step,
         result={str(k): str(v) for k, v in job.result.items()},
+        skipped_steps=skipped_steps(job),
     )
     if job.goodput:
         json_format.ParseDict(job.goodput, msg.goodput, ignore_unknown_fields=True)
     if ranks:
         msg.rank_map.CopyFrom(rank_map_to_pb(job.generation, ranks))
     return msg
+
+
+def skipped_steps(job: models.Job) -> list[int]:
+    """The steps whose batch the job skips, ascending (its integrity record)."""
+    return sorted(int(step) for step in (job.integrity or {}).get("skipped_steps", []))
 
 
 def rank_map_to_pb(generation: int, ranks: Sequence[Any]) -> common_pb2.RankMap:

@@ -47,6 +47,9 @@ DEFAULT_STRAGGLER_THRESHOLD = 5.0
 DEFAULT_STRAGGLER_WINDOWS = 3
 DEFAULT_STRAGGLER_WINDOW_STEPS = 20
 DEFAULT_STRAGGLER_WARMUP = 10
+DEFAULT_LOSS_WINDOW = 100
+DEFAULT_SPIKE_SIGMA = 5.0
+DEFAULT_MAX_ROLLBACKS = 3
 
 
 def check_text(field: str, value: str, *, max_len: int = MAX_STRING) -> None:
@@ -128,6 +131,7 @@ def validate_job_spec(spec: jobs_pb2.JobSpec) -> jobs_pb2.JobSpec:
 
     _validate_checkpoint(out.checkpoint)
     _validate_straggler(out.straggler)
+    _validate_integrity(out.integrity)
 
     for key, value in out.env.items():
         field = f"spec.env.{key}" if len(key) <= 64 else "spec.env"
@@ -197,3 +201,30 @@ def _validate_straggler(sp: jobs_pb2.StragglerPolicy) -> None:
     if not sp.HasField("warmup_steps"):
         sp.warmup_steps = DEFAULT_STRAGGLER_WARMUP
     _at_most("spec.straggler.warmup_steps", sp.warmup_steps, 1_000_000, "use at most 1000000")
+
+
+def _validate_integrity(policy: jobs_pb2.IntegrityPolicy) -> None:
+    if policy.loss_window == 0:
+        policy.loss_window = DEFAULT_LOSS_WINDOW
+    if not 2 <= policy.loss_window <= 100_000:
+        raise InvalidArgument(
+            "spec.integrity.loss_window",
+            policy.loss_window,
+            "judge spikes against 2 to 100000 steps, e.g. 100",
+        )
+    if policy.spike_sigma == 0:
+        policy.spike_sigma = DEFAULT_SPIKE_SIGMA
+    if not 0 < policy.spike_sigma <= 1000:  # also rejects NaN
+        raise InvalidArgument(
+            "spec.integrity.spike_sigma",
+            policy.spike_sigma,
+            "use a positive number of standard deviations, e.g. 5",
+        )
+    if policy.max_rollbacks == 0:
+        policy.max_rollbacks = DEFAULT_MAX_ROLLBACKS
+    _at_most(
+        "spec.integrity.max_rollbacks",
+        policy.max_rollbacks,
+        policy.loss_window,
+        f"pause after at most loss_window ({policy.loss_window}) rollbacks in a window",
+    )

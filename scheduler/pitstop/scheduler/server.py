@@ -205,6 +205,7 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
             ),
             metrics,
             accept=settings.agent_streams,
+            send=router.send,
         )
         agent_pb2_grpc.add_AgentServiceServicer_to_server(agent_servicer, server)
         liveness = LivenessMonitor(

@@ -13,7 +13,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -31,6 +31,7 @@ from pitstop.scheduler.liveness import DEADLINE_REASON, STALL_SECONDS
 from pitstop.scheduler.metrics import SchedulerMetrics
 from pitstop.scheduler.services import enrollment
 from pitstop.scheduler.services import health as health_service
+from pitstop.scheduler.services import integrity as integrity_service
 from pitstop.scheduler.services import jobs as job_service
 from pitstop.scheduler.services import node_commands as node_command_service
 from pitstop.scheduler.services import nodes as node_service
@@ -118,8 +119,12 @@ class AgentServicer:
         metrics: SchedulerMetrics,
         *,
         accept: bool = True,
+        send: Callable[[str, agent_pb2.SchedulerMessage], Awaitable[object]] | None = None,
     ) -> None:
         self.accept = accept
+        self.send = send if send is not None else gateway.forward
+        """How a command reaches a node's agent (the command router, which finds the
+        process holding its stream)."""
         self.store = store
         self.hot = hot
         self.gateway = gateway
@@ -361,12 +366,26 @@ class AgentServicer:
                         **{f"result.{k}": v[:1000] for k, v in list(exited.result.items())[:32]},
                     },
                 )
+        elif kind == "finding":
+            await self._finding(node_id, message.finding)
         elif kind == "ack":
             await self._ack(state, message.ack)
         elif kind == "register":
             raise FailedPrecondition("Register is only valid as a stream's first message")
         else:
             raise InvalidArgument("body", kind or "empty", "send one of the AgentMessage kinds")
+
+    async def _finding(self, node_id: str, finding: agent_pb2.IntegrityFinding) -> None:
+        async with self.store.write() as session:
+            paused = await integrity_service.record_finding(session, node_id, finding)
+            nodes = await job_service.job_nodes(session, paused) if paused is not None else []
+        if paused is not None:
+            # After the commit, as a user's pause: the ranks stop at their next boundary.
+            pause = agent_pb2.SchedulerMessage(
+                pause=agent_pb2.PauseJob(job_id=paused.id, generation=paused.generation)
+            )
+            for node in nodes:
+                await self.send(node, pause)
 
     async def _heartbeat(self, state: StreamState, beat: agent_pb2.Heartbeat) -> None:
         if beat.HasField("time"):

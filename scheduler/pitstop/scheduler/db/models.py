@@ -151,6 +151,10 @@ class Job(Base):
     # Goodput account (seconds by category) and results the ranks reported.
     goodput: Mapped[dict[str, Any]] = mapped_column(default=dict)
     result: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # What its integrity checks did: {"skipped_steps": [...]} (migration 0009).
+    integrity: Mapped[dict[str, Any]] = mapped_column(
+        default=dict, server_default=text("'{}'::jsonb")
+    )
     # Idempotency key of the Submit that created the job.
     request_id: Mapped[str | None] = mapped_column(String(128), unique=True, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(server_default=func.now())

@@ -12,14 +12,19 @@ from collections.abc import Sequence
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pitstop.scheduler.convert import node_rank_map
+from pitstop.scheduler.convert import node_rank_map, skipped_steps
 from pitstop.scheduler.db import models
+from pitstop.scheduler.jobspec import (
+    DEFAULT_LOSS_WINDOW,
+    DEFAULT_MAX_ROLLBACKS,
+    DEFAULT_SPIKE_SIGMA,
+)
 from pitstop.scheduler.reconcile.context import Leader
 from pitstop.scheduler.services import node_commands as plan
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.scheduler.services.node_commands import DueCommand, NodeAction
 from pitstop.scheduler.topology import Placement
-from pitstop.v1 import agent_pb2
+from pitstop.v1 import agent_pb2, jobs_pb2
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +62,12 @@ class JobMessages:
     sizes and the whole map's digest (convert.node_rank_map), so a message's size and
     the time to build it do not grow with the job."""
 
-    def __init__(self, start: agent_pb2.StartRanks, placement: Placement) -> None:
+    def __init__(
+        self, start: agent_pb2.StartRanks, placement: Placement, skipped: Sequence[int] = ()
+    ) -> None:
         self.start = start  # everything but the rank map
         self.placement = placement
+        self.skipped_steps = list(skipped)
         self.generation = start.generation
 
     def message(self, command: DueCommand) -> agent_pb2.SchedulerMessage:
@@ -77,6 +85,7 @@ class JobMessages:
             rendezvous_address=start.rendezvous_address,
             restore_step=start.restore_step,
             step_windows=start.step_windows,
+            skipped_steps=self.skipped_steps,
         )
         if command.action is NodeAction.ADOPT:
             reconfigure.adopted_ranks.extend(a.rank for a in self.placement.ranks_on(node_id))
@@ -89,7 +98,8 @@ async def _job_messages(leader: Leader, session: AsyncSession, job_id: str) -> J
         return None
     placement = await leader.rank_maps.of(session, job)
     hosts = await node_hosts(session, placement.nodes()[:1])
-    return JobMessages(start_command(job, placement, hosts, job.restore_step), placement)
+    start = start_command(job, placement, hosts, job.restore_step)
+    return JobMessages(start, placement, skipped_steps(job))
 
 
 async def node_hosts(session: AsyncSession, node_ids: Sequence[str]) -> dict[str, str]:
@@ -128,12 +138,30 @@ def start_command(
         job_id=job.id,
         generation=job.generation,
         command=list(spec.command),
-        env=dict(spec.env),
+        env={**dict(spec.env), **rank_policy_env(spec, skipped_steps(job))},
         working_dir=spec.working_dir,
         rendezvous_address=f"{hosts.get(rank0) or rank0}:{port}",
         restore_step=restore_step,
         step_windows=windows,
     )
+
+
+def rank_policy_env(spec: jobs_pb2.JobSpec, skipped: Sequence[int]) -> dict[str, str]:
+    """What pitstop.trainer reads of the job's spec (its snapshot interval, its
+    integrity policy, defaults filled in by validation) and of its record (the steps
+    whose batch it skips)."""
+    policy = spec.integrity
+    env = {
+        "PITSTOP_SNAPSHOT_EVERY": str(spec.checkpoint.snapshot_every_steps or 1),
+        "PITSTOP_SDC_CHECK": "0" if policy.sdc_check_disabled else "1",
+        "PITSTOP_SPIKE_WATCH": "0" if policy.spike_watch_disabled else "1",
+        "PITSTOP_LOSS_WINDOW": str(policy.loss_window or DEFAULT_LOSS_WINDOW),
+        "PITSTOP_SPIKE_SIGMA": repr(policy.spike_sigma or DEFAULT_SPIKE_SIGMA),
+        "PITSTOP_MAX_ROLLBACKS": str(policy.max_rollbacks or DEFAULT_MAX_ROLLBACKS),
+    }
+    if skipped:
+        env["PITSTOP_SKIP_STEPS"] = ",".join(str(step) for step in sorted(skipped))
+    return env
 
 
 async def stop_everywhere(leader: Leader, job_id: str, nodes: list[str], reason: str) -> None:

@@ -36,7 +36,7 @@ _VERDICT_NAMES = {v: k for k, v in common_pb2.HealthVerdict.items()}
 _LIVE = (NodeState.READY, NodeState.CORDONED, NodeState.DRAINING)
 
 
-async def _locked_node(session: AsyncSession, node_id: str) -> models.Node | None:
+async def locked_node(session: AsyncSession, node_id: str) -> models.Node | None:
     return await session.scalar(
         select(models.Node).where(models.Node.id == node_id).with_for_update(key_share=True)
     )
@@ -69,7 +69,7 @@ async def record_xid(
     reason = f"Xid {xid.xid} on GPU {xid.gpu_index}: {info.name}"
     attributes = {"xid": str(xid.xid), "gpu": str(xid.gpu_index), "class": info.xid_class.value}
     actor = f"agent:{node_id}"
-    node = await _locked_node(session, node_id)
+    node = await locked_node(session, node_id)
     if node is None:
         return None
     if info.xid_class is XidClass.FATAL and node.state in _LIVE:
@@ -106,7 +106,7 @@ async def apply_health(
 ) -> NodeState | None:
     """Store the node's health (called only when the verdict or reasons changed) and act
     on a fatal or warning verdict. Returns the new state if the node changed state."""
-    node = await _locked_node(session, node_id)
+    node = await locked_node(session, node_id)
     if node is None:
         return None
     was_degraded = health_verdict(node.health) == common_pb2.HEALTH_VERDICT_DEGRADED
