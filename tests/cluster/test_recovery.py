@@ -503,15 +503,18 @@ class Cluster:
         straggler: jobs_pb2.StragglerPolicy | None = None,
         env: dict[str, str] | None = None,
         standby: bool = True,
+        integrity: jobs_pb2.IntegrityPolicy | None = None,
+        dp: int = 4,
     ) -> jobs_pb2.Job:
         """Submit the example job; returns once it runs. With `standby`, its spare holds a
         standby process (only tests that move a rank to a spare need one)."""
         spec = jobs_pb2.JobSpec(
             straggler=straggler,
+            integrity=integrity,
             name=unique("gpt"),
             command=[*EXAMPLE, "--log-every", "1", *extra],
-            dp=4,
-            min_dp=min_dp,
+            dp=dp,
+            min_dp=min(min_dp, dp),
             gpus_per_node=1,
             spares=1,
             max_restarts=3,
@@ -1365,6 +1368,109 @@ def test_a_slow_gpu_is_swapped_out_as_a_straggler(cluster: Cluster, standalone_h
     for each in range(4):
         assert steps_never_run(cluster, done, each) == set()
     assert f"{victim.node_id} swapped out" in done.goodput.incidents[0].cause, done.goodput
+
+
+def test_silent_corruption_and_nan_losses_are_caught_rolled_back_and_moved_off(
+    cluster: Cluster, rank_forks: ForkClient, tmp_path: Path
+) -> None:
+    """Failures that do not crash, drilled through the CLI on a dp=4 job (four replicas):
+    a NaN loss on one rank rolls every rank back and skips the batch (kept in the job's
+    record); a bit flipped in one replica's weights is caught at the next snapshot, that
+    rank named against the three that agree, its node quarantined and its rank moved to
+    the spare; a second NaN reaches the policy's maximum of two rollbacks and pauses the
+    job with the reason. Resumed, the job ends with the hash of a fault-free run told to
+    skip the same batches."""
+    steps = 70
+    policy = jobs_pb2.IntegrityPolicy(max_rollbacks=2)
+    job = cluster.submit("--steps", str(steps), "--step-seconds", "0.1", integrity=policy)
+    cli, server = CliRunner(), cluster.cli_options()
+
+    def inject(rank: int, flag: str) -> Node:
+        node = cluster.node_of(cluster.get(job.id), rank)
+        done = cli.invoke(
+            app,
+            [*server, "node", "inject-fault", node.node_id, "--gpu", "0", flag],
+            catch_exceptions=False,
+        )
+        assert done.exit_code == 0, done.output
+        return node
+
+    cluster.wait_for_step(job, 1, 5)
+    inject(1, "--nan")
+    rolled = cluster.job_event(job.id, "job.rolled_back")
+    assert rolled.attributes["kind"] == "nonfinite", rolled
+    assert rolled.attributes["ranks"] == "1", rolled
+    first = int(rolled.attributes["skipped_step"])
+    assert int(rolled.attributes["rolled_back_to"]) == first - 1, rolled
+    assert list(cluster.get(job.id).skipped_steps) == [first]
+
+    corrupt = inject(2, "--sdc")
+    found = cluster.job_event(job.id, "job.sdc_detected")
+    assert found.attributes["rank"] == "2", found
+    assert found.attributes["digest"] != found.attributes["expected_digest"], found
+    quarantined = cluster.wait(
+        lambda e: e.kind == "node.unhealthy" and e.node_id == corrupt.node_id,
+        f"{corrupt.node_id} quarantined",
+    )
+    assert quarantined.reason.startswith("sdc: "), quarantined
+    assert quarantined.attributes["step"] == found.attributes["step"], quarantined
+    cluster.job_event(job.id, "job.recovered")
+
+    inject(3, "--nan")
+    rolled = cluster.job_event(job.id, "job.rolled_back")
+    second = int(rolled.attributes["skipped_step"])
+    paused = cluster.job_event(job.id, "job.pause")
+    assert "max_rollbacks" in paused.reason, paused
+    assert cluster.get(job.id).state == common_pb2.JOB_STATE_PAUSED
+    resumed = cli.invoke(app, [*server, "job", "resume", job.id], catch_exceptions=False)
+    assert resumed.exit_code == 0, resumed.output
+    done = cluster.finish(job.id)
+
+    assert list(done.skipped_steps) == [first, second]
+    placed = {a.node_id for a in done.rank_map.ranks}
+    assert corrupt.node_id not in placed, placed
+    assert SPARE in placed, placed
+    expected = reference_hash(rank_forks, tmp_path, steps, skipped=[first, second])
+    assert done.result["final_weights_sha256"] == expected, cluster.logs(job.id)
+
+
+def reference_hash(
+    forks: ForkClient, folder: Path, steps: int, skipped: list[int] | None = None
+) -> str:
+    """The example's hash run alone for `steps` steps, told to skip the batches of
+    `skipped` (as a job whose checks rolled those steps back does)."""
+    log = folder / "reference.log"
+    env = clean_env() | {"PITSTOP_SKIP_STEPS": ",".join(map(str, skipped or []))}
+    command = [*EXAMPLE, "--steps", str(steps), "--log-every", "0"]
+    assert forks.launch(command, env, log).wait(TIMEOUT) == 0, log.read_text()[-3000:]
+    said = re.findall(r'"final_weights_sha256": "([0-9a-f]{64})"', log.read_text())
+    assert said, log.read_text()[-3000:]
+    return said[-1]
+
+
+def test_with_two_replicas_a_replay_names_the_corrupt_one(
+    cluster: Cluster, rank_forks: ForkClient, tmp_path: Path
+) -> None:
+    """dp=2: two replicas that disagree cannot outvote each other. Both roll back to the
+    last checked step and replay; the fault was transient, so the replay is clean and
+    the replica whose first result it does not reproduce is named, its node quarantined
+    and its rank moved to the spare. The job ends with the fault-free hash."""
+    steps = 60  # at 0.1 s a step, outlasting the fault's way to the rank
+    job = cluster.submit("--steps", str(steps), "--step-seconds", "0.1", dp=2)
+    victim = cluster.node_of(job, 1)
+    cluster.wait_for_step(job, 1, 5)
+    cluster.inject(victim.node_id, common_pb2.Fault(gpu_index=0, sdc=True))
+    found = cluster.job_event(job.id, "job.sdc_detected")
+    assert found.attributes["rank"] == "1", found
+    assert found.attributes["ranks"] == "0,1", found
+    assert "replay does not reproduce" in found.reason, found
+    done = cluster.finish(job.id)
+    assert done.result["final_weights_sha256"] == reference_hash(rank_forks, tmp_path, steps)
+    placed = {a.node_id for a in done.rank_map.ranks}
+    assert victim.node_id not in placed, placed
+    assert SPARE in placed, placed
+    replayed = cluster.node_of(done, 0).rank_log(job.id, 0).read_text()
+    assert "replaying to tell which is wrong" in replayed, replayed[-3000:]
 
 
 @pytest.mark.parametrize("netns_node", ["n3"])
