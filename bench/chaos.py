@@ -21,6 +21,11 @@ kinds drawn with a seeded RNG, every kind once per round in a random order:
   leader_failover   kill -9 of the leader; once the standby leads, the old one comes back
   postgres_restart  PostgreSQL stopped (fast shutdown) and started again
   redis_flush       FLUSHALL of the schedulers' Redis
+  sdc               one bit flipped in the weights of the rank on a node's GPU (inject-fault
+                    --sdc): the replicas' check names it, its node is quarantined and
+                    replaced; brought back afterwards as the others are
+  nan               a NaN loss and gradients on one rank (--nan): every rank rolls back one
+                    step and skips the batch, which the reference run then skips too
 
 The faults are spread over the job's steps (--steps-per-fault apart). Before the next one
 the job is running again, has made --gap-steps steps, every failed node is back (its
@@ -31,7 +36,8 @@ none for a fault the job rides through); when the job trained again (the job.rec
 after the last decision, else the first step beyond the newest step at the fault).
 Recovery = fault -> training again, target none over 10 s. The leading scheduler's
 event-loop lag is read from its /metrics every 3 s (target p99 < 50 ms). The fault-free
-reference hash is computed once the cluster is down.
+reference hash is computed once the cluster is down, told to skip the batches the job's
+checks rolled back and skipped (its record's skipped_steps).
 
     .venv/bin/python bench/chaos.py [--faults 50] [--seed 0] [--load 2]
     .venv/bin/python bench/chaos.py --faults 12 --steps 1800     # every kind once
@@ -76,9 +82,9 @@ from pitstop.v1 import common_pb2, jobs_pb2, nodes_pb2
 KINDS = (
     *("xid_fatal", "xid_app", "rank_kill", "node_kill", "agent_kill", "checkpointd_kill"),
     *("agent_stop", "drain", "scheduler_kill", "leader_failover", "postgres_restart"),
-    "redis_flush",
+    *("redis_flush", "sdc", "nan"),
 )
-DECIDED = {"xid_fatal", "xid_app", "rank_kill", "node_kill", "agent_kill", "drain"}
+DECIDED = {"xid_fatal", "xid_app", "rank_kill", "node_kill", "agent_kill", "drain", "sdc"}
 """Kinds the scheduler must decide a recovery for. A stopped agent's ranks step on, and a
 node back before the scheduler acted needs nothing; the other kinds the job rides out."""
 DECISIONS = {"job.recovering", "job.restarting", "job.reconfigured"}
@@ -419,6 +425,10 @@ class Chaos:
         if kind in ("xid_fatal", "xid_app"):
             xid = 79 if kind == "xid_fatal" else 13
             self.client.inject_fault(target, common_pb2.Fault(gpu_index=0, xid=xid))
+        elif kind in ("sdc", "nan"):
+            fault_pb = common_pb2.Fault(gpu_index=0)
+            setattr(fault_pb, kind, True)
+            self.client.inject_fault(target, fault_pb)
         elif kind == "rank_kill":
             pids = self.cluster.rank_pids(target)
             if pids:
@@ -671,6 +681,7 @@ def chaos_run(args: argparse.Namespace, root: Path, result: dict[str, Any], part
             "generation": job.generation,
             "restarts": job.restarts,
             "final_weights_sha256": job.result.get("final_weights_sha256", ""),
+            "skipped_steps": list(job.skipped_steps),
         }
 
 
@@ -697,7 +708,8 @@ def measure(args: argparse.Namespace) -> int:
         result["wall_seconds"] = round(time.monotonic() - began, 1)
         if "stuck" not in result:
             say("the fault-free reference run, alone")
-            with ReferenceRun(args.steps) as reference:
+            skipped = result["job"]["skipped_steps"]
+            with ReferenceRun(args.steps, skipped=skipped) as reference:
                 expected = reference.final_hash()
             got = result["job"]["final_weights_sha256"]
             result["hash"] = {"equal": got == expected, "job": got, "reference": expected}

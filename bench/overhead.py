@@ -150,10 +150,11 @@ def session_block(
 def _exchange_rank(rank: int, store_path: str, rounds: int, out: str) -> None:
     """One of two gloo ranks: `rounds` exchanges of an integrity row, timed."""
     import torch.distributed as dist
+    from torch.distributed import FileStore  # type: ignore[attr-defined]
 
     from pitstop.trainer.integrity import Row, exchange
 
-    store = dist.FileStore(store_path, 2)
+    store = FileStore(store_path, 2)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     row, times = Row(digest=12345, loss=2.5, grad_norm=0.7), []
     try:
@@ -170,12 +171,13 @@ def _exchange_rank(rank: int, store_path: str, rounds: int, out: str) -> None:
 
 def exchange_ms(rounds: int = 300) -> float:
     """Median seconds of the checks' all_gather between two gloo processes, in ms."""
-    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import spawn
 
     folder = tempfile.mkdtemp(prefix="pitstop-bench-")
     try:
         out = os.path.join(folder, "times.json")
-        mp.spawn(_exchange_rank, args=(os.path.join(folder, "store"), rounds, out), nprocs=2)
+        store = os.path.join(folder, "store")
+        spawn(_exchange_rank, args=(store, rounds, out), nprocs=2)  # type: ignore[no-untyped-call]
         with open(out) as file:
             times = json.load(file)
     finally:

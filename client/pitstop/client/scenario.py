@@ -179,13 +179,16 @@ def run_deadline(steps: int, step_seconds: float, faults: int) -> float:
 
 class ReferenceRun:
     """The example run alone, started now, beside the cluster: the fault-free
-    final-weights hash a run must end with. `three_d`: the 3D example's 8 ranks
+    final-weights hash a run must end with (told to skip the batches of `skipped`, as a
+    job that rolled them back did). `three_d`: the 3D example's 8 ranks
     (`MESH_3D`, `MODEL_3D`) as one gloo world on loopback, as torchrun would start them.
     A context manager that kills it on exit; it also dies with this process, whatever
     kills that."""
 
-    def __init__(self, steps: int, *, three_d: bool = False) -> None:
+    def __init__(self, steps: int, *, three_d: bool = False, skipped: Sequence[int] = ()) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+        if skipped:  # the batches a job's checks rolled back and skipped: skipped here too
+            env["PITSTOP_SKIP_STEPS"] = ",".join(str(step) for step in sorted(skipped))
         if not three_d:
             self._procs = [self._start(example_command(steps, 0.0), env)]
             return
