@@ -1473,6 +1473,42 @@ def test_with_two_replicas_a_replay_names_the_corrupt_one(
     assert "replaying to tell which is wrong" in replayed, replayed[-3000:]
 
 
+def test_a_hung_rank_is_named_by_its_stacks_and_replaced(
+    cluster: Cluster, rank_forks: ForkClient, tmp_path: Path
+) -> None:
+    """A rank blocks outside any collective (inject-fault --hang); the others wait for it
+    in the gradient exchange, every process alive. After the hang threshold (3 s here)
+    the scheduler takes every rank's stacks (py-spy), names the one that is not in the
+    all_gather, and replaces it; the job recovers within twice the threshold of its last
+    step and ends with the fault-free hash. `pitstop job stacks` shows what was seen."""
+    steps, floor = 60, 3.0
+    policy = jobs_pb2.IntegrityPolicy(hang_floor_seconds=floor)
+    job = cluster.submit("--steps", str(steps), "--step-seconds", "0.1", integrity=policy)
+    victim = cluster.node_of(job, 2)
+    cluster.wait_for_step(job, 2, 5)
+    cluster.inject(victim.node_id, common_pb2.Fault(gpu_index=0, hang=True))
+    hang = cluster.job_event(job.id, "job.hang")
+    assert float(hang.attributes["threshold_seconds"]) == floor, hang
+    located = cluster.job_event(job.id, "job.hang_located", "job.hang_unlocated")
+    assert located.kind == "job.hang_located", (located, cluster.logs(job.id))
+    assert located.attributes["ranks"] == "2", located
+    assert located.attributes["incident"] == str(hang.id), located
+    recovered = cluster.job_event(job.id, "job.recovered")
+    silent = float(hang.attributes["silent_seconds"])
+    since_last_step = silent + (recovered.time.ToNanoseconds() - hang.time.ToNanoseconds()) / 1e9
+    assert since_last_step <= 2 * floor, (since_last_step, cluster.logs(job.id))
+    done = cluster.finish(job.id)
+    assert done.result["final_weights_sha256"] == reference_hash(rank_forks, tmp_path, steps)
+    shown = CliRunner().invoke(
+        app, [*cluster.cli_options(), "job", "stacks", job.id], catch_exceptions=False
+    )
+    assert shown.exit_code == 0, shown.output
+    assert f"hang incident {hang.id} of job {job.id}" in shown.output, shown.output
+    assert "hung ranks: 2 (" in shown.output, shown.output
+    assert "hang_here" in shown.output, shown.output  # the hung rank's own frame
+    assert "all_gather" in shown.output, shown.output  # where the others waited
+
+
 @pytest.mark.parametrize("netns_node", ["n3"])
 def test_a_node_cut_off_by_its_network_namespace_is_replaced(
     cluster: Cluster, standalone_hash: str

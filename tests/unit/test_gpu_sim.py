@@ -276,8 +276,9 @@ def test_error_types_are_distinct() -> None:
     [
         (common_pb2.Fault(sdc=True), rank_pb2.RANK_FAULT_SDC),
         (common_pb2.Fault(nan=True), rank_pb2.RANK_FAULT_NAN),
+        (common_pb2.Fault(hang=True), rank_pb2.RANK_FAULT_HANG),
     ],
-    ids=["sdc", "nan"],
+    ids=["sdc", "nan", "hang"],
 )
 def test_a_rank_fault_is_handed_to_its_gpus_rank_once_and_leaves_the_readings(
     fault: common_pb2.Fault, expected: int

@@ -33,6 +33,7 @@ def test_defaults_fill_unset_fields() -> None:
     assert not integrity.sdc_check_disabled
     assert not integrity.spike_watch_disabled
     assert (integrity.loss_window, integrity.spike_sigma, integrity.max_rollbacks) == (100, 5, 3)
+    assert (integrity.hang_floor_seconds, integrity.hang_step_multiple) == (10, 10)
 
 
 def test_explicit_zero_restarts_and_warmup_are_kept() -> None:
@@ -107,6 +108,16 @@ def test_the_input_is_not_modified() -> None:
             {"integrity": jobs_pb2.IntegrityPolicy(spike_sigma=float("nan"))},
             "spec.integrity.spike_sigma",
             "positive",
+        ),
+        (
+            {"integrity": jobs_pb2.IntegrityPolicy(hang_floor_seconds=0.5)},
+            "spec.integrity.hang_floor_seconds",
+            "1 to 86400 seconds",
+        ),
+        (
+            {"integrity": jobs_pb2.IntegrityPolicy(hang_step_multiple=1)},
+            "spec.integrity.hang_step_multiple",
+            "2 to 10000",
         ),
         (
             {"integrity": jobs_pb2.IntegrityPolicy(loss_window=10, max_rollbacks=11)},

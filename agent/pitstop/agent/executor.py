@@ -25,8 +25,10 @@ import itertools
 import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Collection
+from pathlib import Path
 from typing import Protocol
 
+from pitstop.agent import stacks
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.gpu import GpuBackend
 from pitstop.agent.metrics import AgentMetrics
@@ -53,6 +55,7 @@ class RankSupervision(Protocol):
     def running(self) -> list[agent_pb2.RunningRank]: ...
     def renumber(self, job_id: str, rank_map: common_pb2.RankMap) -> dict[int, int]: ...
     def kill_gpu(self, gpu_index: int, reason: str) -> list[tuple[str, int]]: ...
+    def log_path(self, job_id: str, rank: int) -> Path | None: ...
     async def start_standbys(self, command: agent_pb2.StartRanks) -> list[int]: ...
     def standby_pid(self, job_id: str, gpu_index: int) -> int | None: ...
     def standby_gpu_for(self, job_id: str, gpu_index: int) -> int | None: ...
@@ -123,6 +126,7 @@ class CommandExecutor:
             "resume": self._resume,
             "drain": self._drain,
             "inject_fault": self._inject_fault,
+            "dump_stacks": self._dump_stacks,
         }
         self._tasks: set[asyncio.Task[None]] = set()
         self._job_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -268,6 +272,41 @@ class CommandExecutor:
         await asyncio.to_thread(self._backend.inject_fault, message.inject_fault)
         log.warning("injected fault: %s", message.inject_fault)
         self._beat_soon()  # an extra heartbeat now, so the fault is seen at once
+        return ""
+
+    async def _dump_stacks(self, message: agent_pb2.SchedulerMessage) -> str:
+        """Take every stack of the job's ranks here, all at once, and send each."""
+        asked = message.dump_stacks
+        ranks = [
+            r
+            for r in self._supervisor.running()
+            if r.job_id == asked.job_id and not r.standby and r.generation == asked.generation
+        ]
+
+        async def one(rank: agent_pb2.RunningRank) -> None:
+            path = self._supervisor.log_path(rank.job_id, rank.rank)
+            taken = await asyncio.to_thread(stacks.take, rank.pid, path)
+            if taken.error:
+                log.warning("stacks of rank %d of job %s: %s", rank.rank, rank.job_id, taken.error)
+            self._send(
+                stacks=agent_pb2.RankStacks(
+                    job_id=asked.job_id,
+                    generation=asked.generation,
+                    rank=rank.rank,
+                    incident=asked.incident,
+                    method=taken.method,
+                    text=taken.text,
+                    error=taken.error,
+                )
+            )
+
+        await asyncio.gather(*(one(rank) for rank in ranks))
+        log.warning(
+            "job %s hangs (incident %d): sent the stacks of ranks %s",
+            asked.job_id,
+            asked.incident,
+            [r.rank for r in ranks],
+        )
         return ""
 
     # What the handlers share

@@ -302,7 +302,7 @@ class RankSupervisor:
                     command.job_id,
                     command.reason or "no reason given",
                 )
-            await self._stop(targets, grace)
+            await self._stop(targets, grace, signal.SIGKILL if command.kill else signal.SIGTERM)
         return [entry.rank for entry in targets if not entry.standby]
 
     def running(self) -> list[agent_pb2.RunningRank]:
@@ -332,6 +332,11 @@ class RankSupervisor:
         """The process id of a running rank; None when the rank does not run here."""
         entry = self._ranks.get((job_id, rank))
         return None if entry is None else entry.process.pid
+
+    def log_path(self, job_id: str, rank: int) -> Path | None:
+        """Where a running rank's output goes; None when the rank does not run here."""
+        entry = self._ranks.get((job_id, rank))
+        return None if entry is None else entry.log_path
 
     def record_step(self, job_id: str, rank: int, step: int) -> None:
         """Remember the last step a rank reported; ignored for a rank not running here."""
@@ -573,12 +578,14 @@ class RankSupervisor:
         except Exception:
             logger.exception("reporting the exit of rank %d of job %s", entry.rank, entry.job_id)
 
-    async def _stop(self, entries: list[_Rank], grace: float) -> None:
+    async def _stop(
+        self, entries: list[_Rank], grace: float, first: signal.Signals = signal.SIGTERM
+    ) -> None:
         watchers = {entry.watcher: entry for entry in entries if entry.watcher is not None}
         if not watchers:
             return
         for entry in entries:
-            _signal_group(entry.process.pid, signal.SIGTERM)
+            _signal_group(entry.process.pid, first)
         _, lingering = await asyncio.wait(watchers, timeout=max(grace, 0.0))
         for watcher in lingering:
             entry = watchers[watcher]

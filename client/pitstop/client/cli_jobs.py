@@ -87,6 +87,37 @@ def show(ctx: typer.Context, job_id: JobArgument, json_out: JsonFlag = False) ->
         console().print(job_view(job, datetime.now(UTC)))
 
 
+@jobs_app.command("stacks")
+def stacks(
+    ctx: typer.Context,
+    job_id: JobArgument,
+    incident: Annotated[
+        int, typer.Option("--incident", min=0, help="The hang incident (default: the newest).")
+    ] = 0,
+    json_out: JsonFlag = False,
+) -> None:
+    """The Python stacks of a job's ranks, taken when it hung, and the ranks they name."""
+    with open_client(ctx) as client:
+        found = client.job_stacks(job_id, incident)
+    if json_out:
+        print_json(to_json(found))
+        return
+    if not found.incident:
+        typer.echo(f"job {job_id} never hung: no stacks were taken")
+        return
+    others = [str(i) for i in found.incidents if i != found.incident]
+    typer.echo(
+        f"hang incident {found.incident} of job {job_id}"
+        + (f" (others: {', '.join(others)})" if others else "")
+    )
+    named = ", ".join(str(r) for r in found.hung_ranks) or "none"
+    typer.echo(f"hung ranks: {named} ({found.verdict})")
+    for each in found.stacks:
+        how = each.method or f"not taken: {each.error}"
+        typer.echo(f"\n--- rank {each.rank} ({how})")
+        typer.echo(each.text.rstrip() or each.error)
+
+
 @jobs_app.command("cancel")
 def cancel(ctx: typer.Context, job_id: JobArgument, reason: ReasonOption = "") -> None:
     """Stop a job for good."""

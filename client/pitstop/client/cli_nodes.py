@@ -161,6 +161,12 @@ def inject_fault(
             "--nan", help="The rank on the GPU gets a NaN loss and gradients at its next step."
         ),
     ] = False,
+    hang: Annotated[
+        bool,
+        typer.Option(
+            "--hang", help="The rank on the GPU blocks at its next step, outside any collective."
+        ),
+    ] = False,
     clear: Annotated[bool, typer.Option("--clear", help="Clear injected faults.")] = False,
     json_out: JsonFlag = False,
 ) -> None:
@@ -176,6 +182,7 @@ def inject_fault(
         "--slow": ("slow_multiplier", slow),
         "--sdc": ("sdc", sdc or None),
         "--nan": ("nan", nan or None),
+        "--hang": ("hang", hang or None),
         "--clear": ("clear", clear or None),
     }
     given = [option for option, (_, value) in options.items() if value is not None]

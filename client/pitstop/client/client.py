@@ -127,6 +127,11 @@ class PitstopClient:
         """One job; NOT_FOUND when the id is unknown."""
         return self._unary(self._jobs.Get, jobs_pb2.GetJobRequest(job_id=job_id), jobs_pb2.Job)
 
+    def job_stacks(self, job_id: str, incident: int = 0) -> jobs_pb2.JobStacksResponse:
+        """The stacks taken of the job's ranks when it hung (`incident` 0: the newest)."""
+        request = jobs_pb2.JobStacksRequest(job_id=job_id, incident=incident)
+        return self._unary(self._jobs.Stacks, request, jobs_pb2.JobStacksResponse)
+
     def list_jobs(self, states: Sequence[int] = (), page_size: int = 100) -> list[jobs_pb2.Job]:
         """Every job (newest first), optionally only those in ``states``; follows pages."""
         jobs: list[jobs_pb2.Job] = []

@@ -221,6 +221,24 @@ class IntegrityFinding(_message.Message):
     gpu_index: int
     def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., kind: _Optional[_Union[FindingKind, str]] = ..., step: _Optional[int] = ..., rolled_back_to: _Optional[int] = ..., skipped_step: _Optional[int] = ..., digest: _Optional[str] = ..., expected_digest: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., detail: _Optional[str] = ..., pause: _Optional[bool] = ..., gpu_index: _Optional[int] = ...) -> None: ...
 
+class RankStacks(_message.Message):
+    __slots__ = ("job_id", "generation", "rank", "incident", "method", "text", "error")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    rank: int
+    incident: int
+    method: str
+    text: str
+    error: str
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., incident: _Optional[int] = ..., method: _Optional[str] = ..., text: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
 class CommandAck(_message.Message):
     __slots__ = ("command_id", "ok", "error")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
@@ -232,7 +250,7 @@ class CommandAck(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("seq", "register", "heartbeat", "xid", "step_summary", "rank_exited", "ack", "finding")
+    __slots__ = ("seq", "register", "heartbeat", "xid", "step_summary", "rank_exited", "ack", "finding", "stacks")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
@@ -241,6 +259,7 @@ class AgentMessage(_message.Message):
     RANK_EXITED_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     FINDING_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
     seq: int
     register: Register
     heartbeat: Heartbeat
@@ -249,7 +268,8 @@ class AgentMessage(_message.Message):
     rank_exited: RankExited
     ack: CommandAck
     finding: IntegrityFinding
-    def __init__(self, seq: _Optional[int] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., xid: _Optional[_Union[_common_pb2.XidEvent, _Mapping]] = ..., step_summary: _Optional[_Union[StepSummary, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., finding: _Optional[_Union[IntegrityFinding, _Mapping]] = ...) -> None: ...
+    stacks: RankStacks
+    def __init__(self, seq: _Optional[int] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., xid: _Optional[_Union[_common_pb2.XidEvent, _Mapping]] = ..., step_summary: _Optional[_Union[StepSummary, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., finding: _Optional[_Union[IntegrityFinding, _Mapping]] = ..., stacks: _Optional[_Union[RankStacks, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node_id", "heartbeat_interval_seconds", "role", "state", "refresh_interval_seconds")
@@ -299,16 +319,18 @@ class StartRanks(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., standby_gpus: _Optional[_Iterable[int]] = ..., beside_ranks: _Optional[bool] = ..., step_windows: _Optional[_Union[StepWindows, _Mapping]] = ...) -> None: ...
 
 class StopRanks(_message.Message):
-    __slots__ = ("job_id", "ranks", "grace_seconds", "reason")
+    __slots__ = ("job_id", "ranks", "grace_seconds", "reason", "kill")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    KILL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
     grace_seconds: float
     reason: str
-    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., grace_seconds: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+    kill: bool
+    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., grace_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., kill: _Optional[bool] = ...) -> None: ...
 
 class Reconfigure(_message.Message):
     __slots__ = ("job_id", "generation", "rank_map", "rendezvous_address", "restore_step", "adopted_ranks", "step_windows", "skipped_steps")
@@ -352,8 +374,18 @@ class DrainNode(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class DumpStacks(_message.Message):
+    __slots__ = ("job_id", "generation", "incident")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    incident: int
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., incident: _Optional[int] = ...) -> None: ...
+
 class SchedulerMessage(_message.Message):
-    __slots__ = ("command_id", "registered", "start_ranks", "stop_ranks", "reconfigure", "pause", "resume", "drain", "inject_fault")
+    __slots__ = ("command_id", "registered", "start_ranks", "stop_ranks", "reconfigure", "pause", "resume", "drain", "inject_fault", "dump_stacks")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     START_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +395,7 @@ class SchedulerMessage(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     INJECT_FAULT_FIELD_NUMBER: _ClassVar[int]
+    DUMP_STACKS_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     registered: Registered
     start_ranks: StartRanks
@@ -372,7 +405,8 @@ class SchedulerMessage(_message.Message):
     resume: ResumeJob
     drain: DrainNode
     inject_fault: _common_pb2.Fault
-    def __init__(self, command_id: _Optional[int] = ..., registered: _Optional[_Union[Registered, _Mapping]] = ..., start_ranks: _Optional[_Union[StartRanks, _Mapping]] = ..., stop_ranks: _Optional[_Union[StopRanks, _Mapping]] = ..., reconfigure: _Optional[_Union[Reconfigure, _Mapping]] = ..., pause: _Optional[_Union[PauseJob, _Mapping]] = ..., resume: _Optional[_Union[ResumeJob, _Mapping]] = ..., drain: _Optional[_Union[DrainNode, _Mapping]] = ..., inject_fault: _Optional[_Union[_common_pb2.Fault, _Mapping]] = ...) -> None: ...
+    dump_stacks: DumpStacks
+    def __init__(self, command_id: _Optional[int] = ..., registered: _Optional[_Union[Registered, _Mapping]] = ..., start_ranks: _Optional[_Union[StartRanks, _Mapping]] = ..., stop_ranks: _Optional[_Union[StopRanks, _Mapping]] = ..., reconfigure: _Optional[_Union[Reconfigure, _Mapping]] = ..., pause: _Optional[_Union[PauseJob, _Mapping]] = ..., resume: _Optional[_Union[ResumeJob, _Mapping]] = ..., drain: _Optional[_Union[DrainNode, _Mapping]] = ..., inject_fault: _Optional[_Union[_common_pb2.Fault, _Mapping]] = ..., dump_stacks: _Optional[_Union[DumpStacks, _Mapping]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("join_token", "node_id", "csr_pem")

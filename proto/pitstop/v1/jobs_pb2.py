@@ -23,10 +23,11 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
+from pitstop.v1 import agent_pb2 as pitstop_dot_v1_dot_agent__pb2
 from pitstop.v1 import common_pb2 as pitstop_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pitstop/v1/jobs.proto\x12\npitstop.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x17pitstop/v1/common.proto\"\xa7\x01\n\x10\x43heckpointPolicy\x12\x1c\n\x14snapshot_every_steps\x18\x01 \x01(\r\x12\x1b\n\x13\x64urable_every_steps\x18\x02 \x01(\r\x12\x13\n\x0b\x64urable_url\x18\x03 \x01(\t\x12\x16\n\x0ekeep_in_memory\x18\x04 \x01(\r\x12\x14\n\x0ckeep_durable\x18\x05 \x01(\r\x12\x15\n\rauto_interval\x18\x06 \x01(\x08\"\xa4\x01\n\x0fStragglerPolicy\x12+\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1b.pitstop.v1.StragglerAction\x12\x11\n\tthreshold\x18\x02 \x01(\x01\x12\x0f\n\x07windows\x18\x03 \x01(\r\x12\x14\n\x0cwindow_steps\x18\x04 \x01(\r\x12\x19\n\x0cwarmup_steps\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_warmup_steps\"\x8c\x01\n\x0fIntegrityPolicy\x12\x1a\n\x12sdc_check_disabled\x18\x01 \x01(\x08\x12\x1c\n\x14spike_watch_disabled\x18\x02 \x01(\x08\x12\x13\n\x0bloss_window\x18\x03 \x01(\r\x12\x13\n\x0bspike_sigma\x18\x04 \x01(\x01\x12\x15\n\rmax_rollbacks\x18\x05 \x01(\r\"\xda\x03\n\x07JobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x02 \x03(\t\x12\n\n\x02tp\x18\x03 \x01(\r\x12\n\n\x02pp\x18\x04 \x01(\r\x12\n\n\x02\x64p\x18\x05 \x01(\r\x12\x15\n\rgpus_per_node\x18\x06 \x01(\r\x12\x0e\n\x06min_dp\x18\x07 \x01(\r\x12\x0e\n\x06spares\x18\x08 \x01(\r\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x19\n\x0cmax_restarts\x18\n \x01(\rH\x00\x88\x01\x01\x12\x30\n\ncheckpoint\x18\x0b \x01(\x0b\x32\x1c.pitstop.v1.CheckpointPolicy\x12)\n\x03\x65nv\x18\x0c \x03(\x0b\x32\x1c.pitstop.v1.JobSpec.EnvEntry\x12.\n\tstraggler\x18\r \x01(\x0b\x32\x1b.pitstop.v1.StragglerPolicy\x12\x13\n\x0bworking_dir\x18\x0e \x01(\t\x12\x19\n\x11standby_processes\x18\x0f \x01(\x08\x12.\n\tintegrity\x18\x10 \x01(\x0b\x32\x1b.pitstop.v1.IntegrityPolicy\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0f\n\r_max_restarts\"\xdd\x01\n\x07Goodput\x12\x1a\n\x12productive_seconds\x18\x01 \x01(\x01\x12\x16\n\x0e\x64\x65tect_seconds\x18\x02 \x01(\x01\x12\x18\n\x10recovery_seconds\x18\x03 \x01(\x01\x12\x19\n\x11recompute_seconds\x18\x04 \x01(\x01\x12\r\n\x05ratio\x18\x05 \x01(\x01\x12\x12\n\nrecoveries\x18\x06 \x01(\r\x12.\n\tincidents\x18\x07 \x03(\x0b\x32\x1b.pitstop.v1.GoodputIncident\x12\x16\n\x0eincident_count\x18\x08 \x01(\r\"\x8b\x03\n\x0fGoodputIncident\x12\r\n\x05\x63\x61use\x18\x01 \x01(\t\x12\x11\n\tfailed_at\x18\x02 \x01(\x01\x12\x16\n\x0e\x64\x65tect_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ide_seconds\x18\x04 \x01(\x01\x12\x16\n\x0eresume_seconds\x18\x05 \x01(\x01\x12\x12\n\nlost_steps\x18\x06 \x01(\x04\x12\x0f\n\x07resumed\x18\x07 \x01(\x08\x12&\n\x04kind\x18\x08 \x01(\x0e\x32\x18.pitstop.v1.IncidentKind\x12,\n\x07outcome\x18\t \x01(\x0e\x32\x1b.pitstop.v1.IncidentOutcome\x12\x13\n\x0b\x64\x65tected_at\x18\n \x01(\x01\x12\x12\n\ndecided_at\x18\x0b \x01(\x01\x12\x12\n\nresumed_at\x18\x0c \x01(\x01\x12\x10\n\x08\x65nded_at\x18\r \x01(\x01\x12\x13\n\x0brestored_at\x18\x0e \x01(\x01\x12\x17\n\x0frestore_seconds\x18\x0f \x01(\x01\x12\x16\n\x0ereform_seconds\x18\x10 \x01(\x01\"k\n\rRankStepStats\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x13\n\x0bp50_seconds\x18\x03 \x01(\x01\x12\x13\n\x0bp99_seconds\x18\x04 \x01(\x01\x12\x11\n\tstraggler\x18\x05 \x01(\x08\"\xa2\x04\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.pitstop.v1.JobSpec\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.pitstop.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12%\n\x08rank_map\x18\x06 \x01(\x0b\x32\x13.pitstop.v1.RankMap\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08restarts\x18\t \x01(\r\x12\x14\n\x0c\x63urrent_step\x18\n \x01(\x04\x12\x16\n\x0e\x63ommitted_step\x18\x0b \x01(\x04\x12\x14\n\x0c\x64urable_step\x18\x0c \x01(\x04\x12$\n\x07goodput\x18\r \x01(\x0b\x32\x13.pitstop.v1.Goodput\x12-\n\nrank_stats\x18\x0e \x03(\x0b\x32\x19.pitstop.v1.RankStepStats\x12+\n\x06result\x18\x0f \x03(\x0b\x32\x1b.pitstop.v1.Job.ResultEntry\x12\x15\n\rskipped_steps\x18\x10 \x03(\x04\x1a-\n\x0bResultEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"I\n\x10SubmitJobRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.pitstop.v1.JobSpec\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"1\n\x11SubmitJobResponse\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.pitstop.v1.Job\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"^\n\x0fListJobsRequest\x12$\n\x06states\x18\x01 \x03(\x0e\x32\x14.pitstop.v1.JobState\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"J\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.pitstop.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"3\n\x11JobControlRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"9\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_event_id\x18\x02 \x01(\x03*k\n\x0fStragglerAction\x12 \n\x1cSTRAGGLER_ACTION_UNSPECIFIED\x10\x00\x12\x1b\n\x17STRAGGLER_ACTION_REPORT\x10\x01\x12\x19\n\x15STRAGGLER_ACTION_SWAP\x10\x02*~\n\x0cIncidentKind\x12\x1d\n\x19INCIDENT_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12INCIDENT_KIND_NODE\x10\x01\x12\x1b\n\x17INCIDENT_KIND_RANK_EXIT\x10\x02\x12\x1a\n\x16INCIDENT_KIND_FALLBACK\x10\x03*\xfd\x01\n\x0fIncidentOutcome\x12 \n\x1cINCIDENT_OUTCOME_UNSPECIFIED\x10\x00\x12 \n\x1cINCIDENT_OUTCOME_IN_PROGRESS\x10\x01\x12\x1c\n\x18INCIDENT_OUTCOME_RESUMED\x10\x02\x12\x1f\n\x1bINCIDENT_OUTCOME_SUPERSEDED\x10\x03\x12\x1f\n\x1bINCIDENT_OUTCOME_JOB_FAILED\x10\x04\x12\"\n\x1eINCIDENT_OUTCOME_JOB_CANCELLED\x10\x05\x12\"\n\x1eINCIDENT_OUTCOME_JOB_SUCCEEDED\x10\x06\x32\xdb\x03\n\nJobService\x12K\n\x06Submit\x12\x1c.pitstop.v1.SubmitJobRequest\x1a\x1d.pitstop.v1.SubmitJobResponse\"\x04\xc8\xf3\x18\x02\x12\x37\n\x03Get\x12\x19.pitstop.v1.GetJobRequest\x1a\x0f.pitstop.v1.Job\"\x04\xc8\xf3\x18\x01\x12G\n\x04List\x12\x1b.pitstop.v1.ListJobsRequest\x1a\x1c.pitstop.v1.ListJobsResponse\"\x04\xc8\xf3\x18\x01\x12>\n\x06\x43\x61ncel\x12\x1d.pitstop.v1.JobControlRequest\x1a\x0f.pitstop.v1.Job\"\x04\xc8\xf3\x18\x02\x12=\n\x05Pause\x12\x1d.pitstop.v1.JobControlRequest\x1a\x0f.pitstop.v1.Job\"\x04\xc8\xf3\x18\x02\x12>\n\x06Resume\x12\x1d.pitstop.v1.JobControlRequest\x1a\x0f.pitstop.v1.Job\"\x04\xc8\xf3\x18\x02\x12?\n\x05Watch\x12\x1b.pitstop.v1.WatchJobRequest\x1a\x11.pitstop.v1.Event\"\x04\xc8\xf3\x18\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pitstop/v1/jobs.proto\x12\npitstop.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16pitstop/v1/agent.proto\x1a\x17pitstop/v1/common.proto\"\xa7\x01\n\x10\x43heckpointPolicy\x12\x1c\n\x14snapshot_every_steps\x18\x01 \x01(\r\x12\x1b\n\x13\x64urable_every_steps\x18\x02 \x01(\r\x12\x13\n\x0b\x64urable_url\x18\x03 \x01(\t\x12\x16\n\x0ekeep_in_memory\x18\x04 \x01(\r\x12\x14\n\x0ckeep_durable\x18\x05 \x01(\r\x12\x15\n\rauto_interval\x18\x06 \x01(\x08\"\xa4\x01\n\x0fStragglerPolicy\x12+\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1b.pitstop.v1.StragglerAction\x12\x11\n\tthreshold\x18\x02 \x01(\x01\x12\x0f\n\x07windows\x18\x03 \x01(\r\x12\x14\n\x0cwindow_steps\x18\x04 \x01(\r\x12\x19\n\x0cwarmup_steps\x18\x05 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_warmup_steps\"\xc4\x01\n\x0fIntegrityPolicy\x12\x1a\n\x12sdc_check_disabled\x18\x01 \x01(\x08\x12\x1c\n\x14spike_watch_disabled\x18\x02 \x01(\x08\x12\x13\n\x0bloss_window\x18\x03 \x01(\r\x12\x13\n\x0bspike_sigma\x18\x04 \x01(\x01\x12\x15\n\rmax_rollbacks\x18\x05 \x01(\r\x12\x1a\n\x12hang_floor_seconds\x18\x06 \x01(\x01\x12\x1a\n\x12hang_step_multiple\x18\x07 \x01(\x01\"\xda\x03\n\x07JobSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x02 \x03(\t\x12\n\n\x02tp\x18\x03 \x01(\r\x12\n\n\x02pp\x18\x04 \x01(\r\x12\n\n\x02\x64p\x18\x05 \x01(\r\x12\x15\n\rgpus_per_node\x18\x06 \x01(\r\x12\x0e\n\x06min_dp\x18\x07 \x01(\r\x12\x0e\n\x06spares\x18\x08 \x01(\r\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x19\n\x0cmax_restarts\x18\n \x01(\rH\x00\x88\x01\x01\x12\x30\n\ncheckpoint\x18\x0b \x01(\x0b\x32\x1c.pitstop.v1.CheckpointPolicy\x12)\n\x03\x65nv\x18\x0c \x03(\x0b\x32\x1c.pitstop.v1.JobSpec.EnvEntry\x12.\n\tstraggler\x18\r \x01(\x0b\x32\x1b.pitstop.v1.StragglerPolicy\x12\x13\n\x0bworking_dir\x18\x0e \x01(\t\x12\x19\n\x11standby_processes\x18\x0f \x01(\x08\x12.\n\tintegrity\x18\x10 \x01(\x0b\x32\x1b.pitstop.v1.IntegrityPolicy\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0f\n\r_max_restarts\"\xdd\x01\n\x07Goodput\x12\x1a\n\x12productive_seconds\x18\x01 \x01(\x01\x12\x16\n\x0e\x64\x65tect_seconds\x18\x02 \x01(\x01\x12\x18\n\x10recovery_seconds\x18\x03 \x01(\x01\x12\x19\n\x11recompute_seconds\x18\x04 \x01(\x01\x12\r\n\x05ratio\x18\x05 \x01(\x01\x12\x12\n\nrecoveries\x18\x06 \x01(\r\x12.\n\tincidents\x18\x07 \x03(\x0b\x32\x1b.pitstop.v1.GoodputIncident\x12\x16\n\x0eincident_count\x18\x08 \x01(\r\"\x8b\x03\n\x0fGoodputIncident\x12\r\n\x05\x63\x61use\x18\x01 \x01(\t\x12\x11\n\tfailed_at\x18\x02 \x01(\x01\x12\x16\n\x0e\x64\x65tect_seconds\x18\x03 \x01(\x01\x12\x16\n\x0e\x64\x65\x63ide_seconds\x18\x04 \x01(\x01\x12\x16\n\x0eresume_seconds\x18\x05 \x01(\x01\x12\x12\n\nlost_steps\x18\x06 \x01(\x04\x12\x0f\n\x07resumed\x18\x07 \x01(\x08\x12&\n\x04kind\x18\x08 \x01(\x0e\x32\x18.pitstop.v1.IncidentKind\x12,\n\x07outcome\x18\t \x01(\x0e\x32\x1b.pitstop.v1.IncidentOutcome\x12\x13\n\x0b\x64\x65tected_at\x18\n \x01(\x01\x12\x12\n\ndecided_at\x18\x0b \x01(\x01\x12\x12\n\nresumed_at\x18\x0c \x01(\x01\x12\x10\n\x08\x65nded_at\x18\r \x01(\x01\x12\x13\n\x0brestored_at\x18\x0e \x01(\x01\x12\x17\n\x0frestore_seconds\x18\x0f \x01(\x01\x12\x16\n\x0ereform_seconds\x18\x10 \x01(\x01\"k\n\rRankStepStats\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\x13\n\x0bp50_seconds\x18\x03 \x01(\x01\x12\x13\n\x0bp99_seconds\x18\x04 \x01(\x01\x12\x11\n\tstraggler\x18\x05 \x01(\x08\"\xa2\x04\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.pitstop.v1.JobSpec\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.pitstop.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12%\n\x08rank_map\x18\x06 \x01(\x0b\x32\x13.pitstop.v1.RankMap\x12.\n\ncreated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08restarts\x18\t \x01(\r\x12\x14\n\x0c\x63urrent_step\x18\n \x01(\x04\x12\x16\n\x0e\x63ommitted_step\x18\x0b \x01(\x04\x12\x14\n\x0c\x64urable_step\x18\x0c \x01(\x04\x12$\n\x07goodput\x18\r \x01(\x0b\x32\x13.pitstop.v1.Goodput\x12-\n\nrank_stats\x18\x0e \x03(\x0b\x32\x19.pitstop.v1.RankStepStats\x12+\n\x06result\x18\x0f \x03(\x0b\x32\x1b.pitstop.v1.Job.ResultEntry\x12\x15\n\rskipped_steps\x18\x10 \x03(\x04\x1a-\n\x0bResultEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"I\n\x10SubmitJobRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.pitstop.v1.JobSpec\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"1\n\x11SubmitJobResponse\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.pitstop.v1.Job\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"4\n\x10JobStacksRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08incident\x18\x02 \x01(\x04\"\x85\x01\n\x11JobStacksResponse\x12\x10\n\x08incident\x18\x01 \x01(\x04\x12\x11\n\tincidents\x18\x02 \x03(\x04\x12&\n\x06stacks\x18\x03 \x03(\x0b\x32\x16.pitstop.v1.RankStacks\x12\x12\n\nhung_ranks\x18\x04 \x03(\r\x12\x0f\n\x07verdict\x18\x05 \x01(\t\"^\n\x0fListJobsRequest\x12$\n\x06states\x18\x01 \x03(\x0e\x32\x14.pitstop.v1.JobState\x12\x11\n\tpage_size\x18\x02 \x01(\r\x12\x12\n\npage_token\x18\x03 \x01(\t\"J\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.pitstop.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"3\n\x11JobControlRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"9\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_event_id\x18\x02 \x01(\x03*k\n\x0fStragglerAction\x12 \n\x1cSTRAGGLER_ACTION_UNSPECIFIED\x10\x00\x12\x1b\n\x17STRAGGLER_ACTION_REPORT\x10\x01\x12\x19\n\x15STRAGGLER_ACTION_SWAP\x10\x02*~\n\x0cIncidentKind\x12\x1d\n\x19INCIDENT_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12INCIDENT_KIND_NODE\x10\x01\x12\x1b\n\x17INCIDENT_KIND_RANK_EXIT\x10\x02\x12\x1a\n\x16INCIDENT_KIND_FALLBACK\x10\x03*\xfd\x01\n\x0fIncidentOutcome\x12 \n\x1cINCIDENT_OUTCOME_UNSPECIFIED\x10\x00\x12 \n\x1cINCIDENT_OUTCOME_IN_PROGRESS\x10\x01\x12\x1c\n\x18INCIDENT_OUTCOME_RESUMED\x10\x02\x12\x1f\n\x1bINCIDENT_OUTCOME_SUPERSEDED\x10\x03\x12\x1f\n\x1bINCIDENT_OUTCOME_JOB_FAILED\x10\x04\x12\"\n\x1eINCIDENT_OUTCOME_JOB_CANCELLED\x10\x05\x12\"\n\x1eINCIDENT_OUTCOME_JOB_SUCCEEDED\x10\x06\x32\xa8\x04\n\nJobService\x12K\n\x06Submit\x12\x1c.pitstop.v1.SubmitJobRequest\x1a\x1d.pitstop.v1.SubmitJobResponse\"\x04\xc8\xf3\x18\x02\x12\x37\n\x03Get\x12\x19.pitstop.v1.GetJobRequest\x1a\x0f.pitstop.v1.Job\"\x04\xc8\xf3\x18\x01\x12G\n\x04List\x12\x1b.pitstop.v1.ListJobsRequest\x1a\x1c.pitstop.v1.ListJobsResponse\"\x04\xc8\xf3\x18\x01\x12>\n\x06\x43\x61ncel\x12\x1d.pitstop.v1.JobControlRequest\x1a\x0f.pitstop.v1.Job\"\x04\xc8\xf3\x18\x02\x12=\n\x05Pause\x12\x1d.pitstop.v1.JobControlRequest\x1a\x0f.pitstop.v1.Job\"\x04\xc8\xf3\x18\x02\x12>\n\x06Resume\x12\x1d.pitstop.v1.JobControlRequest\x1a\x0f.pitstop.v1.Job\"\x04\xc8\xf3\x18\x02\x12K\n\x06Stacks\x12\x1c.pitstop.v1.JobStacksRequest\x1a\x1d.pitstop.v1.JobStacksResponse\"\x04\xc8\xf3\x18\x01\x12?\n\x05Watch\x12\x1b.pitstop.v1.WatchJobRequest\x1a\x11.pitstop.v1.Event\"\x04\xc8\xf3\x18\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,48 +50,54 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBSERVICE'].methods_by_name['Pause']._serialized_options = b'\310\363\030\002'
   _globals['_JOBSERVICE'].methods_by_name['Resume']._loaded_options = None
   _globals['_JOBSERVICE'].methods_by_name['Resume']._serialized_options = b'\310\363\030\002'
+  _globals['_JOBSERVICE'].methods_by_name['Stacks']._loaded_options = None
+  _globals['_JOBSERVICE'].methods_by_name['Stacks']._serialized_options = b'\310\363\030\001'
   _globals['_JOBSERVICE'].methods_by_name['Watch']._loaded_options = None
   _globals['_JOBSERVICE'].methods_by_name['Watch']._serialized_options = b'\310\363\030\001'
-  _globals['_STRAGGLERACTION']._serialized_start=2775
-  _globals['_STRAGGLERACTION']._serialized_end=2882
-  _globals['_INCIDENTKIND']._serialized_start=2884
-  _globals['_INCIDENTKIND']._serialized_end=3010
-  _globals['_INCIDENTOUTCOME']._serialized_start=3013
-  _globals['_INCIDENTOUTCOME']._serialized_end=3266
-  _globals['_CHECKPOINTPOLICY']._serialized_start=96
-  _globals['_CHECKPOINTPOLICY']._serialized_end=263
-  _globals['_STRAGGLERPOLICY']._serialized_start=266
-  _globals['_STRAGGLERPOLICY']._serialized_end=430
-  _globals['_INTEGRITYPOLICY']._serialized_start=433
-  _globals['_INTEGRITYPOLICY']._serialized_end=573
-  _globals['_JOBSPEC']._serialized_start=576
-  _globals['_JOBSPEC']._serialized_end=1050
-  _globals['_JOBSPEC_ENVENTRY']._serialized_start=991
-  _globals['_JOBSPEC_ENVENTRY']._serialized_end=1033
-  _globals['_GOODPUT']._serialized_start=1053
-  _globals['_GOODPUT']._serialized_end=1274
-  _globals['_GOODPUTINCIDENT']._serialized_start=1277
-  _globals['_GOODPUTINCIDENT']._serialized_end=1672
-  _globals['_RANKSTEPSTATS']._serialized_start=1674
-  _globals['_RANKSTEPSTATS']._serialized_end=1781
-  _globals['_JOB']._serialized_start=1784
-  _globals['_JOB']._serialized_end=2330
-  _globals['_JOB_RESULTENTRY']._serialized_start=2285
-  _globals['_JOB_RESULTENTRY']._serialized_end=2330
-  _globals['_SUBMITJOBREQUEST']._serialized_start=2332
-  _globals['_SUBMITJOBREQUEST']._serialized_end=2405
-  _globals['_SUBMITJOBRESPONSE']._serialized_start=2407
-  _globals['_SUBMITJOBRESPONSE']._serialized_end=2456
-  _globals['_GETJOBREQUEST']._serialized_start=2458
-  _globals['_GETJOBREQUEST']._serialized_end=2489
-  _globals['_LISTJOBSREQUEST']._serialized_start=2491
-  _globals['_LISTJOBSREQUEST']._serialized_end=2585
-  _globals['_LISTJOBSRESPONSE']._serialized_start=2587
-  _globals['_LISTJOBSRESPONSE']._serialized_end=2661
-  _globals['_JOBCONTROLREQUEST']._serialized_start=2663
-  _globals['_JOBCONTROLREQUEST']._serialized_end=2714
-  _globals['_WATCHJOBREQUEST']._serialized_start=2716
-  _globals['_WATCHJOBREQUEST']._serialized_end=2773
-  _globals['_JOBSERVICE']._serialized_start=3269
-  _globals['_JOBSERVICE']._serialized_end=3744
+  _globals['_STRAGGLERACTION']._serialized_start=3045
+  _globals['_STRAGGLERACTION']._serialized_end=3152
+  _globals['_INCIDENTKIND']._serialized_start=3154
+  _globals['_INCIDENTKIND']._serialized_end=3280
+  _globals['_INCIDENTOUTCOME']._serialized_start=3283
+  _globals['_INCIDENTOUTCOME']._serialized_end=3536
+  _globals['_CHECKPOINTPOLICY']._serialized_start=120
+  _globals['_CHECKPOINTPOLICY']._serialized_end=287
+  _globals['_STRAGGLERPOLICY']._serialized_start=290
+  _globals['_STRAGGLERPOLICY']._serialized_end=454
+  _globals['_INTEGRITYPOLICY']._serialized_start=457
+  _globals['_INTEGRITYPOLICY']._serialized_end=653
+  _globals['_JOBSPEC']._serialized_start=656
+  _globals['_JOBSPEC']._serialized_end=1130
+  _globals['_JOBSPEC_ENVENTRY']._serialized_start=1071
+  _globals['_JOBSPEC_ENVENTRY']._serialized_end=1113
+  _globals['_GOODPUT']._serialized_start=1133
+  _globals['_GOODPUT']._serialized_end=1354
+  _globals['_GOODPUTINCIDENT']._serialized_start=1357
+  _globals['_GOODPUTINCIDENT']._serialized_end=1752
+  _globals['_RANKSTEPSTATS']._serialized_start=1754
+  _globals['_RANKSTEPSTATS']._serialized_end=1861
+  _globals['_JOB']._serialized_start=1864
+  _globals['_JOB']._serialized_end=2410
+  _globals['_JOB_RESULTENTRY']._serialized_start=2365
+  _globals['_JOB_RESULTENTRY']._serialized_end=2410
+  _globals['_SUBMITJOBREQUEST']._serialized_start=2412
+  _globals['_SUBMITJOBREQUEST']._serialized_end=2485
+  _globals['_SUBMITJOBRESPONSE']._serialized_start=2487
+  _globals['_SUBMITJOBRESPONSE']._serialized_end=2536
+  _globals['_GETJOBREQUEST']._serialized_start=2538
+  _globals['_GETJOBREQUEST']._serialized_end=2569
+  _globals['_JOBSTACKSREQUEST']._serialized_start=2571
+  _globals['_JOBSTACKSREQUEST']._serialized_end=2623
+  _globals['_JOBSTACKSRESPONSE']._serialized_start=2626
+  _globals['_JOBSTACKSRESPONSE']._serialized_end=2759
+  _globals['_LISTJOBSREQUEST']._serialized_start=2761
+  _globals['_LISTJOBSREQUEST']._serialized_end=2855
+  _globals['_LISTJOBSRESPONSE']._serialized_start=2857
+  _globals['_LISTJOBSRESPONSE']._serialized_end=2931
+  _globals['_JOBCONTROLREQUEST']._serialized_start=2933
+  _globals['_JOBCONTROLREQUEST']._serialized_end=2984
+  _globals['_WATCHJOBREQUEST']._serialized_start=2986
+  _globals['_WATCHJOBREQUEST']._serialized_end=3043
+  _globals['_JOBSERVICE']._serialized_start=3539
+  _globals['_JOBSERVICE']._serialized_end=4091
 # @@protoc_insertion_point(module_scope)

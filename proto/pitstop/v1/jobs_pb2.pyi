@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from pitstop.v1 import agent_pb2 as _agent_pb2
 from pitstop.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -79,18 +80,22 @@ class StragglerPolicy(_message.Message):
     def __init__(self, action: _Optional[_Union[StragglerAction, str]] = ..., threshold: _Optional[float] = ..., windows: _Optional[int] = ..., window_steps: _Optional[int] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
 
 class IntegrityPolicy(_message.Message):
-    __slots__ = ("sdc_check_disabled", "spike_watch_disabled", "loss_window", "spike_sigma", "max_rollbacks")
+    __slots__ = ("sdc_check_disabled", "spike_watch_disabled", "loss_window", "spike_sigma", "max_rollbacks", "hang_floor_seconds", "hang_step_multiple")
     SDC_CHECK_DISABLED_FIELD_NUMBER: _ClassVar[int]
     SPIKE_WATCH_DISABLED_FIELD_NUMBER: _ClassVar[int]
     LOSS_WINDOW_FIELD_NUMBER: _ClassVar[int]
     SPIKE_SIGMA_FIELD_NUMBER: _ClassVar[int]
     MAX_ROLLBACKS_FIELD_NUMBER: _ClassVar[int]
+    HANG_FLOOR_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HANG_STEP_MULTIPLE_FIELD_NUMBER: _ClassVar[int]
     sdc_check_disabled: bool
     spike_watch_disabled: bool
     loss_window: int
     spike_sigma: float
     max_rollbacks: int
-    def __init__(self, sdc_check_disabled: _Optional[bool] = ..., spike_watch_disabled: _Optional[bool] = ..., loss_window: _Optional[int] = ..., spike_sigma: _Optional[float] = ..., max_rollbacks: _Optional[int] = ...) -> None: ...
+    hang_floor_seconds: float
+    hang_step_multiple: float
+    def __init__(self, sdc_check_disabled: _Optional[bool] = ..., spike_watch_disabled: _Optional[bool] = ..., loss_window: _Optional[int] = ..., spike_sigma: _Optional[float] = ..., max_rollbacks: _Optional[int] = ..., hang_floor_seconds: _Optional[float] = ..., hang_step_multiple: _Optional[float] = ...) -> None: ...
 
 class JobSpec(_message.Message):
     __slots__ = ("name", "command", "tp", "pp", "dp", "gpus_per_node", "min_dp", "spares", "priority", "max_restarts", "checkpoint", "env", "straggler", "working_dir", "standby_processes", "integrity")
@@ -267,6 +272,28 @@ class GetJobRequest(_message.Message):
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class JobStacksRequest(_message.Message):
+    __slots__ = ("job_id", "incident")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    INCIDENT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    incident: int
+    def __init__(self, job_id: _Optional[str] = ..., incident: _Optional[int] = ...) -> None: ...
+
+class JobStacksResponse(_message.Message):
+    __slots__ = ("incident", "incidents", "stacks", "hung_ranks", "verdict")
+    INCIDENT_FIELD_NUMBER: _ClassVar[int]
+    INCIDENTS_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    HUNG_RANKS_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    incident: int
+    incidents: _containers.RepeatedScalarFieldContainer[int]
+    stacks: _containers.RepeatedCompositeFieldContainer[_agent_pb2.RankStacks]
+    hung_ranks: _containers.RepeatedScalarFieldContainer[int]
+    verdict: str
+    def __init__(self, incident: _Optional[int] = ..., incidents: _Optional[_Iterable[int]] = ..., stacks: _Optional[_Iterable[_Union[_agent_pb2.RankStacks, _Mapping]]] = ..., hung_ranks: _Optional[_Iterable[int]] = ..., verdict: _Optional[str] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
     __slots__ = ("states", "page_size", "page_token")

@@ -66,6 +66,11 @@ class JobServiceStub:
                 request_serializer=pitstop_dot_v1_dot_jobs__pb2.JobControlRequest.SerializeToString,
                 response_deserializer=pitstop_dot_v1_dot_jobs__pb2.Job.FromString,
                 _registered_method=True)
+        self.Stacks = channel.unary_unary(
+                '/pitstop.v1.JobService/Stacks',
+                request_serializer=pitstop_dot_v1_dot_jobs__pb2.JobStacksRequest.SerializeToString,
+                response_deserializer=pitstop_dot_v1_dot_jobs__pb2.JobStacksResponse.FromString,
+                _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/pitstop.v1.JobService/Watch',
                 request_serializer=pitstop_dot_v1_dot_jobs__pb2.WatchJobRequest.SerializeToString,
@@ -119,6 +124,14 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Stacks(self, request, context):
+        """The Python stacks taken of the job's ranks when it hung. NOT_FOUND for an unknown
+        job or incident.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Watch(self, request, context):
         """The job's events as they happen, after replaying those past after_event_id.
         """
@@ -158,6 +171,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=pitstop_dot_v1_dot_jobs__pb2.JobControlRequest.FromString,
                     response_serializer=pitstop_dot_v1_dot_jobs__pb2.Job.SerializeToString,
+            ),
+            'Stacks': grpc.unary_unary_rpc_method_handler(
+                    servicer.Stacks,
+                    request_deserializer=pitstop_dot_v1_dot_jobs__pb2.JobStacksRequest.FromString,
+                    response_serializer=pitstop_dot_v1_dot_jobs__pb2.JobStacksResponse.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
@@ -328,6 +346,33 @@ class JobService:
             '/pitstop.v1.JobService/Resume',
             pitstop_dot_v1_dot_jobs__pb2.JobControlRequest.SerializeToString,
             pitstop_dot_v1_dot_jobs__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stacks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pitstop.v1.JobService/Stacks',
+            pitstop_dot_v1_dot_jobs__pb2.JobStacksRequest.SerializeToString,
+            pitstop_dot_v1_dot_jobs__pb2.JobStacksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,9 +14,11 @@ class RankFault(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RANK_FAULT_NONE: _ClassVar[RankFault]
     RANK_FAULT_SDC: _ClassVar[RankFault]
     RANK_FAULT_NAN: _ClassVar[RankFault]
+    RANK_FAULT_HANG: _ClassVar[RankFault]
 RANK_FAULT_NONE: RankFault
 RANK_FAULT_SDC: RankFault
 RANK_FAULT_NAN: RankFault
+RANK_FAULT_HANG: RankFault
 
 class AttachRequest(_message.Message):
     __slots__ = ("job_id", "rank", "generation", "pid")

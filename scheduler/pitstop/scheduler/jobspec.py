@@ -50,6 +50,8 @@ DEFAULT_STRAGGLER_WARMUP = 10
 DEFAULT_LOSS_WINDOW = 100
 DEFAULT_SPIKE_SIGMA = 5.0
 DEFAULT_MAX_ROLLBACKS = 3
+DEFAULT_HANG_FLOOR_SECONDS = 10.0
+DEFAULT_HANG_STEP_MULTIPLE = 10.0
 
 
 def check_text(field: str, value: str, *, max_len: int = MAX_STRING) -> None:
@@ -222,6 +224,22 @@ def _validate_integrity(policy: jobs_pb2.IntegrityPolicy) -> None:
         )
     if policy.max_rollbacks == 0:
         policy.max_rollbacks = DEFAULT_MAX_ROLLBACKS
+    if policy.hang_floor_seconds == 0:
+        policy.hang_floor_seconds = DEFAULT_HANG_FLOOR_SECONDS
+    if not 1 <= policy.hang_floor_seconds <= 86_400:  # also rejects NaN
+        raise InvalidArgument(
+            "spec.integrity.hang_floor_seconds",
+            policy.hang_floor_seconds,
+            "use 1 to 86400 seconds, e.g. 10 (a job hangs after no step for this long at least)",
+        )
+    if policy.hang_step_multiple == 0:
+        policy.hang_step_multiple = DEFAULT_HANG_STEP_MULTIPLE
+    if not 2 <= policy.hang_step_multiple <= 10_000:
+        raise InvalidArgument(
+            "spec.integrity.hang_step_multiple",
+            policy.hang_step_multiple,
+            "use 2 to 10000 median step times, e.g. 10",
+        )
     _at_most(
         "spec.integrity.max_rollbacks",
         policy.max_rollbacks,

@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import struct
+import threading
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -438,6 +439,9 @@ class Checker:
             poison(state.model)
             log.warning("rank %d: injected NaN at step %d", rank, state.step)
             return math.nan
+        elif fault == rank_pb2.RANK_FAULT_HANG:
+            log.warning("rank %d: injected hang at step %d", rank, state.step)
+            hang_here()
         return loss
 
     def check(
@@ -549,6 +553,12 @@ class Checker:
             log.warning(
                 "rank %d: the finding was not reported to the agent: %s", self._session.rank, exc
             )
+
+
+def hang_here() -> None:
+    """What a rank stuck outside any collective does (a deadlock in the data loader, a
+    wait on a lock that never comes): block, for ever. Its stack names this function."""
+    threading.Event().wait()
 
 
 def _signed(value: int) -> int:

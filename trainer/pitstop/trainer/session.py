@@ -44,6 +44,7 @@ Recovery, both paths bitwise identical because both continue from the same snaps
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import inspect
 import logging
 import math
@@ -171,6 +172,9 @@ class Session:
         config = RankConfig.from_env()
         if config.agent_socket:
             _die_with_the_agent()
+            # The agent's fallback when py-spy cannot attach: every thread's stack into
+            # this rank's log on SIGUSR1 (pitstop.agent.stacks).
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         control: RankControlClient | None = None
         checkpointd = config.checkpointd
         if config.agent_socket and config.standby:

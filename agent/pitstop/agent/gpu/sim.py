@@ -136,6 +136,8 @@ class SimulatedBackend(GpuBackend):
                 self._rank_faults[index] = rank_pb2.RANK_FAULT_SDC
             elif kind == "nan":
                 self._rank_faults[index] = rank_pb2.RANK_FAULT_NAN
+            elif kind == "hang":
+                self._rank_faults[index] = rank_pb2.RANK_FAULT_HANG
             elif kind == "clear":
                 self._readings[index] = healthy_reading(index, reading.uuid)
                 self._multipliers[index] = 1.0

@@ -24,6 +24,7 @@ from pitstop.scheduler.api.agent_writes import AckWriter, JobGenerations
 from pitstop.scheduler.auth import current_caller
 from pitstop.scheduler.cancelling import reraise_if_cancelling
 from pitstop.scheduler.convert import NODE_ROLE_TO_PB, NODE_STATE_TO_PB, node_roles_from_pb
+from pitstop.scheduler.db import models
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from pitstop.scheduler.gateway import AgentGateway, CloseStream
 from pitstop.scheduler.hotstate import STANDBY_READY, HotState
@@ -35,6 +36,7 @@ from pitstop.scheduler.services import integrity as integrity_service
 from pitstop.scheduler.services import jobs as job_service
 from pitstop.scheduler.services import node_commands as node_command_service
 from pitstop.scheduler.services import nodes as node_service
+from pitstop.scheduler.services import stacks as stacks_service
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.store import Store
 from pitstop.v1 import agent_pb2, common_pb2
@@ -368,6 +370,11 @@ class AgentServicer:
                 )
         elif kind == "finding":
             await self._finding(node_id, message.finding)
+        elif kind == "stacks":
+            async with self.store.write() as session:
+                job = await session.get(models.Job, message.stacks.job_id)
+                if job is not None:  # a job deleted since: its stacks have nowhere to go
+                    stacks_service.store(session, node_id, message.stacks)
         elif kind == "ack":
             await self._ack(state, message.ack)
         elif kind == "register":

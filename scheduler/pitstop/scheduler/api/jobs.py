@@ -14,6 +14,7 @@ from pitstop.scheduler.gateway import CommandRouter
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.services import events as event_service
 from pitstop.scheduler.services import jobs as job_service
+from pitstop.scheduler.services import stacks as stacks_service
 from pitstop.scheduler.store import Store
 from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2
 
@@ -93,6 +94,12 @@ class JobServicer:
         self, request: jobs_pb2.JobControlRequest, context: grpc.aio.ServicerContext
     ) -> jobs_pb2.Job:
         return await self._control(request, "resume")
+
+    async def Stacks(  # noqa: N802
+        self, request: jobs_pb2.JobStacksRequest, context: grpc.aio.ServicerContext
+    ) -> jobs_pb2.JobStacksResponse:
+        async with self.store.read() as session:
+            return await stacks_service.job_stacks(session, request.job_id, request.incident)
 
     async def Watch(  # noqa: N802
         self, request: jobs_pb2.WatchJobRequest, context: grpc.aio.ServicerContext

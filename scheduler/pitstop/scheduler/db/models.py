@@ -311,6 +311,26 @@ class XidRecord(Base):
     __table_args__ = (Index("ix_xid_events_node_time", "node_id", "time"),)
 
 
+class RankStack(Base):
+    """The Python stacks of one rank of a job that hung (``pitstop job stacks``), one row
+    per rank and hang incident (the id of its job.hang event)."""
+
+    __tablename__ = "rank_stacks"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    incident: Mapped[int] = mapped_column(BigInteger)
+    generation: Mapped[int] = mapped_column(BigInteger)
+    rank: Mapped[int] = mapped_column(Integer)
+    node_id: Mapped[str] = mapped_column(String(253))
+    method: Mapped[str] = mapped_column(String(16), default="")
+    text: Mapped[str] = mapped_column(Text, default="")
+    error: Mapped[str] = mapped_column(Text, default="")
+    time: Mapped[dt.datetime] = mapped_column(server_default=func.now())
+
+    __table_args__ = (Index("ix_rank_stacks_job_incident", "job_id", "incident"),)
+
+
 class JoinToken(Base):
     """A one-time join token, kept as its SHA-256 only: the token itself is shown once."""
 

@@ -18,6 +18,7 @@ from pitstop.scheduler.metrics import SchedulerMetrics
 from pitstop.scheduler.reconcile import commands
 from pitstop.scheduler.reconcile.context import Leader, Timeouts
 from pitstop.scheduler.reconcile.exits import ExitFollower
+from pitstop.scheduler.reconcile.hangs import HangWatch
 from pitstop.scheduler.reconcile.placing import place_pending_jobs
 from pitstop.scheduler.reconcile.recovery import Recovery
 from pitstop.scheduler.reconcile.standbys import StandbyKeeper
@@ -51,6 +52,7 @@ class Reconciler:
         self.recovery = Recovery(self.leader, self.steps.step_seconds)
         self.exits = ExitFollower(self.leader, self.recovery, self.steps)
         self.standbys = StandbyKeeper(self.leader, self.recovery.standby_nodes)
+        self.hangs = HangWatch(self.leader, self.steps)
 
     async def run(self, tick_seconds: float) -> None:
         """The leader's two loops, for as long as this process leads. Deciding runs every
@@ -109,9 +111,10 @@ class Reconciler:
 
     async def follow(self) -> None:
         """One pass of the following loop: step times, stragglers and committed steps a
-        skipped report left behind, then standbys."""
+        skipped report left behind, hangs, then standbys."""
         try:
             await self.steps.follow()
+            await self.hangs.check()
         finally:
             await self.standbys.keep()
 

@@ -131,6 +131,10 @@ class JobWatch:
     # seconds, source), and whether job.restored has been recorded for it.
     restored: dict[int, tuple[float, str]] = field(default_factory=dict)
     restored_told: bool = False
+    # The newest step of this generation seen, and when (the leader's clock): what the
+    # hang watch measures silence from (None before the generation's first step).
+    newest_seen: int = 0
+    progressed_at: float | None = None
 
     def step_seconds(self) -> float:
         """The job's typical step time: the median of its ranks' medians as of the last
@@ -226,7 +230,10 @@ class StepFollower:
             watch.nodes, watch.rate, watch.findings = {}, StepRate(), []
             watch.order = WindowOrder()
             watch.restored, watch.restored_told = {}, False
+            watch.newest_seen, watch.progressed_at = 0, None
         newest = max(s.newest_step for s in summaries)
+        if watch.progressed_at is None or newest > watch.newest_seen:
+            watch.newest_seen, watch.progressed_at = newest, leader.clock()
         async with leader.store.write() as session:
             row = await locked_job(leader, session, job.id)
             if row is None or row.generation != job.generation:

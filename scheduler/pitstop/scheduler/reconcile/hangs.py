@@ -1,0 +1,199 @@
+"""Hangs: a running job whose ranks are alive but make no step.
+
+Every pass of the following loop, a RUNNING job whose newest step has not moved for its
+hang threshold (max(spec.integrity.hang_floor_seconds, hang_step_multiple x its median
+step time)) hangs: a job.hang event (its id is the incident's), and every node of the
+job is asked for its ranks' Python stacks (DumpStacks; the agents answer with a
+RankStacks per rank, stored by whichever process holds their stream). Once every rank's
+stacks are in, or STACKS_WAIT_SECONDS after asking, the ranks that are not where the
+others wait (pitstop.health.hang) are named (job.hang_located) and killed: their exits
+are rank failures, recovered as any other (the standby beside them, or a fresh process,
+and every other rank reconfigured from the committed step). Naming nobody, every rank
+of the job is killed: the job restarts from its committed step.
+
+What this remembers is telemetry: a new leader that finds the job still hung declares
+it again (a second incident, its own stacks).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy import select
+
+from pitstop.health.hang import locate
+from pitstop.scheduler.db import models
+from pitstop.scheduler.domain import JobState
+from pitstop.scheduler.jobspec import DEFAULT_HANG_FLOOR_SECONDS, DEFAULT_HANG_STEP_MULTIPLE
+from pitstop.scheduler.reconcile.context import Leader, locked_job
+from pitstop.scheduler.reconcile.steps import StepFollower
+from pitstop.scheduler.services import lifecycle
+from pitstop.scheduler.services.events import record_event
+from pitstop.scheduler.services.jobs import job_nodes, spec_from_json
+from pitstop.v1 import agent_pb2
+
+log = logging.getLogger(__name__)
+
+STACKS_WAIT_SECONDS = 20.0
+"""How long the stacks of a hung job's ranks are waited for before the ranks that
+answered are judged (py-spy takes well under a second a process)."""
+
+
+@dataclass
+class Incident:
+    """A hang declared and not yet acted on."""
+
+    job_id: str
+    generation: int
+    step: int
+    world_size: int
+    asked_at: float  # the leader's clock
+    nodes: dict[int, str]  # rank -> node
+
+
+def threshold(spec_integrity: object, step_seconds: float) -> float:
+    """The job's hang threshold, seconds."""
+    floor = getattr(spec_integrity, "hang_floor_seconds", 0.0) or DEFAULT_HANG_FLOOR_SECONDS
+    multiple = getattr(spec_integrity, "hang_step_multiple", 0.0) or DEFAULT_HANG_STEP_MULTIPLE
+    return max(float(floor), float(multiple) * step_seconds)
+
+
+class HangWatch:
+    def __init__(self, leader: Leader, steps: StepFollower) -> None:
+        self.leader = leader
+        self.steps = steps
+        self.open: dict[int, Incident] = {}  # incident (job.hang event id) -> what is known
+        self.declared: set[tuple[str, int, int]] = set()  # (job, generation, step)
+
+    async def check(self) -> None:
+        """Declare the hangs found; act on the incidents whose stacks are in."""
+        await self._declare()
+        for incident_id in sorted(self.open):
+            await self._settle(incident_id)
+
+    async def _declare(self) -> None:
+        leader, now = self.leader, self.leader.clock()
+        async with leader.store.read() as session:
+            jobs = await lifecycle.live_jobs(session, (JobState.RUNNING,))
+        for job in jobs:
+            watch = self.steps.watches.get(job.id)
+            if watch is None or watch.detector_generation != job.generation:
+                continue
+            if watch.progressed_at is None:
+                continue  # no step seen in this generation yet: starting, not hanging
+            spec = spec_from_json(job.spec)
+            limit = threshold(spec.integrity, watch.step_seconds())
+            silent = now - watch.progressed_at
+            key = (job.id, job.generation, watch.newest_seen)
+            if silent < limit or key in self.declared:
+                continue
+            self.declared.add(key)
+            await self._ask(job.id, job.generation, watch.newest_seen, silent, limit)
+
+    async def _ask(
+        self, job_id: str, generation: int, step: int, silent: float, limit: float
+    ) -> None:
+        leader = self.leader
+        async with leader.store.write() as session:
+            job = await locked_job(leader, session, job_id, (JobState.RUNNING,))
+            if job is None or job.generation != generation:
+                return
+            placement = await leader.rank_maps.of(session, job)
+            event = record_event(
+                session,
+                "job.hang",
+                actor="scheduler",
+                job_id=job_id,
+                reason=(
+                    f"no step for {silent:.1f} s after step {step} (hang threshold "
+                    f"{limit:.1f} s): taking every rank's stacks"
+                ),
+                attributes={
+                    "generation": str(generation),
+                    "step": str(step),
+                    "threshold_seconds": f"{limit:.3f}",
+                    "silent_seconds": f"{silent:.3f}",
+                },
+            )
+            await session.flush()
+            incident_id = int(event.id)
+            nodes = await job_nodes(session, job)
+        self.open[incident_id] = Incident(
+            job_id,
+            generation,
+            step,
+            placement.world_size,
+            leader.clock(),
+            {slot.rank: slot.node_id for slot in placement.ranks},
+        )
+        log.warning(
+            "job %s hangs after step %d: asking %d nodes for stacks", job_id, step, len(nodes)
+        )
+        ask = agent_pb2.SchedulerMessage(
+            dump_stacks=agent_pb2.DumpStacks(
+                job_id=job_id, generation=generation, incident=incident_id
+            )
+        )
+        for node_id in nodes:
+            await leader.router.send(node_id, ask)
+
+    async def _settle(self, incident_id: int) -> None:
+        leader, incident = self.leader, self.open[incident_id]
+        async with leader.store.read() as session:
+            rows = (
+                await session.scalars(
+                    select(models.RankStack)
+                    .where(models.RankStack.job_id == incident.job_id)
+                    .where(models.RankStack.incident == incident_id)
+                )
+            ).all()
+            job = await session.get(models.Job, incident.job_id)
+        moved_on = (
+            job is None
+            or job.state is not JobState.RUNNING
+            or job.generation != incident.generation
+        )
+        waited = leader.clock() - incident.asked_at >= STACKS_WAIT_SECONDS
+        if not moved_on and len({r.rank for r in rows}) < incident.world_size and not waited:
+            return
+        del self.open[incident_id]
+        if moved_on:
+            return  # recovered, paused or ended meanwhile: nothing to kill
+        verdict = locate({r.rank: r.text for r in rows})
+        named = list(verdict.ranks) or sorted(incident.nodes)
+        async with leader.store.write() as session:
+            job = await locked_job(leader, session, incident.job_id, (JobState.RUNNING,))
+            if job is None or job.generation != incident.generation:
+                return
+            record_event(
+                session,
+                "job.hang_located" if verdict.ranks else "job.hang_unlocated",
+                actor="scheduler",
+                job_id=incident.job_id,
+                reason=(
+                    f"{verdict.reason}: replacing ranks {named}"
+                    if verdict.ranks
+                    else f"{verdict.reason}: restarting every rank"
+                ),
+                attributes={
+                    "incident": str(incident_id),
+                    "ranks": ",".join(str(r) for r in named),
+                    "stacks": str(len(rows)),
+                },
+            )
+        by_node: dict[str, list[int]] = {}
+        for rank in named:
+            by_node.setdefault(incident.nodes[rank], []).append(rank)
+        for node_id, ranks in sorted(by_node.items()):
+            await leader.router.send(
+                node_id,
+                agent_pb2.SchedulerMessage(
+                    stop_ranks=agent_pb2.StopRanks(
+                        job_id=incident.job_id,
+                        ranks=ranks,
+                        kill=True,
+                        reason=f"hung (incident {incident_id}): {verdict.reason}",
+                    )
+                ),
+            )
