@@ -26,6 +26,11 @@ kinds drawn with a seeded RNG, every kind once per round in a random order:
                     replaced; brought back afterwards as the others are
   nan               a NaN loss and gradients on one rank (--nan): every rank rolls back one
                     step and skips the batch, which the reference run then skips too
+  hang              one rank blocks outside any collective (--hang): after the job's hang
+                    threshold (HANG_FLOOR s here) the stacks name it and it is replaced
+  row_remap         a pending row remap on a node's GPU (an early warning): the node
+                    drains, its ranks move off at the next committed step; cleared and
+                    uncordoned afterwards
 
 The faults are spread over the job's steps (--steps-per-fault apart). Before the next one
 the job is running again, has made --gap-steps steps, every failed node is back (its
@@ -82,9 +87,14 @@ from pitstop.v1 import common_pb2, jobs_pb2, nodes_pb2
 KINDS = (
     *("xid_fatal", "xid_app", "rank_kill", "node_kill", "agent_kill", "checkpointd_kill"),
     *("agent_stop", "drain", "scheduler_kill", "leader_failover", "postgres_restart"),
-    *("redis_flush", "sdc", "nan"),
+    *("redis_flush", "sdc", "nan", "hang", "row_remap"),
 )
-DECIDED = {"xid_fatal", "xid_app", "rank_kill", "node_kill", "agent_kill", "drain", "sdc"}
+DECIDED = {
+    *("xid_fatal", "xid_app", "rank_kill", "node_kill", "agent_kill", "drain", "sdc"),
+    *("hang", "row_remap"),
+}
+HANG_FLOOR = 5.0
+"""The job's hang threshold floor (spec.integrity.hang_floor_seconds), seconds."""
 """Kinds the scheduler must decide a recovery for. A stopped agent's ranks step on, and a
 node back before the scheduler acted needs nothing; the other kinds the job rides out."""
 DECISIONS = {"job.recovering", "job.restarting", "job.reconfigured"}
@@ -425,10 +435,12 @@ class Chaos:
         if kind in ("xid_fatal", "xid_app"):
             xid = 79 if kind == "xid_fatal" else 13
             self.client.inject_fault(target, common_pb2.Fault(gpu_index=0, xid=xid))
-        elif kind in ("sdc", "nan"):
+        elif kind in ("sdc", "nan", "hang"):
             fault_pb = common_pb2.Fault(gpu_index=0)
             setattr(fault_pb, kind, True)
             self.client.inject_fault(target, fault_pb)
+        elif kind == "row_remap":
+            self.client.inject_fault(target, common_pb2.Fault(gpu_index=0, pending_row_remap=True))
         elif kind == "rank_kill":
             pids = self.cluster.rank_pids(target)
             if pids:
@@ -553,6 +565,9 @@ class Chaos:
         its daemons restarted (a stopped agent gets 10 s to come back by itself)."""
         began = time.monotonic()
         with self.cluster.client(timeout=30.0) as client:
+            if node.connected:  # an injected early warning would drain it again
+                with contextlib.suppress(PitstopError):
+                    client.inject_fault(node.id, common_pb2.Fault(gpu_index=0, clear=True))
             if node.state in (common_pb2.NODE_STATE_CORDONED, common_pb2.NODE_STATE_DRAINING):
                 client.uncordon_node(node.id, "chaos: back")
             elif not self.returns(client, node):
@@ -663,6 +678,7 @@ def chaos_run(args: argparse.Namespace, root: Path, result: dict[str, Any], part
             step_seconds=args.step_seconds,
             spares=2,
         )
+        spec.integrity.hang_floor_seconds = HANG_FLOOR
         try:
             job = chaos.run(spec)
         except Stuck as exc:
