@@ -175,9 +175,8 @@ class SchedulerLink:
 
     def report_finding(self, finding: agent_pb2.IntegrityFinding) -> None:
         """Send a rank's integrity finding at once, after the step times still waiting."""
-        self._metrics.findings.labels(
-            self._settings.node_id, agent_pb2.FindingKind.Name(finding.kind)
-        ).inc()
+        kind = agent_pb2.FindingKind.Name(finding.kind).removeprefix("FINDING_KIND_").lower()
+        self._metrics.findings.labels(self._settings.node_id, kind).inc()
         self._heartbeats.flush_steps()
         self._send(finding=finding)
 

@@ -101,8 +101,8 @@ class AgentMetrics:
         )
         self.findings = Counter(
             _PREFIX + "integrity_findings_total",
-            "Integrity findings the node's ranks reported: silent data corruption, "
-            "NaN/Inf losses and loss spikes (each rolled back).",
+            "Integrity findings the node's ranks reported, by kind: sdc (a corrupt replica "
+            "named), sdc_unlocated, nonfinite and spike (each rolled back).",
             ("node", "kind"),
             registry=r,
         )
