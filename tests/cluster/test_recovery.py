@@ -1473,6 +1473,38 @@ def test_with_two_replicas_a_replay_names_the_corrupt_one(
     assert "replaying to tell which is wrong" in replayed, replayed[-3000:]
 
 
+def test_an_early_warning_drains_the_node_and_moves_its_rank_without_losing_a_step(
+    cluster: Cluster, rank_forks: ForkClient, tmp_path: Path
+) -> None:
+    """A pending row remap (inject-fault --pending-row-remap) is a warning, not a
+    failure: the node drains, and once a step is committed its rank moves to the spare
+    from that step, the node's own snapshot in memory (no step given up); the job ends
+    with the fault-free hash."""
+    steps = 80  # at 0.1 s a step: the drain lands mid-run (it waits for a committed step)
+    job = cluster.submit("--steps", str(steps), "--step-seconds", "0.1")
+    victim = cluster.node_of(job, 1)
+    shown = CliRunner().invoke(
+        app,
+        [*cluster.cli_options(), "node", "inject-fault", victim.node_id, "--gpu", "0"]
+        + ["--pending-row-remap"],
+        catch_exceptions=False,
+    )
+    assert shown.exit_code == 0, shown.output
+    draining = cluster.wait(
+        lambda e: e.kind == "node.draining" and e.node_id == victim.node_id,
+        f"{victim.node_id} draining",
+    )
+    assert "row remap" in draining.reason.lower(), draining
+    done = cluster.finish(job.id)
+    assert done.result["final_weights_sha256"] == reference_hash(rank_forks, tmp_path, steps)
+    placed = {a.node_id for a in done.rank_map.ranks}
+    assert victim.node_id not in placed, cluster.logs(job.id)
+    assert SPARE in placed, placed
+    (incident,) = done.goodput.incidents
+    assert victim.node_id in incident.cause, incident
+    assert incident.lost_steps == 0, incident
+
+
 def test_a_hung_rank_is_named_by_its_stacks_and_replaced(
     cluster: Cluster, rank_forks: ForkClient, tmp_path: Path
 ) -> None:
