@@ -1483,10 +1483,10 @@ def test_an_early_warning_drains_the_node_and_moves_its_rank_without_losing_a_st
     steps = 80  # at 0.1 s a step: the drain lands mid-run (it waits for a committed step)
     job = cluster.submit("--steps", str(steps), "--step-seconds", "0.1")
     victim = cluster.node_of(job, 1)
+    flags = ["--gpu", "0", "--pending-row-remap"]
     shown = CliRunner().invoke(
         app,
-        [*cluster.cli_options(), "node", "inject-fault", victim.node_id, "--gpu", "0"]
-        + ["--pending-row-remap"],
+        [*cluster.cli_options(), "node", "inject-fault", victim.node_id, *flags],
         catch_exceptions=False,
     )
     assert shown.exit_code == 0, shown.output
