@@ -124,3 +124,18 @@ def test_watch_replays_history_and_ends_with_the_terminal_event(jobs: Any) -> No
     assert rest[0].from_state == "pending"
     assert rest[0].to_state == "cancelled"
     assert rest[0].id > first.id
+
+
+def test_a_single_replica_job_is_told_at_submit_that_sdc_goes_unchecked(
+    jobs: Any, db: psycopg.Connection[Any]
+) -> None:
+    single = jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec(unique("one"), dp=1))).job
+    replicated = jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec(unique("two"), dp=2))).job
+    rows = db.execute(
+        "SELECT job_id, reason FROM events WHERE kind = 'job.sdc_unchecked' AND job_id IN (%s, %s)",
+        (single.id, replicated.id),
+    ).fetchall()
+    assert [job_id for job_id, _ in rows] == [single.id]
+    assert "dp = 1" in rows[0][1]
+    # Stored with the tables the API reads: the skipped steps start empty.
+    assert list(jobs.Get(jobs_pb2.GetJobRequest(job_id=single.id)).skipped_steps) == []

@@ -72,6 +72,19 @@ async def submit_job(
         reason=f"{accepted.tp}x{accepted.pp}x{accepted.dp} (tp x pp x dp)",
         attributes={"name": accepted.name},
     )
+    if accepted.dp == 1 and not accepted.integrity.sdc_check_disabled:
+        # Said once, where the submitter looks: what the job is not protected from.
+        record_event(
+            session,
+            "job.sdc_unchecked",
+            actor="scheduler",
+            job_id=job.id,
+            reason=(
+                "dp = 1: one replica, so silent data corruption cannot be caught by "
+                "comparing replicas; the loss watch and the hang watch still run "
+                "(docs/integrity.md)"
+            ),
+        )
     return job
 
 
