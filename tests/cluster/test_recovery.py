@@ -268,15 +268,17 @@ class Node:
             *(["--tls"] if self.tls else []),
             *(["--fork-server", str(self.fork_server)] if self.fork_server else []),
         ]
+        # An idle node checks itself every second: a drilled preflight failure shows at once.
+        env = clean_env() | {"PITSTOP_AGENT_PREFLIGHT_INTERVAL_SECONDS": "1"}
         if self.daemons is not None and not self.netns:
             argv = [sys.executable, *command]
-            self.agent = self.daemons.launch(argv, clean_env(), self.agent_log)
+            self.agent = self.daemons.launch(argv, env, self.agent_log)
             return
         self.agent = subprocess.Popen(
             self._in_netns(command),
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=clean_env() | ({"GLOO_SOCKET_IFNAME": self.iface} if self.iface else {}),
+            env=env | ({"GLOO_SOCKET_IFNAME": self.iface} if self.iface else {}),
             start_new_session=True,
         )
 
@@ -1471,6 +1473,37 @@ def test_with_two_replicas_a_replay_names_the_corrupt_one(
     assert SPARE in placed, placed
     replayed = cluster.node_of(done, 0).rank_log(job.id, 0).read_text()
     assert "replaying to tell which is wrong" in replayed, replayed[-3000:]
+
+
+@pytest.mark.parametrize("spares", [2])
+def test_a_spare_that_fails_its_preflight_never_gets_ranks(
+    cluster: Cluster, standalone_hash: str
+) -> None:
+    """A spare whose preflight fails (inject-fault --fail-preflight) is quarantined with
+    the reason and never gets ranks: a node lost mid-run moves to the next spare, and
+    the job ends with the fault-free hash."""
+    failing, good = SPARE, f"{SPARE}1"
+    flags = ["--gpu", "0", "--fail-preflight"]
+    shown = CliRunner().invoke(
+        app,
+        [*cluster.cli_options(), "node", "inject-fault", failing, *flags],
+        catch_exceptions=False,
+    )
+    assert shown.exit_code == 0, shown.output
+    quarantined = cluster.wait(
+        lambda e: e.kind == "node.unhealthy" and e.node_id == failing, f"{failing} quarantined"
+    )
+    assert "preflight failed: an injected preflight failure" in quarantined.reason, quarantined
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    victim = cluster.node_of(job, 1)
+    cluster.wait_for_step(job, 1, 5)
+    cluster.inject(victim.node_id, common_pb2.Fault(gpu_index=0, xid=79))
+    done = cluster.finish(job.id)
+    check_result(done, standalone_hash)
+    placed = {a.node_id for a in done.rank_map.ranks}
+    assert failing not in placed, placed
+    assert good in placed, placed
+    assert victim.node_id not in placed, placed
 
 
 def test_an_early_warning_drains_the_node_and_moves_its_rank_without_losing_a_step(

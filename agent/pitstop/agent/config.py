@@ -114,6 +114,9 @@ class AgentSettings(BaseSettings):
     """Host name or IP the other nodes reach this node's ranks at: a job whose rank 0
     runs here meets at this host. Default: the host name (set it when the host name
     resolves to loopback or to the wrong network)."""
+    preflight_interval_seconds: float = Field(default=300.0, gt=0)
+    """A node that runs no ranks checks itself this often (and at the agent's start); a
+    failed preflight keeps it from getting ranks (pitstop.agent.preflight)."""
     fork_server: Path | None = None
     """Unix socket of a fork server (`python -m pitstop.agent.forkserver`) that starts
     this node's ranks and standby processes from a process with torch imported, where

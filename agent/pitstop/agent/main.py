@@ -26,6 +26,7 @@ from pitstop.agent.identity import enroll, identity_for, keep_renewed
 from pitstop.agent.link import SchedulerLink
 from pitstop.agent.local import LocalEndpoint
 from pitstop.agent.metrics import AgentMetrics, MetricsServer
+from pitstop.agent.preflight import Preflight
 from pitstop.agent.steps import StepSummarizer
 from pitstop.agent.supervisor import RankSupervisor
 from pitstop.v1 import agent_pb2
@@ -73,6 +74,12 @@ class NodeAgent:
             self.checkpointd = CheckpointdWatch(
                 settings, self.metrics, on_change=self._node_health_changed, identity=self.identity
             )
+        self.preflight = Preflight(
+            backend,
+            self.supervisor,
+            settings.preflight_interval_seconds,
+            on_change=self._node_health_changed,
+        )
         self.link = SchedulerLink(
             settings,
             backend,
@@ -80,7 +87,10 @@ class NodeAgent:
             self.local,
             self.steps,
             self.metrics,
-            conditions=[self.checkpointd] if self.checkpointd is not None else [],
+            conditions=[
+                self.preflight,
+                *([self.checkpointd] if self.checkpointd is not None else []),
+            ],
             identity=self.identity,
         )
         # A standby waiting for a rank is reported ready; one handed a rank no longer.
@@ -126,6 +136,8 @@ class NodeAgent:
         if self.settings.kubernetes_node_conditions or self.settings.kubernetes_topology_labels:
             await self._start_kubernetes()
         await self.local.start()
+        # Before the first heartbeat: a node that fails it never looks ready.
+        await self.preflight.check()
         self.metrics_server = MetricsServer(
             self.metrics, self.settings.metrics_host, self.settings.metrics_port
         )
@@ -161,6 +173,7 @@ class NodeAgent:
             if self.node_conditions is not None:
                 tasks.create_task(self.node_conditions.run(stop))
             tasks.create_task(self.link.run(stop))
+            tasks.create_task(self.preflight.run(stop))
 
     async def close(self, grace_seconds: float = 10.0) -> None:
         """Stop every rank (none survives the agent), then an owned checkpoint daemon

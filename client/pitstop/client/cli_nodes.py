@@ -167,6 +167,9 @@ def inject_fault(
             "--hang", help="The rank on the GPU blocks at its next step, outside any collective."
         ),
     ] = False,
+    fail_preflight: Annotated[
+        bool, typer.Option("--fail-preflight", help="The node's next preflight fails.")
+    ] = False,
     clear: Annotated[bool, typer.Option("--clear", help="Clear injected faults.")] = False,
     json_out: JsonFlag = False,
 ) -> None:
@@ -183,6 +186,7 @@ def inject_fault(
         "--sdc": ("sdc", sdc or None),
         "--nan": ("nan", nan or None),
         "--hang": ("hang", hang or None),
+        "--fail-preflight": ("fail_preflight", fail_preflight or None),
         "--clear": ("clear", clear or None),
     }
     given = [option for option, (_, value) in options.items() if value is not None]

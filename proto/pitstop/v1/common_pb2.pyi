@@ -265,7 +265,7 @@ class XidEvent(_message.Message):
     def __init__(self, gpu_index: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., xid: _Optional[int] = ..., message: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., source: _Optional[_Union[XidSource, str]] = ..., verdict: _Optional[_Union[HealthVerdict, str]] = ...) -> None: ...
 
 class Fault(_message.Message):
-    __slots__ = ("gpu_index", "xid", "ecc_double_bit", "pending_row_remap", "gpu_lost", "thermal_throttle", "nvlink_errors", "slow_multiplier", "clear", "sdc", "nan", "hang")
+    __slots__ = ("gpu_index", "xid", "ecc_double_bit", "pending_row_remap", "gpu_lost", "thermal_throttle", "nvlink_errors", "slow_multiplier", "clear", "sdc", "nan", "hang", "fail_preflight")
     GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
     XID_FIELD_NUMBER: _ClassVar[int]
     ECC_DOUBLE_BIT_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,7 @@ class Fault(_message.Message):
     SDC_FIELD_NUMBER: _ClassVar[int]
     NAN_FIELD_NUMBER: _ClassVar[int]
     HANG_FIELD_NUMBER: _ClassVar[int]
+    FAIL_PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
     gpu_index: int
     xid: int
     ecc_double_bit: int
@@ -290,7 +291,8 @@ class Fault(_message.Message):
     sdc: bool
     nan: bool
     hang: bool
-    def __init__(self, gpu_index: _Optional[int] = ..., xid: _Optional[int] = ..., ecc_double_bit: _Optional[int] = ..., pending_row_remap: _Optional[bool] = ..., gpu_lost: _Optional[bool] = ..., thermal_throttle: _Optional[bool] = ..., nvlink_errors: _Optional[_Union[NvLinkFault, _Mapping]] = ..., slow_multiplier: _Optional[float] = ..., clear: _Optional[bool] = ..., sdc: _Optional[bool] = ..., nan: _Optional[bool] = ..., hang: _Optional[bool] = ...) -> None: ...
+    fail_preflight: bool
+    def __init__(self, gpu_index: _Optional[int] = ..., xid: _Optional[int] = ..., ecc_double_bit: _Optional[int] = ..., pending_row_remap: _Optional[bool] = ..., gpu_lost: _Optional[bool] = ..., thermal_throttle: _Optional[bool] = ..., nvlink_errors: _Optional[_Union[NvLinkFault, _Mapping]] = ..., slow_multiplier: _Optional[float] = ..., clear: _Optional[bool] = ..., sdc: _Optional[bool] = ..., nan: _Optional[bool] = ..., hang: _Optional[bool] = ..., fail_preflight: _Optional[bool] = ...) -> None: ...
 
 class NvLinkFault(_message.Message):
     __slots__ = ("link", "crc_errors", "down")

@@ -72,6 +72,11 @@ class GpuBackend(abc.ABC):
         its rank, cleared as it is taken; RANK_FAULT_NONE (0) unless simulated."""
         return 0
 
+    def take_preflight_fault(self) -> bool:
+        """Whether an injected fault makes this preflight fail (cleared as it is taken);
+        False unless simulated."""
+        return False
+
     def kernel_log_xids(self) -> list[common_pb2.XidEvent]:
         """Xids the kernel logged before the agent started; empty where there is no log.
 

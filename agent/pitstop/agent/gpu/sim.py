@@ -80,6 +80,7 @@ class SimulatedBackend(GpuBackend):
         self._multipliers = [1.0] * count
         # Faults the rank on each GPU carries out at its next step (handed out once).
         self._rank_faults = [rank_pb2.RANK_FAULT_NONE] * count
+        self._fail_preflight = False  # the node's next preflight fails
         self._on_xid: XidCallback | None = None
         # Xids injected before the watch starts are delivered when it does.
         self._undelivered: list[common_pb2.XidEvent] = []
@@ -138,10 +139,13 @@ class SimulatedBackend(GpuBackend):
                 self._rank_faults[index] = rank_pb2.RANK_FAULT_NAN
             elif kind == "hang":
                 self._rank_faults[index] = rank_pb2.RANK_FAULT_HANG
+            elif kind == "fail_preflight":
+                self._fail_preflight = True
             elif kind == "clear":
                 self._readings[index] = healthy_reading(index, reading.uuid)
                 self._multipliers[index] = 1.0
                 self._rank_faults[index] = rank_pb2.RANK_FAULT_NONE
+                self._fail_preflight = False
             else:  # a Fault kind added to the proto after this backend
                 raise ValueError(f"fault kind {kind!r} is unknown to the simulated backend")
 
@@ -174,6 +178,11 @@ class SimulatedBackend(GpuBackend):
         index = self._check_index(gpu_index)
         with self._lock:
             fault, self._rank_faults[index] = self._rank_faults[index], rank_pb2.RANK_FAULT_NONE
+        return fault
+
+    def take_preflight_fault(self) -> bool:
+        with self._lock:
+            fault, self._fail_preflight = self._fail_preflight, False
         return fault
 
     def close(self) -> None:
