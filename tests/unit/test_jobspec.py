@@ -9,6 +9,7 @@ import pytest
 from pitstop.scheduler.errors import InvalidArgument
 from pitstop.scheduler.jobspec import validate_job_spec
 from pitstop.scheduler.reconcile.commands import rank_policy_env
+from pitstop.scheduler.reconcile.hangs import threshold
 from pitstop.trainer.config import RankConfig
 from pitstop.v1 import jobs_pb2
 
@@ -164,3 +165,10 @@ def test_the_ranks_are_told_the_snapshot_interval_the_integrity_policy_and_the_s
     assert (config.snapshot_every, config.integrity.sdc_check) == (5, False)
     assert config.integrity.spike_sigma == 4.0
     assert config.skip_steps == {17, 40}
+
+
+def test_the_hang_threshold_is_a_multiple_of_the_step_time_above_its_floor() -> None:
+    policy = validate_job_spec(make()).integrity
+    assert threshold(policy, 0.1) == 10.0  # the floor
+    assert threshold(policy, 3.0) == 30.0  # 10 steps
+    assert threshold(jobs_pb2.IntegrityPolicy(), 0.0) == 10.0  # a spec from before the fields

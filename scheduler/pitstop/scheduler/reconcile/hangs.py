@@ -31,7 +31,7 @@ from pitstop.scheduler.reconcile.steps import StepFollower
 from pitstop.scheduler.services import lifecycle
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.jobs import job_nodes, spec_from_json
-from pitstop.v1 import agent_pb2
+from pitstop.v1 import agent_pb2, jobs_pb2
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +52,12 @@ class Incident:
     nodes: dict[int, str]  # rank -> node
 
 
-def threshold(spec_integrity: object, step_seconds: float) -> float:
-    """The job's hang threshold, seconds."""
-    floor = getattr(spec_integrity, "hang_floor_seconds", 0.0) or DEFAULT_HANG_FLOOR_SECONDS
-    multiple = getattr(spec_integrity, "hang_step_multiple", 0.0) or DEFAULT_HANG_STEP_MULTIPLE
-    return max(float(floor), float(multiple) * step_seconds)
+def threshold(policy: jobs_pb2.IntegrityPolicy, step_seconds: float) -> float:
+    """The job's hang threshold, seconds (a spec stored before the policy had the fields
+    takes the defaults)."""
+    floor = policy.hang_floor_seconds or DEFAULT_HANG_FLOOR_SECONDS
+    multiple = policy.hang_step_multiple or DEFAULT_HANG_STEP_MULTIPLE
+    return max(floor, multiple * step_seconds)
 
 
 class HangWatch:
@@ -65,6 +66,10 @@ class HangWatch:
         self.steps = steps
         self.open: dict[int, Incident] = {}  # incident (job.hang event id) -> what is known
         self.declared: set[tuple[str, int, int]] = set()  # (job, generation, step)
+        # When each live job was last seen not RUNNING (paused, recovering): silence is
+        # measured from then at the earliest, so a job resumed after a long pause is not
+        # taken for hung before its first step.
+        self.held_at: dict[str, float] = {}
 
     async def check(self) -> None:
         """Declare the hangs found; act on the incidents whose stacks are in."""
@@ -75,7 +80,16 @@ class HangWatch:
     async def _declare(self) -> None:
         leader, now = self.leader, self.leader.clock()
         async with leader.store.read() as session:
-            jobs = await lifecycle.live_jobs(session, (JobState.RUNNING,))
+            live = await lifecycle.live_jobs(session)
+        ids = {job.id for job in live}  # what ended is forgotten
+        self.held_at = {job_id: at for job_id, at in self.held_at.items() if job_id in ids}
+        self.declared = {key for key in self.declared if key[0] in ids}
+        jobs = []
+        for job in live:
+            if job.state is JobState.RUNNING:
+                jobs.append(job)
+            else:
+                self.held_at[job.id] = now
         for job in jobs:
             watch = self.steps.watches.get(job.id)
             if watch is None or watch.detector_generation != job.generation:
@@ -84,7 +98,7 @@ class HangWatch:
                 continue  # no step seen in this generation yet: starting, not hanging
             spec = spec_from_json(job.spec)
             limit = threshold(spec.integrity, watch.step_seconds())
-            silent = now - watch.progressed_at
+            silent = now - max(watch.progressed_at, self.held_at.get(job.id, watch.progressed_at))
             key = (job.id, job.generation, watch.newest_seen)
             if silent < limit or key in self.declared:
                 continue
