@@ -140,6 +140,11 @@ EXAMPLE_CONFIG = """\
 # name resolves to loopback or to a network the other nodes cannot reach.
 # advertise_host: ""
 
+# A node that runs no ranks checks itself this often, seconds (and at the agent's
+# start): GPU health, a small matrix product on each GPU checked against its known
+# result. A failed preflight quarantines the node until it passes and is uncordoned.
+# preflight_interval_seconds: 300.0
+
 # Unix socket of a fork server (python -m pitstop.agent.forkserver --socket PATH
 # --preload torch) that forks this node's ranks and standby processes with torch
 # imported once, where several agents share a host (a local cluster, tests). It forks
