@@ -126,3 +126,16 @@ def test_drops_the_oldest_windows_beyond_capacity_and_counts_them() -> None:
 def test_rejects_an_empty_capacity() -> None:
     with pytest.raises(ValueError, match="max_windows 0"):
         StepSummarizer(max_windows=0)
+
+
+def test_the_gradient_norm_is_the_mean_of_the_ranks_that_state_one() -> None:
+    steps = StepSummarizer()
+    steps.add("a", 1, sample(0, 4, loss=2.0, grad_norm=1.5))
+    steps.add("a", 1, sample(1, 4, loss=2.0, grad_norm=2.5))
+    steps.add("a", 1, sample(2, 4, loss=2.0))  # a script that does not give it
+    (summary,) = steps.drain()
+    assert (summary.loss_step, summary.grad_norm) == (4, 2.0)
+    for rank in range(3):
+        steps.add("a", 1, sample(rank, 5, loss=2.0))
+    (quiet,) = steps.drain()
+    assert quiet.grad_norm == 0.0  # nobody stated one at the slowest step

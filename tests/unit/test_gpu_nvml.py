@@ -124,7 +124,8 @@ class FakeNvml:
         return self.answer(gpu, "name", "NVIDIA H100 80GB HBM3")  # type: ignore[no-any-return]
 
     def nvmlDeviceGetMemoryInfo(self, gpu: FakeGpu) -> Any:
-        return SimpleNamespace(total=self.answer(gpu, "memory", 80 << 30))
+        total = self.answer(gpu, "memory", 80 << 30)
+        return SimpleNamespace(total=total, used=self.answer(gpu, "memory_used", 61 << 30))
 
     def nvmlDeviceGetPciInfo(self, gpu: FakeGpu) -> Any:
         return SimpleNamespace(busId=f"00000000:{0x18 + gpu.index:02X}:00.0".encode())
@@ -143,6 +144,9 @@ class FakeNvml:
 
     def nvmlDeviceGetPowerUsage(self, gpu: FakeGpu) -> int:
         return self.answer(gpu, "power", 312_500)  # type: ignore[no-any-return]
+
+    def nvmlDeviceGetUtilizationRates(self, gpu: FakeGpu) -> Any:
+        return self.answer(gpu, "utilization", SimpleNamespace(gpu=87, memory=40))
 
     def nvmlDeviceGetTotalEccErrors(self, gpu: FakeGpu, error_type: int, counter: int) -> int:
         counts = {(1, 0): 2, (1, 1): 5, (0, 0): 10, (0, 1): 30}
@@ -256,6 +260,8 @@ def test_every_reading(backend: NvmlBackend) -> None:
     assert (reading.index, reading.uuid) == (0, "GPU-fake-0")
     assert reading.temperature_c == 41.0
     assert reading.power_w == 312.5
+    assert reading.utilization_percent == 87.0
+    assert reading.memory_used_bytes == 61 << 30
     assert (reading.ecc_corrected_volatile, reading.ecc_corrected_aggregate) == (10, 30)
     assert (reading.ecc_uncorrected_volatile, reading.ecc_uncorrected_aggregate) == (2, 5)
     assert (reading.remapped_rows_correctable, reading.remapped_rows_uncorrectable) == (3, 1)

@@ -294,3 +294,20 @@ def test_a_rank_fault_is_handed_to_its_gpus_rank_once_and_leaves_the_readings(
     sim.inject_fault(fault)
     sim.inject_fault(common_pb2.Fault(gpu_index=1, clear=True))
     assert sim.take_rank_fault(1) == rank_pb2.RANK_FAULT_NONE
+
+
+def test_utilization_and_memory_in_use_are_exported_per_gpu() -> None:
+    from prometheus_client import generate_latest
+
+    from pitstop.agent.metrics import AgentMetrics
+    from pitstop.health.verdict import assess_gpu
+
+    sim = backend()
+    sim.set_reading(1, utilization_percent=87.0, memory_used_bytes=61 << 30)
+    metrics = AgentMetrics("n1")
+    metrics.observe_health([assess_gpu(r, previous=None) for r in sim.read_health()])
+    text = generate_latest(metrics.registry).decode()
+    uuid = sim.inventory()[1].uuid
+    labels = f'gpu="1",node="n1",uuid="{uuid}"'
+    assert f"pitstop_agent_gpu_utilization_ratio{{{labels}}} 0.87" in text
+    assert f"pitstop_agent_gpu_memory_used_bytes{{{labels}}} 6.5498251264e+10" in text

@@ -49,6 +49,11 @@ class AgentMetrics:
 
         self.temperature = gpu_gauge("gpu_temperature_celsius", "GPU core temperature.")
         self.power = gpu_gauge("gpu_power_watts", "GPU power draw.")
+        self.utilization = gpu_gauge(
+            "gpu_utilization_ratio",
+            "Share of the last sample period a kernel ran on the GPU (NVML), 0 to 1.",
+        )
+        self.memory_used = gpu_gauge("gpu_memory_used_bytes", "GPU device memory in use.")
         self.ecc_errors = gpu_gauge(
             "gpu_ecc_errors",
             "ECC error count as NVML reports it (cumulative reading, may reset with the driver).",
@@ -184,9 +189,15 @@ class AgentMetrics:
                 # A lost GPU reads as zeros; keep the last real values out of the way.
                 _remove(self.temperature, labels)
                 _remove(self.power, labels)
+                _remove(self.utilization, labels)
+                _remove(self.memory_used, labels)
                 continue
             _set(self.temperature, labels, gpu.temperature_c, "temperature_c" in unsupported)
             _set(self.power, labels, gpu.power_w, "power_w" in unsupported)
+            busy = gpu.utilization_percent / 100.0
+            _set(self.utilization, labels, busy, "utilization_percent" in unsupported)
+            used = gpu.memory_used_bytes
+            _set(self.memory_used, labels, used, "memory_used_bytes" in unsupported)
             for kind in ("corrected", "uncorrected"):
                 for scope in ("volatile", "aggregate"):
                     field = f"ecc_{kind}_{scope}"

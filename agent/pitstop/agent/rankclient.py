@@ -98,8 +98,10 @@ class RankControlClient:
         peak_flops: float = 0.0,
         restored_at: float = 0.0,
         restored_from: str = "",
+        grad_norm: float = 0.0,
     ) -> bool:
-        """Report a finished step; True when a command waits on the command stream.
+        """Report a finished step (`grad_norm`: its gradient norm, 0 when not stated); True
+        when a command waits on the command stream.
         `model_flops`: the model FLOPs of the step's `tokens` on this rank; `peak_flops`:
         the peak FLOP/s of its accelerator (0: not stated; see StepSample). `restored_at`
         (epoch seconds, 0: not this step) and `restored_from`: on the first step after a
@@ -116,6 +118,7 @@ class RankControlClient:
             time=now,
             model_flops=model_flops,
             peak_flops=peak_flops,
+            grad_norm=grad_norm,
         )
         if restored_at > 0:
             sample.restored_at.FromNanoseconds(int(restored_at * 1e9))

@@ -24,7 +24,7 @@ from pitstop.v1 import agent_pb2
 
 DEFAULT_MAX_WINDOWS = 65536
 LOSSES_KEPT = 8
-"""Recent (step, loss) pairs kept per rank: enough to find every rank's loss at the
+"""Recent (step, loss, gradient norm) triples kept per rank: enough to find every rank's loss at the
 node's slowest step while ranks are a step or two apart."""
 
 
@@ -36,7 +36,7 @@ class _Generation:
     fold: WindowFold
     newest: dict[int, int] = field(default_factory=dict)
     """Each rank's newest step."""
-    losses: dict[int, deque[tuple[int, float]]] = field(default_factory=dict)
+    losses: dict[int, deque[tuple[int, float, float]]] = field(default_factory=dict)
     peaks: dict[int, float] = field(default_factory=dict)
     # Since the last summary:
     samples: int = 0
@@ -106,7 +106,7 @@ class StepSummarizer:
             losses = current.losses.get(rank)
             if losses is None:
                 losses = current.losses[rank] = deque(maxlen=LOSSES_KEPT)
-            losses.append((sample.step, sample.loss))
+            losses.append((sample.step, sample.loss, sample.grad_norm))
             if current.ended is None or sample.time.ToNanoseconds() >= (
                 current.ended.time.ToNanoseconds()
             ):
@@ -165,8 +165,14 @@ def _summary(
     losses = [
         loss
         for kept in current.losses.values()
-        for step, loss in kept
+        for step, loss, _ in kept
         if step == slowest and loss == loss  # not NaN
+    ]
+    norms = [
+        norm
+        for kept in current.losses.values()
+        for step, _, norm in kept
+        if step == slowest and norm > 0  # stated (NaN is not > 0)
     ]
     summary = agent_pb2.StepSummary(
         job_id=job_id,
@@ -180,6 +186,7 @@ def _summary(
         peak_flops=sum(current.peaks.values()),
         loss_step=slowest if losses else 0,
         loss=sum(losses) / len(losses) if losses else 0.0,
+        grad_norm=sum(norms) / len(norms) if norms else 0.0,
         windows=[w.to_proto() for w in windows],
         restored=current.restored,
     )

@@ -69,7 +69,7 @@ class Heartbeat(_message.Message):
     def __init__(self, time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., health: _Optional[_Union[_common_pb2.NodeHealth, _Mapping]] = ..., running_ranks: _Optional[_Iterable[_Union[RunningRank, _Mapping]]] = ...) -> None: ...
 
 class StepSample(_message.Message):
-    __slots__ = ("rank", "step", "step_seconds", "loss", "tokens", "checkpoint_step", "time", "model_flops", "peak_flops", "restored_at", "restored_from")
+    __slots__ = ("rank", "step", "step_seconds", "loss", "tokens", "checkpoint_step", "time", "model_flops", "peak_flops", "restored_at", "restored_from", "grad_norm")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class StepSample(_message.Message):
     PEAK_FLOPS_FIELD_NUMBER: _ClassVar[int]
     RESTORED_AT_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FROM_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     step_seconds: float
@@ -92,10 +93,11 @@ class StepSample(_message.Message):
     peak_flops: float
     restored_at: _timestamp_pb2.Timestamp
     restored_from: str
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., checkpoint_step: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model_flops: _Optional[float] = ..., peak_flops: _Optional[float] = ..., restored_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., restored_from: _Optional[str] = ...) -> None: ...
+    grad_norm: float
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., step_seconds: _Optional[float] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., checkpoint_step: _Optional[bool] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., model_flops: _Optional[float] = ..., peak_flops: _Optional[float] = ..., restored_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., restored_from: _Optional[str] = ..., grad_norm: _Optional[float] = ...) -> None: ...
 
 class StepSummary(_message.Message):
-    __slots__ = ("job_id", "generation", "node_id", "ranks", "slowest_step", "newest_step", "samples", "tokens", "model_flops", "peak_flops", "loss_step", "loss", "time", "windows", "restored")
+    __slots__ = ("job_id", "generation", "node_id", "ranks", "slowest_step", "newest_step", "samples", "tokens", "model_flops", "peak_flops", "loss_step", "loss", "time", "windows", "restored", "grad_norm")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,7 @@ class StepSummary(_message.Message):
     TIME_FIELD_NUMBER: _ClassVar[int]
     WINDOWS_FIELD_NUMBER: _ClassVar[int]
     RESTORED_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     node_id: str
@@ -126,7 +129,8 @@ class StepSummary(_message.Message):
     time: _timestamp_pb2.Timestamp
     windows: _containers.RepeatedCompositeFieldContainer[RankWindow]
     restored: _containers.RepeatedCompositeFieldContainer[RankRestored]
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., node_id: _Optional[str] = ..., ranks: _Optional[int] = ..., slowest_step: _Optional[int] = ..., newest_step: _Optional[int] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., model_flops: _Optional[float] = ..., peak_flops: _Optional[float] = ..., loss_step: _Optional[int] = ..., loss: _Optional[float] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., windows: _Optional[_Iterable[_Union[RankWindow, _Mapping]]] = ..., restored: _Optional[_Iterable[_Union[RankRestored, _Mapping]]] = ...) -> None: ...
+    grad_norm: float
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., node_id: _Optional[str] = ..., ranks: _Optional[int] = ..., slowest_step: _Optional[int] = ..., newest_step: _Optional[int] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., model_flops: _Optional[float] = ..., peak_flops: _Optional[float] = ..., loss_step: _Optional[int] = ..., loss: _Optional[float] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., windows: _Optional[_Iterable[_Union[RankWindow, _Mapping]]] = ..., restored: _Optional[_Iterable[_Union[RankRestored, _Mapping]]] = ..., grad_norm: _Optional[float] = ...) -> None: ...
 
 class RankWindow(_message.Message):
     __slots__ = ("rank", "window", "steps", "timed", "median_seconds", "max_seconds", "first_step")

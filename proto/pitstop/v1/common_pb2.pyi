@@ -179,7 +179,7 @@ class NvLinkStatus(_message.Message):
     def __init__(self, link: _Optional[int] = ..., active: _Optional[bool] = ..., crc_errors: _Optional[int] = ..., replay_errors: _Optional[int] = ..., recovery_errors: _Optional[int] = ...) -> None: ...
 
 class GpuHealth(_message.Message):
-    __slots__ = ("index", "uuid", "temperature_c", "power_w", "ecc_corrected_volatile", "ecc_uncorrected_volatile", "ecc_corrected_aggregate", "ecc_uncorrected_aggregate", "remapped_rows_correctable", "remapped_rows_uncorrectable", "remapped_rows_pending", "remapped_rows_failure", "retired_pages_single_bit", "retired_pages_double_bit", "retired_pages_pending", "clock_event_reasons", "nvlinks", "pcie_replay_counter", "pcie_link_gen", "pcie_link_gen_max", "pcie_link_width", "pcie_link_width_max", "recovery_action", "lost", "verdict", "reasons", "unsupported")
+    __slots__ = ("index", "uuid", "temperature_c", "power_w", "ecc_corrected_volatile", "ecc_uncorrected_volatile", "ecc_corrected_aggregate", "ecc_uncorrected_aggregate", "remapped_rows_correctable", "remapped_rows_uncorrectable", "remapped_rows_pending", "remapped_rows_failure", "retired_pages_single_bit", "retired_pages_double_bit", "retired_pages_pending", "clock_event_reasons", "nvlinks", "pcie_replay_counter", "pcie_link_gen", "pcie_link_gen_max", "pcie_link_width", "pcie_link_width_max", "recovery_action", "lost", "verdict", "reasons", "unsupported", "utilization_percent", "memory_used_bytes")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     UUID_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_C_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,8 @@ class GpuHealth(_message.Message):
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     REASONS_FIELD_NUMBER: _ClassVar[int]
     UNSUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    UTILIZATION_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     index: int
     uuid: str
     temperature_c: float
@@ -234,7 +236,9 @@ class GpuHealth(_message.Message):
     verdict: HealthVerdict
     reasons: _containers.RepeatedScalarFieldContainer[str]
     unsupported: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., ecc_corrected_volatile: _Optional[int] = ..., ecc_uncorrected_volatile: _Optional[int] = ..., ecc_corrected_aggregate: _Optional[int] = ..., ecc_uncorrected_aggregate: _Optional[int] = ..., remapped_rows_correctable: _Optional[int] = ..., remapped_rows_uncorrectable: _Optional[int] = ..., remapped_rows_pending: _Optional[bool] = ..., remapped_rows_failure: _Optional[bool] = ..., retired_pages_single_bit: _Optional[int] = ..., retired_pages_double_bit: _Optional[int] = ..., retired_pages_pending: _Optional[bool] = ..., clock_event_reasons: _Optional[int] = ..., nvlinks: _Optional[_Iterable[_Union[NvLinkStatus, _Mapping]]] = ..., pcie_replay_counter: _Optional[int] = ..., pcie_link_gen: _Optional[int] = ..., pcie_link_gen_max: _Optional[int] = ..., pcie_link_width: _Optional[int] = ..., pcie_link_width_max: _Optional[int] = ..., recovery_action: _Optional[_Union[RecoveryAction, str]] = ..., lost: _Optional[bool] = ..., verdict: _Optional[_Union[HealthVerdict, str]] = ..., reasons: _Optional[_Iterable[str]] = ..., unsupported: _Optional[_Iterable[str]] = ...) -> None: ...
+    utilization_percent: float
+    memory_used_bytes: int
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., ecc_corrected_volatile: _Optional[int] = ..., ecc_uncorrected_volatile: _Optional[int] = ..., ecc_corrected_aggregate: _Optional[int] = ..., ecc_uncorrected_aggregate: _Optional[int] = ..., remapped_rows_correctable: _Optional[int] = ..., remapped_rows_uncorrectable: _Optional[int] = ..., remapped_rows_pending: _Optional[bool] = ..., remapped_rows_failure: _Optional[bool] = ..., retired_pages_single_bit: _Optional[int] = ..., retired_pages_double_bit: _Optional[int] = ..., retired_pages_pending: _Optional[bool] = ..., clock_event_reasons: _Optional[int] = ..., nvlinks: _Optional[_Iterable[_Union[NvLinkStatus, _Mapping]]] = ..., pcie_replay_counter: _Optional[int] = ..., pcie_link_gen: _Optional[int] = ..., pcie_link_gen_max: _Optional[int] = ..., pcie_link_width: _Optional[int] = ..., pcie_link_width_max: _Optional[int] = ..., recovery_action: _Optional[_Union[RecoveryAction, str]] = ..., lost: _Optional[bool] = ..., verdict: _Optional[_Union[HealthVerdict, str]] = ..., reasons: _Optional[_Iterable[str]] = ..., unsupported: _Optional[_Iterable[str]] = ..., utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeHealth(_message.Message):
     __slots__ = ("verdict", "reasons", "gpus")

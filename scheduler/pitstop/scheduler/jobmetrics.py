@@ -80,6 +80,11 @@ class JobMetrics:
         self.loss = gauge(
             "loss", "Training loss at the newest step all ranks reached: the mean over ranks."
         )
+        self.grad_norm = gauge(
+            "grad_norm",
+            "Gradient norm at the newest step all ranks reached, the mean over the ranks that "
+            "state one (pitstop.trainer's commit(grad_norm=...)); absent when none does.",
+        )
         self.step_seconds = gauge(
             "step_seconds",
             "Typical step time: the median of the ranks' median step times (time spent "
@@ -138,6 +143,7 @@ class JobMetrics:
             self.steps,
             self.tokens,
             self.loss,
+            self.grad_norm,
             self.step_seconds,
             self.stragglers,
             self.model_flops,
@@ -219,6 +225,9 @@ class JobMetrics:
         if last:
             losses = [s.loss for s in summaries if s.loss_step == last]
             self.loss.labels(job_id).set(sum(losses) / len(losses))
+            norms = [s.grad_norm for s in summaries if s.loss_step == last and s.grad_norm > 0]
+            if norms:
+                self.grad_norm.labels(job_id).set(sum(norms) / len(norms))
 
     def observe_ranks(self, job_id: str, *, step_seconds: float, stragglers: int) -> None:
         """The straggler detector's view of the job's ranks."""

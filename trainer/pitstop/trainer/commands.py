@@ -248,7 +248,16 @@ class StepReporter:
     def __init__(self, report: Callable[..., bool], max_queued: int = 1024) -> None:
         self._report = report
         self._queue: queue.Queue[
-            tuple[int, float, float | torch.Tensor, int, Flops, Restored | None] | None
+            tuple[
+                int,
+                float,
+                float | torch.Tensor,
+                int,
+                Flops,
+                Restored | None,
+                float | torch.Tensor | None,
+            ]
+            | None
         ]
         self._queue = queue.Queue(max_queued)
         self._failures = 0
@@ -263,6 +272,7 @@ class StepReporter:
         tokens: int,
         flops: Flops = (0.0, 0.0),
         restored: Restored | None = None,
+        grad_norm: float | torch.Tensor | None = None,
     ) -> None:
         """Queue one finished step; `restored`: on the first step after a restore, when
         and from where the rank loaded it; `flops`: its (model FLOPs, the accelerator's peak
@@ -270,14 +280,16 @@ class StepReporter:
         a GPU loss does not make the training thread wait for the device."""
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
+        if isinstance(grad_norm, torch.Tensor):
+            grad_norm = grad_norm.detach()
         try:
-            self._queue.put_nowait((step, seconds, loss, tokens, flops, restored))
+            self._queue.put_nowait((step, seconds, loss, tokens, flops, restored, grad_norm))
         except queue.Full:
             log.debug("step report queue full: step %d not reported", step)
 
     def _send(self) -> None:
         while (item := self._queue.get()) is not None:
-            step, seconds, loss, tokens, (model_flops, peak_flops), restored = item
+            step, seconds, loss, tokens, (model_flops, peak_flops), restored, norm = item
             restored_at, restored_from = restored or (0.0, "")
             try:
                 self._report(
@@ -289,6 +301,7 @@ class StepReporter:
                     peak_flops=peak_flops,
                     restored_at=restored_at,
                     restored_from=restored_from,
+                    grad_norm=0.0 if norm is None else float(norm),
                 )
                 self._failures = 0
             except grpc.RpcError as exc:

@@ -500,7 +500,7 @@ class Session:
             # statistics (with a snapshot every step, excluding them would exclude all).
             flops = (tokens * self.model_flops_per_token, self.peak_flops)
             restored, self._restored = self._restored, None
-            self._reporter.put(step, seconds, loss, tokens, flops, restored)
+            self._reporter.put(step, seconds, loss, tokens, flops, restored, grad_norm)
 
     @property
     def snapshot_failures(self) -> int:

@@ -329,6 +329,8 @@ def read_device_health(
     scalars: tuple[tuple[str, Callable[[], Any]], ...] = (
         ("temperature_c", lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
         ("power_w", lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0),
+        ("utilization_percent", lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+        ("memory_used_bytes", lambda: nvml.nvmlDeviceGetMemoryInfo(handle).used),
         ("ecc_corrected_volatile", ecc("CORRECTED", "VOLATILE")),
         ("ecc_uncorrected_volatile", ecc("UNCORRECTED", "VOLATILE")),
         ("ecc_corrected_aggregate", ecc("CORRECTED", "AGGREGATE")),
