@@ -28,6 +28,9 @@ kinds drawn with a seeded RNG, every kind once per round in a random order:
                     step and skips the batch, which the reference run then skips too
   hang              one rank blocks outside any collective (--hang): after the job's hang
                     threshold (HANG_FLOOR s here) the stacks name it and it is replaced
+  fail_preflight    the next preflight of a spare the job does not use fails
+                    (--fail-preflight): the spare is quarantined and never gets ranks;
+                    brought back (its daemons restarted, the preflight passing) afterwards
   row_remap         a pending row remap on a node's GPU (an early warning): the node
                     drains, its ranks move off at the next committed step; cleared and
                     uncordoned afterwards
@@ -87,7 +90,7 @@ from pitstop.v1 import common_pb2, jobs_pb2, nodes_pb2
 KINDS = (
     *("xid_fatal", "xid_app", "rank_kill", "node_kill", "agent_kill", "checkpointd_kill"),
     *("agent_stop", "drain", "scheduler_kill", "leader_failover", "postgres_restart"),
-    *("redis_flush", "sdc", "nan", "hang", "row_remap"),
+    *("redis_flush", "sdc", "nan", "hang", "row_remap", "fail_preflight"),
 )
 DECIDED = {
     *("xid_fatal", "xid_app", "rank_kill", "node_kill", "agent_kill", "drain", "sdc"),
@@ -423,6 +426,10 @@ class Chaos:
             target = self.cluster.leader() or "scheduler"
         elif kind in ("postgres_restart", "redis_flush"):
             target = kind.split("_")[0]
+        elif kind == "fail_preflight":  # a spare: the ranks it could have got
+            in_use = {a.node_id for a in self.job.rank_map.ranks}
+            spares = sorted(n.node_id for n in self.cluster.nodes if n.node_id not in in_use)
+            target = self.random.choice(spares)
         else:
             nodes = sorted({a.node_id for a in self.job.rank_map.ranks})
             target = self.random.choice([n for n in nodes if n != self._last_victim] or nodes)
@@ -439,6 +446,8 @@ class Chaos:
             fault_pb = common_pb2.Fault(gpu_index=0)
             setattr(fault_pb, kind, True)
             self.client.inject_fault(target, fault_pb)
+        elif kind == "fail_preflight":
+            self.client.inject_fault(target, common_pb2.Fault(gpu_index=0, fail_preflight=True))
         elif kind == "row_remap":
             self.client.inject_fault(target, common_pb2.Fault(gpu_index=0, pending_row_remap=True))
         elif kind == "rank_kill":

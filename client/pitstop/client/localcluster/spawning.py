@@ -73,6 +73,10 @@ def binary(name: str) -> str:
     return found
 
 
+LOCAL_PREFLIGHT_SECONDS = 5.0
+"""How often an idle node of a local cluster runs its preflight (pitstop.agent.preflight)."""
+
+
 @dataclass
 class _Starting:
     """A daemon just spawned, and where in its log its own output begins."""
@@ -402,7 +406,13 @@ class ClusterSpawning(ClusterState):
         ]
         if self.ca_cert is not None:  # enrolled by its checkpoint daemon, started first
             argv += ["--tls", "--ca-file", str(self.ca_cert)]
-        extra = {}
+        # An idle node checks itself every few seconds (300 on a fleet): a drilled
+        # preflight failure (inject-fault --fail-preflight) shows while one watches.
+        extra = {
+            "PITSTOP_AGENT_PREFLIGHT_INTERVAL_SECONDS": os.environ.get(
+                "PITSTOP_AGENT_PREFLIGHT_INTERVAL_SECONDS", str(LOCAL_PREFLIGHT_SECONDS)
+            )
+        }
         if self.agent_owns_checkpointd:
             argv += [
                 "--checkpointd-command",
