@@ -392,7 +392,7 @@ class Checker:
         self.skip_batch: Callable[[TrainState], object] | None = None
         self.window = LossWindow(policy.loss_window)
         self.verified = 0
-        """The newest step checked good (and snapshotted): where a rollback goes."""
+        """The newest step checked good and snapshotted: where a rollback goes."""
         self.verdicts: list[tuple[int, Verdict]] = []
         """Every verdict that was not OK, with its step (the logs and tests read it)."""
         self._replay: tuple[int, int] | None = None  # (step, its first digest)
@@ -468,8 +468,7 @@ class Checker:
         verdict = judge(rows, groups, self.window.values(), self.policy, replaying=replaying)
         if verdict.kind == OK:
             self.window.add(step, verdict.loss)
-            self.verified = step
-            return True
+            return True  # `verified` moves once the snapshot is saved (Session.commit)
         self.verdicts.append((step, verdict))
         log.warning("rank %d: step %d: %s: %s", session.rank, step, verdict.kind, verdict.detail)
         self._replay = None

@@ -131,9 +131,9 @@ class Session:
         self.inbox: Inbox | None = None
         self._reporter: StepReporter | None = None
         self.recovery = Recovery(self)
+        """In-place recoveries; `recovery.recoveries` records each one's timings."""
         self.checks = Checker(self, config.integrity, config.skip_steps)
         """The checks for silent data corruption and bad losses (see integrity.py)."""
-        """In-place recoveries; `recovery.recoveries` records each one's timings."""
         self.shape = config.shape
         """dp x pp x tp and this rank's coordinates; a Reconfigure brings the new ones."""
         self._mesh: DeviceMesh | None = None
@@ -493,7 +493,8 @@ class Session:
                 return
             if not good:
                 return  # rolled back: the loop runs the step again
-            self.snapshot(state, captured)
+            if self.snapshot(state, captured):
+                self.checks.verified = step  # a rollback can go back to it
         if self._reporter is not None:
             # `seconds` was taken before the snapshot, so its stall is in no step's time
             # and the step is not reported as a checkpoint step: it counts in straggler
