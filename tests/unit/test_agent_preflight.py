@@ -11,12 +11,18 @@ from pitstop.v1 import agent_pb2, common_pb2
 
 
 class Processes:
-    """The supervisor's view the preflight reads: the processes running here."""
+    """The supervisor's view the preflight reads: the processes running here. The loop
+    asks it once an interval, so `stop` is set once it has been asked `looks` times."""
 
     def __init__(self) -> None:
         self.now: list[agent_pb2.RunningRank] = []
+        self.looks = 0
+        self.stop = asyncio.Event()
 
     def running(self) -> list[agent_pb2.RunningRank]:
+        self.looks -= 1
+        if self.looks <= 0:
+            self.stop.set()
         return list(self.now)
 
 
@@ -49,36 +55,16 @@ def test_only_a_node_without_ranks_checks_itself() -> None:
     processes = Processes()
     preflight = Preflight(backend, processes, 0.01)
 
-    async def runs_for(ticks: int) -> int:
-        stop, check = asyncio.Event(), preflight.check
+    def intervals(looks: int) -> int:
+        """Run the loop for `looks` intervals; the preflights it ran."""
+        before, processes.looks, processes.stop = preflight.runs, looks, asyncio.Event()
+        asyncio.run(preflight.run(processes.stop))
+        return preflight.runs - before
 
-        async def counted() -> str:  # stop the loop once it has checked `ticks` times
-            failed = await check()
-            if preflight.runs >= ticks:
-                stop.set()
-            return failed
-
-        preflight.check = counted  # type: ignore[method-assign]
-        try:
-            await preflight.run(stop)
-        finally:
-            preflight.check = check  # type: ignore[method-assign]
-        return preflight.runs
-
-    # A standby touches no GPU: its node still checks itself.
+    # A standby touches no GPU: its node still checks itself, every interval.
     processes.now = [agent_pb2.RunningRank(job_id="j", standby=True)]
-    assert asyncio.run(runs_for(2)) >= 2
+    assert intervals(3) == 3
     processes.now = [agent_pb2.RunningRank(job_id="j", rank=0)]
     backend.inject_fault(common_pb2.Fault(gpu_index=0, fail_preflight=True))
-
-    async def busy() -> None:
-        stop = asyncio.Event()
-        task = asyncio.create_task(preflight.run(stop))
-        before = preflight.runs
-        await asyncio.sleep(0.1)  # ten intervals with a rank running: no preflight
-        stop.set()
-        await task
-        assert preflight.runs == before
-
-    asyncio.run(busy())
+    assert intervals(10) == 0  # a rank runs: no preflight in ten intervals
     assert backend.take_preflight_fault()  # still waiting for the next idle preflight

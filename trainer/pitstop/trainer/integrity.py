@@ -393,11 +393,10 @@ class Checker:
         self.window = LossWindow(policy.loss_window)
         self.verified = 0
         """The newest step checked good and snapshotted: where a rollback goes."""
-        self.verdicts: list[tuple[int, Verdict]] = []
-        """Every verdict that was not OK, with its step (the logs and tests read it)."""
         self._replay: tuple[int, int] | None = None  # (step, its first digest)
         self._rollbacks: list[int] = []  # steps that rolled back, for the pause
         self._digest = Digester()
+        self._groups: tuple[Shape | None, list[list[int]]] = (None, [])
         self._said_why_not = False
 
     def restored(self, step: int, metadata: Mapping[str, str]) -> None:
@@ -464,12 +463,13 @@ class Checker:
             rows = exchange(
                 Row(digest, first, float(loss), norm), session.world_size, session.device
             )
-        groups = replica_groups(session.shape)
+        if self._groups[0] is not session.shape:  # worked out once per generation
+            self._groups = (session.shape, replica_groups(session.shape))
+        groups = self._groups[1]
         verdict = judge(rows, groups, self.window.values(), self.policy, replaying=replaying)
         if verdict.kind == OK:
             self.window.add(step, verdict.loss)
             return True  # `verified` moves once the snapshot is saved (Session.commit)
-        self.verdicts.append((step, verdict))
         log.warning("rank %d: step %d: %s: %s", session.rank, step, verdict.kind, verdict.detail)
         self._replay = None
         if verdict.kind == SDC:

@@ -28,9 +28,8 @@ from pitstop.scheduler.domain import JobState
 from pitstop.scheduler.jobspec import DEFAULT_HANG_FLOOR_SECONDS, DEFAULT_HANG_STEP_MULTIPLE
 from pitstop.scheduler.reconcile.context import Leader, locked_job
 from pitstop.scheduler.reconcile.steps import StepFollower
-from pitstop.scheduler.services import lifecycle
 from pitstop.scheduler.services.events import record_event
-from pitstop.scheduler.services.jobs import job_nodes, spec_from_json
+from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.v1 import agent_pb2, jobs_pb2
 
 log = logging.getLogger(__name__)
@@ -46,7 +45,6 @@ class Incident:
 
     job_id: str
     generation: int
-    step: int
     world_size: int
     asked_at: float  # the leader's clock
     nodes: dict[int, str]  # rank -> node
@@ -78,14 +76,12 @@ class HangWatch:
             await self._settle(incident_id)
 
     async def _declare(self) -> None:
-        leader, now = self.leader, self.leader.clock()
-        async with leader.store.read() as session:
-            live = await lifecycle.live_jobs(session)
-        ids = {job.id for job in live}  # what ended is forgotten
-        self.held_at = {job_id: at for job_id, at in self.held_at.items() if job_id in ids}
-        self.declared = {key for key in self.declared if key[0] in ids}
+        """Over the live jobs the step follower just read (no read of its own)."""
+        now, live = self.leader.clock(), self.steps.jobs
+        self.held_at = {job_id: at for job_id, at in self.held_at.items() if job_id in live}
+        self.declared = {key for key in self.declared if key[0] in live}
         jobs = []
-        for job in live:
+        for job in live.values():
             if job.state is JobState.RUNNING:
                 jobs.append(job)
             else:
@@ -132,14 +128,10 @@ class HangWatch:
             )
             await session.flush()
             incident_id = int(event.id)
-            nodes = await job_nodes(session, job)
+        ranks = {slot.rank: slot.node_id for slot in placement.ranks}
+        nodes = sorted(set(ranks.values()))
         self.open[incident_id] = Incident(
-            job_id,
-            generation,
-            step,
-            placement.world_size,
-            leader.clock(),
-            {slot.rank: slot.node_id for slot in placement.ranks},
+            job_id, generation, placement.world_size, leader.clock(), ranks
         )
         log.warning(
             "job %s hangs after step %d: asking %d nodes for stacks", job_id, step, len(nodes)

@@ -160,6 +160,8 @@ class StepFollower:
     def __init__(self, leader: Leader) -> None:
         self.leader = leader
         self.watches: dict[str, JobWatch] = {}
+        self.jobs: dict[str, models.Job] = {}
+        """The live jobs (runnable or paused) as the last pass read them."""
         # Nodes that straggler findings ask to swap out, by job, until the next repair.
         self.swaps: dict[str, set[str]] = {}
         # One reader of the streams at a time (the exits read them too, before a finish).
@@ -187,7 +189,7 @@ class StepFollower:
 
     async def _follow(self) -> None:
         async with self.leader.store.read() as session:
-            jobs = {
+            jobs = self.jobs = {
                 j.id: j for j in await lifecycle.live_jobs(session, (*RUNNABLE, JobState.PAUSED))
             }
             lagging = await catalog.lagging_commits(

@@ -42,6 +42,33 @@ async def locked_node(session: AsyncSession, node_id: str) -> models.Node | None
     )
 
 
+def live(node: models.Node) -> bool:
+    """Whether a node may be quarantined or drained: not already UNHEALTHY or LOST."""
+    return node.state in _LIVE
+
+
+async def quarantine(
+    session: AsyncSession,
+    node: models.Node,
+    *,
+    reason: str,
+    actor: str,
+    attributes: Mapping[str, str] | None = None,
+) -> None:
+    """UNHEALTHY with its event (`node` locked, `live`), and the shards its checkpoint
+    daemon held forgotten: no job places ranks there, and no restore reads from it."""
+    move_node(
+        session,
+        node,
+        NodeState.UNHEALTHY,
+        kind="node.unhealthy",
+        reason=reason,
+        actor=actor,
+        attributes=dict(attributes) if attributes else None,
+    )
+    await catalog.forget_node(session, node.id)
+
+
 async def record_xid(
     session: AsyncSession, node_id: str, xid: common_pb2.XidEvent, *, now: dt.datetime
 ) -> NodeState | None:
@@ -73,16 +100,7 @@ async def record_xid(
     if node is None:
         return None
     if info.xid_class is XidClass.FATAL and node.state in _LIVE:
-        move_node(
-            session,
-            node,
-            NodeState.UNHEALTHY,
-            kind="node.unhealthy",
-            reason=reason,
-            actor=actor,
-            attributes=attributes,
-        )
-        await catalog.forget_node(session, node_id)
+        await quarantine(session, node, reason=reason, actor=actor, attributes=attributes)
         return node.state
     if info.xid_class is XidClass.WARNING and node.state in (NodeState.READY, NodeState.CORDONED):
         move_node(
@@ -114,10 +132,7 @@ async def apply_health(
     reason = "; ".join(health.reasons) or _VERDICT_NAMES.get(health.verdict, "unknown")
     actor = f"agent:{node_id}"
     if health.verdict == common_pb2.HEALTH_VERDICT_FATAL and node.state in _LIVE:
-        move_node(
-            session, node, NodeState.UNHEALTHY, kind="node.unhealthy", reason=reason, actor=actor
-        )
-        await catalog.forget_node(session, node_id)
+        await quarantine(session, node, reason=reason, actor=actor)
         return node.state
     if health.verdict == common_pb2.HEALTH_VERDICT_WARNING and node.state in (
         NodeState.READY,

@@ -15,14 +15,12 @@ from __future__ import annotations
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.db import models
-from pitstop.scheduler.domain import JobState, NodeState
-from pitstop.scheduler.services import catalog
+from pitstop.scheduler.domain import JobState
+from pitstop.scheduler.services import lifecycle
 from pitstop.scheduler.services.events import record_event
-from pitstop.scheduler.services.health import locked_node
-from pitstop.scheduler.services.nodes import move_node
+from pitstop.scheduler.services.health import live, locked_node, quarantine
 from pitstop.v1 import agent_pb2
 
-_LIVE = (NodeState.READY, NodeState.CORDONED, NodeState.DRAINING)
 _EVENTS = {
     agent_pb2.FINDING_KIND_SDC: "job.sdc_detected",
     agent_pb2.FINDING_KIND_SDC_UNLOCATED: "job.sdc_unlocated",
@@ -70,21 +68,17 @@ async def record_finding(
         skipped = set(job.integrity.get("skipped_steps", [])) | {int(finding.skipped_step)}
         job.integrity = {**job.integrity, "skipped_steps": sorted(skipped)}
     if finding.pause and job.state is JobState.RUNNING:
-        previous, job.state = job.state, JobState.PAUSED
-        job.reason = (
-            f"paused by its integrity checks at step {finding.step}: {reason}"
-            if finding.kind == agent_pb2.FINDING_KIND_SDC_UNLOCATED
-            else f"paused by its integrity checks: rollbacks reached the policy's maximum "
-            f"(spec.integrity.max_rollbacks), the last at step {finding.step}: {reason}"
-        )
-        record_event(
+        lifecycle.transition(
             session,
-            "job.pause",
-            actor=actor,
-            job_id=job.id,
-            from_state=previous.value,
-            to_state=job.state.value,
-            reason=job.reason,
+            job,
+            JobState.PAUSED,
+            kind="job.pause",
+            reason=(
+                f"paused by its integrity checks at step {finding.step}: {reason}"
+                if finding.kind == agent_pb2.FINDING_KIND_SDC_UNLOCATED
+                else "paused by its integrity checks: rollbacks reached the policy's maximum "
+                f"(spec.integrity.max_rollbacks), the last at step {finding.step}: {reason}"
+            ),
         )
         return job
     return None
@@ -97,13 +91,11 @@ async def _quarantine(
     attributes: dict[str, str],
 ) -> None:
     node = await locked_node(session, node_id)
-    if node is None or node.state not in _LIVE:
+    if node is None or not live(node):
         return
-    move_node(
+    await quarantine(
         session,
         node,
-        NodeState.UNHEALTHY,
-        kind="node.unhealthy",
         reason=(
             f"sdc: GPU {finding.gpu_index} computed a wrong result at step {finding.step} of "
             f"job {finding.job_id} (rank {finding.rank}: digest {finding.digest}, its "
@@ -112,4 +104,3 @@ async def _quarantine(
         actor=f"agent:{node_id}",
         attributes={**attributes, "cause": "sdc"},
     )
-    await catalog.forget_node(session, node_id)
