@@ -254,7 +254,7 @@ class CommandAck(_message.Message):
     def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
-    __slots__ = ("seq", "register", "heartbeat", "xid", "step_summary", "rank_exited", "ack", "finding", "stacks")
+    __slots__ = ("seq", "register", "heartbeat", "xid", "step_summary", "rank_exited", "ack", "finding", "stacks", "run_record")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
@@ -264,6 +264,7 @@ class AgentMessage(_message.Message):
     ACK_FIELD_NUMBER: _ClassVar[int]
     FINDING_FIELD_NUMBER: _ClassVar[int]
     STACKS_FIELD_NUMBER: _ClassVar[int]
+    RUN_RECORD_FIELD_NUMBER: _ClassVar[int]
     seq: int
     register: Register
     heartbeat: Heartbeat
@@ -273,7 +274,8 @@ class AgentMessage(_message.Message):
     ack: CommandAck
     finding: IntegrityFinding
     stacks: RankStacks
-    def __init__(self, seq: _Optional[int] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., xid: _Optional[_Union[_common_pb2.XidEvent, _Mapping]] = ..., step_summary: _Optional[_Union[StepSummary, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., finding: _Optional[_Union[IntegrityFinding, _Mapping]] = ..., stacks: _Optional[_Union[RankStacks, _Mapping]] = ...) -> None: ...
+    run_record: RunRecord
+    def __init__(self, seq: _Optional[int] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., xid: _Optional[_Union[_common_pb2.XidEvent, _Mapping]] = ..., step_summary: _Optional[_Union[StepSummary, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., finding: _Optional[_Union[IntegrityFinding, _Mapping]] = ..., stacks: _Optional[_Union[RankStacks, _Mapping]] = ..., run_record: _Optional[_Union[RunRecord, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("node_id", "heartbeat_interval_seconds", "role", "state", "refresh_interval_seconds")
@@ -323,18 +325,20 @@ class StartRanks(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., standby_gpus: _Optional[_Iterable[int]] = ..., beside_ranks: _Optional[bool] = ..., step_windows: _Optional[_Union[StepWindows, _Mapping]] = ...) -> None: ...
 
 class StopRanks(_message.Message):
-    __slots__ = ("job_id", "ranks", "grace_seconds", "reason", "kill")
+    __slots__ = ("job_id", "ranks", "grace_seconds", "reason", "kill", "at_boundary")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     KILL_FIELD_NUMBER: _ClassVar[int]
+    AT_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
     grace_seconds: float
     reason: str
     kill: bool
-    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., grace_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., kill: _Optional[bool] = ...) -> None: ...
+    at_boundary: bool
+    def __init__(self, job_id: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., grace_seconds: _Optional[float] = ..., reason: _Optional[str] = ..., kill: _Optional[bool] = ..., at_boundary: _Optional[bool] = ...) -> None: ...
 
 class Reconfigure(_message.Message):
     __slots__ = ("job_id", "generation", "rank_map", "rendezvous_address", "restore_step", "adopted_ranks", "step_windows", "skipped_steps")
@@ -437,3 +441,60 @@ class RenewRequest(_message.Message):
     CSR_PEM_FIELD_NUMBER: _ClassVar[int]
     csr_pem: str
     def __init__(self, csr_pem: _Optional[str] = ...) -> None: ...
+
+class CodeVersion(_message.Message):
+    __slots__ = ("git_commit", "dirty", "dirty_digest", "working_dir")
+    GIT_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    DIRTY_FIELD_NUMBER: _ClassVar[int]
+    DIRTY_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
+    git_commit: str
+    dirty: bool
+    dirty_digest: str
+    working_dir: str
+    def __init__(self, git_commit: _Optional[str] = ..., dirty: _Optional[bool] = ..., dirty_digest: _Optional[str] = ..., working_dir: _Optional[str] = ...) -> None: ...
+
+class EnvironmentVersion(_message.Message):
+    __slots__ = ("python", "torch", "pitstop", "cuda", "nccl", "image", "env")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PYTHON_FIELD_NUMBER: _ClassVar[int]
+    TORCH_FIELD_NUMBER: _ClassVar[int]
+    PITSTOP_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    NCCL_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    python: str
+    torch: str
+    pitstop: str
+    cuda: str
+    nccl: str
+    image: str
+    env: _containers.ScalarMap[str, str]
+    def __init__(self, python: _Optional[str] = ..., torch: _Optional[str] = ..., pitstop: _Optional[str] = ..., cuda: _Optional[str] = ..., nccl: _Optional[str] = ..., image: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class RunRecord(_message.Message):
+    __slots__ = ("job_id", "generation", "rank", "code", "environment", "data_digest", "data_source", "start_step")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    DATA_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    generation: int
+    rank: int
+    code: CodeVersion
+    environment: EnvironmentVersion
+    data_digest: str
+    data_source: str
+    start_step: int
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., code: _Optional[_Union[CodeVersion, _Mapping]] = ..., environment: _Optional[_Union[EnvironmentVersion, _Mapping]] = ..., data_digest: _Optional[str] = ..., data_source: _Optional[str] = ..., start_step: _Optional[int] = ...) -> None: ...

@@ -98,7 +98,7 @@ class IntegrityPolicy(_message.Message):
     def __init__(self, sdc_check_disabled: _Optional[bool] = ..., spike_watch_disabled: _Optional[bool] = ..., loss_window: _Optional[int] = ..., spike_sigma: _Optional[float] = ..., max_rollbacks: _Optional[int] = ..., hang_floor_seconds: _Optional[float] = ..., hang_step_multiple: _Optional[float] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "command", "tp", "pp", "dp", "gpus_per_node", "min_dp", "spares", "priority", "max_restarts", "checkpoint", "env", "straggler", "working_dir", "standby_processes", "integrity")
+    __slots__ = ("name", "command", "tp", "pp", "dp", "gpus_per_node", "min_dp", "spares", "priority", "max_restarts", "checkpoint", "env", "straggler", "working_dir", "standby_processes", "integrity", "project", "preemptible", "min_run_seconds")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,9 @@ class JobSpec(_message.Message):
     WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
     STANDBY_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     INTEGRITY_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIBLE_FIELD_NUMBER: _ClassVar[int]
+    MIN_RUN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     command: _containers.RepeatedScalarFieldContainer[str]
     tp: int
@@ -138,7 +141,10 @@ class JobSpec(_message.Message):
     working_dir: str
     standby_processes: bool
     integrity: IntegrityPolicy
-    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., min_dp: _Optional[int] = ..., spares: _Optional[int] = ..., priority: _Optional[int] = ..., max_restarts: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointPolicy, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., straggler: _Optional[_Union[StragglerPolicy, _Mapping]] = ..., working_dir: _Optional[str] = ..., standby_processes: _Optional[bool] = ..., integrity: _Optional[_Union[IntegrityPolicy, _Mapping]] = ...) -> None: ...
+    project: str
+    preemptible: bool
+    min_run_seconds: int
+    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., min_dp: _Optional[int] = ..., spares: _Optional[int] = ..., priority: _Optional[int] = ..., max_restarts: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointPolicy, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., straggler: _Optional[_Union[StragglerPolicy, _Mapping]] = ..., working_dir: _Optional[str] = ..., standby_processes: _Optional[bool] = ..., integrity: _Optional[_Union[IntegrityPolicy, _Mapping]] = ..., project: _Optional[str] = ..., preemptible: _Optional[bool] = ..., min_run_seconds: _Optional[int] = ...) -> None: ...
 
 class Goodput(_message.Message):
     __slots__ = ("productive_seconds", "detect_seconds", "recovery_seconds", "recompute_seconds", "ratio", "recoveries", "incidents", "incident_count")
@@ -211,7 +217,7 @@ class RankStepStats(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., p50_seconds: _Optional[float] = ..., p99_seconds: _Optional[float] = ..., straggler: _Optional[bool] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("id", "spec", "state", "reason", "generation", "rank_map", "created_at", "updated_at", "restarts", "current_step", "committed_step", "durable_step", "goodput", "rank_stats", "result", "skipped_steps")
+    __slots__ = ("id", "spec", "state", "reason", "generation", "rank_map", "created_at", "updated_at", "restarts", "current_step", "committed_step", "durable_step", "goodput", "rank_stats", "result", "skipped_steps", "queue_position", "preemptions")
     class ResultEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +241,8 @@ class Job(_message.Message):
     RANK_STATS_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     id: str
     spec: JobSpec
     state: _common_pb2.JobState
@@ -251,15 +259,106 @@ class Job(_message.Message):
     rank_stats: _containers.RepeatedCompositeFieldContainer[RankStepStats]
     result: _containers.ScalarMap[str, str]
     skipped_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., restarts: _Optional[int] = ..., current_step: _Optional[int] = ..., committed_step: _Optional[int] = ..., durable_step: _Optional[int] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., rank_stats: _Optional[_Iterable[_Union[RankStepStats, _Mapping]]] = ..., result: _Optional[_Mapping[str, str]] = ..., skipped_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    queue_position: int
+    preemptions: int
+    def __init__(self, id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.JobState, str]] = ..., reason: _Optional[str] = ..., generation: _Optional[int] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., restarts: _Optional[int] = ..., current_step: _Optional[int] = ..., committed_step: _Optional[int] = ..., durable_step: _Optional[int] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., rank_stats: _Optional[_Iterable[_Union[RankStepStats, _Mapping]]] = ..., result: _Optional[_Mapping[str, str]] = ..., skipped_steps: _Optional[_Iterable[int]] = ..., queue_position: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+
+class GenerationRecord(_message.Message):
+    __slots__ = ("generation", "recorded_at", "code", "environment", "data_digest", "data_source", "start_step", "node_id")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_AT_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    DATA_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    recorded_at: _timestamp_pb2.Timestamp
+    code: _agent_pb2.CodeVersion
+    environment: _agent_pb2.EnvironmentVersion
+    data_digest: str
+    data_source: str
+    start_step: int
+    node_id: str
+    def __init__(self, generation: _Optional[int] = ..., recorded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., code: _Optional[_Union[_agent_pb2.CodeVersion, _Mapping]] = ..., environment: _Optional[_Union[_agent_pb2.EnvironmentVersion, _Mapping]] = ..., data_digest: _Optional[str] = ..., data_source: _Optional[str] = ..., start_step: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class DurableCheckpoint(_message.Message):
+    __slots__ = ("step", "digest", "shards", "bytes")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    digest: str
+    shards: int
+    bytes: int
+    def __init__(self, step: _Optional[int] = ..., digest: _Optional[str] = ..., shards: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class PreemptionRecord(_message.Message):
+    __slots__ = ("at", "by_job_id", "step")
+    AT_FIELD_NUMBER: _ClassVar[int]
+    BY_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    at: _timestamp_pb2.Timestamp
+    by_job_id: str
+    step: int
+    def __init__(self, at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., by_job_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class JobRecord(_message.Message):
+    __slots__ = ("job_id", "spec", "state", "created_at", "submitted_by", "submitted_code", "generations", "durable_checkpoints", "goodput", "skipped_steps", "result", "final_weights_hash", "preemptions", "current_step")
+    class ResultEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_BY_FIELD_NUMBER: _ClassVar[int]
+    SUBMITTED_CODE_FIELD_NUMBER: _ClassVar[int]
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    FINAL_WEIGHTS_HASH_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    spec: JobSpec
+    state: _common_pb2.JobState
+    created_at: _timestamp_pb2.Timestamp
+    submitted_by: str
+    submitted_code: _agent_pb2.CodeVersion
+    generations: _containers.RepeatedCompositeFieldContainer[GenerationRecord]
+    durable_checkpoints: _containers.RepeatedCompositeFieldContainer[DurableCheckpoint]
+    goodput: Goodput
+    skipped_steps: _containers.RepeatedScalarFieldContainer[int]
+    result: _containers.ScalarMap[str, str]
+    final_weights_hash: str
+    preemptions: _containers.RepeatedCompositeFieldContainer[PreemptionRecord]
+    current_step: int
+    def __init__(self, job_id: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[_common_pb2.JobState, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., submitted_by: _Optional[str] = ..., submitted_code: _Optional[_Union[_agent_pb2.CodeVersion, _Mapping]] = ..., generations: _Optional[_Iterable[_Union[GenerationRecord, _Mapping]]] = ..., durable_checkpoints: _Optional[_Iterable[_Union[DurableCheckpoint, _Mapping]]] = ..., goodput: _Optional[_Union[Goodput, _Mapping]] = ..., skipped_steps: _Optional[_Iterable[int]] = ..., result: _Optional[_Mapping[str, str]] = ..., final_weights_hash: _Optional[str] = ..., preemptions: _Optional[_Iterable[_Union[PreemptionRecord, _Mapping]]] = ..., current_step: _Optional[int] = ...) -> None: ...
+
+class JobRecordRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("spec", "request_id")
+    __slots__ = ("spec", "request_id", "code")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     spec: JobSpec
     request_id: str
-    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    code: _agent_pb2.CodeVersion
+    def __init__(self, spec: _Optional[_Union[JobSpec, _Mapping]] = ..., request_id: _Optional[str] = ..., code: _Optional[_Union[_agent_pb2.CodeVersion, _Mapping]] = ...) -> None: ...
 
 class SubmitJobResponse(_message.Message):
     __slots__ = ("job",)
@@ -328,3 +427,41 @@ class WatchJobRequest(_message.Message):
     job_id: str
     after_event_id: int
     def __init__(self, job_id: _Optional[str] = ..., after_event_id: _Optional[int] = ...) -> None: ...
+
+class Project(_message.Message):
+    __slots__ = ("name", "gpu_quota", "unlimited", "gpus_in_use", "pending_jobs", "updated_at", "updated_by")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GPU_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    UNLIMITED_FIELD_NUMBER: _ClassVar[int]
+    GPUS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_JOBS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_BY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    gpu_quota: int
+    unlimited: bool
+    gpus_in_use: int
+    pending_jobs: int
+    updated_at: _timestamp_pb2.Timestamp
+    updated_by: str
+    def __init__(self, name: _Optional[str] = ..., gpu_quota: _Optional[int] = ..., unlimited: _Optional[bool] = ..., gpus_in_use: _Optional[int] = ..., pending_jobs: _Optional[int] = ..., updated_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., updated_by: _Optional[str] = ...) -> None: ...
+
+class SetQuotaRequest(_message.Message):
+    __slots__ = ("project", "gpus", "unlimited")
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    UNLIMITED_FIELD_NUMBER: _ClassVar[int]
+    project: str
+    gpus: int
+    unlimited: bool
+    def __init__(self, project: _Optional[str] = ..., gpus: _Optional[int] = ..., unlimited: _Optional[bool] = ...) -> None: ...
+
+class ListProjectsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListProjectsResponse(_message.Message):
+    __slots__ = ("projects",)
+    PROJECTS_FIELD_NUMBER: _ClassVar[int]
+    projects: _containers.RepeatedCompositeFieldContainer[Project]
+    def __init__(self, projects: _Optional[_Iterable[_Union[Project, _Mapping]]] = ...) -> None: ...

@@ -71,6 +71,11 @@ class JobServiceStub:
                 request_serializer=pitstop_dot_v1_dot_jobs__pb2.JobStacksRequest.SerializeToString,
                 response_deserializer=pitstop_dot_v1_dot_jobs__pb2.JobStacksResponse.FromString,
                 _registered_method=True)
+        self.Record = channel.unary_unary(
+                '/pitstop.v1.JobService/Record',
+                request_serializer=pitstop_dot_v1_dot_jobs__pb2.JobRecordRequest.SerializeToString,
+                response_deserializer=pitstop_dot_v1_dot_jobs__pb2.JobRecord.FromString,
+                _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/pitstop.v1.JobService/Watch',
                 request_serializer=pitstop_dot_v1_dot_jobs__pb2.WatchJobRequest.SerializeToString,
@@ -132,6 +137,14 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Record(self, request, context):
+        """The job's experiment record: spec, code, environment, data, checkpoints, results.
+        NOT_FOUND for an unknown job.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Watch(self, request, context):
         """The job's events as they happen, after replaying those past after_event_id.
         """
@@ -176,6 +189,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.Stacks,
                     request_deserializer=pitstop_dot_v1_dot_jobs__pb2.JobStacksRequest.FromString,
                     response_serializer=pitstop_dot_v1_dot_jobs__pb2.JobStacksResponse.SerializeToString,
+            ),
+            'Record': grpc.unary_unary_rpc_method_handler(
+                    servicer.Record,
+                    request_deserializer=pitstop_dot_v1_dot_jobs__pb2.JobRecordRequest.FromString,
+                    response_serializer=pitstop_dot_v1_dot_jobs__pb2.JobRecord.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
@@ -384,6 +402,33 @@ class JobService:
             _registered_method=True)
 
     @staticmethod
+    def Record(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pitstop.v1.JobService/Record',
+            pitstop_dot_v1_dot_jobs__pb2.JobRecordRequest.SerializeToString,
+            pitstop_dot_v1_dot_jobs__pb2.JobRecord.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Watch(request,
             target,
             options=(),
@@ -400,6 +445,127 @@ class JobService:
             '/pitstop.v1.JobService/Watch',
             pitstop_dot_v1_dot_jobs__pb2.WatchJobRequest.SerializeToString,
             pitstop_dot_v1_dot_common__pb2.Event.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ProjectServiceStub:
+    """Projects and their GPU quotas.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetQuota = channel.unary_unary(
+                '/pitstop.v1.ProjectService/SetQuota',
+                request_serializer=pitstop_dot_v1_dot_jobs__pb2.SetQuotaRequest.SerializeToString,
+                response_deserializer=pitstop_dot_v1_dot_jobs__pb2.Project.FromString,
+                _registered_method=True)
+        self.List = channel.unary_unary(
+                '/pitstop.v1.ProjectService/List',
+                request_serializer=pitstop_dot_v1_dot_jobs__pb2.ListProjectsRequest.SerializeToString,
+                response_deserializer=pitstop_dot_v1_dot_jobs__pb2.ListProjectsResponse.FromString,
+                _registered_method=True)
+
+
+class ProjectServiceServicer:
+    """Projects and their GPU quotas.
+    """
+
+    def SetQuota(self, request, context):
+        """Set (or remove) a project's GPU quota; records a project.quota_set event.
+        INVALID_ARGUMENT for a bad project name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def List(self, request, context):
+        """Every project with its quota and use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ProjectServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetQuota': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQuota,
+                    request_deserializer=pitstop_dot_v1_dot_jobs__pb2.SetQuotaRequest.FromString,
+                    response_serializer=pitstop_dot_v1_dot_jobs__pb2.Project.SerializeToString,
+            ),
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=pitstop_dot_v1_dot_jobs__pb2.ListProjectsRequest.FromString,
+                    response_serializer=pitstop_dot_v1_dot_jobs__pb2.ListProjectsResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pitstop.v1.ProjectService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pitstop.v1.ProjectService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ProjectService:
+    """Projects and their GPU quotas.
+    """
+
+    @staticmethod
+    def SetQuota(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pitstop.v1.ProjectService/SetQuota',
+            pitstop_dot_v1_dot_jobs__pb2.SetQuotaRequest.SerializeToString,
+            pitstop_dot_v1_dot_jobs__pb2.Project.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pitstop.v1.ProjectService/List',
+            pitstop_dot_v1_dot_jobs__pb2.ListProjectsRequest.SerializeToString,
+            pitstop_dot_v1_dot_jobs__pb2.ListProjectsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -149,7 +149,7 @@ class CreateJoinTokenResponse(_message.Message):
     def __init__(self, token: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class ApiToken(_message.Message):
-    __slots__ = ("name", "role", "source", "created_at", "created_by", "expires_at", "revoked_at", "revoked_by")
+    __slots__ = ("name", "role", "source", "created_at", "created_by", "expires_at", "revoked_at", "revoked_by", "projects")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class ApiToken(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     REVOKED_AT_FIELD_NUMBER: _ClassVar[int]
     REVOKED_BY_FIELD_NUMBER: _ClassVar[int]
+    PROJECTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: _common_pb2.Role
     source: ApiTokenSource
@@ -166,17 +167,20 @@ class ApiToken(_message.Message):
     expires_at: _timestamp_pb2.Timestamp
     revoked_at: _timestamp_pb2.Timestamp
     revoked_by: str
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., source: _Optional[_Union[ApiTokenSource, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., created_by: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revoked_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revoked_by: _Optional[str] = ...) -> None: ...
+    projects: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., source: _Optional[_Union[ApiTokenSource, str]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., created_by: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revoked_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., revoked_by: _Optional[str] = ..., projects: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreateApiTokenRequest(_message.Message):
-    __slots__ = ("name", "role", "ttl_seconds")
+    __slots__ = ("name", "role", "ttl_seconds", "projects")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROJECTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: _common_pb2.Role
     ttl_seconds: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+    projects: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., ttl_seconds: _Optional[int] = ..., projects: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CreateApiTokenResponse(_message.Message):
     __slots__ = ("token", "record")

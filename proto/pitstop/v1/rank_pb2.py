@@ -26,7 +26,7 @@ from pitstop.v1 import agent_pb2 as pitstop_dot_v1_dot_agent__pb2
 from pitstop.v1 import common_pb2 as pitstop_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pitstop/v1/rank.proto\x12\npitstop.v1\x1a\x16pitstop/v1/agent.proto\x1a\x17pitstop/v1/common.proto\"N\n\rAttachRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0b\n\x03pid\x18\x04 \x01(\r\"p\n\x0e\x41ttachResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x14\n\x0crestore_step\x18\x02 \x01(\x04\x12\x1b\n\x13\x63heckpointd_address\x18\x03 \x01(\t\x12\x17\n\x0fslow_multiplier\x18\x04 \x01(\x01\"f\n\nStepReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12&\n\x06sample\x18\x04 \x01(\x0b\x32\x16.pitstop.v1.StepSample\"q\n\x12StepReportResponse\x12\x17\n\x0f\x63ommand_pending\x18\x01 \x01(\x08\x12\x17\n\x0fslow_multiplier\x18\x02 \x01(\x01\x12)\n\nrank_fault\x18\x03 \x01(\x0e\x32\x15.pitstop.v1.RankFault\"\x11\n\x0f\x46indingResponse\"4\n\x14\x43ommandStreamRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\"\xd0\x01\n\x0bRankCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12%\n\x05pause\x18\x02 \x01(\x0b\x32\x14.pitstop.v1.PauseJobH\x00\x12\'\n\x06resume\x18\x03 \x01(\x0b\x32\x15.pitstop.v1.ResumeJobH\x00\x12.\n\x0breconfigure\x18\x04 \x01(\x0b\x32\x17.pitstop.v1.ReconfigureH\x00\x12%\n\x04stop\x18\x05 \x01(\x0b\x32\x15.pitstop.v1.StopRanksH\x00\x42\x06\n\x04\x62ody\"d\n\x07RankAck\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\ncommand_id\x18\x03 \x01(\x04\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x04\"\x11\n\x0fRankAckResponse\"-\n\x0eStandbyRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\"v\n\x11StandbyAssignment\x12,\n\x0breconfigure\x18\x01 \x01(\x0b\x32\x17.pitstop.v1.Reconfigure\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x11\n\tgpu_index\x18\x04 \x01(\r\"\x8d\x01\n\nRankResult\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x32\n\x06result\x18\x03 \x03(\x0b\x32\".pitstop.v1.RankResult.ResultEntry\x1a-\n\x0bResultEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x14\n\x12RankResultResponse\"5\n\x11LocalFaultRequest\x12 \n\x05\x66\x61ult\x18\x01 \x01(\x0b\x32\x11.pitstop.v1.Fault\"\x14\n\x12LocalFaultResponse*]\n\tRankFault\x12\x13\n\x0fRANK_FAULT_NONE\x10\x00\x12\x12\n\x0eRANK_FAULT_SDC\x10\x01\x12\x12\n\x0eRANK_FAULT_NAN\x10\x02\x12\x13\n\x0fRANK_FAULT_HANG\x10\x03\x32\xf6\x04\n\x0bRankControl\x12\x45\n\x06\x41ttach\x12\x19.pitstop.v1.AttachRequest\x1a\x1a.pitstop.v1.AttachResponse\"\x04\xc8\xf3\x18\x04\x12J\n\nReportStep\x12\x16.pitstop.v1.StepReport\x1a\x1e.pitstop.v1.StepReportResponse\"\x04\xc8\xf3\x18\x04\x12M\n\x08\x43ommands\x12 .pitstop.v1.CommandStreamRequest\x1a\x17.pitstop.v1.RankCommand\"\x04\xc8\xf3\x18\x04\x30\x01\x12\x45\n\x0b\x41\x63knowledge\x12\x13.pitstop.v1.RankAck\x1a\x1b.pitstop.v1.RankAckResponse\"\x04\xc8\xf3\x18\x04\x12J\n\x07Standby\x12\x1a.pitstop.v1.StandbyRequest\x1a\x1d.pitstop.v1.StandbyAssignment\"\x04\xc8\xf3\x18\x04\x12L\n\x0cReportResult\x12\x16.pitstop.v1.RankResult\x1a\x1e.pitstop.v1.RankResultResponse\"\x04\xc8\xf3\x18\x04\x12P\n\rReportFinding\x12\x1c.pitstop.v1.IntegrityFinding\x1a\x1b.pitstop.v1.FindingResponse\"\x04\xc8\xf3\x18\x04\x12R\n\x0bInjectFault\x12\x1d.pitstop.v1.LocalFaultRequest\x1a\x1e.pitstop.v1.LocalFaultResponse\"\x04\xc8\xf3\x18\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pitstop/v1/rank.proto\x12\npitstop.v1\x1a\x16pitstop/v1/agent.proto\x1a\x17pitstop/v1/common.proto\"N\n\rAttachRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x0b\n\x03pid\x18\x04 \x01(\r\"p\n\x0e\x41ttachResponse\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x14\n\x0crestore_step\x18\x02 \x01(\x04\x12\x1b\n\x13\x63heckpointd_address\x18\x03 \x01(\t\x12\x17\n\x0fslow_multiplier\x18\x04 \x01(\x01\"f\n\nStepReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12&\n\x06sample\x18\x04 \x01(\x0b\x32\x16.pitstop.v1.StepSample\"q\n\x12StepReportResponse\x12\x17\n\x0f\x63ommand_pending\x18\x01 \x01(\x08\x12\x17\n\x0fslow_multiplier\x18\x02 \x01(\x01\x12)\n\nrank_fault\x18\x03 \x01(\x0e\x32\x15.pitstop.v1.RankFault\"\x11\n\x0f\x46indingResponse\"\x13\n\x11RunRecordResponse\"4\n\x14\x43ommandStreamRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\"\xd0\x01\n\x0bRankCommand\x12\x12\n\ncommand_id\x18\x01 \x01(\x04\x12%\n\x05pause\x18\x02 \x01(\x0b\x32\x14.pitstop.v1.PauseJobH\x00\x12\'\n\x06resume\x18\x03 \x01(\x0b\x32\x15.pitstop.v1.ResumeJobH\x00\x12.\n\x0breconfigure\x18\x04 \x01(\x0b\x32\x17.pitstop.v1.ReconfigureH\x00\x12%\n\x04stop\x18\x05 \x01(\x0b\x32\x15.pitstop.v1.StopRanksH\x00\x42\x06\n\x04\x62ody\"d\n\x07RankAck\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\ncommand_id\x18\x03 \x01(\x04\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12\x0c\n\x04step\x18\x06 \x01(\x04\"\x11\n\x0fRankAckResponse\"-\n\x0eStandbyRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\"v\n\x11StandbyAssignment\x12,\n\x0breconfigure\x18\x01 \x01(\x0b\x32\x17.pitstop.v1.Reconfigure\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x11\n\tgpu_index\x18\x04 \x01(\r\"\x8d\x01\n\nRankResult\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x32\n\x06result\x18\x03 \x03(\x0b\x32\".pitstop.v1.RankResult.ResultEntry\x1a-\n\x0bResultEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x14\n\x12RankResultResponse\"5\n\x11LocalFaultRequest\x12 \n\x05\x66\x61ult\x18\x01 \x01(\x0b\x32\x11.pitstop.v1.Fault\"\x14\n\x12LocalFaultResponse*]\n\tRankFault\x12\x13\n\x0fRANK_FAULT_NONE\x10\x00\x12\x12\n\x0eRANK_FAULT_SDC\x10\x01\x12\x12\n\x0eRANK_FAULT_NAN\x10\x02\x12\x13\n\x0fRANK_FAULT_HANG\x10\x03\x32\xc5\x05\n\x0bRankControl\x12\x45\n\x06\x41ttach\x12\x19.pitstop.v1.AttachRequest\x1a\x1a.pitstop.v1.AttachResponse\"\x04\xc8\xf3\x18\x04\x12J\n\nReportStep\x12\x16.pitstop.v1.StepReport\x1a\x1e.pitstop.v1.StepReportResponse\"\x04\xc8\xf3\x18\x04\x12M\n\x08\x43ommands\x12 .pitstop.v1.CommandStreamRequest\x1a\x17.pitstop.v1.RankCommand\"\x04\xc8\xf3\x18\x04\x30\x01\x12\x45\n\x0b\x41\x63knowledge\x12\x13.pitstop.v1.RankAck\x1a\x1b.pitstop.v1.RankAckResponse\"\x04\xc8\xf3\x18\x04\x12J\n\x07Standby\x12\x1a.pitstop.v1.StandbyRequest\x1a\x1d.pitstop.v1.StandbyAssignment\"\x04\xc8\xf3\x18\x04\x12L\n\x0cReportResult\x12\x16.pitstop.v1.RankResult\x1a\x1e.pitstop.v1.RankResultResponse\"\x04\xc8\xf3\x18\x04\x12P\n\rReportFinding\x12\x1c.pitstop.v1.IntegrityFinding\x1a\x1b.pitstop.v1.FindingResponse\"\x04\xc8\xf3\x18\x04\x12M\n\x0fReportRunRecord\x12\x15.pitstop.v1.RunRecord\x1a\x1d.pitstop.v1.RunRecordResponse\"\x04\xc8\xf3\x18\x04\x12R\n\x0bInjectFault\x12\x1d.pitstop.v1.LocalFaultRequest\x1a\x1e.pitstop.v1.LocalFaultResponse\"\x04\xc8\xf3\x18\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,10 +49,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RANKCONTROL'].methods_by_name['ReportResult']._serialized_options = b'\310\363\030\004'
   _globals['_RANKCONTROL'].methods_by_name['ReportFinding']._loaded_options = None
   _globals['_RANKCONTROL'].methods_by_name['ReportFinding']._serialized_options = b'\310\363\030\004'
+  _globals['_RANKCONTROL'].methods_by_name['ReportRunRecord']._loaded_options = None
+  _globals['_RANKCONTROL'].methods_by_name['ReportRunRecord']._serialized_options = b'\310\363\030\004'
   _globals['_RANKCONTROL'].methods_by_name['InjectFault']._loaded_options = None
   _globals['_RANKCONTROL'].methods_by_name['InjectFault']._serialized_options = b'\310\363\030\003'
-  _globals['_RANKFAULT']._serialized_start=1314
-  _globals['_RANKFAULT']._serialized_end=1407
+  _globals['_RANKFAULT']._serialized_start=1335
+  _globals['_RANKFAULT']._serialized_end=1428
   _globals['_ATTACHREQUEST']._serialized_start=86
   _globals['_ATTACHREQUEST']._serialized_end=164
   _globals['_ATTACHRESPONSE']._serialized_start=166
@@ -63,28 +65,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STEPREPORTRESPONSE']._serialized_end=497
   _globals['_FINDINGRESPONSE']._serialized_start=499
   _globals['_FINDINGRESPONSE']._serialized_end=516
-  _globals['_COMMANDSTREAMREQUEST']._serialized_start=518
-  _globals['_COMMANDSTREAMREQUEST']._serialized_end=570
-  _globals['_RANKCOMMAND']._serialized_start=573
-  _globals['_RANKCOMMAND']._serialized_end=781
-  _globals['_RANKACK']._serialized_start=783
-  _globals['_RANKACK']._serialized_end=883
-  _globals['_RANKACKRESPONSE']._serialized_start=885
-  _globals['_RANKACKRESPONSE']._serialized_end=902
-  _globals['_STANDBYREQUEST']._serialized_start=904
-  _globals['_STANDBYREQUEST']._serialized_end=949
-  _globals['_STANDBYASSIGNMENT']._serialized_start=951
-  _globals['_STANDBYASSIGNMENT']._serialized_end=1069
-  _globals['_RANKRESULT']._serialized_start=1072
-  _globals['_RANKRESULT']._serialized_end=1213
-  _globals['_RANKRESULT_RESULTENTRY']._serialized_start=1168
-  _globals['_RANKRESULT_RESULTENTRY']._serialized_end=1213
-  _globals['_RANKRESULTRESPONSE']._serialized_start=1215
-  _globals['_RANKRESULTRESPONSE']._serialized_end=1235
-  _globals['_LOCALFAULTREQUEST']._serialized_start=1237
-  _globals['_LOCALFAULTREQUEST']._serialized_end=1290
-  _globals['_LOCALFAULTRESPONSE']._serialized_start=1292
-  _globals['_LOCALFAULTRESPONSE']._serialized_end=1312
-  _globals['_RANKCONTROL']._serialized_start=1410
-  _globals['_RANKCONTROL']._serialized_end=2040
+  _globals['_RUNRECORDRESPONSE']._serialized_start=518
+  _globals['_RUNRECORDRESPONSE']._serialized_end=537
+  _globals['_COMMANDSTREAMREQUEST']._serialized_start=539
+  _globals['_COMMANDSTREAMREQUEST']._serialized_end=591
+  _globals['_RANKCOMMAND']._serialized_start=594
+  _globals['_RANKCOMMAND']._serialized_end=802
+  _globals['_RANKACK']._serialized_start=804
+  _globals['_RANKACK']._serialized_end=904
+  _globals['_RANKACKRESPONSE']._serialized_start=906
+  _globals['_RANKACKRESPONSE']._serialized_end=923
+  _globals['_STANDBYREQUEST']._serialized_start=925
+  _globals['_STANDBYREQUEST']._serialized_end=970
+  _globals['_STANDBYASSIGNMENT']._serialized_start=972
+  _globals['_STANDBYASSIGNMENT']._serialized_end=1090
+  _globals['_RANKRESULT']._serialized_start=1093
+  _globals['_RANKRESULT']._serialized_end=1234
+  _globals['_RANKRESULT_RESULTENTRY']._serialized_start=1189
+  _globals['_RANKRESULT_RESULTENTRY']._serialized_end=1234
+  _globals['_RANKRESULTRESPONSE']._serialized_start=1236
+  _globals['_RANKRESULTRESPONSE']._serialized_end=1256
+  _globals['_LOCALFAULTREQUEST']._serialized_start=1258
+  _globals['_LOCALFAULTREQUEST']._serialized_end=1311
+  _globals['_LOCALFAULTRESPONSE']._serialized_start=1313
+  _globals['_LOCALFAULTRESPONSE']._serialized_end=1333
+  _globals['_RANKCONTROL']._serialized_start=1431
+  _globals['_RANKCONTROL']._serialized_end=2140
 # @@protoc_insertion_point(module_scope)

@@ -70,6 +70,10 @@ class FindingResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RunRecordResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class CommandStreamRequest(_message.Message):
     __slots__ = ("job_id", "rank")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

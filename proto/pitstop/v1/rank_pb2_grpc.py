@@ -71,6 +71,11 @@ class RankControlStub:
                 request_serializer=pitstop_dot_v1_dot_agent__pb2.IntegrityFinding.SerializeToString,
                 response_deserializer=pitstop_dot_v1_dot_rank__pb2.FindingResponse.FromString,
                 _registered_method=True)
+        self.ReportRunRecord = channel.unary_unary(
+                '/pitstop.v1.RankControl/ReportRunRecord',
+                request_serializer=pitstop_dot_v1_dot_agent__pb2.RunRecord.SerializeToString,
+                response_deserializer=pitstop_dot_v1_dot_rank__pb2.RunRecordResponse.FromString,
+                _registered_method=True)
         self.InjectFault = channel.unary_unary(
                 '/pitstop.v1.RankControl/InjectFault',
                 request_serializer=pitstop_dot_v1_dot_rank__pb2.LocalFaultRequest.SerializeToString,
@@ -131,6 +136,14 @@ class RankControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportRunRecord(self, request, context):
+        """Rank 0 reports what its generation runs (code, environment, data) for the job's
+        record.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def InjectFault(self, request, context):
         """Inject a fault on the simulated backend (local drills and tests).
         """
@@ -175,6 +188,11 @@ def add_RankControlServicer_to_server(servicer, server):
                     servicer.ReportFinding,
                     request_deserializer=pitstop_dot_v1_dot_agent__pb2.IntegrityFinding.FromString,
                     response_serializer=pitstop_dot_v1_dot_rank__pb2.FindingResponse.SerializeToString,
+            ),
+            'ReportRunRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportRunRecord,
+                    request_deserializer=pitstop_dot_v1_dot_agent__pb2.RunRecord.FromString,
+                    response_serializer=pitstop_dot_v1_dot_rank__pb2.RunRecordResponse.SerializeToString,
             ),
             'InjectFault': grpc.unary_unary_rpc_method_handler(
                     servicer.InjectFault,
@@ -372,6 +390,33 @@ class RankControl:
             '/pitstop.v1.RankControl/ReportFinding',
             pitstop_dot_v1_dot_agent__pb2.IntegrityFinding.SerializeToString,
             pitstop_dot_v1_dot_rank__pb2.FindingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportRunRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pitstop.v1.RankControl/ReportRunRecord',
+            pitstop_dot_v1_dot_agent__pb2.RunRecord.SerializeToString,
+            pitstop_dot_v1_dot_rank__pb2.RunRecordResponse.FromString,
             options,
             channel_credentials,
             insecure,

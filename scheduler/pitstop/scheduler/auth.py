@@ -43,6 +43,11 @@ class Caller:
     """The node whose certificate made the call (mutual TLS); "" for a person."""
     certificate: bytes = b""
     """That certificate (PEM), read only where its issue time matters."""
+    projects: frozenset[str] = frozenset()
+    """The projects an API token is limited to; empty: every project."""
+
+    def may_act_in(self, project: str) -> bool:
+        return not self.projects or project in self.projects
 
     @property
     def issued_at(self) -> dt.datetime | None:
@@ -240,3 +245,17 @@ class AuthorizationInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc
             return current_caller.set(caller)
 
         return wrap_handler(handler, before)
+
+
+def require_project(project: str, action: str) -> None:
+    """PermissionDenied unless the current caller may act in `project` (`action` says
+    what it asked, e.g. "cancel job j-1"). A token limited to projects reaches only
+    their jobs; every other caller reaches all."""
+    caller = current_caller.get()
+    if not caller.may_act_in(project):
+        raise PermissionDenied(
+            f"{caller.actor} may not {action}: it is limited to project(s) "
+            f"{', '.join(sorted(caller.projects))} and the job belongs to project "
+            f"{project!r}; use a token of that project (pitstop token create --project "
+            f"{project})"
+        )

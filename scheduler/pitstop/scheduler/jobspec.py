@@ -52,6 +52,19 @@ DEFAULT_SPIKE_SIGMA = 5.0
 DEFAULT_MAX_ROLLBACKS = 3
 DEFAULT_HANG_FLOOR_SECONDS = 10.0
 DEFAULT_HANG_STEP_MULTIPLE = 10.0
+DEFAULT_PROJECT = "default"
+DEFAULT_MIN_RUN_SECONDS = 60
+MAX_MIN_RUN_SECONDS = 7 * 24 * 3600
+
+
+def check_project(field: str, value: str) -> str:
+    """A project name (`field` names where it came from); InvalidArgument when bad."""
+    check_text(field, value, max_len=63)
+    if not NAME_RE.match(value):
+        raise InvalidArgument(
+            field, value, "use 1-63 lowercase letters, digits and '-', starting with a letter"
+        )
+    return value
 
 
 def check_text(field: str, value: str, *, max_len: int = MAX_STRING) -> None:
@@ -149,6 +162,15 @@ def validate_job_spec(spec: jobs_pb2.JobSpec) -> jobs_pb2.JobSpec:
         check_text(field, value)
     _at_most("spec.env", len(out.env), 1000, "use at most 1000 environment variables")
     check_text("spec.working_dir", out.working_dir)
+    out.project = check_project("spec.project", out.project or DEFAULT_PROJECT)
+    if not out.HasField("min_run_seconds"):
+        out.min_run_seconds = DEFAULT_MIN_RUN_SECONDS
+    _at_most(
+        "spec.min_run_seconds",
+        out.min_run_seconds,
+        MAX_MIN_RUN_SECONDS,
+        f"use at most {MAX_MIN_RUN_SECONDS} (a week)",
+    )
     return out
 
 

@@ -27,7 +27,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.sql.elements import ColumnElement, SQLColumnExpression
 
@@ -155,12 +155,52 @@ class Job(Base):
     integrity: Mapped[dict[str, Any]] = mapped_column(
         default=dict, server_default=text("'{}'::jsonb")
     )
+    # Its project (quota and token scope), when it last started running (a preemption's
+    # minimum run time counts from then), times preempted, its submitter and the code
+    # the submitting client saw (migration 0011).
+    project: Mapped[str] = mapped_column(String(63), default="default", server_default="default")
+    running_since: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    submitted_by: Mapped[str] = mapped_column(String(128), default="", server_default="")
+    submitted_code: Mapped[dict[str, Any]] = mapped_column(
+        default=dict, server_default=text("'{}'::jsonb")
+    )
     # Idempotency key of the Submit that created the job.
     request_id: Mapped[str | None] = mapped_column(String(128), unique=True, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(server_default=func.now())
     updated_at: Mapped[dt.datetime] = mapped_column(server_default=func.now(), onupdate=func.now())
 
-    __table_args__ = (Index("ix_jobs_state_priority", "state", "priority"),)
+    __table_args__ = (
+        Index("ix_jobs_state_priority", "state", "priority"),
+        Index("ix_jobs_project", "project"),
+    )
+
+
+class Project(Base):
+    """A project's GPU quota (None: unlimited). A project without a row has none; jobs
+    name their project in the spec (migration 0011)."""
+
+    __tablename__ = "projects"
+
+    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    gpu_quota: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    updated_at: Mapped[dt.datetime] = mapped_column(server_default=func.now())
+    updated_by: Mapped[str] = mapped_column(String(128), default="", server_default="")
+
+    __table_args__ = (CheckConstraint("gpu_quota >= 0", name="gpu_quota"),)
+
+
+class RunRecord(Base):
+    """What one generation of a job ran (code, environment, data digest), as its rank 0
+    reported it: a RunRecord message as protobuf JSON (migration 0011)."""
+
+    __tablename__ = "run_records"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    generation: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    node_id: Mapped[str] = mapped_column(String(253))
+    body: Mapped[dict[str, Any]]
+    recorded_at: Mapped[dt.datetime] = mapped_column(server_default=func.now())
 
 
 class RankAssignment(Base):
@@ -363,6 +403,10 @@ class ApiToken(Base):
     expires_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
     revoked_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
     revoked_by: Mapped[str] = mapped_column(String(128), default="")
+    # Projects it may act in; empty: every project (migration 0011).
+    projects: Mapped[list[str]] = mapped_column(
+        ARRAY(String(63)), default=list, server_default=text("'{}'::varchar[]")
+    )
 
     __table_args__ = (CheckConstraint("role IN ('viewer', 'operator', 'admin')", name="role"),)
 
