@@ -1884,3 +1884,81 @@ def test_the_3d_job_shrinks_to_one_replica_when_the_spares_run_out(cluster: Clus
     before = [losses[s] for s in range(at - 3, at + 1)]
     after = [losses[s] for s in range(steps - 3, steps + 1)]
     assert sum(after) / 4 < sum(before) / 4, (at, losses)
+
+
+def steps_run(cluster: Cluster, job: jobs_pb2.Job, rank: int) -> list[int]:
+    """Every step `rank` printed, over every node and process that ran it, sorted: a
+    step run twice (restored from before it) appears twice."""
+    steps: list[int] = []
+    for node in cluster.nodes.values():
+        path = node.rank_log(job.id, rank)
+        if path.exists():
+            steps += [
+                int(m.group(2)) for m in map(STEP_LINE.match, path.read_bytes().splitlines()) if m
+            ]
+    return sorted(steps)
+
+
+def test_a_higher_priority_job_preempts_a_preemptible_one_which_resumes_losing_no_step(
+    cluster: Cluster, standalone_hash: str, rank_forks: ForkClient, tmp_path: Path
+) -> None:
+    """A preemptible job on every worker; a job of higher priority arrives and runs
+    within 10 s of its submit. The preempted job stops at a step boundary with its
+    snapshot sealed, waits in the queue with its reason and position, resumes by itself
+    once the other finished, and ends with its own fault-free hash, every step run
+    exactly once."""
+    low = cluster.submit_spec(
+        jobs_pb2.JobSpec(
+            name=unique("low"),
+            command=[*EXAMPLE, "--log-every", "1", "--step-seconds", "0.1"],
+            dp=4,
+            gpus_per_node=1,
+            preemptible=True,
+            min_run_seconds=0,
+            env={"PYTHONUNBUFFERED": "1"},
+        )
+    )
+    cluster.wait_for_step(low, 0, 5)
+    high_steps = 20
+    submitted = time.monotonic()
+    high = cluster.jobs.Submit(
+        jobs_pb2.SubmitJobRequest(
+            spec=jobs_pb2.JobSpec(
+                name=unique("high"),
+                command=[*EXAMPLE, "--log-every", "1", "--steps", str(high_steps)],
+                dp=2,
+                gpus_per_node=1,
+                priority=10,
+                env={"PYTHONUNBUFFERED": "1"},
+            )
+        )
+    ).job
+    preempted = cluster.job_event(low.id, "job.preempted")
+    assert preempted.attributes["by"] == high.id, preempted
+    assert preempted.to_state == "pending", preempted
+    running = cluster.job_event(high.id, "job.running", "job.failed")
+    waited = time.monotonic() - submitted
+    assert running.kind == "job.running", (running, cluster.logs(high.id))
+    assert waited <= 10.0, f"the high-priority job ran {waited:.1f} s after its submit"
+    # While it runs, the preempted job waits first in the queue, and says why.
+    wait_until(
+        lambda: cluster.get(low.id).reason.startswith("capacity:"), "the queue says why it waits"
+    )
+    queued = cluster.get(low.id)
+    assert queued.state == common_pb2.JOB_STATE_PENDING
+    assert queued.queue_position == 1
+    assert queued.preemptions == 1
+    listed = CliRunner().invoke(app, [*cluster.cli_options(), "job", "list"])
+    assert listed.exit_code == 0, listed.output
+    assert "queue (pending jobs" in listed.output, listed.output
+    assert low.id in listed.output, listed.output
+    done = cluster.finish(high.id)
+    assert done.result["final_weights_sha256"] == reference_hash(rank_forks, tmp_path, high_steps)
+    resumed = cluster.job_event(low.id, "job.resuming")
+    stopped_at = int(resumed.attributes["step"])
+    assert stopped_at >= 5, resumed
+    finished = cluster.finish(low.id)
+    check_result(finished, standalone_hash)
+    for rank in range(4):
+        assert steps_run(cluster, finished, rank) == list(range(1, STEPS + 1)), rank
+    assert set(restored_steps(cluster, finished)) == {stopped_at}

@@ -223,6 +223,13 @@ class CommandExecutor:
         return ""
 
     async def _stop_ranks(self, message: agent_pb2.SchedulerMessage) -> str:
+        if message.stop_ranks.at_boundary:
+            # The ranks agree on a boundary, seal their snapshot and exit; the supervisor
+            # waits for that before it signals what is left.
+            stop = rank_pb2.RankCommand(stop=message.stop_ranks)
+            missed = await self._relay(message.stop_ranks.job_id, stop)
+            if missed:
+                log.warning("%s", missed)
         stopped = await self._supervisor.stop_ranks(message.stop_ranks)
         log.info(
             "job %s: stopped ranks %s (%s)",

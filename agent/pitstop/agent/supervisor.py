@@ -41,6 +41,9 @@ ExitCallback = Callable[[agent_pb2.RankExited], Awaitable[None]]
 """Receives every rank exit; must not await start_ranks, stop_ranks or shutdown."""
 
 DEFAULT_GRACE_SECONDS = 10.0
+PREEMPT_WAIT_SECONDS = 90.0
+"""The longest a job's start waits for another job's ranks to leave its GPUs (a
+preempted job's stop: its step boundary, then its grace) before stopping them."""
 STDERR_TAIL_BYTES = 4096
 # After SIGKILL only a process stuck in the kernel can still be alive; do not hang on it.
 KILL_WAIT_SECONDS = 30.0
@@ -157,6 +160,7 @@ class RankSupervisor:
             raise ValueError(f"StartRanks for job {job_id!r}: a rank appears twice on this node")
         master = _parse_rendezvous(command.rendezvous_address)
         cwd = _check_working_dir(job_id, command.working_dir)
+        await self._vacate({a.gpu_index for a in mine}, job_id)
         async with self._lock:
             if self._closed:
                 raise RuntimeError("the rank supervisor is shut down; it starts no ranks")
@@ -283,7 +287,10 @@ class RankSupervisor:
     async def stop_ranks(self, command: agent_pb2.StopRanks) -> list[int]:
         """SIGTERM each named rank's process group (every rank of the job when none is
         named), SIGKILL what is left after `grace_seconds` (10 when 0); waits until each
-        exit is reported and returns the ranks stopped."""
+        exit is reported and returns the ranks stopped. With `at_boundary` the ranks
+        (told by the caller to stop at their next step boundary) get `grace_seconds` to
+        exit on their own first; the job's standby processes, holding no state, stop at
+        once."""
         grace = command.grace_seconds or DEFAULT_GRACE_SECONDS
         named = set(command.ranks)
         async with self._lock:
@@ -292,18 +299,62 @@ class RankSupervisor:
                 for (job_id, rank), entry in sorted(self._ranks.items())
                 if job_id == command.job_id and (not named or rank in named)
             ]
+            standbys = []
             if not named:
                 self._standby_commands.pop(command.job_id, None)
-                targets += [e for (j, _), e in self._standbys.items() if j == command.job_id]
-            if targets:
+                standbys = [e for (j, _), e in self._standbys.items() if j == command.job_id]
+            if targets or standbys:
                 logger.info(
-                    "stopping ranks %s of job %s: %s",
+                    "stopping ranks %s of job %s%s: %s",
                     [t.rank for t in targets],
                     command.job_id,
+                    " at their next step boundary" if command.at_boundary else "",
                     command.reason or "no reason given",
                 )
+            if command.at_boundary:
+                await self._stop(standbys, DEFAULT_GRACE_SECONDS)
+                targets = await self._outlived(targets, grace)
+                grace = DEFAULT_GRACE_SECONDS
+            else:
+                targets += standbys
             await self._stop(targets, grace, signal.SIGKILL if command.kill else signal.SIGTERM)
         return [entry.rank for entry in targets if not entry.standby]
+
+    async def _outlived(self, entries: list[_Rank], seconds: float) -> list[_Rank]:
+        """Of `entries`, those still alive after waiting up to `seconds` for them to exit
+        on their own (no signal sent)."""
+        watchers = {entry.watcher: entry for entry in entries if entry.watcher is not None}
+        if not watchers:
+            return []
+        _, lingering = await asyncio.wait(watchers, timeout=max(seconds, 0.0))
+        if lingering:
+            logger.warning(
+                "%d process(es) did not stop at a step boundary within %.1f s: signalling them",
+                len(lingering),
+                seconds,
+            )
+        return [watchers[w] for w in lingering]
+
+    async def _vacate(self, gpus: set[int], job_id: str) -> None:
+        """Before a job's ranks start on `gpus`: the ranks of other jobs still there (a
+        preempted job on its way out: the scheduler booked the GPUs anew) get
+        PREEMPT_WAIT_SECONDS to exit, then are stopped. Waits outside the lock, so the
+        StopRanks that tells them to go can run meanwhile."""
+        others = [
+            e for (other, _), e in self._ranks.items() if other != job_id and e.gpu_index in gpus
+        ]
+        if not others:
+            return
+        logger.info(
+            "job %s: waiting for %s to leave GPUs %s",
+            job_id,
+            sorted({f"{e.job_id} rank {e.rank}" for e in others}),
+            sorted(gpus),
+        )
+        lingering = await self._outlived(others, PREEMPT_WAIT_SECONDS)
+        if lingering:
+            async with self._lock:
+                await self._stop(lingering, DEFAULT_GRACE_SECONDS)
 
     def running(self) -> list[agent_pb2.RunningRank]:
         """Every rank alive now, by job and rank, with the last step it reported; then

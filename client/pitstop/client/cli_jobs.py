@@ -21,7 +21,7 @@ from pitstop.client.cli_context import (
 from pitstop.client.enums import JOB_STATES, enum_words
 from pitstop.client.jobspec import load_job_spec
 from pitstop.client.render import ends_job, event_line, to_json
-from pitstop.client.render_jobs import job_state, job_view, jobs_table
+from pitstop.client.render_jobs import job_state, job_view, jobs_table, queue_table
 from pitstop.v1 import jobs_pb2
 
 jobs_app = typer.Typer(help="Submit, inspect and control training jobs.", no_args_is_help=True)
@@ -74,6 +74,10 @@ def list_jobs(
         typer.echo("no jobs" + (" in that state" if states else ""))
     else:
         console().print(jobs_table(jobs, datetime.now(UTC)))
+        queue = queue_table(jobs)
+        if queue is not None:
+            console().print("\nqueue (pending jobs, in the order they are considered):")
+            console().print(queue)
 
 
 @jobs_app.command("show")

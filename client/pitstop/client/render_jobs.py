@@ -52,6 +52,30 @@ def jobs_table(jobs: Sequence[jobs_pb2.Job], now: datetime) -> Table:
     return result
 
 
+def queue_table(jobs: Sequence[jobs_pb2.Job]) -> Table | None:
+    """The pending jobs in the order they are considered, each with why it waits; None
+    when none is pending."""
+    waiting = sorted((j for j in jobs if j.queue_position), key=lambda j: j.queue_position)
+    if not waiting:
+        return None
+    result = table("POS", "ID", "NAME", "PROJECT", "PRIORITY", "GPUS", "WAITS BECAUSE")
+    for job in waiting:
+        spec = job.spec
+        add_row(
+            result,
+            (
+                job.queue_position,
+                job.id,
+                spec.name,
+                spec.project or "default",
+                spec.priority,
+                spec.tp * spec.pp * spec.dp,
+                job.reason or "-",
+            ),
+        )
+    return result
+
+
 def job_summary(job: jobs_pb2.Job, now: datetime) -> Table:
     """Key facts of a job: spec, state and progress."""
     spec = job.spec
@@ -69,7 +93,14 @@ def job_summary(job: jobs_pb2.Job, now: datetime) -> Table:
             "spares",
             f"{spec.spares}, with standby processes" if spec.standby_processes else spec.spares,
         ),
+        ("project", spec.project or "default"),
         ("priority", spec.priority),
+        (
+            "preemptible",
+            f"yes, after {spec.min_run_seconds} s of running; preempted {job.preemptions} times"
+            if spec.preemptible
+            else "no",
+        ),
         ("restarts", f"{job.restarts} of {spec.max_restarts}"),
         ("generation", job.generation),
         (
@@ -77,6 +108,7 @@ def job_summary(job: jobs_pb2.Job, now: datetime) -> Table:
             f"{job.current_step} (committed {job.committed_step}, durable {job.durable_step})",
         ),
         ("created", f"{format_time(job.created_at)} ({format_age(job.created_at, now)} ago)"),
+        *([("queue position", job.queue_position)] if job.queue_position else []),
         ("updated", f"{format_time(job.updated_at)} ({format_age(job.updated_at, now)} ago)"),
     ]
     rows.append(("checkpoint", checkpoint_policy(spec.checkpoint)))

@@ -70,7 +70,9 @@ def node_roles_from_pb(values: Sequence[int], field: str = "roles") -> list[Node
         raise InvalidArgument(field, exc.args[0], "use worker or spare") from None
 
 
-def job_to_pb(job: models.Job, ranks: Sequence[models.RankAssignment] = ()) -> jobs_pb2.Job:
+def job_to_pb(
+    job: models.Job, ranks: Sequence[models.RankAssignment] = (), *, queue_position: int = 0
+) -> jobs_pb2.Job:
     msg = jobs_pb2.Job(
         id=job.id,
         spec=spec_from_json(job.spec),
@@ -85,6 +87,8 @@ def job_to_pb(job: models.Job, ranks: Sequence[models.RankAssignment] = ()) -> j
         durable_step=job.durable_step,
         result={str(k): str(v) for k, v in job.result.items()},
         skipped_steps=skipped_steps(job),
+        queue_position=queue_position,
+        preemptions=job.preemptions or 0,
     )
     if job.goodput:
         json_format.ParseDict(job.goodput, msg.goodput, ignore_unknown_fields=True)

@@ -1,8 +1,9 @@
 """The job state machine of DESIGN.md, as data: which transitions are legal.
 
 PENDING -> PLACED -> STARTING -> RUNNING <-> RECOVERING, RUNNING <-> PAUSED,
-then SUCCEEDED | FAILED | CANCELLED. Any live state may be cancelled or fail; a job
-starting or recovering succeeds when its ranks all finish before reporting a step.
+then SUCCEEDED | FAILED | CANCELLED; a preempted job goes from RUNNING back to
+PENDING. Any live state may be cancelled or fail; a job starting or recovering
+succeeds when its ranks all finish before reporting a step.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ LEGAL_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     # A placement can be taken back (its node died before the ranks started).
     S.PLACED: frozenset({S.STARTING, S.PENDING, S.CANCELLED, S.FAILED}),
     S.STARTING: frozenset({S.RUNNING, S.RECOVERING, S.SUCCEEDED, S.CANCELLED, S.FAILED}),
-    S.RUNNING: frozenset({S.RECOVERING, S.PAUSED, S.SUCCEEDED, S.FAILED, S.CANCELLED}),
+    # Back to PENDING: preempted for a higher-priority job, to resume when placed again.
+    S.RUNNING: frozenset({S.RECOVERING, S.PAUSED, S.SUCCEEDED, S.FAILED, S.CANCELLED, S.PENDING}),
     S.RECOVERING: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.CANCELLED}),
     S.PAUSED: frozenset({S.RUNNING, S.RECOVERING, S.FAILED, S.CANCELLED}),
     S.SUCCEEDED: frozenset(),

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf import json_format
 
+from pitstop.scheduler.admission import PREEMPT_GRACE_SECONDS
 from pitstop.scheduler.api.agent_input import check_agent_message
 from pitstop.scheduler.api.agent_writes import AckWriter, JobGenerations
 from pitstop.scheduler.auth import current_caller
@@ -449,8 +450,14 @@ class AgentServicer:
         async with self.store.read() as session:
             stale = await job_service.stale_processes(session, state.node_id, running)
         for job_id, ranks in sorted(stale.items()):
-            why = "the job ended" if not ranks else "its job runs on in a newer generation"
-            stop = agent_pb2.StopRanks(job_id=job_id, ranks=ranks, grace_seconds=5, reason=why)
+            if ranks is None:  # preempted: the ranks stop at a boundary, snapshot sealed
+                why = "the job was sent back to the queue"
+                stop = agent_pb2.StopRanks(
+                    job_id=job_id, grace_seconds=PREEMPT_GRACE_SECONDS, reason=why, at_boundary=True
+                )
+            else:
+                why = "the job ended" if not ranks else "its job runs on in a newer generation"
+                stop = agent_pb2.StopRanks(job_id=job_id, ranks=ranks, grace_seconds=5, reason=why)
             log.info(
                 "node %s: stopping %s of job %s: %s", state.node_id, ranks or "all", job_id, why
             )

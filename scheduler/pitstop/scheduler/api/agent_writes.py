@@ -111,7 +111,11 @@ class JobGenerations:
             if known is None:
                 continue  # unknown to the database: the full check ignores it too
             state, current, _ = known
-            if state.terminal or (state in LEFT_BEHIND_IN and not standby and generation < current):
+            if (
+                state.terminal
+                or state is JobState.PENDING
+                or (state in LEFT_BEHIND_IN and not standby and generation < current)
+            ):
                 return False
         return True
 

@@ -52,7 +52,11 @@ class JobServicer:
             jobs, token = await job_service.list_jobs(
                 session, states=states, page_size=request.page_size, page_token=request.page_token
             )
-        return jobs_pb2.ListJobsResponse(jobs=[job_to_pb(j) for j in jobs], next_page_token=token)
+            queue = await job_service.queue_positions(session)
+        return jobs_pb2.ListJobsResponse(
+            jobs=[job_to_pb(j, queue_position=queue.get(j.id, 0)) for j in jobs],
+            next_page_token=token,
+        )
 
     async def _control(self, request: jobs_pb2.JobControlRequest, action: str) -> jobs_pb2.Job:
         async with self.store.write() as session:
@@ -128,7 +132,8 @@ async def job_in_full(store: Store, hot: HotState, job_id: str) -> jobs_pb2.Job:
     async with store.read() as session:
         job = await job_service.get_job(session, job_id)
         ranks = await job_service.current_ranks(session, job)
-    message = job_to_pb(job, ranks)
+        queue = await job_service.queue_positions(session) if not ranks else {}
+    message = job_to_pb(job, ranks, queue_position=queue.get(job.id, 0))
     stats = await hot.rank_stats(job.id)
     message.rank_stats.extend(jobs_pb2.RankStepStats(**s) for s in stats)
     return message

@@ -10,12 +10,13 @@ from sqlalchemy import delete, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler import jobstate
+from pitstop.scheduler.auth import require_project
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState
 from pitstop.scheduler.errors import InvalidArgument, NotFound
 from pitstop.scheduler.jobspec import check_text, validate_job_spec
 from pitstop.scheduler.services.events import record_event
-from pitstop.v1 import jobs_pb2
+from pitstop.v1 import agent_pb2, jobs_pb2
 
 MAX_PAGE = 1000
 DEFAULT_PAGE = 100
@@ -34,10 +35,15 @@ def spec_from_json(data: dict[str, object]) -> jobs_pb2.JobSpec:
 
 
 async def submit_job(
-    session: AsyncSession, spec: jobs_pb2.JobSpec, *, request_id: str, actor: str
+    session: AsyncSession,
+    spec: jobs_pb2.JobSpec,
+    *,
+    request_id: str,
+    actor: str,
+    code: agent_pb2.CodeVersion | None = None,
 ) -> models.Job:
     """Validate and store a job in PENDING with its event. A repeated request_id returns
-    the job the first request created."""
+    the job the first request created. `code`: the code the submitting client saw."""
     check_text("request_id", request_id, max_len=128)
     if request_id:
         existing = await session.scalar(
@@ -46,6 +52,12 @@ async def submit_job(
         if existing is not None:
             return existing
     accepted = validate_job_spec(spec)
+    require_project(accepted.project, f"submit to project {accepted.project!r}")
+    submitted_code = {}
+    if code is not None:
+        for field in ("git_commit", "dirty_digest", "working_dir"):
+            check_text(f"code.{field}", getattr(code, field), max_len=4096)
+        submitted_code = json_format.MessageToDict(code, preserving_proto_field_name=True)
     job = models.Job(
         id=new_job_id(),
         name=accepted.name,
@@ -53,6 +65,9 @@ async def submit_job(
         state=JobState.PENDING,
         reason="waiting for placement",
         priority=accepted.priority,
+        project=accepted.project,
+        submitted_by=actor[:128],
+        submitted_code=submitted_code,
         request_id=request_id or None,
         generation=0,
         restarts=0,
@@ -70,7 +85,7 @@ async def submit_job(
         job_id=job.id,
         to_state=JobState.PENDING.value,
         reason=f"{accepted.tp}x{accepted.pp}x{accepted.dp} (tp x pp x dp)",
-        attributes={"name": accepted.name},
+        attributes={"name": accepted.name, "project": accepted.project},
     )
     if accepted.dp == 1 and not accepted.integrity.sdc_check_disabled:
         # Said once, where the submitter looks: what the job is not protected from.
@@ -125,6 +140,17 @@ async def list_jobs(
     return jobs, ""
 
 
+async def queue_positions(session: AsyncSession) -> dict[str, int]:
+    """Each pending job's place in the queue (1: considered first), in the order the
+    leader's placement pass takes them: priority, then age."""
+    rows = await session.execute(
+        select(models.Job.id)
+        .where(models.Job.state == JobState.PENDING)
+        .order_by(models.Job.priority.desc(), models.Job.created_at, models.Job.id)
+    )
+    return {job_id: place for place, (job_id,) in enumerate(rows, start=1)}
+
+
 async def change_job_state(
     session: AsyncSession, job_id: str, action: str, *, reason: str, actor: str
 ) -> models.Job:
@@ -168,14 +194,15 @@ starting or recovering is about to reconfigure or stop its ranks itself)."""
 
 async def stale_processes(
     session: AsyncSession, node_id: str, running: Sequence[tuple[str, int, int, bool]]
-) -> dict[str, list[int]]:
+) -> dict[str, list[int] | None]:
     """Of the processes node `node_id` reports, (job id, generation, rank, standby),
     those to stop, by job: every one of a job that ended (an empty list: all of the
-    job's), and ranks of an older generation of a job that runs on without this node (it
-    was cut off or frozen while its job recovered elsewhere). A job still starting or
-    recovering keeps them: they are about to reconfigure or leave; and a node in the
-    job's current rank map keeps its ranks (they may not have reported their new
-    generation yet)."""
+    job's), every one of a job sent back to the queue (None: all of the job's, at their
+    next step boundary, so that the last snapshot is sealed), and ranks of an older
+    generation of a job that runs on without this node (it was cut off or frozen while
+    its job recovered elsewhere). A job still starting or recovering keeps them: they
+    are about to reconfigure or leave; and a node in the job's current rank map keeps
+    its ranks (they may not have reported their new generation yet)."""
     ids = sorted({job_id for job_id, *_ in running})
     if not ids:
         return {}
@@ -191,20 +218,24 @@ async def stale_processes(
             .where(models.RankAssignment.current())
         )
     )
-    stale: dict[str, list[int]] = {}
+    stale: dict[str, list[int] | None] = {}
     for job_id, generation, rank, standby in running:
         if job_id not in jobs:
             continue
         state, current = jobs[job_id]
         if state.terminal:
             stale[job_id] = []
+        elif state is JobState.PENDING:
+            stale[job_id] = None
         elif (
             state in LEFT_BEHIND_IN
             and not standby
             and generation < current
             and job_id not in placed_here
         ):
-            stale.setdefault(job_id, []).append(rank)
+            ranks = stale.setdefault(job_id, [])
+            assert ranks is not None
+            ranks.append(rank)
     return stale
 
 

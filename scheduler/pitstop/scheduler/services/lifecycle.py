@@ -7,6 +7,7 @@ be held twice. Sending commands to agents happens after the commit, in the recon
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Collection, Sequence
 
 from sqlalchemy import ARRAY, Integer, any_, cast, delete, insert, select, update
@@ -43,6 +44,8 @@ def transition(
     previous = job.state
     job.state = target
     job.reason = reason
+    if target is JobState.RUNNING and previous is not JobState.RUNNING:
+        job.running_since = dt.datetime.now(dt.UTC)  # a preemption's minimum run time
     record_event(
         session,
         kind,
