@@ -34,6 +34,13 @@ kinds drawn with a seeded RNG, every kind once per round in a random order:
   row_remap         a pending row remap on a node's GPU (an early warning): the node
                     drains, its ranks move off at the next committed step; cleared and
                     uncordoned afterwards
+  preempt           a second job, of higher priority (dp 2, HIGH_STEPS steps), arrives:
+                    the chaos job (preemptible, priority 0) stops at a step boundary, goes
+                    back to the queue and resumes by itself once the other finished. Its
+                    "recovery" is the other job's whole run, so it is reported apart
+                    (preemptions: how soon the other job ran, how soon this one resumed
+                    after it) and left out of the 10 s target; every such job must
+                    succeed with the hash of its own fault-free run
 
 The faults are spread over the job's steps (--steps-per-fault apart). Before the next one
 the job is running again, has made --gap-steps steps, every failed node is back (its
@@ -48,7 +55,8 @@ reference hash is computed once the cluster is down, told to skip the batches th
 checks rolled back and skipped (its record's skipped_steps).
 
     .venv/bin/python bench/chaos.py [--faults 50] [--seed 0] [--load 2]
-    .venv/bin/python bench/chaos.py --faults 12 --steps 1800     # every kind once
+    .venv/bin/python bench/chaos.py --faults 18 --steps 2400     # every kind once
+    .venv/bin/python bench/chaos.py --kinds preempt,node_kill,sdc --faults 6
 
 Progress goes to stderr; the last line of stdout is one JSON object. A job without a step
 for --stall-seconds (120) ends the run (exit code 1) with what is known and its last
@@ -90,17 +98,19 @@ from pitstop.v1 import common_pb2, jobs_pb2, nodes_pb2
 KINDS = (
     *("xid_fatal", "xid_app", "rank_kill", "node_kill", "agent_kill", "checkpointd_kill"),
     *("agent_stop", "drain", "scheduler_kill", "leader_failover", "postgres_restart"),
-    *("redis_flush", "sdc", "nan", "hang", "row_remap", "fail_preflight"),
+    *("redis_flush", "sdc", "nan", "hang", "row_remap", "fail_preflight", "preempt"),
 )
+HIGH_STEPS, HIGH_PRIORITY = 40, 10
+"""A preempt fault's job: its steps (paced as the chaos job) and priority."""
 DECIDED = {
     *("xid_fatal", "xid_app", "rank_kill", "node_kill", "agent_kill", "drain", "sdc"),
-    *("hang", "row_remap"),
+    *("hang", "row_remap", "preempt"),
 }
 HANG_FLOOR = 5.0
 """The job's hang threshold floor (spec.integrity.hang_floor_seconds), seconds."""
 """Kinds the scheduler must decide a recovery for. A stopped agent's ranks step on, and a
 node back before the scheduler acted needs nothing; the other kinds the job rides out."""
-DECISIONS = {"job.recovering", "job.restarting", "job.reconfigured"}
+DECISIONS = {"job.recovering", "job.restarting", "job.reconfigured", "job.preempted"}
 RESUMED = {"job.recovered", "job.running"}
 TERMINAL = {
     common_pb2.JOB_STATE_SUCCEEDED,
@@ -284,6 +294,8 @@ class Chaos:
         self._next_poll = self._next_look = 0.0
         self._waiting: dict[str, float] = {}  # what the next fault waits for, since when
         self._standbys = 0
+        self.kinds = tuple(args.kinds.split(",")) if args.kinds else KINDS
+        self.high_jobs: dict[str, jobs_pb2.Job] = {}  # the preempt faults' jobs, by id
 
     def close(self) -> None:
         for pid in self.stopped:  # a stopped agent would not act on the SIGTERM of `down`
@@ -412,7 +424,7 @@ class Chaos:
     def draw(self) -> str:
         """Every kind once per round, each round in a random order."""
         if not self._bag:
-            self._bag = list(KINDS)
+            self._bag = list(self.kinds)
             self.random.shuffle(self._bag)
         return self._bag.pop()
 
@@ -422,7 +434,9 @@ class Chaos:
         self._waiting.clear()
         self.steps.poll()
         self.poll_events()
-        if kind in ("scheduler_kill", "leader_failover"):
+        if kind == "preempt":
+            target = "the chaos job"
+        elif kind in ("scheduler_kill", "leader_failover"):
             target = self.cluster.leader() or "scheduler"
         elif kind in ("postgres_restart", "redis_flush"):
             target = kind.split("_")[0]
@@ -450,6 +464,18 @@ class Chaos:
             self.client.inject_fault(target, common_pb2.Fault(gpu_index=0, fail_preflight=True))
         elif kind == "row_remap":
             self.client.inject_fault(target, common_pb2.Fault(gpu_index=0, pending_row_remap=True))
+        elif kind == "preempt":
+            spec = example_spec(
+                f"bench-chaos-high-{fault.index}",
+                dp=2,
+                steps=HIGH_STEPS,
+                step_seconds=self.args.step_seconds,
+                spares=0,
+            )
+            spec.priority, spec.standby_processes = HIGH_PRIORITY, False
+            high = self.client.submit_job(spec)
+            self.high_jobs[high.id] = high
+            fault.extra["high_job"] = high.id
         elif kind == "rank_kill":
             pids = self.cluster.rank_pids(target)
             if pids:
@@ -494,6 +520,8 @@ class Chaos:
         """Update what is known of `fault`; True once it is over: the job trains again,
         what the fault started is done, and without a decision SETTLE s have passed."""
         now = time.time()
+        if fault.kind == "preempt":
+            self.note_high_job(fault)
         for event in self.since(fault.cursor):
             self.react(fault, event)
             if event.job_id and event.kind in DECISIONS:
@@ -529,6 +557,28 @@ class Chaos:
         say(f"fault {fault.index}: {decided}; training again after {fault.recovery()} s")
         return True
 
+    def settle_high_jobs(self) -> None:
+        """Read every preempt fault's job as it ended (each ran before the chaos job
+        resumed; one still live after 60 s counts as what it is)."""
+        deadline = time.monotonic() + 60
+        for job_id in self.high_jobs:
+            while True:
+                with contextlib.suppress(PitstopError):
+                    self.high_jobs[job_id] = self.client.get_job(job_id)
+                if self.high_jobs[job_id].state in TERMINAL or time.monotonic() > deadline:
+                    break
+                time.sleep(API_POLL)
+
+    def note_high_job(self, fault: Fault) -> None:
+        """When a preempt fault's job ran and ended, from its events."""
+        high = fault.extra["high_job"]
+        for event in self.events:
+            if event.job_id != high or event.id <= fault.cursor:
+                continue
+            key = {"job.running": "high_ran_seconds", "job.succeeded": "high_done_seconds"}
+            if event.kind in key:
+                fault.extra.setdefault(key[event.kind], round(event_time(event) - fault.at, 3))
+
     def decided_late(self, fault: Fault) -> bool:
         """Whether the scheduler decided a recovery after `fault` was over (before the
         next): it belongs to that fault, whose recovery then lasts until it ends."""
@@ -548,6 +598,8 @@ class Chaos:
         ):
             fault.extra["declared_lost_seconds"] = round(event_time(event) - fault.at, 3)
         took_over = fault.kind == "leader_failover" and event.kind == "scheduler.leader"
+        if fault.kind == "preempt" and event.kind == "job.resuming":
+            fault.extra.setdefault("resumed_seconds", round(event_time(event) - fault.at, 3))
         if took_over and "takeover_seconds" not in fault.extra:
             fault.extra["takeover_seconds"] = round(event_time(event) - fault.at, 3)
             fault.pending.append(self.background(self.cluster.start_scheduler, fault.target))
@@ -613,14 +665,16 @@ class Chaos:
 def summary(chaos: Chaos) -> dict[str, Any]:
     """The faults by kind, recoveries by kind, the slow and the unfinished ones."""
     by_kind: dict[str, list[float]] = {}
-    for fault in chaos.faults:
+    failures = [f for f in chaos.faults if f.kind != "preempt"]
+    for fault in failures:
         if (recovery := fault.recovery()) is not None:
             by_kind.setdefault(fault.kind, []).append(recovery)
+    preemptions = [f for f in chaos.faults if f.kind == "preempt"]
     decided = [event_time(f.decision) - f.at for f in chaos.faults if f.decision]
     worst = max((r for rs in by_kind.values() for r in rs), default=None)
     return {
         "faults_injected": len(chaos.faults),
-        "faults_by_kind": {k: sum(1 for f in chaos.faults if f.kind == k) for k in KINDS},
+        "faults_by_kind": {k: sum(1 for f in chaos.faults if f.kind == k) for k in chaos.kinds},
         "recovery_seconds_by_kind": {
             kind: {"n": len(rs), "median": round(statistics.median(rs), 3), "max": max(rs)}
             for kind, rs in sorted(by_kind.items())
@@ -630,9 +684,28 @@ def summary(chaos: Chaos) -> dict[str, Any]:
         "decided_seconds_median": round(statistics.median(decided), 3) if decided else None,
         "over_target": [
             {**f.row(), "events": chaos.fault_events(f)}
-            for f in chaos.faults
+            for f in failures
             if (f.recovery() or 0) > TARGET_RECOVERY
         ],
+        "preemptions": {
+            "n": len(preemptions),
+            "high_job": {"dp": 2, "steps": HIGH_STEPS, "priority": HIGH_PRIORITY},
+            "high_ran_after_submit_seconds": [f.extra.get("high_ran_seconds") for f in preemptions],
+            "resumed_after_high_done_seconds": [
+                round(f.extra["resumed_seconds"] - f.extra["high_done_seconds"], 3)
+                if "resumed_seconds" in f.extra and "high_done_seconds" in f.extra
+                else None
+                for f in preemptions
+            ],
+            "high_jobs": [
+                {
+                    "id": job.id,
+                    "state": common_pb2.JobState.Name(job.state).removeprefix("JOB_STATE_"),
+                    "final_weights_sha256": job.result.get("final_weights_sha256", ""),
+                }
+                for job in chaos.high_jobs.values()
+            ],
+        },
         "not_recovered": [
             {**f.row(), "events": chaos.fault_events(f)}
             for f in chaos.faults
@@ -688,6 +761,7 @@ def chaos_run(args: argparse.Namespace, root: Path, result: dict[str, Any], part
             spares=2,
         )
         spec.integrity.hang_floor_seconds = HANG_FLOOR
+        spec.preemptible, spec.min_run_seconds = True, 0  # the preempt faults' victim
         try:
             job = chaos.run(spec)
         except Stuck as exc:
@@ -695,6 +769,7 @@ def chaos_run(args: argparse.Namespace, root: Path, result: dict[str, Any], part
             result["stuck"] = str(exc)
             result["last_events"] = [format_event(e) for e in chaos.since(0)[-30:]]
             job = chaos.job
+        chaos.settle_high_jobs()
         chaos.steps.poll()
         redone = (chaos.steps.lines() - args.steps * args.workers) / args.workers
         result["steps_run_twice"] = round(redone, 1)
@@ -739,6 +814,19 @@ def measure(args: argparse.Namespace) -> int:
             got = result["job"]["final_weights_sha256"]
             result["hash"] = {"equal": got == expected, "job": got, "reference": expected}
             code = 0 if got == expected and result["job"]["state"] == "SUCCEEDED" else 1
+            high_jobs = parts.chaos.high_jobs if parts.chaos is not None else {}
+            if high_jobs:
+                say("the preempting jobs' fault-free reference run, alone")
+                with ReferenceRun(HIGH_STEPS) as reference:
+                    high_expected = reference.final_hash()
+                high_equal = all(
+                    j.state == common_pb2.JOB_STATE_SUCCEEDED
+                    and j.result.get("final_weights_sha256") == high_expected
+                    for j in high_jobs.values()
+                )
+                result["hash"]["high_jobs_equal"] = high_equal
+                result["hash"]["high_reference"] = high_expected
+                code = code if high_equal else 1
     finally:
         result.setdefault("wall_seconds", round(time.monotonic() - began, 1))
         if parts.chaos is not None:
@@ -771,7 +859,11 @@ def main() -> int:
     add("--max-minutes", type=float, default=60.0)
     add("--liveness-seconds", type=float, default=DEFAULT_LIVENESS_TIMEOUT)
     add("--keep", action="store_true", help="keep the run's directory (logs)")
+    add("--kinds", default="", help=f"comma-separated fault kinds (default all: {','.join(KINDS)})")
     args = parser.parse_args()
+    unknown = set(filter(None, args.kinds.split(","))) - set(KINDS)
+    if unknown:
+        parser.error(f"--kinds: unknown {sorted(unknown)}; use some of {', '.join(KINDS)}")
     if args.workers < 2 or args.spares < 2 or args.faults < 1:
         parser.error("give --workers 2 or more, --spares 2 or more, --faults 1 or more")
     args.steps = args.steps or (

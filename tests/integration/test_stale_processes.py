@@ -42,6 +42,7 @@ def job_at(scheduler: SchedulerThread, db: Any, state: str, here: str, gone: str
         ("recovering", "gone", {}),  # about to leave on its own
         ("running", "here", {}),  # still placed here: may not have reported gen 2 yet
         ("succeeded", "here", {"J": []}),  # ended: everything of it
+        ("pending", "here", {"J": None}),  # preempted: everything of it, at a step boundary
     ],
 )
 async def test_stale_processes(
