@@ -1940,6 +1940,7 @@ def test_a_higher_priority_job_preempts_a_preemptible_one_which_resumes_losing_n
     waited = time.monotonic() - submitted
     assert running.kind == "job.running", (running, cluster.logs(high.id))
     assert waited <= 10.0, f"the high-priority job ran {waited:.1f} s after its submit"
+    print(f"the high-priority job ran {waited:.2f} s after its submit")  # for -s runs
     # While it runs, the preempted job waits first in the queue, and says why.
     wait_until(
         lambda: cluster.get(low.id).reason.startswith("capacity:"), "the queue says why it waits"
