@@ -287,6 +287,50 @@ async def test_errors_map_to_status_codes(agent: Agent) -> None:
         assert message in error.details()
 
 
+async def test_a_run_record_is_passed_on_and_one_that_cannot_be_kept_is_refused(
+    agent: Agent, notices: RankNotices
+) -> None:
+    """ReportRunRecord hands a held rank's record to the agent's link (on_run_record);
+    a record the scheduler would refuse is refused here, naming the field, and never
+    passed on (on the scheduler stream it would cost the node that stream)."""
+    passed: list[agent_pb2.RunRecord] = []
+    agent.endpoint.on_run_record = passed.append
+    await agent.supervisor.start_ranks(start_command("job-rec", notices, "--hold"))
+    await notices.next(0)
+    record = agent_pb2.RunRecord(
+        job_id="job-rec",
+        generation=1,
+        code=agent_pb2.CodeVersion(git_commit="a" * 40, working_dir="/src"),
+        environment=agent_pb2.EnvironmentVersion(torch="2.13.0", env={"SEED": "1"}),
+        data_digest="d" * 64,
+        start_step=5,
+    )
+    await agent.stub.ReportRunRecord(record)
+    assert passed == [record]
+
+    bad: list[tuple[agent_pb2.RunRecord, str]] = [
+        (agent_pb2.RunRecord(job_id="job-rec", data_source="x" * 4097), "data_source"),
+        (
+            agent_pb2.RunRecord(job_id="job-rec", code=agent_pb2.CodeVersion(working_dir="a\x00")),
+            "code.working_dir",
+        ),
+        (
+            agent_pb2.RunRecord(
+                job_id="job-rec", environment=agent_pb2.EnvironmentVersion(env={"K": "\x00"})
+            ),
+            "environment.env",
+        ),
+    ]
+    for request, field in bad:
+        error = await rpc_error(agent.stub.ReportRunRecord(request))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in error.details()
+        assert "at most 4096 characters and no NUL" in error.details()
+    unknown = await rpc_error(agent.stub.ReportRunRecord(agent_pb2.RunRecord(job_id="job-x")))
+    assert unknown.code() == grpc.StatusCode.NOT_FOUND
+    assert passed == [record]
+
+
 class NoFaultBackend(SimulatedBackend):
     def inject_fault(self, fault: common_pb2.Fault) -> None:
         raise FaultNotSupported("this backend injects nothing")

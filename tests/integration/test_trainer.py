@@ -300,6 +300,7 @@ class FakeAgent(rank_pb2_grpc.RankControlServicer):
         self.samples: dict[int, agent_pb2.StepSample] = {}  # each rank's newest
         self.acks: dict[int, rank_pb2.RankAck] = {}
         self.results: dict[int, dict[str, str]] = {}
+        self.run_records: list[agent_pb2.RunRecord] = []
         self.streams: dict[int, queue.Queue[rank_pb2.RankCommand | None]] = {}
         self.standby: queue.Queue[rank_pb2.StandbyAssignment] = queue.Queue()
         self.standby_waiting = 0
@@ -341,6 +342,12 @@ class FakeAgent(rank_pb2_grpc.RankControlServicer):
             self.results[request.rank] = dict(request.result)
             self._changed.notify_all()
         return rank_pb2.RankResultResponse()
+
+    def ReportRunRecord(self, request: Any, context: Any) -> Any:  # noqa: N802
+        with self._changed:
+            self.run_records.append(request)
+            self._changed.notify_all()
+        return rank_pb2.RunRecordResponse()
 
     def Standby(self, request: Any, context: Any) -> Any:  # noqa: N802
         with self._changed:
@@ -450,6 +457,18 @@ def test_a_reconfigure_at_a_boundary_rolls_back_bitwise(
     assert [agent.acks[30 + r].step for r in range(2)] == [restore] * 2
     assert all(agent.acks[30 + r].ok for r in range(2))
     assert [p.result()["final_weights_sha256"] for p in processes] == [reference] * 2
+    # Rank 0 reported what each generation ran: the first from step 0, the new one from
+    # the step it rolled back to; with the data digest the example states.
+    import torch
+
+    from pitstop.trainer.example import Job, parse_args
+
+    digest = Job(parse_args([]), torch.device("cpu")).data_digest
+    records = agent.run_records
+    assert [(r.generation, r.rank, r.start_step) for r in records] == [(1, 0, 0), (3, 0, restore)]
+    assert [r.data_digest for r in records] == [digest] * 2
+    assert all(r.environment.torch == torch.__version__ for r in records)
+    assert all(r.code.working_dir for r in records)
 
 
 def test_a_lost_rank_is_replaced_in_process_bitwise(

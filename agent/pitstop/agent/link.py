@@ -180,6 +180,11 @@ class SchedulerLink:
         self._heartbeats.flush_steps()
         self._send(finding=finding)
 
+    def report_run_record(self, record: agent_pb2.RunRecord) -> None:
+        """Send what a rank's generation runs (its code, environment, data) for the
+        job's record."""
+        self._send(run_record=record)
+
     async def run(self, stop: asyncio.Event) -> None:
         """Keep a registered stream to the scheduler until `stop` is set."""
         self._loop = asyncio.get_running_loop()

@@ -80,6 +80,8 @@ class LocalEndpoint:
         self._changed = asyncio.Event()
         self.on_finding: Callable[[agent_pb2.IntegrityFinding], None] = lambda _finding: None
         """Called with each integrity finding a rank reports (its GPU filled in)."""
+        self.on_run_record: Callable[[agent_pb2.RunRecord], None] = lambda _record: None
+        """Called with each run record a rank reports (what its generation runs)."""
         self.report_soon: Callable[[], None] = lambda: None
         """Called when something the scheduler acts on changed here: a standby process
         started waiting for a rank or was handed one, a job stepped in a new generation
@@ -411,6 +413,16 @@ class _RankControlServicer:
         self._endpoint.on_finding(request)
         return rank_pb2.FindingResponse()
 
+    async def ReportRunRecord(  # noqa: N802
+        self, request: agent_pb2.RunRecord, context: Any
+    ) -> rank_pb2.RunRecordResponse:
+        await self._gpu(request.job_id, request.rank, context)
+        problem = _unstorable_text(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        self._endpoint.on_run_record(request)
+        return rank_pb2.RunRecordResponse()
+
     async def InjectFault(  # noqa: N802
         self, request: rank_pb2.LocalFaultRequest, context: Any
     ) -> rank_pb2.LocalFaultResponse:
@@ -430,6 +442,34 @@ class _RankControlServicer:
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return rank_pb2.LocalFaultResponse()
+
+
+MAX_RECORD_TEXT = 4096
+"""The longest text of a run record the scheduler keeps (a path, a digest, a version)."""
+
+
+def _unstorable_text(message: Any, path: str = "") -> str:
+    """What in `message`'s text the scheduler would refuse (a NUL, more than
+    MAX_RECORD_TEXT characters), said with the field's path; "" when nothing. Caught
+    here, the rank hears of it; sent on, it would cost the node's scheduler stream."""
+    for field, value in message.ListFields():
+        name = f"{path}{field.name}"
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            texts = [str(k) for k in value] + [v for v in value.values() if isinstance(v, str)]
+        elif field.message_type is not None:
+            found = _unstorable_text(value, f"{name}.")
+            if found:
+                return found
+            continue
+        else:
+            texts = [value] if isinstance(value, str) else []
+        for text in texts:
+            if "\x00" in text or len(text) > MAX_RECORD_TEXT:
+                return (
+                    f"{name}: {text[:40]!r}... cannot be kept: send at most "
+                    f"{MAX_RECORD_TEXT} characters and no NUL"
+                )
+    return ""
 
 
 class _StartedHere(grpc.aio.ServerInterceptor):  # type: ignore[misc]

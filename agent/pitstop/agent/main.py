@@ -97,6 +97,7 @@ class NodeAgent:
         self.supervisor.standby_waits = self.local.standby_waits
         self.local.report_soon = self.link.beat_soon
         self.local.on_finding = self._integrity_finding
+        self.local.on_run_record = self.link.report_run_record
         self.metrics_server: MetricsServer | None = None
         self.node_conditions: k8s_publisher.NodeConditionPublisher | None = None
 

@@ -142,6 +142,12 @@ class RankControlClient:
         finding.job_id, finding.rank, finding.generation = self.job_id, self.rank, self.generation
         self._stub.ReportFinding(finding, timeout=self.timeout)
 
+    def report_run_record(self, record: agent_pb2.RunRecord) -> None:
+        """Report what this rank's generation runs (code, environment, data), for the
+        job's record (see pitstop.trainer.runrecord)."""
+        record.job_id, record.rank, record.generation = self.job_id, self.rank, self.generation
+        self._stub.ReportRunRecord(record, timeout=self.timeout)
+
     def commands(self) -> Iterator[rank_pb2.RankCommand]:
         """Commands for this rank as they come, until the agent ends the stream (a newer
         stream of this rank replaced it) or `close` is called."""

@@ -70,6 +70,16 @@ def make_corpus(chars: int = 16_000, seed: int = 7) -> str:
     return "".join(words)
 
 
+def data_digest(corpus: str, **config: object) -> str:
+    """The example's data version, for the job's record (`Session.record_data`). Its
+    data is synthetic: the corpus `make_corpus` draws and the seeded order its batches
+    are taken in, which `config` fixes (the seed, the window and batch shapes). A digest
+    of the corpus's bytes and that config names exactly the batches a run reads."""
+    corpus_sha256 = hashlib.sha256(corpus.encode()).hexdigest()
+    described = json.dumps({"corpus_sha256": corpus_sha256, **config}, sort_keys=True)
+    return hashlib.sha256(described.encode()).hexdigest()
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention and an MLP."""
 
@@ -125,6 +135,13 @@ class Job:
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         self.args, self.device = args, device
         corpus = make_corpus()
+        self.data_digest = data_digest(
+            corpus,
+            seed=args.seed,
+            context=args.context,
+            shards=args.shards,
+            shard_batch=args.shard_batch,
+        )
         self.vocab = sorted(set(corpus))
         lookup = {c: i for i, c in enumerate(self.vocab)}
         self.ids = torch.tensor([lookup[c] for c in corpus], dtype=torch.int64)
@@ -304,6 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     with Session.from_env() as session:
         job = Job(args, session.device)
+        # Synthetic data: its digest is of the generated corpus and the config that
+        # orders its batches (see data_digest), which is all there is to name.
+        session.record_data(job.data_digest, source="pitstop.trainer.example.make_corpus")
         state = session.restore(default=job.make_state)
         if args.save_dir:
             load_saved(state, Path(args.save_dir))

@@ -51,7 +51,7 @@ from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from pitstop.trainer import Session, TrainState
-from pitstop.trainer.example import learning_rate, make_corpus
+from pitstop.trainer.example import data_digest, learning_rate, make_corpus
 
 
 class Attention(nn.Module):
@@ -175,6 +175,13 @@ class Job:
     def __init__(self, args: argparse.Namespace, session: Session) -> None:
         self.args, self.session = args, session
         corpus = make_corpus()
+        self.data_digest = data_digest(
+            corpus,
+            seed=args.seed,
+            context=args.context,
+            microbatches=args.microbatches,
+            microbatch_size=args.microbatch_size,
+        )
         self.vocab = sorted(set(corpus))
         lookup = {c: i for i, c in enumerate(self.vocab)}
         self.ids = torch.tensor([lookup[c] for c in corpus], dtype=torch.int64)
@@ -300,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--layers {args.layers} does not split into {session.shape.pp} stages"
             )
         job = Job(args, session)
+        # Synthetic data: its digest is of the generated corpus and the config that
+        # orders its batches (see example.data_digest), which is all there is to name.
+        session.record_data(job.data_digest, source="pitstop.trainer.example.make_corpus")
         state = session.restore(default=job.make_state)
         _say(rank=session.rank, shape=session.shape.sizes, coordinates=session.shape.coordinates)
         for step in session.steps(state, until=args.steps):

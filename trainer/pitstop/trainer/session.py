@@ -3,6 +3,7 @@
     with Session.from_env() as session:
         state = session.restore(default=make_state)
         session.set_flops(model_flops_per_token=6 * parameters, peak_flops=989e12)  # MFU
+        session.record_data(manifest_sha256, source="s3://bucket/manifest.json")  # record
         for step in session.steps(state, until=total_steps):
             with session.guard():              # a lost peer: roll back, not crash
                 loss = train_step(state)       # collectives inside session.waiting()
@@ -78,6 +79,7 @@ from pitstop.trainer.integrity import Checker, SilentCorruption
 from pitstop.trainer.mesh import Shape, build_mesh
 from pitstop.trainer.recovery import Recovery
 from pitstop.trainer.reshard import reshard
+from pitstop.trainer.runrecord import RunRecorder, checked_text
 from pitstop.trainer.state import (
     DTENSOR_KEY,
     SHAPE_KEY,
@@ -162,6 +164,7 @@ class Session:
         self.peak_flops = 0.0
         """Peak FLOP/s of this rank's accelerator at the training precision; 0: unknown."""
         self.set_flops(model_flops_per_token=model_flops_per_token, peak_flops=peak_flops)
+        self._run_record = RunRecorder()
 
     @classmethod
     def from_env(cls, *, model_flops_per_token: float = 0.0, peak_flops: float = 0.0) -> Session:
@@ -238,6 +241,16 @@ class Session:
         self.model_flops_per_token, self.peak_flops = _checked_flops(
             model_flops_per_token, peak_flops
         )
+
+    def record_data(self, digest: str, source: str = "") -> None:
+        """State the version of the data this run reads, for the job's record (`pitstop
+        job record`, `pitstop job diff`): `digest`, e.g. the SHA-256 of the dataset's
+        manifest or of the config that generates it, and `source`, what it is a digest
+        of (a path, a URL). Call it before the loop: rank 0 reports it with the code and
+        environment of each generation as the generation's first step begins. At most
+        4096 characters each; a later call replaces the earlier."""
+        self._run_record.data_digest = checked_text("digest", digest)
+        self._run_record.data_source = checked_text("source", source)
 
     @property
     def is_chief(self) -> bool:
@@ -418,6 +431,8 @@ class Session:
                 return
             if at_boundary(self, state):
                 continue  # the state or the group changed: decide again, all together
+            if self.is_chief and self.control is not None and self._run_record.due(self.generation):
+                self._run_record.report(self.control, self.generation, state.step)
             self.checks.before_step(state)
             self._pending_step = state.step + 1
             self._started = self._mark = time.perf_counter()
