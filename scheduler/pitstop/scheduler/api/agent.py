@@ -37,6 +37,7 @@ from pitstop.scheduler.services import integrity as integrity_service
 from pitstop.scheduler.services import jobs as job_service
 from pitstop.scheduler.services import node_commands as node_command_service
 from pitstop.scheduler.services import nodes as node_service
+from pitstop.scheduler.services import records as record_service
 from pitstop.scheduler.services import stacks as stacks_service
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.store import Store
@@ -371,6 +372,8 @@ class AgentServicer:
                 )
         elif kind == "finding":
             await self._finding(node_id, message.finding)
+        elif kind == "run_record":
+            await self._run_record(node_id, message.run_record)
         elif kind == "stacks":
             async with self.store.write() as session:
                 job = await session.get(models.Job, message.stacks.job_id)
@@ -394,6 +397,19 @@ class AgentServicer:
             )
             for node in nodes:
                 await self.send(node, pause)
+
+    async def _run_record(self, node_id: str, record: agent_pb2.RunRecord) -> None:
+        """Keep a generation's run record. One that cannot be kept is logged and dropped:
+        it is the job's record, not worth the node's stream (the agent's endpoint refuses
+        what would be refused here before it is sent)."""
+        try:
+            async with self.store.write() as session:
+                kept = await record_service.store_run_record(session, node_id, record)
+        except InvalidArgument as exc:
+            log.warning("node %s: run record of job %s dropped: %s", node_id, record.job_id, exc)
+            return
+        if not kept:
+            log.info("node %s: run record of unknown job %s dropped", node_id, record.job_id)
 
     async def _heartbeat(self, state: StreamState, beat: agent_pb2.Heartbeat) -> None:
         if beat.HasField("time"):

@@ -14,6 +14,7 @@ from pitstop.scheduler.gateway import CommandRouter
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.services import events as event_service
 from pitstop.scheduler.services import jobs as job_service
+from pitstop.scheduler.services import records as record_service
 from pitstop.scheduler.services import stacks as stacks_service
 from pitstop.scheduler.store import Store
 from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2
@@ -36,6 +37,7 @@ class JobServicer:
                 request.spec,
                 request_id=request.request_id,
                 actor=current_caller.get().actor,
+                code=request.code if request.HasField("code") else None,
             )
         return jobs_pb2.SubmitJobResponse(job=job_to_pb(job))
 
@@ -104,6 +106,12 @@ class JobServicer:
     ) -> jobs_pb2.JobStacksResponse:
         async with self.store.read() as session:
             return await stacks_service.job_stacks(session, request.job_id, request.incident)
+
+    async def Record(  # noqa: N802
+        self, request: jobs_pb2.JobRecordRequest, context: grpc.aio.ServicerContext
+    ) -> jobs_pb2.JobRecord:
+        async with self.store.read() as session:
+            return await record_service.job_record(session, request.job_id)
 
     async def Watch(  # noqa: N802
         self, request: jobs_pb2.WatchJobRequest, context: grpc.aio.ServicerContext
