@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import time
 import uuid
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -19,6 +22,7 @@ from typer.testing import CliRunner, Result
 
 from pitstop.client.cli import app
 from pitstop.client.enums import JOB_STATES, enum_words
+from pitstop.v1 import agent_pb2
 
 TINY_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "jobs" / "tiny.yaml"
 
@@ -269,6 +273,82 @@ def test_events_for_a_job(scheduler: SchedulerFixture, tmp_path: Path) -> None:
     assert human.exit_code == 0, human.stderr
     assert len(human.stdout.splitlines()) == 1
     assert f"job={job['id']}" in human.stdout
+
+
+def git_tree(path: Path) -> str:
+    """A git tree with one commit at `path`; its HEAD."""
+    path.mkdir()
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "first"]):
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+            cwd=path,
+            check=True,
+        )
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True)
+    return head.stdout.strip()
+
+
+def record_of(scheduler: SchedulerFixture, job_id: str, generations: int) -> dict[str, Any]:
+    """`job record --json` once the record holds `generations` generations."""
+    deadline = time.monotonic() + 10
+    while True:
+        found: dict[str, Any] = ok_json(pitstop(scheduler, "job", "record", job_id, "--json"))
+        if len(found["generations"]) >= generations or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_job_record_and_diff(scheduler: SchedulerFixture, tmp_path: Path) -> None:
+    """Submit takes the code of the spec's working_dir; a generation's run record, sent on
+    its node's agent stream, shows in `job record`; `job diff` names what differs."""
+    head = git_tree(tmp_path / "src")
+    ids = []
+    for digest in ("d" * 64, "e" * 64):
+        path, _ = write_spec(tmp_path, working_dir=str(tmp_path / "src"))
+        job = ok_json(pitstop(scheduler, "job", "submit", "-f", str(path), "--json"))
+        ids.append(job["id"])
+        with scheduler.agent_stream(unique("record-node"), gpus=1) as stream:
+            record = agent_pb2.RunRecord(
+                job_id=job["id"],
+                generation=1,
+                code=agent_pb2.CodeVersion(git_commit=head, working_dir=str(tmp_path / "src")),
+                environment=agent_pb2.EnvironmentVersion(python="3.11.7", torch="2.13.0"),
+                data_digest=digest,
+                start_step=0,
+            )
+            stream.send(run_record=record)
+            found = record_of(scheduler, job["id"], 1)
+    a, b = ids
+
+    assert found["job_id"] == b
+    assert found["submitted_code"]["git_commit"] == head
+    assert found["submitted_code"]["working_dir"] == str(tmp_path / "src")
+    assert found["submitted_code"]["dirty"] is False
+    assert found["generations"][0]["data_digest"] == "e" * 64
+    assert found["generations"][0]["environment"]["torch"] == "2.13.0"
+
+    human = pitstop(scheduler, "job", "record", a)
+    assert human.exit_code == 0, human.stderr
+    for section in ("spec", "code", "environment", "data", "durable checkpoints", "goodput"):
+        assert section in human.stdout
+    assert head in human.stdout
+    assert "d" * 64 in human.stdout
+
+    diff = ok_json(pitstop(scheduler, "job", "diff", a, b, "--json"))
+    assert set(diff) == {"only_in_a", "only_in_b", "differ", "identity"}
+    assert diff["differ"]["generations.0.data_digest"] == ["d" * 64, "e" * 64]
+    assert diff["identity"]["job_id"] == [a, b]
+    assert "generations.0.node_id" in diff["identity"]
+    assert "spec.name" in diff["differ"]  # write_spec names every job anew
+    assert "submitted_code.git_commit" not in diff["differ"]  # the same code
+
+    table = pitstop(scheduler, "job", "diff", a, b)
+    assert table.exit_code == 0, table.stderr
+    assert "KEY" in table.stdout
+    assert "generations.0.data_digest" in table.stdout
+    missing = pitstop(scheduler, "job", "diff", a, "j-000000000000")
+    assert_one_line_error(missing, "j-000000000000", "(NOT_FOUND)")
 
 
 @pytest.mark.parametrize("command", [["job", "list"], ["node", "list"], ["events"]])

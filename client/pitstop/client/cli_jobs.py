@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
@@ -22,6 +23,8 @@ from pitstop.client.enums import JOB_STATES, enum_words
 from pitstop.client.jobspec import load_job_spec
 from pitstop.client.render import ends_job, event_line, to_json
 from pitstop.client.render_jobs import job_state, job_view, jobs_table, queue_table
+from pitstop.client.render_record import diff_records, diff_view, record_view
+from pitstop.codeversion import code_version
 from pitstop.v1 import jobs_pb2
 
 jobs_app = typer.Typer(help="Submit, inspect and control training jobs.", no_args_is_help=True)
@@ -42,10 +45,13 @@ def submit(
     ],
     json_out: JsonFlag = False,
 ) -> None:
-    """Submit the job described by a YAML spec; prints the new job's id and state."""
+    """Submit the job described by a YAML spec; prints the new job's id and state. The
+    git commit (and uncommitted changes) of the spec's working_dir, else of the current
+    directory, go with it into the job's record."""
     spec = load_job_spec(file)
+    code = code_version(spec.working_dir or os.getcwd())
     with open_client(ctx) as client:
-        job = client.submit_job(spec)
+        job = client.submit_job(spec, code=code)
     if json_out:
         print_json(to_json(job))
     else:
@@ -89,6 +95,36 @@ def show(ctx: typer.Context, job_id: JobArgument, json_out: JsonFlag = False) ->
         print_json(to_json(job))
     else:
         console().print(job_view(job, datetime.now(UTC)))
+
+
+@jobs_app.command("record")
+def record(ctx: typer.Context, job_id: JobArgument, json_out: JsonFlag = False) -> None:
+    """A job's experiment record: spec, code, environment, data, durable checkpoints,
+    goodput, skipped steps and result."""
+    with open_client(ctx) as client:
+        found = client.job_record(job_id)
+    if json_out:
+        print_json(to_json(found))
+    else:
+        console().print(record_view(found))
+
+
+@jobs_app.command("diff")
+def diff(
+    ctx: typer.Context,
+    job_a: Annotated[str, typer.Argument(help="One job id.")],
+    job_b: Annotated[str, typer.Argument(help="The job id to compare it with.")],
+    json_out: JsonFlag = False,
+) -> None:
+    """Compare two jobs' records key by key: every value that differs, every key only
+    one has; the keys that name a run (its id, times, nodes) apart, as identity."""
+    with open_client(ctx) as client:
+        a, b = client.job_record(job_a), client.job_record(job_b)
+    found = diff_records(a, b)
+    if json_out:
+        print_json(found.to_json())
+    else:
+        console().print(diff_view(found, job_a, job_b))
 
 
 @jobs_app.command("stacks")

@@ -25,7 +25,7 @@ from tenacity import (
 
 from pitstop.client.errors import PitstopError
 from pitstop.tls import channel_options
-from pitstop.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
+from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 SERVER_ENV = "PITSTOP_SERVER"
@@ -116,16 +116,30 @@ class PitstopClient:
 
     # Jobs
 
-    def submit_job(self, spec: jobs_pb2.JobSpec, request_id: str | None = None) -> jobs_pb2.Job:
+    def submit_job(
+        self,
+        spec: jobs_pb2.JobSpec,
+        request_id: str | None = None,
+        code: agent_pb2.CodeVersion | None = None,
+    ) -> jobs_pb2.Job:
         """Submit a job. A request id is always sent so that a retry after a lost answer
-        returns the first job instead of creating a second one."""
-        request = jobs_pb2.SubmitJobRequest(spec=spec, request_id=request_id or uuid.uuid4().hex)
+        returns the first job instead of creating a second one. `code`: the code as this
+        side sees it (`pitstop.codeversion.code_version`), kept in the job's record."""
+        request = jobs_pb2.SubmitJobRequest(
+            spec=spec, request_id=request_id or uuid.uuid4().hex, code=code
+        )
         response = self._unary(self._jobs.Submit, request, jobs_pb2.SubmitJobResponse)
         return response.job
 
     def get_job(self, job_id: str) -> jobs_pb2.Job:
         """One job; NOT_FOUND when the id is unknown."""
         return self._unary(self._jobs.Get, jobs_pb2.GetJobRequest(job_id=job_id), jobs_pb2.Job)
+
+    def job_record(self, job_id: str) -> jobs_pb2.JobRecord:
+        """The job's experiment record: spec, code, environment, data, durable
+        checkpoints, goodput, result; NOT_FOUND when the id is unknown."""
+        request = jobs_pb2.JobRecordRequest(job_id=job_id)
+        return self._unary(self._jobs.Record, request, jobs_pb2.JobRecord)
 
     def job_stacks(self, job_id: str, incident: int = 0) -> jobs_pb2.JobStacksResponse:
         """The stacks taken of the job's ranks when it hung (`incident` 0: the newest)."""
