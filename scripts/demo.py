@@ -120,7 +120,11 @@ def show_event(event: common_pb2.Event) -> None:
 
 
 def summary(
-    run_job: jobs_pb2.Job, injected: list[Injected], reference: str, seconds: float
+    run_job: jobs_pb2.Job,
+    injected: list[Injected],
+    reference: str,
+    seconds: float,
+    record: jobs_pb2.JobRecord | None = None,
 ) -> bool:
     goodput = run_job.goodput
     table = Table(title="what happened", show_lines=False)
@@ -174,6 +178,18 @@ def summary(
     facts.add_row(
         "bitwise equal", "[bold green]yes[/bold green]" if same else "[bold red]NO[/bold red]"
     )
+    if record is not None:
+        code = record.submitted_code
+        dirty = f" (+ uncommitted changes {code.dirty_digest[:12]})" if code.dirty else ""
+        facts.add_row("code", f"{code.git_commit or '(not a git tree)'}{dirty}")
+        if record.generations:
+            first = record.generations[0]
+            env = first.environment
+            facts.add_row(
+                "environment", f"python {env.python}, torch {env.torch}, pitstop {env.pitstop}"
+            )
+            facts.add_row("data", first.data_digest or "(no digest stated)")
+        facts.add_row("record", f"pitstop job record {run_job.id} (with --keep)")
     console.print(facts)
     return same and run_job.state == common_pb2.JOB_STATE_SUCCEEDED
 
@@ -296,7 +312,7 @@ def run_demo(args: argparse.Namespace) -> int:
         else:
             bar.stop()
             console.print(Rule("summary"))
-            ok = summary(run.job, run.injected, reference.final_hash(), run.seconds)
+            ok = summary(run.job, run.injected, reference.final_hash(), run.seconds, run.record)
     if args.keep:
         console.print(f"cluster left running: pitstop cluster down --state-dir {args.state_dir}")
     else:

@@ -45,6 +45,7 @@ from pitstop.client.localcluster import (
     free_port,
 )
 from pitstop.client.signals import dying_with_parent
+from pitstop.codeversion import code_version
 from pitstop.v1 import common_pb2, jobs_pb2
 
 FaultKind = Literal["xid", "node_kill", "agent_hang", "node_freeze", "rank_kill", "app_xid"]
@@ -93,6 +94,8 @@ class Run:
     job: jobs_pb2.Job
     injected: list[Injected] = field(default_factory=list)
     seconds: float = 0.0
+    record: jobs_pb2.JobRecord | None = None
+    """The job's experiment record as it ended (None when it could not be read)."""
 
 
 def example_command(steps: int, step_seconds: float, *extra: str) -> list[str]:
@@ -374,7 +377,8 @@ class Driver:
         if timeout is None:
             timeout = run_deadline(*_pace(spec), len(faults))
         started = self.clock()
-        job = self.client.submit_job(spec)
+        # The code this side runs (the scenario's own tree), for the job's record.
+        job = self.client.submit_job(spec, code=code_version(os.getcwd()))
         stop = threading.Event()
         watcher = threading.Thread(target=self._watch, args=(job.id, stop), daemon=True)
         watcher.start()
@@ -423,6 +427,8 @@ class Driver:
             for worker in self._restoring:
                 worker.join(timeout=max(deadline - time.monotonic(), 0.0))
         run.job, run.seconds = job, self.clock() - started
+        with contextlib.suppress(PitstopError):
+            run.record = self.client.job_record(job.id)
         return run
 
     def recent_events(self, job_id: str, limit: int = EVENTS_SHOWN) -> list[str]:
