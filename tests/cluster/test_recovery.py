@@ -1902,11 +1902,12 @@ def steps_run(cluster: Cluster, job: jobs_pb2.Job, rank: int) -> list[int]:
 def test_a_higher_priority_job_preempts_a_preemptible_one_which_resumes_losing_no_step(
     cluster: Cluster, standalone_hash: str, rank_forks: ForkClient, tmp_path: Path
 ) -> None:
-    """A preemptible job on every worker; a job of higher priority arrives and runs
-    within 10 s of its submit. The preempted job stops at a step boundary with its
-    snapshot sealed, waits in the queue with its reason and position, resumes by itself
-    once the other finished, and ends with its own fault-free hash, every step run
-    exactly once."""
+    """A preemptible job on every worker loses one to a node failure first: the spare
+    takes its place and its role (the failed node is the spare from then on), so the
+    worker pool keeps four. A job of higher priority arrives and runs within 10 s of its
+    submit. The preempted job stops at a step boundary with its snapshot sealed, waits
+    in the queue with its reason and position, resumes by itself once the other
+    finished, and ends with its own fault-free hash, every step run exactly once."""
     low = cluster.submit_spec(
         jobs_pb2.JobSpec(
             name=unique("low"),
@@ -1918,7 +1919,15 @@ def test_a_higher_priority_job_preempts_a_preemptible_one_which_resumes_losing_n
             env={"PYTHONUNBUFFERED": "1"},
         )
     )
-    cluster.wait_for_step(low, 0, 5)
+    lost = cluster.node_of(low, 3).node_id
+    cluster.wait_for_step(low, 3, 3)
+    cluster.kill_node(lost)
+    cluster.job_event(low.id, "job.recovered")
+    roles = {n.id: n.role for n in cluster.node_api.List(nodes_pb2.ListNodesRequest()).nodes}
+    assert roles[SPARE] == common_pb2.NODE_ROLE_WORKER, roles
+    assert roles[lost] == common_pb2.NODE_ROLE_SPARE, roles
+    low = cluster.get(low.id)
+    cluster.wait_for_step(low, 0, 8)
     high_steps = 20
     submitted = time.monotonic()
     high = cluster.jobs.Submit(
@@ -1960,6 +1969,63 @@ def test_a_higher_priority_job_preempts_a_preemptible_one_which_resumes_losing_n
     assert stopped_at >= 5, resumed
     finished = cluster.finish(low.id)
     check_result(finished, standalone_hash)
+    assert lost not in {a.node_id for a in finished.rank_map.ranks}
     for rank in range(4):
-        assert steps_run(cluster, finished, rank) == list(range(1, STEPS + 1)), rank
-    assert set(restored_steps(cluster, finished)) == {stopped_at}
+        assert set(steps_run(cluster, finished, rank)) == set(range(1, STEPS + 1)), rank
+    assert stopped_at in restored_steps(cluster, finished)
+    # The preemption gave up no step: the resume restored the step the job stopped at,
+    # and no rank ran any step after it twice.
+    for rank in range(4):
+        after = [s for s in steps_run(cluster, finished, rank) if s > stopped_at]
+        assert after == list(range(stopped_at + 1, STEPS + 1)), (rank, after)
+
+
+def test_a_job_that_may_shrink_gives_up_replicas_rather_than_stopping(
+    cluster: Cluster, standalone_hash: str, rank_forks: ForkClient, tmp_path: Path
+) -> None:
+    """A preemptible job with min_dp 2 on all four workers: a higher-priority dp-2 job
+    takes two replicas' nodes while the first runs on at dp 2, and both end with their
+    own fault-free hashes (the example splits its global batch into the same shards at
+    any world size)."""
+    low = cluster.submit_spec(
+        jobs_pb2.JobSpec(
+            name=unique("elastic"),
+            command=[*EXAMPLE, "--log-every", "1", "--step-seconds", "0.1"],
+            dp=4,
+            min_dp=2,
+            gpus_per_node=1,
+            preemptible=True,
+            min_run_seconds=0,
+            env={"PYTHONUNBUFFERED": "1"},
+        )
+    )
+    cluster.wait_for_step(low, 0, 5)
+    high_steps = 20
+    submitted = time.monotonic()
+    high = cluster.jobs.Submit(
+        jobs_pb2.SubmitJobRequest(
+            spec=jobs_pb2.JobSpec(
+                name=unique("high"),
+                command=[*EXAMPLE, "--log-every", "1", "--steps", str(high_steps)],
+                dp=2,
+                gpus_per_node=1,
+                priority=10,
+                env={"PYTHONUNBUFFERED": "1"},
+            )
+        )
+    ).job
+    shrunk = cluster.job_event(low.id, "job.shrunk", "job.preempted")
+    assert shrunk.kind == "job.shrunk", shrunk
+    assert shrunk.attributes["by"] == high.id, shrunk
+    assert shrunk.attributes["dp"] == "2", shrunk
+    running = cluster.job_event(high.id, "job.running", "job.failed")
+    assert running.kind == "job.running", (running, cluster.logs(high.id))
+    waited = time.monotonic() - submitted
+    assert waited <= 10.0, f"the high-priority job ran {waited:.1f} s after its submit"
+    assert cluster.finish(high.id).result["final_weights_sha256"] == reference_hash(
+        rank_forks, tmp_path, high_steps
+    )
+    finished = cluster.finish(low.id)
+    check_result(finished, standalone_hash)
+    assert finished.rank_map.world_size == 2
+    assert finished.preemptions == 0

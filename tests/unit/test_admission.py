@@ -86,3 +86,27 @@ def test_free_gpus_scattered_over_nodes_are_a_topology_reason() -> None:
     busy = [("n0", 0), ("n1", 0)]
     verdict = admit(fleet(2), busy, [job("a", 2)])
     assert verdict.waiting["a"].startswith("topology: 2 GPUs are free on READY workers")
+
+
+def replicas(*nodes: str) -> tuple[tuple[tuple[str, int], ...], ...]:
+    return tuple(held(n) for n in nodes)
+
+
+def test_a_job_that_may_shrink_drops_its_last_replicas_instead_of_stopping() -> None:
+    busy = held("n0", "n1", "n2", "n3")
+    elastic = Running(
+        "low",
+        priority=0,
+        unsaved_steps=0,
+        gpus=busy,
+        replicas=replicas("n0", "n1", "n2", "n3"),
+        min_dp=2,
+    )
+    verdict = admit(fleet(4), busy, [job("hi", 4, priority=5)], preemptible=[elastic])
+    assert verdict.shrink == {"low": (2, "hi")}
+    assert verdict.preempt == {}
+    assert verdict.waiting["hi"].startswith("shrinking low by 2 replica(s)")
+    # Needing more than its min_dp leaves: preempted whole.
+    verdict = admit(fleet(4), busy, [job("hi", 6, priority=5)], preemptible=[elastic])
+    assert verdict.shrink == {}
+    assert verdict.preempt == {"low": "hi"}

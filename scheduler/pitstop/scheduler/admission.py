@@ -6,10 +6,12 @@ Pending jobs are taken highest priority first, then oldest. Each one, in turn:
 1. waits when its GPUs would take its project over its quota;
 2. is placed when a gang fits (``placement.place_gang``), booking its GPUs for the jobs
    after it;
-3. else, when running preemptible jobs of lower priority hold enough, preempts the
-   fewest that make room, chosen to lose the least: lowest priority first, then the
-   fewest steps since their last durable checkpoint; a job inside its minimum run time
-   is never chosen. It waits for them to stop (the next pass places it);
+3. else, when running preemptible jobs of lower priority hold enough, makes room with
+   them, chosen to lose the least: lowest priority first, then the fewest steps since
+   their last durable checkpoint; a job inside its minimum run time is never chosen.
+   Shrinking comes first: when dropping data-parallel replicas down to the jobs'
+   `min_dp` frees enough, those replicas go and the jobs run on; else the fewest whole
+   jobs that make room are preempted. It waits for them (the next pass places it);
 4. else waits, with the reason in words: capacity, topology, or the priority of jobs
    placed ahead of it.
 
@@ -51,6 +53,16 @@ class Running:
     """Steps since its last durable checkpoint (what a lost node would cost it)."""
     gpus: tuple[tuple[str, int], ...]
     """The (node, GPU) pairs it holds."""
+    replicas: tuple[tuple[tuple[str, int], ...], ...] = ()
+    """Those pairs by data-parallel replica, in dp order (empty: none may be dropped)."""
+    min_dp: int = 0
+    """The fewest replicas it may shrink to."""
+
+    @property
+    def droppable(self) -> tuple[tuple[tuple[str, int], ...], ...]:
+        """The replicas a shrink may drop, the last first."""
+        keep = max(self.min_dp, 1)
+        return tuple(reversed(self.replicas[keep:])) if len(self.replicas) > keep else ()
 
 
 @dataclass
@@ -62,6 +74,8 @@ class Admission:
     """Why each pending job that was not placed waits."""
     preempt: dict[str, str] = field(default_factory=dict)
     """Victim job id -> the job it makes room for."""
+    shrink: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Job id -> (replicas it drops, the last first; the job they make room for)."""
 
 
 def admit(
@@ -106,6 +120,17 @@ def admit(
         eligible = [
             r for r in preemptible if r.job_id not in taken and r.priority < request.priority
         ]
+        shrinks = _shrinks(nodes, booked_now, request, eligible)
+        if shrinks:
+            taken.update(shrinks)
+            out.shrink.update({j: (n, job.job_id) for j, n in shrinks.items()})
+            out.waiting[job.job_id] = (
+                "shrinking "
+                + ", ".join(f"{j} by {n} replica(s)" for j, n in sorted(shrinks.items()))
+                + ": their dropped replicas leave at the next step boundary, then this job "
+                "starts on their GPUs"
+            )
+            continue
         victims = _victims(nodes, booked_now, request, eligible)
         if victims:
             taken.update(victims)
@@ -119,6 +144,36 @@ def admit(
     return out
 
 
+def _fits(
+    nodes: Sequence[NodeInfo],
+    booked: Sequence[tuple[str, int]],
+    request: GangRequest,
+    freed: set[tuple[str, int]],
+) -> bool:
+    trial = Topology.build(nodes, [pair for pair in booked if pair not in freed])
+    return place_gang(trial, request) is not None
+
+
+def _shrinks(
+    nodes: Sequence[NodeInfo],
+    booked: Sequence[tuple[str, int]],
+    request: GangRequest,
+    eligible: Sequence[Running],
+) -> dict[str, int]:
+    """The fewest replicas of `eligible` to drop (job -> how many, the last first) that
+    make `request` fit, least loss first; {} when dropping all they may is not enough."""
+    order = sorted(eligible, key=lambda r: (r.priority, r.unsaved_steps, r.job_id))
+    freed: set[tuple[str, int]] = set()
+    dropped: dict[str, int] = {}
+    for candidate in order:
+        for replica in candidate.droppable:
+            freed.update(replica)
+            dropped[candidate.job_id] = dropped.get(candidate.job_id, 0) + 1
+            if _fits(nodes, booked, request, freed):
+                return dropped
+    return {}
+
+
 def _victims(
     nodes: Sequence[NodeInfo],
     booked: Sequence[tuple[str, int]],
@@ -130,9 +185,7 @@ def _victims(
     order = sorted(eligible, key=lambda r: (r.priority, r.unsaved_steps, r.job_id))
 
     def fits(chosen: Sequence[Running]) -> bool:
-        freed = {pair for r in chosen for pair in r.gpus}
-        trial = Topology.build(nodes, [pair for pair in booked if pair not in freed])
-        return place_gang(trial, request) is not None
+        return _fits(nodes, booked, request, {pair for r in chosen for pair in r.gpus})
 
     chosen: list[Running] = []
     for candidate in order:

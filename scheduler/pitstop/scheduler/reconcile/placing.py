@@ -16,8 +16,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from pitstop.scheduler.admission import PREEMPT_GRACE_SECONDS, Admission, Pending, Running, admit
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState
-from pitstop.scheduler.placement import GangRequest
+from pitstop.scheduler.placement import GangRequest, shrink_by_one_replica
 from pitstop.scheduler.reconcile.context import Leader, locked_job, set_deadline
+from pitstop.scheduler.reconcile.recovery import node_actions
 from pitstop.scheduler.services import catalog, lifecycle
 from pitstop.scheduler.services import node_commands as plan
 from pitstop.scheduler.services.events import record_event
@@ -39,7 +40,7 @@ async def place_pending_jobs(leader: Leader) -> set[str]:
             return set()
         nodes, booked = await lifecycle.topology_inputs(session)
         quotas = await quota_usage(session)
-        victims = await _preemptible(session, max(j.priority for j in pending))
+        victims = await _preemptible(leader, session, max(j.priority for j in pending))
     requests = []
     for seq, job in enumerate(sorted(pending, key=lambda j: (j.created_at, j.id))):
         spec = spec_from_json(job.spec)
@@ -55,9 +56,14 @@ async def place_pending_jobs(leader: Leader) -> set[str]:
         requests.append(Pending(request, job.project))
     verdict = admit(nodes, booked, requests, quotas=quotas, preemptible=victims)
     await _write_reasons(leader, {j.id: j.reason for j in pending}, verdict)
+    placed = set()
+    for job_id, (drop, by) in sorted(verdict.shrink.items()):
+        if await _shrink(leader, job_id, drop, by):
+            placed.add(job_id)  # its new generation's commands are due
+        else:
+            verdict.preempt[job_id] = by  # its replicas share nodes: preempted whole
     for victim, by in sorted(verdict.preempt.items()):
         await _preempt(leader, victim, by)
-    placed = set()
     for job_id, placement in verdict.placed.items():
         started = time.perf_counter()
         async with leader.store.write() as session:
@@ -91,9 +97,9 @@ async def place_pending_jobs(leader: Leader) -> set[str]:
     return placed
 
 
-async def _preemptible(session: AsyncSession, above: int) -> list[Running]:
+async def _preemptible(leader: Leader, session: AsyncSession, above: int) -> list[Running]:
     """Running preemptible jobs of priority below `above`, past their minimum run time,
-    with the GPUs they hold."""
+    with the GPUs they hold, by replica."""
     rows = (
         await session.scalars(
             select(models.Job)
@@ -110,23 +116,23 @@ async def _preemptible(session: AsyncSession, above: int) -> list[Running]:
         if (now - job.running_since).total_seconds() < spec.min_run_seconds:
             continue
         chosen[job.id] = job
-    if not chosen:
-        return []
-    gpus: dict[str, list[tuple[str, int]]] = {job_id: [] for job_id in chosen}
-    b = models.GpuBooking
-    for job_id, node_id, index in await session.execute(
-        select(b.job_id, b.node_id, b.gpu_index).where(b.job_id.in_(sorted(chosen)))
-    ):
-        gpus[job_id].append((node_id, index))
-    return [
-        Running(
-            job.id,
-            job.priority,
-            max(job.current_step - job.durable_step, 0),
-            tuple(gpus[job.id]),
+    running = []
+    for job in chosen.values():
+        placement = await leader.rank_maps.of(session, job)
+        replicas: dict[int, list[tuple[str, int]]] = {}
+        for slot in placement.ranks:
+            replicas.setdefault(slot.dp, []).append((slot.node_id, slot.gpu_index))
+        running.append(
+            Running(
+                job.id,
+                job.priority,
+                max(job.current_step - job.durable_step, 0),
+                tuple(pair for _, pairs in sorted(replicas.items()) for pair in pairs),
+                replicas=tuple(tuple(pairs) for _, pairs in sorted(replicas.items())),
+                min_dp=spec_from_json(job.spec).min_dp,
+            )
         )
-        for job in chosen.values()
-    ]
+    return running
 
 
 async def _write_reasons(leader: Leader, reasons: dict[str, str], verdict: Admission) -> None:
@@ -143,6 +149,52 @@ async def _write_reasons(leader: Leader, reasons: dict[str, str], verdict: Admis
                 .where(models.Job.id == job_id, models.Job.state == JobState.PENDING)
                 .values(reason=why)
             )
+
+
+async def _shrink(leader: Leader, job_id: str, drop: int, by: str) -> bool:
+    """Drop the last `drop` data-parallel replicas of `job_id` to make room for `by`:
+    the survivors reconfigure at the next step boundary (restoring the newest step every
+    rank holds) and run on; the dropped ranks leave, their GPUs released in the
+    transaction. Not a failure: the event is job.shrunk, no incident. False when a
+    replica cannot be dropped alone (it shares a node with another): the caller
+    preempts the job whole instead."""
+    async with leader.store.write() as session:
+        row = await locked_job(leader, session, job_id, (JobState.RUNNING,))
+        if row is None:
+            return True  # it moved on meanwhile: nothing to do, nothing to preempt
+        spec = spec_from_json(row.spec)
+        before = await leader.rank_maps.of(session, row)
+        after = before
+        for _ in range(drop):
+            last = max(slot.dp for slot in after.ranks)
+            node_id = next(s.node_id for s in after.ranks if s.dp == last)
+            shrunk = shrink_by_one_replica(after, node_id, spec.tp, spec.pp)
+            if shrunk is None or last + 1 <= max(spec.min_dp, 1):
+                return False
+            after = shrunk
+        winner = await session.get(models.Job, by)
+        priority = winner.priority if winner is not None else "?"
+        dp = after.world_size // (spec.tp * spec.pp)
+        restore = await catalog.restorable_step(session, row)
+        actions = await node_actions(session, row, before, after)
+        await leader.rank_maps.write(session, row, after)
+        row.restore_step = restore
+        row.commands_after = None
+        set_deadline(row, leader.timeouts.recovery_seconds)
+        await plan.replace_plan(session, row, actions)
+        lifecycle.transition(
+            session,
+            row,
+            JobState.RECOVERING,
+            kind="job.shrunk",
+            reason=(
+                f"shrunk to dp={dp} (min_dp {spec.min_dp}) to make room for job {by} "
+                f"(priority {priority} over {row.priority}); restoring step {restore}"
+            ),
+            attributes={"by": by, "dp": str(dp), "step": str(restore)},
+        )
+    log.info("job %s shrunk by %d replica(s) for job %s", job_id, drop, by)
+    return True
 
 
 async def _preempt(leader: Leader, job_id: str, by: str) -> None:

@@ -33,6 +33,7 @@ from pitstop.scheduler.services import node_commands as plan
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.scheduler.services.node_commands import IN_FLIGHT, NodeAction
+from pitstop.scheduler.services.nodes import swap_roles
 from pitstop.scheduler.topology import Placement, Topology
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,8 @@ class Recovery:
             restore = await catalog.restorable_step(session, job)
             incident = await goodput.node_incident(session, leader.hot, job, states, restore)
             added = set(placement.nodes()) - set(before.nodes())
+            gone = set(before.nodes()) - set(placement.nodes())
+            await swap_roles(session, sorted(added), sorted(gone), job_id=job.id)
             actions = await node_actions(session, job, before, placement, adopting=added & prefer)
             await self.leader.rank_maps.write(session, job, placement)
             job.restore_step = restore

@@ -348,3 +348,52 @@ async def mark_disconnected(session: AsyncSession, node_id: str) -> None:
             node_id=node_id,
             reason="agent stream closed",
         )
+
+
+async def swap_roles(
+    session: AsyncSession, taken: Sequence[str], replaced: Sequence[str], *, job_id: str
+) -> list[tuple[str, str]]:
+    """A recovery moved job `job_id`'s ranks from the `replaced` nodes onto the `taken`
+    ones: each spare among the taken becomes a worker and, one for one, a worker among
+    the replaced becomes a spare. A hot spare takes the failed node's place, and the
+    failed node, once back, is the spare: the worker pool (where jobs are placed, a
+    preempted one again) and the spare pool keep their sizes. Returns the (spare, worker)
+    pairs swapped."""
+    ids = sorted({*taken, *replaced})
+    if not ids:
+        return []
+    roles = dict(
+        (
+            await session.execute(
+                select(models.Node.id, models.Node.role).where(models.Node.id.in_(ids))
+            )
+        )
+        .tuples()
+        .all()
+    )
+    promoted = [n for n in taken if roles.get(n) is NodeRole.SPARE]
+    demoted = [n for n in replaced if roles.get(n) is NodeRole.WORKER]
+    pairs = list(zip(promoted, demoted, strict=False))
+    for spare, worker in pairs:
+        for node_id, role, other in (
+            (spare, NodeRole.WORKER, worker),
+            (worker, NodeRole.SPARE, spare),
+        ):
+            node = await session.get(models.Node, node_id, with_for_update=True)
+            if node is None:
+                continue
+            previous, node.role = node.role, role
+            record_event(
+                session,
+                "node.role",
+                actor="scheduler",
+                node_id=node_id,
+                job_id=job_id,
+                reason=(
+                    f"took the place of {other} in job {job_id}'s recovery"
+                    if role is NodeRole.WORKER
+                    else f"its place in job {job_id} went to spare {other}: a spare once back"
+                ),
+                attributes={"from_role": previous.value, "to_role": role.value},
+            )
+    return pairs
