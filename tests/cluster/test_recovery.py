@@ -58,6 +58,7 @@ from pitstop.client.localcluster import rank_pids
 from pitstop.client.netns import IFACE, Network
 from pitstop.client.netns import create as create_network
 from pitstop.client.netns import destroy as destroy_network
+from pitstop.codeversion import code_version
 from pitstop.tls import open_channel
 from pitstop.v1 import (
     checkpoint_pb2,
@@ -2029,3 +2030,41 @@ def test_a_job_that_may_shrink_gives_up_replicas_rather_than_stopping(
     check_result(finished, standalone_hash)
     assert finished.rank_map.world_size == 2
     assert finished.preemptions == 0
+
+
+def test_the_records_of_two_runs_with_different_seeds_differ_only_where_the_seed_reaches(
+    cluster: Cluster,
+) -> None:
+    """Two runs of the example, one with another seed: each record names the code the
+    client submitted from, the ranks' software and the data digest; their diff shows
+    the seed's command line, data digest and results, never the code or the software."""
+    jobs = []
+    for seed in ("1234", "99"):
+        command = [*EXAMPLE, "--steps", "10", "--seed", seed, "--log-every", "0"]
+        spec = jobs_pb2.JobSpec(name=unique("seed"), command=command, dp=2, gpus_per_node=1)
+        here = code_version(Path(__file__).parent)
+        job = cluster.jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec, code=here)).job
+        jobs.append(cluster.finish(job.id))
+    cli, server = CliRunner(), cluster.cli_options()
+    shown = cli.invoke(app, [*server, "job", "record", jobs[0].id, "--json"])
+    assert shown.exit_code == 0, shown.output
+    record = json.loads(shown.output)
+    assert record["submitted_code"]["git_commit"] == here.git_commit != ""
+    (generation,) = record["generations"]
+    assert generation["environment"]["torch"]
+    assert generation["environment"]["python"]
+    assert len(generation["data_digest"]) == 64
+    assert record["final_weights_hash"] == jobs[0].result["final_weights_sha256"]
+    diffed = cli.invoke(app, [*server, "job", "diff", jobs[0].id, jobs[1].id, "--json"])
+    assert diffed.exit_code == 0, diffed.output
+    differ = json.loads(diffed.output)["differ"]
+    assert "generations.0.data_digest" in differ, differ
+    assert "final_weights_hash" in differ, differ
+    assert any(key.startswith("spec.command") for key in differ), differ
+    unexpected = [
+        key
+        for key in differ
+        if key.startswith(("submitted_code", "generations.0.environment", "generations.0.code"))
+        or key in ("spec.dp", "state", "current_step", "spec.project")
+    ]
+    assert unexpected == [], differ
