@@ -27,7 +27,7 @@ from pitstop.client.localcluster import LocalCluster, stop_cluster
 from pitstop.client.scenario import example_spec
 from pitstop.scheduler.config import ApiToken
 from pitstop.scheduler.dashboard import synthetic as synthetic_fleet
-from pitstop.v1 import common_pb2
+from pitstop.v1 import common_pb2, jobs_pb2
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = (
@@ -191,7 +191,7 @@ def get(url: str, token: str | None = None) -> tuple[int, Any]:
 
 
 def test_only_a_token_holder_sees_the_fleet(synthetic: tuple[str, str, str]) -> None:
-    url, job_id, _ = synthetic
+    url, job_id, address = synthetic
     status, body = get(f"{url}api/fleet")
     assert status == 401
     assert "Bearer" in body["error"]
@@ -203,6 +203,19 @@ def test_only_a_token_holder_sees_the_fleet(synthetic: tuple[str, str, str]) -> 
     status, body = get(f"{url}api/jobs/{job_id}", token=VIEWER)
     assert status == 200
     assert len(body["ranks"]) == RANKS
+    # The job page links the job's experiment record; the queue shows what waits.
+    status, body = get(f"{url}api/jobs/{job_id}/record", token=VIEWER)
+    assert status == 200, body
+    assert body["job_id"] == job_id
+    with PitstopClient(address, token=ADMIN) as client:
+        spec = jobs_pb2.JobSpec(name="waits", command=["x"], dp=2, gpus_per_node=1, priority=3)
+        waiting = client.submit_job(spec)
+    status, body = get(f"{url}api/jobs", token=VIEWER)
+    assert status == 200
+    (listed,) = [j for j in body["jobs"] if j["id"] == waiting.id]
+    assert listed["queue_position"] == 1
+    assert listed["reason"] == "waiting for placement"
+    assert (listed["project"], listed["priority"]) == ("default", 3)
     status, body = get(f"{url}api/nodes/no-such-node", token=VIEWER)
     assert status == 404
     assert "no-such-node" in body["error"]

@@ -25,6 +25,7 @@ from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.services import events as event_service
 from pitstop.scheduler.services import jobs as job_service
 from pitstop.scheduler.services import nodes as node_service
+from pitstop.scheduler.services import records as record_service
 from pitstop.scheduler.store import Store
 from pitstop.v1 import agent_pb2, common_pb2
 
@@ -129,14 +130,33 @@ async def node_detail(store: Store, hot: HotState, node_id: str) -> dict[str, An
 
 
 async def job_list(store: Store) -> list[dict[str, Any]]:
-    """The newest jobs, newest first."""
+    """The newest jobs, newest first; a pending one with its place in the queue and why
+    it waits."""
     async with store.read() as session:
         jobs, _ = await job_service.list_jobs(
             session, states=(), page_size=JOBS_SHOWN, page_token=""
         )
+        queue = await job_service.queue_positions(session)
     return [
-        {"id": j.id, "name": j.name, "state": j.state.value, "step": j.current_step} for j in jobs
+        {
+            "id": j.id,
+            "name": j.name,
+            "state": j.state.value,
+            "step": j.current_step,
+            "project": j.project,
+            "priority": j.priority,
+            "queue_position": queue.get(j.id, 0),
+            "reason": j.reason if j.id in queue else "",
+        }
+        for j in jobs
     ]
+
+
+async def job_record(store: Store, job_id: str) -> dict[str, Any]:
+    """The job's experiment record (`pitstop job record --json`)."""
+    async with store.read() as session:
+        record = await record_service.job_record(session, job_id)
+    return json_format.MessageToDict(record, preserving_proto_field_name=True)
 
 
 def incident_rows(goodput: dict[str, Any]) -> list[dict[str, Any]]:
@@ -219,6 +239,11 @@ async def job_detail(store: Store, hot: HotState, job_id: str) -> dict[str, Any]
         # [rank, node, zone, block, rack, dp, pp, tp, straggler, p50 seconds]
         "ranks": rank_rows,
         "result": dict(message.result),
+        "project": spec.project or "default",
+        "priority": spec.priority,
+        "preemptible": spec.preemptible,
+        "preemptions": message.preemptions,
+        "queue_position": message.queue_position,
     }
 
 

@@ -23,10 +23,10 @@ from typing import Any
 
 from aiohttp import web
 
-from pitstop.scheduler.auth import TokenBook
+from pitstop.scheduler.auth import Caller, TokenBook, current_caller
 from pitstop.scheduler.dashboard import data
 from pitstop.scheduler.domain import Role
-from pitstop.scheduler.errors import NotFound, PitstopError, Unauthenticated
+from pitstop.scheduler.errors import NotFound, PermissionDenied, PitstopError, Unauthenticated
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.store import Store
 
@@ -61,6 +61,7 @@ class Dashboard:
         app.router.add_get("/api/nodes/{node_id}", self._node)
         app.router.add_get("/api/jobs", self._jobs)
         app.router.add_get("/api/jobs/{job_id}", self._job)
+        app.router.add_get("/api/jobs/{job_id}/record", self._record)
         app.router.add_get("/api/events", self._events)
         app.router.add_get("/api/stream", self._stream)
         self.app = app
@@ -89,12 +90,14 @@ class Dashboard:
         token = request.cookies.get(COOKIE)
         return f"Bearer {token}" if token else None
 
-    def _check(self, presented: str | None) -> None:
-        """Raise Unauthenticated unless `presented` (an Authorization value) is a viewer's."""
+    def _check(self, presented: str | None) -> Caller:
+        """The caller `presented` (an Authorization value) makes; Unauthenticated unless
+        it is a viewer's."""
         metadata = [("authorization", presented)] if presented else []
         caller = self.tokens.caller_for(metadata)
         if Role.VIEWER not in caller.roles:
             raise Unauthenticated(f"{caller.name} may not view; use a viewer token or above")
+        return caller
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -105,17 +108,24 @@ class Dashboard:
             # A link with ?token=: keep it in a cookie, take it out of the address bar.
             return self._signed_in(token, "/")
         try:
-            self._check(self._presented(request))
+            caller = self._check(self._presented(request))
         except Unauthenticated as exc:
             if request.path.startswith("/api/"):
                 return web.json_response({"error": str(exc)}, status=401)
             raise web.HTTPSeeOther("/login") from None
+        # As on the gRPC API: what a token limited to projects may read is checked
+        # against the caller (a job's record).
+        entered = current_caller.set(caller)
         try:
             return await handler(request)
         except NotFound as exc:
             return web.json_response({"error": str(exc)}, status=404)
+        except PermissionDenied as exc:
+            return web.json_response({"error": str(exc)}, status=403)
         except PitstopError as exc:
             return web.json_response({"error": str(exc)}, status=400)
+        finally:
+            current_caller.reset(entered)
 
     def _signed_in(self, token: str, to: str) -> web.StreamResponse:
         try:
@@ -169,6 +179,9 @@ class Dashboard:
         return web.json_response(
             await data.job_detail(self.store, self.hot, request.match_info["job_id"])
         )
+
+    async def _record(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response(await data.job_record(self.store, request.match_info["job_id"]))
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
         return web.json_response({"events": await data.recent_events(self.store)})

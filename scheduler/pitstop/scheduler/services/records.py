@@ -33,7 +33,9 @@ MAX_TEXT = 4096
 INT64_MAX = 2**63 - 1
 PREEMPTED = "job.preempted"
 """The event a preemption records, with attributes "by" (the job it made room for)
-and "step" (where the job stopped)."""
+and "step" (the job's newest step when it was decided)."""
+RESUMING = "job.resuming"
+"""The event of a preempted job placed again, with attribute "step" (its restore step)."""
 
 _TEXTS = {
     "code": ("git_commit", "dirty_digest", "working_dir"),
@@ -195,15 +197,22 @@ def shards_digest(checksums: Sequence[str]) -> str:
 
 
 async def _preemptions(session: AsyncSession, job_id: str) -> list[jobs_pb2.PreemptionRecord]:
+    """Each preemption, with the step the job resumed from (the resume's job.resuming
+    event): the step its ranks stopped at, which the decision's own `step` (the newest
+    step when it was taken) may trail by the one the ranks were in."""
     events = await session.scalars(
         select(models.Event)
         .where(models.Event.job_id == job_id)
-        .where(models.Event.kind == PREEMPTED)
+        .where(models.Event.kind.in_((PREEMPTED, RESUMING)))
         .order_by(models.Event.id)
     )
-    found = []
+    found: list[jobs_pb2.PreemptionRecord] = []
     for event in events:
         step = str(event.attributes.get("step", ""))
+        if event.kind == RESUMING:
+            if found and step.isdecimal():
+                found[-1].step = int(step)
+            continue
         found.append(
             jobs_pb2.PreemptionRecord(
                 at=timestamp(event.time),

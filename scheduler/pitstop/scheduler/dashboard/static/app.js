@@ -215,6 +215,19 @@ function onJobs(jobs) {
   }));
   if (!jobs.length) options.push(el("option", { value: "", textContent: "no jobs yet" }));
   select.replaceChildren(...options);
+  const waiting = jobs.filter((job) => job.queue_position).sort((a, b) => a.queue_position - b.queue_position);
+  $("queue-panel").hidden = !waiting.length;
+  $("queue").tBodies[0].replaceChildren(...waiting.map((job) => {
+    const row = el("tr", {});
+    row.append(
+      el("td", { textContent: String(job.queue_position) }),
+      el("td", { textContent: `${job.name} · ${job.id}` }),
+      el("td", { textContent: job.project }),
+      el("td", { textContent: String(job.priority) }),
+      el("td", { textContent: job.reason || "—" }),
+    );
+    return row;
+  }));
 }
 
 $("job-select").addEventListener("change", (e) => {
@@ -239,6 +252,9 @@ function drawJob() {
   const job = state.detail;
   if (!job) return;
   $("job-name").textContent = `${job.name} · ${job.id}`;
+  const record = $("job-record");
+  record.href = `/api/jobs/${encodeURIComponent(job.id)}/record`;
+  record.hidden = false;
   const badge = $("job-state");
   badge.textContent = job.state;
   badge.dataset.state = job.state;
@@ -251,6 +267,9 @@ function drawJob() {
     ["committed · durable", `${job.committed_step} · ${job.durable_step}`],
     ["ranks", job.ranks.length],
     ["restarts", job.restarts],
+    ["project · priority", `${job.project} · ${job.priority}`],
+    ["preemptible", job.preemptible ? `yes (preempted ${job.preemptions}×)` : "no"],
+    ...(job.queue_position ? [["queue position", job.queue_position]] : []),
     ["tokens/s", state.rates ? Math.round(state.rates.tokens_per_second).toLocaleString() : "—"],
     ["steps/s", state.rates ? state.rates.steps_per_second.toFixed(2) : "—"],
     ["goodput", `${(100 * g.ratio).toFixed(1)}%`],
