@@ -41,14 +41,23 @@ async def place_pending_jobs(leader: Leader) -> set[str]:
         nodes, booked = await lifecycle.topology_inputs(session)
         quotas = await quota_usage(session)
         victims = await _preemptible(leader, session, max(j.priority for j in pending))
+        # A preempted job comes back at the size it ran (a shrink before stays): its
+        # snapshots are of that world.
+        worlds = {
+            j.id: await catalog.world_size(session, j, j.generation - 1)
+            for j in pending
+            if j.preemptions and j.generation > 1
+        }
     requests = []
     for seq, job in enumerate(sorted(pending, key=lambda j: (j.created_at, j.id))):
         spec = spec_from_json(job.spec)
+        per_replica = max(spec.tp, 1) * max(spec.pp, 1)
+        dp = worlds[job.id] // per_replica if worlds.get(job.id, 0) >= per_replica else spec.dp
         request = GangRequest(
             job.id,
             spec.tp,
             spec.pp,
-            spec.dp,
+            dp,
             spec.gpus_per_node,
             priority=job.priority,
             sequence=seq,
