@@ -23,7 +23,7 @@ from typer.testing import CliRunner, Result
 from pitstop.client.cli import app
 from pitstop.client.client import PitstopClient
 from pitstop.client.errors import PitstopError
-from pitstop.v1 import common_pb2
+from pitstop.v1 import common_pb2, jobs_pb2
 
 ADMIN = "admin-token-0123456789"
 ADMIN_HASH = hashlib.sha256(ADMIN.encode()).hexdigest()
@@ -136,7 +136,7 @@ def test_token_list_shows_issued_and_configured_tokens_and_never_a_hash(
     assert ops_row[:3] == ["ops", "admin", "config"]
     row = next(row for row in rows if row[0] == name)
     assert row[1:3] == ["operator", "api"]
-    assert row[5:] == ["never", "-"]
+    assert row[5:] == ["never", "-", "all"]  # no expiry, not revoked, every project
     digest = hashlib.sha256(token.encode()).hexdigest()
     for output in (listed.stdout, table.stdout):
         assert ADMIN_HASH not in output
@@ -261,3 +261,74 @@ def test_an_open_api_takes_an_admin_first_and_never_reopens(
             assert refusal(anyone.list_jobs).code == grpc.StatusCode.UNAUTHENTICATED
     finally:
         scheduler.stop()
+
+
+def test_a_token_limited_to_a_project_reaches_only_its_jobs(secure: SchedulerProcess) -> None:
+    """A token of project "vision" submits, cancels and reads the records of vision's
+    jobs; for another project's job each is PERMISSION_DENIED, naming both projects. A
+    token without projects reaches both. `token list` shows the limit."""
+    name, vision = issue(secure, "operator", "--project", "vision")
+
+    def spec(project: str) -> jobs_pb2.JobSpec:
+        return jobs_pb2.JobSpec(name=unique(project), project=project, command=["x"])
+
+    with client(secure) as admin:
+        theirs = admin.submit_job(spec("nlp"))
+    with client(secure, vision) as limited:
+        ours = limited.submit_job(spec("vision"))
+        assert limited.job_record(ours.id).job_id == ours.id
+        limited.cancel_job(ours.id, "done with it")
+        for call in (
+            lambda: limited.submit_job(spec("nlp")),
+            lambda: limited.cancel_job(theirs.id, "not mine"),
+            lambda: limited.pause_job(theirs.id, "not mine"),
+            lambda: limited.job_record(theirs.id),
+        ):
+            denied = refusal(call)
+            assert denied.code == grpc.StatusCode.PERMISSION_DENIED, denied
+            assert f"token:{name}" in denied.details
+            assert "vision" in denied.details
+            assert "'nlp'" in denied.details
+        # Listing and showing jobs stays a viewer's right, whatever the project.
+        assert limited.get_job(theirs.id).spec.project == "nlp"
+    with client(secure) as admin:
+        assert admin.job_record(theirs.id).job_id == theirs.id
+        assert admin.get_job(ours.id).state == common_pb2.JOB_STATE_CANCELLED
+    listed = pitstop(secure, "token", "list", "--json")
+    assert listed.exit_code == 0, listed.stderr
+    (row,) = [t for t in json.loads(listed.stdout) if t["name"] == name]
+    assert row["projects"] == ["vision"]
+
+
+def test_quota_set_and_list_through_the_cli(secure: SchedulerProcess) -> None:
+    project = unique("q").replace("_", "-").lower()
+    done = pitstop(secure, "quota", "set", project, "--gpus", "16")
+    assert done.exit_code == 0, done.stderr
+    assert f"project {project}: GPU quota 16" in done.stdout
+    listed = pitstop(secure, "quota", "list", "--json")
+    (row,) = [p for p in json.loads(listed.stdout) if p["name"] == project]
+    assert row["gpu_quota"] == 16
+    assert row.get("unlimited", False) is False
+    assert pitstop(secure, "quota", "set", project, "--unlimited").exit_code == 0
+    listed = pitstop(secure, "quota", "list", "--json")
+    (row,) = [p for p in json.loads(listed.stdout) if p["name"] == project]
+    assert row["unlimited"] is True
+    with client(secure) as admin:
+        events = admin.list_events(after_event_id=-1, limit=1000)
+    changes = [
+        (e.attributes["from"], e.attributes["to"])
+        for e in events
+        if e.kind == "project.quota_set" and e.attributes.get("project") == project
+    ]
+    assert changes == [("", "16"), ("16", "")]
+    both = pitstop(secure, "quota", "set", project)
+    assert both.exit_code != 0
+    assert "--gpus N, or --unlimited" in both.output
+    bad = pitstop(secure, "quota", "set", "Bad_Name", "--gpus", "1")
+    assert bad.exit_code != 0
+    assert "project" in bad.output
+    assert "INVALID_ARGUMENT" in bad.output
+    _, viewer = issue(secure, "viewer")
+    refused = pitstop(secure, "quota", "set", project, "--gpus", "1", token=viewer)
+    assert refused.exit_code != 0
+    assert "PERMISSION_DENIED" in refused.output

@@ -392,16 +392,17 @@ def test_a_job_over_its_project_quota_waits_with_that_reason_until_the_project_f
     deciding: SchedulerThread, short_dir: Path
 ) -> None:
     """Project "team" may hold one GPU: its second job waits, first in the queue, saying
-    so, while another project's job takes the free GPU; it starts once the team's first
-    job finished."""
+    so, while another project's job takes a free GPU; it starts once the team's first
+    job is cancelled."""
     events = follow_events(deciding.address)
     nodes = ["q0", "q1", "q2"]
     with run_agents(deciding.address, short_dir, [AgentSpec(n, gpus=1) for n in nodes]):
         registered(events, nodes)
         projects = jobs_pb2_grpc.ProjectServiceStub(deciding.channel())
         projects.SetQuota(jobs_pb2.SetQuotaRequest(project="team", gpus=1))
-        long_run = rank("--attach", "--steps", "100", "--step-seconds", "0.05")
-        first = submit(deciding, dp=1, project="team", command=long_run)
+        jobs = jobs_pb2_grpc.JobServiceStub(deciding.channel())
+        endless = rank("--attach", "--steps", "100000", "--step-seconds", "0.05")
+        first = submit(deciding, dp=1, project="team", command=endless)
         job_event(events, first.id, "job.running")
         second = submit(deciding, dp=1, project="team", command=rank("--attach", "--steps", "2"))
         deadline = time.monotonic() + 30
@@ -411,9 +412,9 @@ def test_a_job_over_its_project_quota_waits_with_that_reason_until_the_project_f
             time.sleep(0.05)
         assert waiting.reason.startswith("quota: project team holds 1 of its 1 GPUs"), waiting
         assert waiting.queue_position == 1
-        other = submit(deciding, dp=1, project="elsewhere", command=long_run)
+        other = submit(deciding, dp=1, project="elsewhere", command=endless)
         job_event(events, other.id, "job.running")
         assert get(deciding, second.id).state == common_pb2.JOB_STATE_PENDING
-        assert get(deciding, first.id).state == common_pb2.JOB_STATE_RUNNING
-        job_event(events, first.id, "job.succeeded")
+        jobs.Cancel(jobs_pb2.JobControlRequest(job_id=first.id, reason="make room"))
         job_event(events, second.id, "job.succeeded")
+        jobs.Cancel(jobs_pb2.JobControlRequest(job_id=other.id, reason="done"))

@@ -41,6 +41,9 @@ straggler:
   window_steps: 20
   warmup_steps: 10
 working_dir: /srv/train
+project: vision
+preemptible: true
+min_run_seconds: 120
 """
 
 
@@ -52,6 +55,7 @@ def test_full_spec_loads_every_field(tmp_path: Path) -> None:
     assert list(spec.command) == ["python", "-m", "pitstop.trainer.example", "--steps", "100"]
     assert (spec.tp, spec.pp, spec.dp, spec.gpus_per_node) == (2, 1, 4, 8)
     assert (spec.min_dp, spec.spares, spec.priority, spec.max_restarts) == (2, 1, -5, 3)
+    assert (spec.project, spec.preemptible, spec.min_run_seconds) == ("vision", True, 120)
     assert spec.checkpoint == jobs_pb2.CheckpointPolicy(
         snapshot_every_steps=1,
         durable_every_steps=50,

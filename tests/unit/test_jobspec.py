@@ -172,3 +172,21 @@ def test_the_hang_threshold_is_a_multiple_of_the_step_time_above_its_floor() -> 
     assert threshold(policy, 0.1) == 10.0  # the floor
     assert threshold(policy, 3.0) == 30.0  # 10 steps
     assert threshold(jobs_pb2.IntegrityPolicy(), 0.0) == 10.0  # a spec from before the fields
+
+
+def test_a_job_goes_to_the_default_project_and_may_be_preempted_after_a_minute() -> None:
+    accepted = validate_job_spec(jobs_pb2.JobSpec(name="a", command=["x"]))
+    assert accepted.project == "default"
+    assert not accepted.preemptible
+    assert accepted.min_run_seconds == 60
+    explicit = jobs_pb2.JobSpec(name="a", command=["x"], project="vision", min_run_seconds=0)
+    accepted = validate_job_spec(explicit)
+    assert (accepted.project, accepted.min_run_seconds) == ("vision", 0)
+
+
+@pytest.mark.parametrize("project", ["Vision", "9lives", "a" * 64, "team_a"])
+def test_a_bad_project_name_is_refused_naming_the_field(project: str) -> None:
+    with pytest.raises(InvalidArgument) as refused:
+        validate_job_spec(jobs_pb2.JobSpec(name="a", command=["x"], project=project))
+    assert refused.value.field == "spec.project"
+    assert "lowercase letters" in str(refused.value) or "at most 63" in str(refused.value)

@@ -15,6 +15,7 @@ from pitstop.client.cli_context import Settings
 from pitstop.client.cli_events import events
 from pitstop.client.cli_jobs import jobs_app
 from pitstop.client.cli_nodes import nodes_app
+from pitstop.client.cli_projects import quota_app
 from pitstop.client.cli_tokens import tokens_app
 from pitstop.client.client import CA_CERT_ENV, DEFAULT_SERVER, SERVER_ENV, TOKEN_ENV
 from pitstop.client.errors import PitstopError, code_name
@@ -84,6 +85,7 @@ app.add_typer(jobs_app, name="job")
 app.add_typer(nodes_app, name="node")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(tokens_app, name="token")
+app.add_typer(quota_app, name="quota")
 app.command("events")(events)
 
 

@@ -64,6 +64,14 @@ def create(
             "--node-id", help="The only node a join token may enroll (default: any one node)."
         ),
     ] = "",
+    project: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--project",
+            help="Limit the API token to this project's jobs (repeatable; default: every project).",
+            show_default=False,
+        ),
+    ] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Issue a token (admin), shown once; only its hash is kept.
@@ -72,6 +80,12 @@ def create(
     Without: a one-time join token that enrolls a node.
     """
     if role is None:
+        if project:
+            raise typer.BadParameter(
+                "--project limits an API token: give --role and --name too (a join token "
+                "enrolls a node, whatever its jobs' projects)",
+                param_hint="--project",
+            )
         if name:
             raise typer.BadParameter(
                 "--name names an API token: give --role viewer|operator|admin too (a join "
@@ -89,13 +103,17 @@ def create(
         raise typer.BadParameter("an API token needs a unique name, e.g. --name alice")
     seconds = parse_duration(ttl) if ttl else 0
     with open_client(ctx) as client:
-        made = client.create_api_token(name, parse_enum_word(ROLES, role), seconds)
+        made = client.create_api_token(
+            name, parse_enum_word(ROLES, role), seconds, projects=project or ()
+        )
     if json_out:
         print_json({"token": made.token, **to_json(made.record)})
         return
     typer.echo(made.token)
     expiry = token_expiry(made.record, datetime.now(UTC))
     until = "with no expiry" if expiry == "never" else f"valid until {expiry}"
+    if made.record.projects:
+        until += f", limited to project(s) {', '.join(made.record.projects)}"
     typer.echo(
         f"API token {made.record.name!r} ({token_role(made.record)}), {until}: shown only "
         "now (the scheduler keeps its hash); use it with pitstop --token or PITSTOP_TOKEN",

@@ -89,6 +89,7 @@ class PitstopClient:
         self._nodes = _stub(nodes_pb2_grpc.NodeServiceStub, self._channel)
         self._events = _stub(nodes_pb2_grpc.EventServiceStub, self._channel)
         self._tokens = _stub(nodes_pb2_grpc.TokenServiceStub, self._channel)
+        self._projects = _stub(jobs_pb2_grpc.ProjectServiceStub, self._channel)
 
     @classmethod
     def from_env(cls, server: str | None = None, token: str | None = None, **kwargs: Any) -> Self:
@@ -240,13 +241,16 @@ class PitstopClient:
     # API tokens
 
     def create_api_token(
-        self, name: str, role: int, ttl_seconds: int = 0
+        self, name: str, role: int, ttl_seconds: int = 0, projects: Sequence[str] = ()
     ) -> nodes_pb2.CreateApiTokenResponse:
         """An API token for a person or a script (admin), shown once: ``role`` is
         ``common_pb2.ROLE_VIEWER``, ``ROLE_OPERATOR`` or ``ROLE_ADMIN``; ``ttl_seconds``
-        0 means it never expires."""
+        0 means it never expires; ``projects`` limits it to those projects' jobs."""
         request = nodes_pb2.CreateApiTokenRequest(
-            name=name, role=cast(common_pb2.Role, role), ttl_seconds=ttl_seconds
+            name=name,
+            role=cast(common_pb2.Role, role),
+            ttl_seconds=ttl_seconds,
+            projects=list(projects),
         )
         return self._unary(self._tokens.Create, request, nodes_pb2.CreateApiTokenResponse)
 
@@ -261,6 +265,21 @@ class PitstopClient:
         token is FAILED_PRECONDITION: it is removed from the config file only."""
         request = nodes_pb2.RevokeApiTokenRequest(name=name)
         return self._unary(self._tokens.Revoke, request, nodes_pb2.ApiToken)
+
+    # Projects
+
+    def set_quota(
+        self, project: str, gpus: int | None = None, *, unlimited: bool = False
+    ) -> jobs_pb2.Project:
+        """Set a project's GPU quota (admin), or remove it with ``unlimited``."""
+        request = jobs_pb2.SetQuotaRequest(project=project, gpus=gpus or 0, unlimited=unlimited)
+        return self._unary(self._projects.SetQuota, request, jobs_pb2.Project)
+
+    def list_projects(self) -> list[jobs_pb2.Project]:
+        """Every project with a quota or a job, by name, with its GPUs in use."""
+        request = jobs_pb2.ListProjectsRequest()
+        reply = self._unary(self._projects.List, request, jobs_pb2.ListProjectsResponse)
+        return list(reply.projects)
 
     # Events
 

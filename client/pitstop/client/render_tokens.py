@@ -38,8 +38,11 @@ def token_revocation(token: nodes_pb2.ApiToken) -> str:
 
 
 def api_tokens_table(tokens: Sequence[nodes_pb2.ApiToken], now: datetime) -> Table:
-    """One row per token: name, role, source, created, by whom, expiry, revocation."""
-    result = table("NAME", "ROLE", "SOURCE", "CREATED", "CREATED BY", "EXPIRES", "REVOKED")
+    """One row per token: name, role, source, created, by whom, expiry, revocation, the
+    projects it is limited to."""
+    result = table(
+        "NAME", "ROLE", "SOURCE", "CREATED", "CREATED BY", "EXPIRES", "REVOKED", "PROJECTS"
+    )
     for token in tokens:
         add_row(
             result,
@@ -51,6 +54,7 @@ def api_tokens_table(tokens: Sequence[nodes_pb2.ApiToken], now: datetime) -> Tab
                 token.created_by or "-",
                 token_expiry(token, now),
                 token_revocation(token),
+                ", ".join(token.projects) or "all",
             ),
         )
     return result

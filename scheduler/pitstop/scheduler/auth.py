@@ -119,15 +119,19 @@ class TokenBook:
         self._withheld = {Role.AGENT} if nodes_by_certificate else set()
         # Only the tokens' SHA-256 is kept (and configured, where the file gives sha256).
         self._configured = tuple(
-            _KnownToken(t.name, t.digest, self._caller(t.name, t.role)) for t in tokens
+            _KnownToken(t.name, t.digest, self._caller(t.name, t.role, t.projects)) for t in tokens
         )
         self._issued: tuple[_KnownToken, ...] = ()
         self._any_issued = False
         self._clock = clock
         self._open = Caller(OPEN_CALLER.name, OPEN_CALLER.roles - self._withheld)
 
-    def _caller(self, name: str, role: Role) -> Caller:
-        return Caller(f"token:{name}", frozenset(_IMPLIED[role] - self._withheld))
+    def _caller(self, name: str, role: Role, projects: Sequence[str] = ()) -> Caller:
+        return Caller(
+            f"token:{name}",
+            frozenset(_IMPLIED[role] - self._withheld),
+            projects=frozenset(projects),
+        )
 
     @property
     def open(self) -> bool:
@@ -137,7 +141,7 @@ class TokenBook:
         return not self._configured and not self._any_issued
 
     def _known(self, token: IssuedToken) -> _KnownToken:
-        caller = self._caller(token.name, token.role)
+        caller = self._caller(token.name, token.role, token.projects)
         return _KnownToken(token.name, token.digest.encode(), caller, token.expires_at)
 
     def replace_issued(self, tokens: Sequence[IssuedToken], any_issued: bool) -> None:

@@ -26,6 +26,9 @@ class ApiToken(BaseModel):
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     role: Role
     name: str = "token"
+    projects: list[str] = Field(default_factory=list)
+    """The projects its holder may act in (submit, cancel, pause, resume, read records
+    and checkpoints); empty: every project."""
 
     @model_validator(mode="after")
     def _one_of_token_or_hash(self) -> ApiToken:

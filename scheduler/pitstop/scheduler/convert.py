@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from google.protobuf import json_format, timestamp_pb2
 
@@ -16,6 +16,9 @@ from pitstop.scheduler.hotstate import STANDBY_READY
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.scheduler.topology import Placement, shape_of
 from pitstop.v1 import common_pb2, jobs_pb2, nodes_pb2
+
+if TYPE_CHECKING:
+    from pitstop.scheduler.services.projects import ProjectUse
 
 _JOB_STATE_TO_PB: dict[JobState, common_pb2.JobState] = {
     s: getattr(common_pb2, f"JOB_STATE_{s.name}") for s in JobState
@@ -227,6 +230,7 @@ def issued_token_to_pb(row: models.ApiToken) -> nodes_pb2.ApiToken:
         expires_at=timestamp(row.expires_at),
         revoked_at=timestamp(row.revoked_at),
         revoked_by=row.revoked_by,
+        projects=list(row.projects or ()),
     )
 
 
@@ -236,4 +240,18 @@ def configured_token_to_pb(token: ApiToken) -> nodes_pb2.ApiToken:
         name=token.name,
         role=cast(common_pb2.Role, token.role.value),
         source=nodes_pb2.API_TOKEN_SOURCE_CONFIG,
+        projects=token.projects,
+    )
+
+
+def project_to_pb(use: ProjectUse) -> jobs_pb2.Project:
+    """A project's quota and use."""
+    return jobs_pb2.Project(
+        name=use.name,
+        gpu_quota=use.gpu_quota or 0,
+        unlimited=use.gpu_quota is None,
+        gpus_in_use=use.gpus_in_use,
+        pending_jobs=use.pending_jobs,
+        updated_at=timestamp(use.updated_at),
+        updated_by=use.updated_by,
     )

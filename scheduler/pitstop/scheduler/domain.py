@@ -71,3 +71,5 @@ class IssuedToken:
     """Hex SHA-256 of the token."""
     expires_at: dt.datetime | None
     """None: it never expires."""
+    projects: tuple[str, ...] = ()
+    """The projects it may act in; empty: every project."""

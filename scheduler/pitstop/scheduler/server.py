@@ -22,6 +22,7 @@ from pitstop.scheduler.api.catalog import CatalogServicer
 from pitstop.scheduler.api.enrollment import EnrollmentServicer
 from pitstop.scheduler.api.jobs import JobServicer
 from pitstop.scheduler.api.nodes import EventServicer, NodeServicer
+from pitstop.scheduler.api.projects import ProjectServicer
 from pitstop.scheduler.api.rendezvous import RendezvousServicer
 from pitstop.scheduler.api.tokens import TokenServicer
 from pitstop.scheduler.auth import AuthorizationInterceptor, TokenBook
@@ -58,6 +59,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAMES = (
     jobs_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
+    jobs_pb2.DESCRIPTOR.services_by_name["ProjectService"].full_name,
     nodes_pb2.DESCRIPTOR.services_by_name["NodeService"].full_name,
     nodes_pb2.DESCRIPTOR.services_by_name["EventService"].full_name,
     nodes_pb2.DESCRIPTOR.services_by_name["TokenService"].full_name,
@@ -182,6 +184,7 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         router = CommandRouter(gateway, hot)
         router.start()
         jobs_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(store, hot, router), server)
+        jobs_pb2_grpc.add_ProjectServiceServicer_to_server(ProjectServicer(store), server)
         nodes_pb2_grpc.add_NodeServiceServicer_to_server(NodeServicer(store, hot, router), server)
         nodes_pb2_grpc.add_EventServiceServicer_to_server(EventServicer(store), server)
         nodes_pb2_grpc.add_TokenServiceServicer_to_server(

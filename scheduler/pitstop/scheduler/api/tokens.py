@@ -46,6 +46,7 @@ class TokenServicer:
                 actor=current_caller.get().actor,
                 configured=self.configured,
                 now=self.clock(),
+                projects=list(request.projects),
             )
         await self.refresher.issued(api_tokens.issued_token(row))
         return nodes_pb2.CreateApiTokenResponse(token=token, record=issued_token_to_pb(row))

@@ -27,6 +27,7 @@ from pitstop.scheduler.config import ApiToken
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import ISSUABLE_ROLES, IssuedToken, Role, token_digest
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
+from pitstop.scheduler.jobspec import check_project
 from pitstop.scheduler.services import events as event_service
 
 PREFIX = "pst_api_"
@@ -101,7 +102,9 @@ def _active_at(now: dt.datetime) -> Any:
 
 def issued_token(row: models.ApiToken) -> IssuedToken:
     """What authorization keeps of a row."""
-    return IssuedToken(row.name, Role[row.role.upper()], row.digest, row.expires_at)
+    return IssuedToken(
+        row.name, Role[row.role.upper()], row.digest, row.expires_at, tuple(row.projects or ())
+    )
 
 
 def _name_taken(name: str, holder: models.ApiToken | None) -> FailedPrecondition:
@@ -134,9 +137,13 @@ async def create_token(
     actor: str,
     configured: Sequence[ApiToken],
     now: dt.datetime,
+    projects: Sequence[str] = (),
 ) -> tuple[str, models.ApiToken]:
-    """A new token (returned once, in clear) and its row; `ttl` None: it never expires."""
+    """A new token (returned once, in clear) and its row; `ttl` None: it never expires;
+    `projects`: the projects it may act in (empty: every project)."""
     check_name(name)
+    for i, project in enumerate(projects):
+        check_project(f"projects[{i}]", project)
     if any(t.name == name for t in configured):
         raise FailedPrecondition(
             f"API token name {name!r} is taken by a token in the scheduler's config file "
@@ -154,6 +161,7 @@ async def create_token(
         created_at=now,
         created_by=actor,
         expires_at=now + ttl if ttl is not None else None,
+        projects=sorted(set(projects)),
     )
     session.add(row)
     try:
@@ -161,6 +169,8 @@ async def create_token(
     except IntegrityError:  # another call took the name between the check and here
         raise _name_taken(name, None) from None
     expiry = f"expires {row.expires_at:%Y-%m-%d %H:%M:%S} UTC" if row.expires_at else "no expiry"
+    if row.projects:
+        expiry += f", limited to project(s) {', '.join(row.projects)}"
     event_service.record_event(
         session,
         "token.created",

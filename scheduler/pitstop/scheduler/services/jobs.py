@@ -157,6 +157,7 @@ async def change_job_state(
     """A user's cancel, pause or resume: one locked row, one transition, one event."""
     check_text("reason", reason, max_len=1024)
     job = await get_job(session, job_id, for_update=True)
+    require_project(job.project, f"{action} job {job.id}")
     target = jobstate.check_user_action(job.id, job.state, action)
     previous = job.state
     job.state = target

@@ -362,15 +362,12 @@ async def swap_roles(
     ids = sorted({*taken, *replaced})
     if not ids:
         return []
-    roles = dict(
-        (
-            await session.execute(
-                select(models.Node.id, models.Node.role).where(models.Node.id.in_(ids))
-            )
+    roles: dict[str, NodeRole] = {
+        node_id: role
+        for node_id, role in await session.execute(
+            select(models.Node.id, models.Node.role).where(models.Node.id.in_(ids))
         )
-        .tuples()
-        .all()
-    )
+    }
     promoted = [n for n in taken if roles.get(n) is NodeRole.SPARE]
     demoted = [n for n in replaced if roles.get(n) is NodeRole.WORKER]
     pairs = list(zip(promoted, demoted, strict=False))
