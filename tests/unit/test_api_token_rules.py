@@ -189,8 +189,8 @@ def test_the_tokens_table_shows_source_expiry_and_revocation() -> None:
     )
     lines = out.getvalue().splitlines()
     assert lines[0].split() == [
-        "NAME", "ROLE", "SOURCE", "CREATED", "CREATED", "BY", "EXPIRES", "REVOKED"
+        "NAME", "ROLE", "SOURCE", "CREATED", "CREATED", "BY", "EXPIRES", "REVOKED", "PROJECTS"
     ]  # fmt: skip
-    assert lines[1].split() == ["ops", "admin", "config", "-", "-", "never", "-"]
+    assert lines[1].split() == ["ops", "admin", "config", "-", "-", "never", "-", "all"]
     assert lines[2].split()[:5] == ["alice", "viewer", "api", "2026-11-24T12:00:00Z", "token:ops"]
-    assert lines[3].split()[-3:] == ["2026-11-26T12:00:00Z", "by", "token:root"]
+    assert lines[3].split()[-4:] == ["2026-11-26T12:00:00Z", "by", "token:root", "all"]

@@ -21,7 +21,7 @@ from pitstop.client.scenario import (
     format_event,
     run_deadline,
 )
-from pitstop.v1 import common_pb2, jobs_pb2
+from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2
 
 
 def event(id_: int, kind: str, reason: str, job_id: str = "", node_id: str = "") -> Any:
@@ -46,8 +46,13 @@ class FakeClient:
     def __init__(self, steps: Iterator[int]) -> None:
         self.steps = steps
 
-    def submit_job(self, spec: jobs_pb2.JobSpec) -> jobs_pb2.Job:
+    def submit_job(
+        self, spec: jobs_pb2.JobSpec, code: agent_pb2.CodeVersion | None = None
+    ) -> jobs_pb2.Job:
         return jobs_pb2.Job(id="j1", state=common_pb2.JOB_STATE_PENDING)
+
+    def job_record(self, job_id: str) -> jobs_pb2.JobRecord:
+        return jobs_pb2.JobRecord(job_id=job_id)
 
     def get_job(self, job_id: str) -> jobs_pb2.Job:
         return jobs_pb2.Job(

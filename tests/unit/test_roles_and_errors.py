@@ -41,6 +41,7 @@ def test_the_api_has_every_service_of_the_design() -> None:
     services = {m.split("/")[1] for m in all_methods()}
     assert services == {
         "pitstop.v1.JobService",
+        "pitstop.v1.ProjectService",
         "pitstop.v1.NodeService",
         "pitstop.v1.EventService",
         "pitstop.v1.TokenService",
