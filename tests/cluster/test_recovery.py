@@ -1900,6 +1900,23 @@ def steps_run(cluster: Cluster, job: jobs_pb2.Job, rank: int) -> list[int]:
     return sorted(steps)
 
 
+def finish_all(cluster: Cluster, job_ids: list[str]) -> list[jobs_pb2.Job]:
+    """The jobs once every one succeeded, in whichever order they end (each event is
+    read once: waiting for one job after another would pass over an earlier end)."""
+    ended: set[str] = set()
+    while len(ended) < len(job_ids):
+        end = cluster.wait(
+            lambda e: (
+                e.job_id in set(job_ids) - ended
+                and e.kind in ("job.succeeded", "job.failed", "job.cancelled")
+            ),
+            f"the end of {sorted(set(job_ids) - ended)}",
+        )
+        assert end.kind == "job.succeeded", (end, cluster.logs(end.job_id))
+        ended.add(end.job_id)
+    return [cluster.get(job_id) for job_id in job_ids]
+
+
 def test_a_higher_priority_job_preempts_a_preemptible_one_which_resumes_losing_no_step(
     cluster: Cluster, standalone_hash: str, rank_forks: ForkClient, tmp_path: Path
 ) -> None:
@@ -2023,10 +2040,8 @@ def test_a_job_that_may_shrink_gives_up_replicas_rather_than_stopping(
     assert running.kind == "job.running", (running, cluster.logs(high.id))
     waited = time.monotonic() - submitted
     assert waited <= 10.0, f"the high-priority job ran {waited:.1f} s after its submit"
-    assert cluster.finish(high.id).result["final_weights_sha256"] == reference_hash(
-        rank_forks, tmp_path, high_steps
-    )
-    finished = cluster.finish(low.id)
+    done, finished = finish_all(cluster, [high.id, low.id])
+    assert done.result["final_weights_sha256"] == reference_hash(rank_forks, tmp_path, high_steps)
     check_result(finished, standalone_hash)
     assert finished.rank_map.world_size == 2
     assert finished.preemptions == 0
@@ -2038,13 +2053,13 @@ def test_the_records_of_two_runs_with_different_seeds_differ_only_where_the_seed
     """Two runs of the example, one with another seed: each record names the code the
     client submitted from, the ranks' software and the data digest; their diff shows
     the seed's command line, data digest and results, never the code or the software."""
-    jobs = []
-    for seed in ("1234", "99"):
+    here = code_version(Path(__file__).parent)
+    submitted = []
+    for seed in ("1234", "99"):  # side by side: two workers each
         command = [*EXAMPLE, "--steps", "10", "--seed", seed, "--log-every", "0"]
         spec = jobs_pb2.JobSpec(name=unique("seed"), command=command, dp=2, gpus_per_node=1)
-        here = code_version(Path(__file__).parent)
-        job = cluster.jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec, code=here)).job
-        jobs.append(cluster.finish(job.id))
+        submitted.append(cluster.jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec, code=here)).job)
+    jobs = finish_all(cluster, [job.id for job in submitted])
     cli, server = CliRunner(), cluster.cli_options()
     shown = cli.invoke(app, [*server, "job", "record", jobs[0].id, "--json"])
     assert shown.exit_code == 0, shown.output
