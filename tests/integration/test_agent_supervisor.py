@@ -378,3 +378,35 @@ async def test_a_rank_started_on_a_standbys_gpu_replaces_the_standby(
     assert fresh["env"]["LOCAL_WORLD_SIZE"] == "2"  # the node's share of the map
     assert [(r.rank, r.standby) for r in supervisor.running()] == [(1, False)]
     assert exits.queue.empty()
+
+
+async def test_a_stop_at_the_boundary_waits_its_grace_outside_the_lock_and_gpus_are_vacated(
+    supervisor: RankSupervisor, notices: RankNotices, exits: ExitLog
+) -> None:
+    """A preempted job's rank gets its grace to exit on its own (here it never does, so
+    it is signalled after it); another job's rank starts on another GPU meanwhile, and a
+    job booked onto the preempted rank's GPU starts only once that rank is gone."""
+    await supervisor.start_ranks(start_command("job-low", notices, "--hold"))
+    await notices.next(0)
+    stop = asyncio.create_task(
+        supervisor.stop_ranks(
+            agent_pb2.StopRanks(job_id="job-low", grace_seconds=1.0, at_boundary=True)
+        )
+    )
+    # Not blocked by the wait: another job's rank on GPU 1 starts at once.
+    began = time.monotonic()
+    await supervisor.start_ranks(
+        start_command("job-other", notices, "--hold", ranks=((0, NODE, 1),))
+    )
+    assert time.monotonic() - began < 1.0
+    assert not stop.done()
+    # Booked onto GPU 0: its start waits for job-low's rank to leave.
+    await supervisor.start_ranks(start_command("job-high", notices, "--hold"))
+    assert stop.done()
+    assert await stop == [0]
+    gone = exits.queue.get_nowait()
+    assert (gone.job_id, gone.signal) == ("job-low", signal.SIGTERM)
+    assert {(r.job_id, r.rank) for r in supervisor.running()} == {
+        ("job-other", 0),
+        ("job-high", 0),
+    }

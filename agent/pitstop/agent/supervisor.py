@@ -289,9 +289,10 @@ class RankSupervisor:
         named), SIGKILL what is left after `grace_seconds` (10 when 0); waits until each
         exit is reported and returns the ranks stopped. With `at_boundary` the ranks
         (told by the caller to stop at their next step boundary) get `grace_seconds` to
-        exit on their own first; the job's standby processes, holding no state, stop at
-        once."""
+        exit on their own first, waited for outside the lock (another job's commands go
+        on meanwhile); the job's standby processes, holding no state, stop at once."""
         grace = command.grace_seconds or DEFAULT_GRACE_SECONDS
+        first = signal.SIGKILL if command.kill else signal.SIGTERM
         named = set(command.ranks)
         async with self._lock:
             targets = [
@@ -311,14 +312,15 @@ class RankSupervisor:
                     " at their next step boundary" if command.at_boundary else "",
                     command.reason or "no reason given",
                 )
-            if command.at_boundary:
-                await self._stop(standbys, DEFAULT_GRACE_SECONDS)
-                targets = await self._outlived(targets, grace)
-                grace = DEFAULT_GRACE_SECONDS
-            else:
-                targets += standbys
-            await self._stop(targets, grace, signal.SIGKILL if command.kill else signal.SIGTERM)
-        return [entry.rank for entry in targets if not entry.standby]
+            if not command.at_boundary:
+                await self._stop(targets + standbys, grace, first)
+                return [entry.rank for entry in targets]
+            await self._stop(standbys, DEFAULT_GRACE_SECONDS)
+        lingering = await self._outlived(targets, grace)
+        if lingering:
+            async with self._lock:
+                await self._stop(lingering, DEFAULT_GRACE_SECONDS, first)
+        return [entry.rank for entry in targets]
 
     async def _outlived(self, entries: list[_Rank], seconds: float) -> list[_Rank]:
         """Of `entries`, those still alive after waiting up to `seconds` for them to exit
