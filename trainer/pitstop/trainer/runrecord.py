@@ -18,6 +18,7 @@ import importlib.metadata
 import logging
 import os
 import platform
+import threading
 
 import torch
 
@@ -66,25 +67,41 @@ def checked_text(name: str, value: str) -> str:
 
 class RunRecorder:
     """Rank 0's reports, one per generation. Code and environment are looked at once
-    per process (the first report); the data digest is whatever was stated last."""
+    per process, in a thread started with the session: git on a large tree takes a
+    while, and a replacement rank 0's first step, on a recovery's critical path, must not
+    wait for it (it runs beside the restore and the rendezvous). The data digest is
+    whatever was stated last."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, look_now: bool = True) -> None:
+        """`look_now`: start looking at once (rank 0); else only if this process ever
+        reports (a rank renumbered to 0)."""
         self.data_digest = ""
         self.data_source = ""
         self._reported = -1  # the generation last reported
-        self._code: agent_pb2.CodeVersion | None = None
-        self._environment: agent_pb2.EnvironmentVersion | None = None
+        self._code = agent_pb2.CodeVersion()
+        self._environment = agent_pb2.EnvironmentVersion()
+        self._looking = threading.Thread(target=self._look, name="run-record", daemon=True)
+        if look_now:
+            self._looking.start()
+
+    def _look(self) -> None:
+        try:
+            self._code = code_version(os.getcwd())
+            self._environment = environment_version()
+        except Exception as exc:  # never the run's: the record says less
+            log.warning("the code and environment of this run could not be read: %s", exc)
 
     def due(self, generation: int) -> bool:
         """Whether `generation` has not been reported yet."""
         return generation != self._reported
 
     def record(self, generation: int, start_step: int) -> agent_pb2.RunRecord:
-        """The report of `generation`, started from `start_step`."""
-        if self._code is None:
-            self._code = code_version(os.getcwd())
-        if self._environment is None:
-            self._environment = environment_version()
+        """The report of `generation`, started from `start_step` (once the look at the
+        code and environment is done: at most git's bound, 10 s, and long done by the
+        first step in practice)."""
+        if self._looking.ident is None:
+            self._looking.start()
+        self._looking.join()
         return agent_pb2.RunRecord(
             generation=generation,
             code=self._code,

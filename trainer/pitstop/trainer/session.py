@@ -164,7 +164,7 @@ class Session:
         self.peak_flops = 0.0
         """Peak FLOP/s of this rank's accelerator at the training precision; 0: unknown."""
         self.set_flops(model_flops_per_token=model_flops_per_token, peak_flops=peak_flops)
-        self._run_record = RunRecorder()
+        self._run_record = RunRecorder(look_now=config.rank == 0 and control is not None)
 
     @classmethod
     def from_env(cls, *, model_flops_per_token: float = 0.0, peak_flops: float = 0.0) -> Session:
