@@ -282,6 +282,7 @@ def test_a_token_limited_to_a_project_reaches_only_its_jobs(secure: SchedulerPro
             lambda: limited.submit_job(spec("nlp")),
             lambda: limited.cancel_job(theirs.id, "not mine"),
             lambda: limited.pause_job(theirs.id, "not mine"),
+            lambda: limited.resume_job(theirs.id, "not mine"),
             lambda: limited.job_record(theirs.id),
         ):
             denied = refusal(call)
@@ -294,6 +295,10 @@ def test_a_token_limited_to_a_project_reaches_only_its_jobs(secure: SchedulerPro
     with client(secure) as admin:
         assert admin.job_record(theirs.id).job_id == theirs.id
         assert admin.get_job(ours.id).state == common_pb2.JOB_STATE_CANCELLED
+        # The refusals changed nothing: nlp's job still waits, and no second one exists.
+        assert admin.get_job(theirs.id).state == common_pb2.JOB_STATE_PENDING
+        nlp = [j for j in admin.list_jobs(page_size=1000) if j.spec.project == "nlp"]
+        assert [j.id for j in nlp] == [theirs.id]
     listed = pitstop(secure, "token", "list", "--json")
     assert listed.exit_code == 0, listed.stderr
     (row,) = [t for t in json.loads(listed.stdout) if t["name"] == name]
@@ -332,3 +337,69 @@ def test_quota_set_and_list_through_the_cli(secure: SchedulerProcess) -> None:
     refused = pitstop(secure, "quota", "set", project, "--gpus", "1", token=viewer)
     assert refused.exit_code != 0
     assert "PERMISSION_DENIED" in refused.output
+
+
+def test_an_issued_token_without_projects_reaches_every_project(
+    secure: SchedulerProcess,
+) -> None:
+    """No --project: the token submits, cancels and reads records in any project."""
+    _, anywhere = issue(secure, "operator")
+    with client(secure, anywhere) as operator:
+        for project in ("vision", "nlp"):
+            job = operator.submit_job(
+                jobs_pb2.JobSpec(name=unique(project), project=project, command=["x"])
+            )
+            assert operator.job_record(job.id).job_id == job.id
+            # Past the project check: no agent runs it, so the state is what refuses.
+            paused = refusal(lambda: operator.pause_job(job.id, "not now"))  # noqa: B023
+            resumed = refusal(lambda: operator.resume_job(job.id, "not now"))  # noqa: B023
+            for held in (paused, resumed):
+                assert held.code == grpc.StatusCode.FAILED_PRECONDITION, held
+            assert operator.cancel_job(job.id, "done").state == common_pb2.JOB_STATE_CANCELLED
+
+
+def test_token_create_names_its_projects_and_refuses_bad_ones(secure: SchedulerProcess) -> None:
+    name = unique("two")
+    made = pitstop(
+        secure, "token", "create", "--role", "viewer", "--name", name,
+        "--project", "speech", "--project", "vision", "--project", "speech",
+    )  # fmt: skip
+    assert made.exit_code == 0, made.stderr
+    assert "limited to project(s) speech, vision" in made.stderr
+    with client(secure) as admin:
+        (record,) = [t for t in admin.list_api_tokens() if t.name == name]
+    assert list(record.projects) == ["speech", "vision"]
+    table = pitstop(secure, "token", "list")
+    (row,) = [line for line in table.stdout.splitlines() if line.split()[:1] == [name]]
+    assert row.rstrip().endswith("speech, vision")
+    bad = pitstop(
+        secure, "token", "create", "--role", "viewer", "--name", unique("bad"),
+        "--project", "ok", "--project", "Not_A_Project",
+    )  # fmt: skip
+    assert bad.exit_code != 0
+    assert "INVALID_ARGUMENT" in bad.output
+    assert "projects[1]" in bad.output
+    assert "Traceback" not in bad.output
+    join = pitstop(secure, "token", "create", "--project", "vision")
+    assert join.exit_code != 0
+    assert "--project limits an API token" in join.output
+
+
+def test_quota_list_shows_a_table_of_quota_use_and_waiting_jobs(
+    secure: SchedulerProcess,
+) -> None:
+    """A project with a job but no quota row is listed unlimited, its job pending (no
+    agent runs here); one with a quota row and no job shows its quota."""
+    waiting, capped = (unique(p).replace("_", "-").lower() for p in ("w", "c"))
+    with client(secure) as admin:
+        admin.submit_job(jobs_pb2.JobSpec(name=unique("j"), project=waiting, command=["x"]))
+        admin.set_quota(capped, 0)
+    table = pitstop(secure, "quota", "list")
+    assert table.exit_code == 0, table.stderr
+    lines = table.stdout.splitlines()
+    header = next(line for line in lines if "PROJECT" in line)
+    assert header.split()[:5] == ["PROJECT", "QUOTA", "IN", "USE", "PENDING"]
+    rows = {line.split()[0]: line.split()[1:4] for line in lines if line.split()[:1]}
+    assert rows[waiting] == ["unlimited", "0", "1"]
+    assert rows[capped] == ["0", "0", "0"]
+    assert "token:ops" in next(line for line in lines if line.split()[:1] == [capped])

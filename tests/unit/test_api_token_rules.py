@@ -9,11 +9,12 @@ import io
 
 import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
+from pydantic import ValidationError
 from rich.console import Console
 
 from pitstop.client.render_tokens import api_tokens_table, token_expiry, token_revocation
 from pitstop.scheduler import errors
-from pitstop.scheduler.auth import TokenBook
+from pitstop.scheduler.auth import TokenBook, current_caller, require_project
 from pitstop.scheduler.config import ApiToken
 from pitstop.scheduler.domain import IssuedToken, Role
 from pitstop.scheduler.services.api_tokens import (
@@ -135,6 +136,50 @@ def test_a_reload_replaces_the_issued_tokens() -> None:
     assert book.issued_names == ["bob"]
     with pytest.raises(errors.Unauthenticated):
         book.caller_for(bearer(SECRET))
+
+
+def test_configured_and_issued_tokens_carry_their_projects_into_the_caller() -> None:
+    configured = ApiToken(token="c" * 20, role=Role.OPERATOR, name="ci", projects=["nlp"])
+    book = TokenBook([configured, ApiToken(token="d" * 20, role=Role.ADMIN, name="ops")])
+    book.replace_issued(
+        [
+            IssuedToken(
+                "alice",
+                Role.OPERATOR,
+                hashlib.sha256(SECRET.encode()).hexdigest(),
+                None,
+                ("vision", "speech"),
+            ),
+        ],
+        True,
+    )
+    alice = book.caller_for(bearer(SECRET))
+    assert alice.projects == {"vision", "speech"}
+    assert alice.may_act_in("speech")
+    assert not alice.may_act_in("nlp")
+    ci = book.caller_for(bearer("c" * 20))
+    assert ci.projects == {"nlp"}
+    ops = book.caller_for(bearer("d" * 20))
+    assert ops.projects == frozenset()
+    assert ops.may_act_in("anything")
+    reset = current_caller.set(alice)
+    try:
+        require_project("vision", "cancel job j-1")
+        with pytest.raises(errors.PermissionDenied) as denied:
+            require_project("nlp", "cancel job j-2")
+    finally:
+        current_caller.reset(reset)
+    message = str(denied.value)
+    assert "token:alice may not cancel job j-2" in message
+    assert "speech, vision" in message
+    assert "'nlp'" in message
+    assert "--project nlp" in message
+
+
+@pytest.mark.parametrize("project", ["Vision", "team_a", ""])
+def test_a_configured_token_with_a_bad_project_name_is_refused_at_start(project: str) -> None:
+    with pytest.raises(ValidationError, match=r"projects\[1\]: .* is invalid"):
+        ApiToken(token="c" * 20, role=Role.VIEWER, projects=["ok", project])
 
 
 def test_the_api_is_open_until_a_token_exists_and_never_again_after() -> None:

@@ -16,6 +16,8 @@ from pydantic_settings import (
 )
 
 from pitstop.scheduler.domain import Role
+from pitstop.scheduler.errors import InvalidArgument
+from pitstop.scheduler.jobspec import check_project
 
 
 class ApiToken(BaseModel):
@@ -46,6 +48,17 @@ class ApiToken(BaseModel):
             return self.sha256.encode()
         assert self.token is not None
         return hashlib.sha256(self.token.encode()).hexdigest().encode()
+
+    @field_validator("projects")
+    @classmethod
+    def _project_names(cls, value: list[str]) -> list[str]:
+        # A misspelt project would leave the token reaching no job: refused at start.
+        for i, project in enumerate(value):
+            try:
+                check_project(f"projects[{i}]", project)
+            except InvalidArgument as bad:
+                raise ValueError(str(bad)) from None
+        return sorted(set(value))
 
     @field_validator("role", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState
+from pitstop.scheduler.errors import InvalidArgument
 from pitstop.scheduler.jobspec import check_project
 from pitstop.scheduler.services.events import record_event
 
@@ -43,6 +44,8 @@ async def set_quota(
     """Set `project`'s GPU quota (None: unlimited), creating its row; records a
     project.quota_set event with the old and the new quota."""
     check_project("project", project)
+    if gpus is not None and gpus < 0:
+        raise InvalidArgument("gpus", gpus, "give 0 or more GPUs, or no quota (unlimited)")
     row = await session.get(models.Project, project, with_for_update=True)
     before = None if row is None else row.gpu_quota
     if row is None:
