@@ -1900,6 +1900,40 @@ def steps_run(cluster: Cluster, job: jobs_pb2.Job, rank: int) -> list[int]:
     return sorted(steps)
 
 
+HIGH_STEPS = 20
+"""The preempting job's steps (unpaced)."""
+
+
+def submit_preemptible(cluster: Cluster, *, min_dp: int = 4) -> jobs_pb2.Job:
+    """The example on all four workers, paced, preemptible at once; returns once it
+    runs."""
+    return cluster.submit_spec(
+        jobs_pb2.JobSpec(
+            name=unique("low"),
+            command=[*EXAMPLE, "--log-every", "1", "--step-seconds", "0.1"],
+            dp=4,
+            min_dp=min_dp,
+            gpus_per_node=1,
+            preemptible=True,
+            min_run_seconds=0,
+            env={"PYTHONUNBUFFERED": "1"},
+        )
+    )
+
+
+def submit_urgent(cluster: Cluster) -> jobs_pb2.Job:
+    """A dp-2 example of priority 10, submitted (not awaited)."""
+    spec = jobs_pb2.JobSpec(
+        name=unique("high"),
+        command=[*EXAMPLE, "--log-every", "1", "--steps", str(HIGH_STEPS)],
+        dp=2,
+        gpus_per_node=1,
+        priority=10,
+        env={"PYTHONUNBUFFERED": "1"},
+    )
+    return cluster.jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job
+
+
 def finish_all(cluster: Cluster, job_ids: list[str]) -> list[jobs_pb2.Job]:
     """The jobs once every one succeeded, in whichever order they end (each event is
     read once: waiting for one job after another would pass over an earlier end)."""
@@ -1926,17 +1960,7 @@ def test_a_higher_priority_job_preempts_a_preemptible_one_which_resumes_losing_n
     submit. The preempted job stops at a step boundary with its snapshot sealed, waits
     in the queue with its reason and position, resumes by itself once the other
     finished, and ends with its own fault-free hash, every step run exactly once."""
-    low = cluster.submit_spec(
-        jobs_pb2.JobSpec(
-            name=unique("low"),
-            command=[*EXAMPLE, "--log-every", "1", "--step-seconds", "0.1"],
-            dp=4,
-            gpus_per_node=1,
-            preemptible=True,
-            min_run_seconds=0,
-            env={"PYTHONUNBUFFERED": "1"},
-        )
-    )
+    low = submit_preemptible(cluster)
     lost = cluster.node_of(low, 3).node_id
     cluster.wait_for_step(low, 3, 3)
     cluster.kill_node(lost)
@@ -1946,20 +1970,8 @@ def test_a_higher_priority_job_preempts_a_preemptible_one_which_resumes_losing_n
     assert roles[lost] == common_pb2.NODE_ROLE_SPARE, roles
     low = cluster.get(low.id)
     cluster.wait_for_step(low, 0, 8)
-    high_steps = 20
     submitted = time.monotonic()
-    high = cluster.jobs.Submit(
-        jobs_pb2.SubmitJobRequest(
-            spec=jobs_pb2.JobSpec(
-                name=unique("high"),
-                command=[*EXAMPLE, "--log-every", "1", "--steps", str(high_steps)],
-                dp=2,
-                gpus_per_node=1,
-                priority=10,
-                env={"PYTHONUNBUFFERED": "1"},
-            )
-        )
-    ).job
+    high = submit_urgent(cluster)
     preempted = cluster.job_event(low.id, "job.preempted")
     assert preempted.attributes["by"] == high.id, preempted
     assert preempted.to_state == "pending", preempted
@@ -1981,7 +1993,7 @@ def test_a_higher_priority_job_preempts_a_preemptible_one_which_resumes_losing_n
     assert "queue (pending jobs" in listed.output, listed.output
     assert low.id in listed.output, listed.output
     done = cluster.finish(high.id)
-    assert done.result["final_weights_sha256"] == reference_hash(rank_forks, tmp_path, high_steps)
+    assert done.result["final_weights_sha256"] == reference_hash(rank_forks, tmp_path, HIGH_STEPS)
     resumed = cluster.job_event(low.id, "job.resuming")
     stopped_at = int(resumed.attributes["step"])
     assert stopped_at >= 5, resumed
@@ -2005,33 +2017,10 @@ def test_a_job_that_may_shrink_gives_up_replicas_rather_than_stopping(
     takes two replicas' nodes while the first runs on at dp 2, and both end with their
     own fault-free hashes (the example splits its global batch into the same shards at
     any world size)."""
-    low = cluster.submit_spec(
-        jobs_pb2.JobSpec(
-            name=unique("elastic"),
-            command=[*EXAMPLE, "--log-every", "1", "--step-seconds", "0.1"],
-            dp=4,
-            min_dp=2,
-            gpus_per_node=1,
-            preemptible=True,
-            min_run_seconds=0,
-            env={"PYTHONUNBUFFERED": "1"},
-        )
-    )
+    low = submit_preemptible(cluster, min_dp=2)
     cluster.wait_for_step(low, 0, 5)
-    high_steps = 20
     submitted = time.monotonic()
-    high = cluster.jobs.Submit(
-        jobs_pb2.SubmitJobRequest(
-            spec=jobs_pb2.JobSpec(
-                name=unique("high"),
-                command=[*EXAMPLE, "--log-every", "1", "--steps", str(high_steps)],
-                dp=2,
-                gpus_per_node=1,
-                priority=10,
-                env={"PYTHONUNBUFFERED": "1"},
-            )
-        )
-    ).job
+    high = submit_urgent(cluster)
     shrunk = cluster.job_event(low.id, "job.shrunk", "job.preempted")
     assert shrunk.kind == "job.shrunk", shrunk
     assert shrunk.attributes["by"] == high.id, shrunk
@@ -2041,7 +2030,7 @@ def test_a_job_that_may_shrink_gives_up_replicas_rather_than_stopping(
     waited = time.monotonic() - submitted
     assert waited <= 10.0, f"the high-priority job ran {waited:.1f} s after its submit"
     done, finished = finish_all(cluster, [high.id, low.id])
-    assert done.result["final_weights_sha256"] == reference_hash(rank_forks, tmp_path, high_steps)
+    assert done.result["final_weights_sha256"] == reference_hash(rank_forks, tmp_path, HIGH_STEPS)
     check_result(finished, standalone_hash)
     assert finished.rank_map.world_size == 2
     assert finished.preemptions == 0
