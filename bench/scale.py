@@ -103,8 +103,7 @@ from pitstop.client.client import PitstopClient
 from pitstop.client.localcluster.spawning import free_port
 from pitstop.client.localcluster.stores import OwnPostgres, OwnRedis
 from pitstop.client.signals import Terminated, dying_with_parent, exit_code, orderly_exit
-from pitstop.health.straggler import StragglerPolicy
-from pitstop.tls import (
+from pitstop.common.tls import (
     CertificateAuthority,
     cert_pem,
     certificate_request,
@@ -112,6 +111,7 @@ from pitstop.tls import (
     key_pem,
     new_key,
 )
+from pitstop.health.straggler import StragglerPolicy
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, jobs_pb2
 
 GPUS = 8

@@ -35,10 +35,10 @@ import pytest
 import redis
 
 from pitstop.agent.forkserver import FORK_SERVER_DIR_ENV
+from pitstop.common.tls import channel_options
 from pitstop.scheduler.config import SchedulerSettings
 from pitstop.scheduler.db.engine import create_engine_for, migrate, session_factory
 from pitstop.scheduler.server import Scheduler, start_scheduler
-from pitstop.tls import channel_options
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, nodes_pb2, nodes_pb2_grpc
 
 RUN_ID = uuid.uuid4().hex[:10]

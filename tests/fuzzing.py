@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from pitstop.agent.identity import enroll, identity_for
 from pitstop.client.client import PitstopClient
-from pitstop.tls import channel_options, node_credentials
+from pitstop.common.tls import channel_options, node_credentials
 from pitstop.v1 import agent_pb2, common_pb2
 
 SCALE = int(os.environ.get("PITSTOP_FUZZ_SCALE", "1") or "1")

@@ -58,8 +58,8 @@ from pitstop.client.localcluster import rank_pids
 from pitstop.client.netns import IFACE, Network
 from pitstop.client.netns import create as create_network
 from pitstop.client.netns import destroy as destroy_network
-from pitstop.codeversion import code_version
-from pitstop.tls import open_channel
+from pitstop.common.codeversion import code_version
+from pitstop.common.tls import open_channel
 from pitstop.v1 import (
     checkpoint_pb2,
     checkpoint_pb2_grpc,

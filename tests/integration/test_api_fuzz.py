@@ -31,7 +31,7 @@ from google.protobuf.descriptor import MethodDescriptor
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from pitstop.tls import channel_options
+from pitstop.common.tls import channel_options
 from pitstop.v1 import (
     agent_pb2,
     agent_pb2_grpc,

@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2
 from pitstop.agent.identity import EnrollmentError, enroll, identity_for
 from pitstop.client.client import PitstopClient
 from pitstop.client.errors import PitstopError
-from pitstop.tls import channel_options, common_name, load_key, node_credentials
+from pitstop.common.tls import channel_options, common_name, load_key, node_credentials
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, jobs_pb2, jobs_pb2_grpc
 
 ADMIN = "admin-token-0123456789"

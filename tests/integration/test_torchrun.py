@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from conftest import SchedulerThread, StoreUrls, tls_scheduler, unique
 
-from pitstop.enrollment import enroll
-from pitstop.tls import TLS_DIR_ENV, NodeIdentity
+from pitstop.common.enrollment import enroll
+from pitstop.common.tls import TLS_DIR_ENV, NodeIdentity
 from pitstop.v1 import nodes_pb2, nodes_pb2_grpc
 
 STEPS = 5

@@ -1,4 +1,4 @@
-"""The code version a job's record keeps (pitstop.codeversion): a directory's git commit,
+"""The code version a job's record keeps (pitstop.common.codeversion): a directory's git commit,
 and whether (and how) its tree differs from it, in real git trees."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pitstop import codeversion
-from pitstop.codeversion import code_version
+from pitstop.common import codeversion
+from pitstop.common.codeversion import code_version
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 

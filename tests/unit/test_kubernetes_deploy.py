@@ -35,8 +35,8 @@ from cryptography import x509
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.k8s_health import TAINT_KEY
 from pitstop.checkpointd.config import CheckpointdSettings
+from pitstop.common.tls import CertificateAuthority, NodeIdentity
 from pitstop.scheduler.config import SchedulerSettings
-from pitstop.tls import CertificateAuthority, NodeIdentity
 
 CHART = ROOT / "deploy" / "helm" / "pitstop"
 EXAMPLES = CHART / "examples"

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from pitstop.tls import (
+from pitstop.common.tls import (
     CertificateAuthority,
     NodeIdentity,
     TlsError,

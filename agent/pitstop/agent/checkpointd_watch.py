@@ -39,7 +39,7 @@ from pitstop.agent.conditions import NodeCondition
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.liveness import DaemonLiveness, Liveness, RestartBackoff
 from pitstop.agent.metrics import AgentMetrics
-from pitstop.tls import NodeIdentity, open_channel
+from pitstop.common.tls import NodeIdentity, open_channel
 from pitstop.v1 import common_pb2
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The node's identity for mutual TLS: enroll once with a join token, renew in place.
 
 With `tls` on, the agent keeps its key and certificate in `<state_dir>/tls`
-(`pitstop.tls.NodeIdentity`). At start, without a valid certificate, it makes a key
+(`pitstop.common.tls.NodeIdentity`). At start, without a valid certificate, it makes a key
 pair here, sends a certificate request and the join token to the scheduler's
 EnrollmentService (over TLS, checking the scheduler against the cluster CA certificate
 it was given: `ca_file`), and keeps the certificate that comes back. Every channel to
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import grpc
 
-from pitstop.enrollment import EnrollmentError, enroll, renew
-from pitstop.tls import NodeIdentity
+from pitstop.common.enrollment import EnrollmentError, enroll, renew
+from pitstop.common.tls import NodeIdentity
 
 __all__ = ["EnrollmentError", "enroll", "identity_for", "keep_renewed", "renew"]
 

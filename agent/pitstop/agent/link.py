@@ -29,7 +29,7 @@ from pitstop.agent.executor import CommandExecutor, RankChannel, RankSupervision
 from pitstop.agent.gpu import GpuBackend
 from pitstop.agent.heartbeats import Heartbeats, StepSource, timestamp
 from pitstop.agent.metrics import AgentMetrics
-from pitstop.tls import NodeIdentity, open_channel
+from pitstop.common.tls import NodeIdentity, open_channel
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from pitstop.checkpointd.restore import RestoreSources, ShardNotFound
 from pitstop.checkpointd.service import CheckpointServicer
 from pitstop.checkpointd.slots import MemoryBudgetFull, Segment, SlotPool
 from pitstop.checkpointd.store import ShardId, ShardRecord, ShardStore, Tier, shard_checksum
-from pitstop.tls import NodeIdentity, node_server_credentials
+from pitstop.common.tls import NodeIdentity, node_server_credentials
 from pitstop.v1 import checkpoint_pb2
 
 log = logging.getLogger(__name__)

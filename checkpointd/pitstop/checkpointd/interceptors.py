@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from pitstop.checkpointd import errors
-from pitstop.rpcguard import handler_like, refusing
+from pitstop.common.rpcguard import handler_like, refusing
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 from pitstop.checkpointd.config import CheckpointdSettings, load_settings
 from pitstop.checkpointd.daemon import CheckpointDaemon
 from pitstop.checkpointd.instances import SHM_DIR, remove_stale_segments, segment_prefix
-from pitstop.enrollment import EnrollmentError, enroll
-from pitstop.tls import NodeIdentity
+from pitstop.common.enrollment import EnrollmentError, enroll
+from pitstop.common.tls import NodeIdentity
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="The pitstop checkpoint daemon.")
 log = logging.getLogger("pitstop.checkpointd")

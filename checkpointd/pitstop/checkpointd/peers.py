@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-from pitstop.tls import NodeIdentity, open_channel
+from pitstop.common.tls import NodeIdentity, open_channel
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 PULL_TIMEOUT_SECONDS = 600.0

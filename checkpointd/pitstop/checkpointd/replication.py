@@ -27,7 +27,7 @@ from pitstop.checkpointd.catalog import CatalogClient
 from pitstop.checkpointd.errors import InvalidArgument
 from pitstop.checkpointd.slots import Segment, SlotPool
 from pitstop.checkpointd.store import ShardRecord
-from pitstop.tls import NodeIdentity, open_channel
+from pitstop.common.tls import NodeIdentity, open_channel
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 log = logging.getLogger(__name__)

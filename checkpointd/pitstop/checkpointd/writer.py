@@ -81,7 +81,7 @@ from pitstop.checkpointd.tensorcopy import (
     read_tensor,
     signature,
 )
-from pitstop.tls import identity_from_env, open_channel
+from pitstop.common.tls import identity_from_env, open_channel
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 log = logging.getLogger(__name__)

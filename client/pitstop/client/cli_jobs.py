@@ -24,7 +24,7 @@ from pitstop.client.jobspec import load_job_spec
 from pitstop.client.render import ends_job, event_line, to_json
 from pitstop.client.render_jobs import job_state, job_view, jobs_table, queue_table
 from pitstop.client.render_record import diff_records, diff_view, record_view
-from pitstop.codeversion import code_version
+from pitstop.common.codeversion import code_version
 from pitstop.v1 import jobs_pb2
 
 jobs_app = typer.Typer(help="Submit, inspect and control training jobs.", no_args_is_help=True)

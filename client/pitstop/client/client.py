@@ -24,7 +24,7 @@ from tenacity import (
 )
 
 from pitstop.client.errors import PitstopError
-from pitstop.tls import channel_options
+from pitstop.common.tls import channel_options
 from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 DEFAULT_SERVER = "127.0.0.1:50051"
@@ -125,7 +125,7 @@ class PitstopClient:
     ) -> jobs_pb2.Job:
         """Submit a job. A request id is always sent so that a retry after a lost answer
         returns the first job instead of creating a second one. `code`: the code as this
-        side sees it (`pitstop.codeversion.code_version`), kept in the job's record."""
+        side sees it (`pitstop.common.codeversion.code_version`), kept in the job's record."""
         request = jobs_pb2.SubmitJobRequest(
             spec=spec, request_id=request_id or uuid.uuid4().hex, code=code
         )

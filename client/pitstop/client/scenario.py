@@ -45,7 +45,7 @@ from pitstop.client.localcluster import (
     free_port,
 )
 from pitstop.client.signals import dying_with_parent
-from pitstop.codeversion import code_version
+from pitstop.common.codeversion import code_version
 from pitstop.v1 import common_pb2, jobs_pb2
 
 FaultKind = Literal["xid", "node_kill", "agent_hang", "node_freeze", "rank_kill", "app_xid"]

@@ -23,11 +23,11 @@ import grpc
 from cryptography import x509
 from google.protobuf import descriptor_pool
 
+from pitstop.common.tls import SCHEDULER_NAME, issued_at
 from pitstop.scheduler.config import ApiToken
 from pitstop.scheduler.domain import IssuedToken, Role, token_digest
 from pitstop.scheduler.errors import PermissionDenied, Unauthenticated
 from pitstop.scheduler.rpcwrap import wrap_handler
-from pitstop.tls import SCHEDULER_NAME, issued_at
 from pitstop.v1 import common_pb2
 
 log = logging.getLogger(__name__)

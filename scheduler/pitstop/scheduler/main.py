@@ -16,9 +16,9 @@ from pydantic import ValidationError
 # errors belong in the scheduler's output. Set before grpc is first imported.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+from pitstop.common.tls import TlsError
 from pitstop.scheduler.config import SchedulerSettings, load_settings
 from pitstop.scheduler.embedded import EmbeddedUnavailable
-from pitstop.tls import TlsError
 
 app = typer.Typer(add_completion=False, help="Run the pitstop scheduler.")
 log = logging.getLogger("pitstop.scheduler")

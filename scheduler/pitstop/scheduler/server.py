@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from pitstop.common.tls import CertificateAuthority, cert_pem, key_pem, new_key
 from pitstop.scheduler.api.agent import AgentServicer, Beats
 from pitstop.scheduler.api.catalog import CatalogServicer
 from pitstop.scheduler.api.enrollment import EnrollmentServicer
@@ -41,7 +42,6 @@ from pitstop.scheduler.metrics import SchedulerMetrics
 from pitstop.scheduler.reconcile import Reconciler, Timeouts
 from pitstop.scheduler.slurm import SlurmAdapter
 from pitstop.scheduler.store import Store
-from pitstop.tls import CertificateAuthority, cert_pem, key_pem, new_key
 from pitstop.v1 import (
     agent_pb2,
     agent_pb2_grpc,

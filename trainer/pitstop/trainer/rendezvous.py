@@ -88,7 +88,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from pitstop.tls import TLS_DIR_ENV, NodeIdentity, open_channel
+from pitstop.common.tls import TLS_DIR_ENV, NodeIdentity, open_channel
 from pitstop.v1 import rendezvous_pb2, rendezvous_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ import threading
 import torch
 
 from pitstop.agent.rankclient import RankControlClient
-from pitstop.codeversion import code_version
+from pitstop.common.codeversion import code_version
 from pitstop.v1 import agent_pb2
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ from pitstop.client.localcluster.statefile import (
     recorded,
 )
 from pitstop.client.netns import IFACE
-from pitstop.tls import NodeIdentity
+from pitstop.common.tls import NodeIdentity
 
 # The line each daemon prints once it serves (only at the start of a line: a traceback
 # quoting the print call must not match).

@@ -6,13 +6,13 @@ import datetime as dt
 
 import grpc
 
+from pitstop.common.tls import CertificateAuthority, TlsError, cert_pem
 from pitstop.scheduler.api.agent import NODE_ID_RE
 from pitstop.scheduler.auth import current_caller
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from pitstop.scheduler.services import enrollment
 from pitstop.scheduler.services import events as event_service
 from pitstop.scheduler.store import Store
-from pitstop.tls import CertificateAuthority, TlsError, cert_pem
 from pitstop.v1 import agent_pb2
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from pitstop.tls import NodeIdentity, TlsError, channel_options, open_channel
+from pitstop.common.tls import NodeIdentity, TlsError, channel_options, open_channel
 from pitstop.v1 import agent_pb2, agent_pb2_grpc
 
 log = logging.getLogger(__name__)
