@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo demo-load test system-packages helm install check lint typecheck imports compose-check proto proto-check pytest bench gpu-check clean
+.PHONY: demo demo-load test system-packages helm install check lint typecheck imports layout compose-check proto proto-check pytest bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,7 +35,7 @@ system-packages:
 helm: $(STAMP)
 	@bash scripts/install_helm.sh $(BIN)
 
-check: proto-check lint typecheck imports compose-check
+check: proto-check lint typecheck imports layout compose-check
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
@@ -52,6 +52,10 @@ typecheck: $(STAMP)
 
 imports: $(STAMP)
 	$(BIN)/lint-imports
+
+# No file over 800 lines, no class over 300, no import cycle (TYPE_CHECKING imports count).
+layout: $(STAMP)
+	$(BIN)/python scripts/check_layout.py
 
 compose-check:
 	@if [ -f docker-compose.yml ] && command -v docker-compose >/dev/null 2>&1; then \
