@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from gpu_env import cuda, machine, needs_gpu, report
 
+from kit.gpu import cuda, machine, needs_gpu, report
 from pitstop.client.localcluster import LocalCluster, running_cluster
 from pitstop.client.scenario import (
     Driver,

@@ -12,10 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
 from google.protobuf.json_format import MessageToDict
-from gpu_env import cuda, machine, needs_gpu, report
 
+from kit.gpu import cuda, machine, needs_gpu, report
+from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.stores import StoreUrls, unique
 from pitstop.client import PitstopClient
 from pitstop.client.errors import PitstopError
 from pitstop.client.localcluster import binary

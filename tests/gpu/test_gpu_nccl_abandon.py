@@ -13,9 +13,10 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import NO_HARDWARE
-from gpu_env import cuda, machine, needs_two_gpus, report
-from integration.abandon_harness import run_ranks
+
+from kit.abandon import run_ranks
+from kit.gpu import cuda, machine, needs_two_gpus, report
+from kit.hardware import NO_HARDWARE
 
 pytestmark = [pytest.mark.gpu, needs_two_gpus, pytest.mark.timeout(180)]
 

@@ -25,10 +25,10 @@ from typing import Any
 
 import psutil
 import pytest
-from conftest import NO_HARDWARE
-from gpu_env import cuda, machine, needs_gpu, report
-from integration.checkpointd_harness import DaemonProcess
 
+from kit.checkpointd import DaemonProcess
+from kit.gpu import cuda, machine, needs_gpu, report
+from kit.hardware import NO_HARDWARE
 from pitstop.checkpointd.instances import SHM_DIR
 from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
 

@@ -27,8 +27,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-from abandon_harness import run_ranks
-
+from kit.abandon import run_ranks
 from pitstop.trainer import group
 
 WORLD = 4

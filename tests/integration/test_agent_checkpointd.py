@@ -8,23 +8,22 @@ import asyncio
 import contextlib
 import os
 import shlex
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from conftest import SchedulerThread, unique
-from fake_rank import wait_gone
 
+from kit.agents import running_agent
+from kit.ports import free_port
+from kit.ranks import wait_gone
+from kit.schedulers import SchedulerThread
+from kit.stores import unique
 from pitstop.agent.config import AgentSettings
-from pitstop.agent.gpu import open_backend
 from pitstop.agent.liveness import Liveness
 from pitstop.agent.main import NodeAgent
 from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
@@ -33,14 +32,6 @@ from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, nodes_pb2, nodes_p
 TIMEOUT = 20.0
 PROBE_SECONDS = 0.2
 DOWN = "checkpoint daemon at {address} is down"
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """A folder with a short path: Unix socket paths are limited to 107 bytes."""
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pc-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def checkpointd_argv(node_id: str, state_dir: Path, port: int) -> list[str]:
@@ -98,13 +89,6 @@ def daemons(short_dir: Path) -> Iterator[Callable[..., Checkpointd]]:
         remove_stale_segments(segment_prefix(node_id))
 
 
-def free_port() -> int:
-    # For a daemon the agent starts itself: the agent must know its address beforehand.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 class HeartbeatSink:
     """An AgentService that registers every agent with a 50 ms heartbeat and keeps the
     heartbeats it gets."""
@@ -160,20 +144,6 @@ def agent_settings(scheduler: str, state_dir: Path, **overrides: Any) -> AgentSe
         **overrides,
     }
     return AgentSettings(**values)
-
-
-@contextlib.asynccontextmanager
-async def running_agent(settings: AgentSettings) -> AsyncIterator[NodeAgent]:
-    agent = NodeAgent(settings, open_backend(settings.gpus, settings.node_id))
-    await agent.start()
-    stop = asyncio.Event()
-    run = asyncio.create_task(agent.run(stop))
-    try:
-        yield agent
-    finally:
-        stop.set()
-        await asyncio.wait_for(run, TIMEOUT)
-        await agent.close(grace_seconds=2.0)
 
 
 def down_reason(address: str) -> Callable[[common_pb2.NodeHealth], bool]:

@@ -7,21 +7,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import psutil
-import pytest
-from conftest import SchedulerThread, StoreUrls, scheduler_settings
 from typer.testing import CliRunner
 
+from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.stores import StoreUrls
 from pitstop.client.cli import app
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
@@ -93,13 +91,6 @@ def agents(address: str, root: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
             proc.send_signal(signal.SIGTERM)
         for proc in procs:
             assert proc.wait(30) == 0
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pf-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_four_agents_register_and_outlive_a_scheduler_restart(

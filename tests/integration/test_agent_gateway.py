@@ -16,9 +16,10 @@ import grpc
 import psycopg
 import pytest
 import redis
-from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
 from google.protobuf import timestamp_pb2
 
+from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.stores import StoreUrls, unique
 from pitstop.scheduler.services.health import LAST_SEEN_AT
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, nodes_pb2, nodes_pb2_grpc
 

@@ -10,22 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from conftest import SchedulerThread, unique
-from kube_api import NodeStore, gpu_node, kube_api, write_kubeconfig
 from kubernetes import client
-from test_agent_link import running_agent
 
+from kit.agents import running_agent
+from kit.kube_api import NodeStore, gpu_node, kube_api, write_kubeconfig
+from kit.schedulers import SchedulerThread
+from kit.stores import unique
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.k8s_publisher import NodeConditionPublisher, connect
 from pitstop.agent.metrics import AgentMetrics
@@ -166,13 +165,6 @@ async def test_a_lost_verdict_stands_for_a_grace_then_turns_unknown() -> None:
         assert condition is not None
         assert (condition["status"], condition["reason"]) == ("Unknown", "PitstopNoVerdict")
         assert our_taints(store) == [("fatal", "NoSchedule")], "taints stay without a verdict"
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pk-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 async def test_an_agent_publishes_its_health_and_registers_its_nodes_labels(

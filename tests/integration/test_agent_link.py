@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -21,25 +20,18 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
-from fake_rank import RankNotices, start_command, wait_gone
 from prometheus_client.parser import text_string_to_metric_families
 
+from kit.agents import AGENT_BINARY, running_agent
+from kit.ranks import RankNotices, start_command, wait_gone
+from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.stores import StoreUrls, unique
 from pitstop.agent.config import AgentSettings
-from pitstop.agent.gpu import GpuBackend, SimulatedBackend, open_backend
+from pitstop.agent.gpu import SimulatedBackend
 from pitstop.agent.main import NodeAgent
 from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 TIMEOUT = 15.0
-AGENT_BINARY = Path(sys.executable).with_name("pitstop-agent")
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """A folder with a short path: Unix socket paths are limited to 107 bytes."""
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pa-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -64,25 +56,6 @@ def agent_settings(address: str, state_dir: Path, **overrides: Any) -> AgentSett
         **overrides,
     }
     return AgentSettings(**values)
-
-
-@contextlib.asynccontextmanager
-async def running_agent(
-    settings: AgentSettings, backend: GpuBackend | None = None
-) -> AsyncIterator[NodeAgent]:
-    """A whole agent in this event loop (on `backend`, else the one its settings
-    name), stopped (ranks and all) on exit."""
-    backend = backend or open_backend(settings.gpus, settings.node_id)
-    agent = NodeAgent(settings, backend)
-    await agent.start()
-    stop = asyncio.Event()
-    run = asyncio.create_task(agent.run(stop))
-    try:
-        yield agent
-    finally:
-        stop.set()
-        await asyncio.wait_for(run, TIMEOUT)
-        await agent.close(grace_seconds=2.0)
 
 
 class NodeEvents:

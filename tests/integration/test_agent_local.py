@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import socket
 import stat
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from fake_rank import NODE, TIMEOUT, ExitLog, RankNotices, start_command
 
+from kit.ranks import NODE, TIMEOUT, ExitLog, RankNotices, start_command
 from pitstop.agent.gpu import FaultNotSupported, SimulatedBackend, open_backend
 from pitstop.agent.local import LocalEndpoint
 from pitstop.agent.rankclient import RANK_KEY_METADATA, RankControlClient
@@ -34,14 +32,6 @@ class Agent:
     exits: ExitLog
     stub: Any
     socket_path: Path
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """A folder with a short path: Unix socket paths are limited to 107 bytes."""
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="ps-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

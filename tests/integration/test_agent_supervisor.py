@@ -4,30 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ForkServerProcess
-from fake_rank import NODE, ExitLog, RankNotices, start_command, wait_gone
 
+from kit.dirs import short_tempdir
+from kit.forking import ForkServerProcess
+from kit.ranks import NODE, ExitLog, RankNotices, start_command, wait_gone
 from pitstop.agent.forkserver import ForkServerClient
 from pitstop.agent.rankclient import RANK_KEY_ENV
 from pitstop.agent.supervisor import STANDBY_NICE, RankSupervisor
 from pitstop.v1 import agent_pb2
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """A folder with a short path: Unix socket paths are limited to 107 bytes."""
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="ps-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -47,12 +38,11 @@ def exits() -> ExitLog:
 def fork_server() -> Iterator[ForkServerProcess]:
     """A fork server for this module's fake ranks (nothing to preload: they import no
     torch)."""
-    folder = Path(tempfile.mkdtemp(dir="/tmp", prefix="ps-fork-"))
-    try:
-        with ForkServerProcess(folder / "fork.sock", "", dict(os.environ)) as server:
-            yield server
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    with (
+        short_tempdir("ps-fork-") as folder,
+        ForkServerProcess(folder / "fork.sock", "", dict(os.environ)) as server,
+    ):
+        yield server
 
 
 @pytest.fixture(params=["fresh", "forked"])

@@ -16,8 +16,11 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import StoreUrls
-from fuzzing import (
+from google.protobuf.descriptor import MethodDescriptor
+from hypothesis import event, given
+from hypothesis import strategies as st
+
+from kit.fuzzing import (
     FUZZ_TIMEOUT,
     Enrolled,
     assert_clear,
@@ -27,10 +30,7 @@ from fuzzing import (
     messages,
     register,
 )
-from google.protobuf.descriptor import MethodDescriptor
-from hypothesis import event, given
-from hypothesis import strategies as st
-
+from kit.stores import StoreUrls
 from pitstop.common.tls import channel_options
 from pitstop.v1 import (
     agent_pb2,

@@ -17,9 +17,10 @@ from pathlib import Path
 import grpc
 import psycopg
 import pytest
-from conftest import SchedulerProcess, StoreUrls, tls_scheduler, unique
 from typer.testing import CliRunner, Result
 
+from kit.schedulers import SchedulerProcess, tls_scheduler
+from kit.stores import StoreUrls, unique
 from pitstop.client.cli import app
 from pitstop.client.client import PitstopClient
 from pitstop.client.errors import PitstopError

@@ -3,8 +3,6 @@ durable once every rank has a durable copy; buddies sit in another rack."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,17 +10,11 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import (
-    AgentSpec,
-    SchedulerThread,
-    StoreUrls,
-    follow_events,
-    run_agents,
-    scheduler_settings,
-    unique,
-    wait_for,
-)
 
+from kit.agents import AgentSpec, run_agents
+from kit.events import follow_events, wait_for
+from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.stores import StoreUrls, unique
 from pitstop.scheduler.db import models
 from pitstop.scheduler.db.engine import session_factory
 from pitstop.scheduler.domain import NodeState
@@ -235,12 +227,12 @@ def test_durable_needs_every_rank_and_removed_shards_uncommit_nothing_retroactiv
 
 
 def test_an_unhealthy_nodes_shards_are_forgotten(
-    scheduler: SchedulerThread, catalog: Any, job_id: str
+    scheduler: SchedulerThread, catalog: Any, job_id: str, short_dir: Path
 ) -> None:
     """A node out with a fatal Xid no longer counts as a holder: no restore is sent
     there and no restore step is chosen because of it (its daemon may come back empty)."""
     events = follow_events(scheduler.address)
-    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="pc-"))  # short: the agent socket
+    root = short_dir  # short: the agent socket
     try:
         with run_agents(scheduler.address, root, [AgentSpec("fa", gpus=1)]):
             wait_for(events, lambda e: e.kind == "node.registered" and e.node_id == "fa")
@@ -261,7 +253,6 @@ def test_an_unhealthy_nodes_shards_are_forgotten(
             }
     finally:
         events.close()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_restarted_daemon_starts_with_nothing_on_record(catalog: Any, job_id: str) -> None:

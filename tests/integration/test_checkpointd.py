@@ -17,7 +17,8 @@ from typing import Any
 
 import grpc
 import pytest
-from checkpointd_harness import (
+
+from kit.checkpointd import (
     DURABLE,
     LOCAL,
     REPLICA,
@@ -34,7 +35,6 @@ from checkpointd_harness import (
     restored_bytes,
     stub,
 )
-
 from pitstop.checkpointd.config import CheckpointdSettings
 from pitstop.checkpointd.format import TensorSpec, plan_shard, write_header
 from pitstop.checkpointd.slots import SHM_DIR, remove_stale_segments, segment_prefix

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from checkpointd_harness import (
+
+from kit.checkpointd import (
     LOCAL,
     TIMEOUT,
     DaemonThread,
@@ -25,7 +26,6 @@ from checkpointd_harness import (
     restored_bytes,
     stub,
 )
-
 from pitstop.checkpointd.config import CheckpointdSettings
 from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
 from pitstop.checkpointd.writer import SnapshotWriter

@@ -15,89 +15,36 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
-from conftest import StoreUrls, unique
 
+from kit.clustercli import cli_environment, cluster_cli, pitstop_cli, status_json
+from kit.dirs import short_tempdir
+from kit.processes import processes_under, running
+from kit.stores import StoreUrls, unique
+from kit.waits import wait_until
 from pitstop.client.localcluster import LocalCluster, node_layout
 from pitstop.v1 import jobs_pb2
-
-PITSTOP = Path(sys.executable).with_name("pitstop")
-CLI_TIMEOUT = 100.0
-
-
-def running(pid: int) -> bool:
-    """Whether `pid` runs; a zombie (reaped late by a container's init) does not."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
-
-
-def processes_under(root: Path) -> list[int]:
-    """Every live process whose command line names a path under `root`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdecimal() or int(entry.name) == os.getpid():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(str(root).encode() in arg for arg in argv) and running(int(entry.name)):
-            found.append(int(entry.name))
-    return found
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture
 def state_dir() -> Iterator[Path]:
     # Short, under /tmp: the agents' Unix sockets live below it.
-    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="pc-"))
-    yield root
-    cluster = LocalCluster.load(root)
-    if cluster is not None:
-        cluster.down(timeout=5.0)
-    shutil.rmtree(root, ignore_errors=True)
+    with short_tempdir("pc-") as root:
+        yield root
+        cluster = LocalCluster.load(root)
+        if cluster is not None:
+            cluster.down(timeout=5.0)
 
 
 @pytest.fixture
 def cli_env(stores: StoreUrls) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-    env["PITSTOP_REDIS_PREFIX"] = f"{stores.redis_prefix}{unique('cluster')}:"
-    env["COLUMNS"] = "200"
-    return env
-
-
-def cluster_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return pitstop_cli(env, "cluster", *args)
-
-
-def pitstop_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(PITSTOP), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        timeout=CLI_TIMEOUT,
-        check=False,
-    )
+    return cli_environment(stores)
 
 
 def plaintext_refused(address: str) -> bool:
@@ -113,12 +60,6 @@ def plaintext_refused(address: str) -> bool:
         except grpc.RpcError as exc:
             return exc.code() == grpc.StatusCode.UNAVAILABLE
     return False
-
-
-def status_json(env: dict[str, str], state_dir: Path) -> Any:
-    done = cluster_cli(env, "status", "--state-dir", str(state_dir), "--json")
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
 
 
 def up_args(stores: StoreUrls, state_dir: Path, nodes: int, spares: int, *extra: str) -> list[str]:
@@ -298,7 +239,7 @@ def test_netns_cut_and_heal(stores: StoreUrls, state_dir: Path, cli_env: dict[st
 
     cut = cluster_cli(cli_env, "cut", "node-2", "--state-dir", str(state_dir))
     assert cut.returncode == 0, cut.stderr
-    wait_for(
+    wait_until(
         lambda: node_states(cli_env, state_dir)["node-2"] == ("lost", False), "node-2 to be lost"
     )
     assert all(running(pid) for pid in pids.values())  # cut off, not dead
@@ -307,7 +248,7 @@ def test_netns_cut_and_heal(stores: StoreUrls, state_dir: Path, cli_env: dict[st
 
     heal = cluster_cli(cli_env, "heal", "node-2", "--state-dir", str(state_dir))
     assert heal.returncode == 0, heal.stderr
-    wait_for(
+    wait_until(
         lambda: node_states(cli_env, state_dir)["node-2"] == ("ready", True),
         "node-2 to come back",
     )
@@ -365,7 +306,7 @@ def test_kill_and_restart_a_node(stores: StoreUrls, state_dir: Path) -> None:
         with cluster.client() as client:
             client.submit_job(spec)
         # The rank never reports a step; it is started when the agent has spawned it.
-        wait_for(lambda: bool(cluster.rank_pids("node-1")), "the rank to start on node-1")
+        wait_until(lambda: bool(cluster.rank_pids("node-1")), "the rank to start on node-1")
         (rank,) = cluster.rank_pids("node-1")
         old = {p.name: p for p in cluster.node_processes("node-1")}
 

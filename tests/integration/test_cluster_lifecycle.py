@@ -9,21 +9,21 @@ from __future__ import annotations
 import os
 import queue
 import re
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import StoreUrls, unique
-from test_cluster_cli import cluster_cli, processes_under, running, status_json
 
+from kit.clustercli import cli_environment, cluster_cli, status_json
+from kit.dirs import short_tempdir
+from kit.processes import processes_under, running
+from kit.stores import StoreUrls, unique
 from pitstop.client.localcluster import (
     CLUSTER_ENV,
     DAEMON_ENV,
@@ -40,18 +40,14 @@ DEMO = Path(__file__).resolve().parents[2] / "scripts" / "demo.py"
 @pytest.fixture
 def state_dir() -> Iterator[Path]:
     # Short, under /tmp: the agents' Unix sockets live below it.
-    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="pc-"))
-    yield root
-    stop_cluster(root, timeout=5.0)
-    shutil.rmtree(root, ignore_errors=True)
+    with short_tempdir("pc-") as root:
+        yield root
+        stop_cluster(root, timeout=5.0)
 
 
 @pytest.fixture
 def cli_env(stores: StoreUrls) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-    env["PITSTOP_REDIS_PREFIX"] = f"{stores.redis_prefix}{unique('cluster')}:"
-    env["COLUMNS"] = "200"
-    return env
+    return cli_environment(stores)
 
 
 def up(stores: StoreUrls, state_dir: Path) -> LocalCluster:

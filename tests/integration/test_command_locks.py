@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 
 import psycopg
-from conftest import unique
 
+from kit.stores import unique
 from pitstop.scheduler.db import models
 from pitstop.scheduler.db.engine import session_factory
 from pitstop.scheduler.domain import JobState

@@ -9,16 +9,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from conftest import (
-    AgentStream,
-    SchedulerThread,
-    StoreUrls,
-    follow_events,
-    scheduler_settings,
-    unique,
-    wait_for,
-)
 
+from kit.events import follow_events, wait_for
+from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.stores import StoreUrls, unique
+from kit.streams import AgentStream
 from pitstop.scheduler.services.node_commands import RESEND_SECONDS
 from pitstop.v1 import agent_pb2, jobs_pb2, jobs_pb2_grpc
 

@@ -11,8 +11,8 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 import pytest
-from conftest import StoreUrls, unique
 
+from kit.stores import StoreUrls, unique
 from pitstop.scheduler.gateway import AgentGateway, CommandRouter
 from pitstop.scheduler.hotstate import HotState
 from pitstop.v1 import agent_pb2

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
 
+from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.stores import StoreUrls, unique
 from pitstop.client import PitstopClient
 from pitstop.client.localcluster import LocalCluster, stop_cluster
 from pitstop.client.scenario import example_spec

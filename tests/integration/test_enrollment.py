@@ -19,10 +19,12 @@ from pathlib import Path
 import grpc
 import psycopg
 import pytest
-from conftest import SchedulerProcess, StoreUrls, follow_events, tls_scheduler, unique, wait_for
 from cryptography import x509
 from google.protobuf import timestamp_pb2
 
+from kit.events import follow_events, wait_for
+from kit.schedulers import SchedulerProcess, tls_scheduler
+from kit.stores import StoreUrls, unique
 from pitstop.agent.identity import EnrollmentError, enroll, identity_for
 from pitstop.client.client import PitstopClient
 from pitstop.client.errors import PitstopError

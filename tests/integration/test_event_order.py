@@ -10,8 +10,8 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import StoreUrls, unique
 
+from kit.stores import StoreUrls, unique
 from pitstop.scheduler.api.watch import follow_events
 from pitstop.scheduler.db.engine import create_engine_for, migrate, session_factory
 from pitstop.scheduler.hotstate import EventBus, HotState

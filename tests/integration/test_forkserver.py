@@ -8,19 +8,18 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ForkServerProcess
 
+from kit.dirs import short_tempdir
+from kit.forking import ForkServerProcess
 from pitstop.agent.forkserver import ForkServerClient
 from pitstop.client.localcluster.processes import environ, pid_alive
 
@@ -51,9 +50,8 @@ if what == "hold":
 
 @pytest.fixture(scope="module")
 def folder() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="ps-fs-"))  # a short socket path
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with short_tempdir("ps-fs-") as path:  # a short socket path
+        yield path
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,11 @@ import json
 from typing import Any
 
 import pytest
-from conftest import SchedulerThread, unique
 from sqlalchemy.ext.asyncio import async_sessionmaker
 from typer.testing import CliRunner
 
+from kit.schedulers import SchedulerThread
+from kit.stores import unique
 from pitstop.client.cli import app
 from pitstop.health.goodput import incident_attributes
 from pitstop.scheduler.db import models

@@ -13,8 +13,9 @@ from typing import Any
 import grpc
 import psycopg
 import pytest
-from conftest import SchedulerThread, StoreUrls, unique
 
+from kit.schedulers import SchedulerThread
+from kit.stores import StoreUrls, unique
 from pitstop.scheduler.auth import Caller, current_caller
 from pitstop.scheduler.db.engine import create_engine_for, session_factory
 from pitstop.scheduler.domain import Role

@@ -8,8 +8,9 @@ from typing import Any
 import grpc
 import psycopg
 import pytest
-from conftest import SchedulerThread, unique
 
+from kit.schedulers import SchedulerThread
+from kit.stores import unique
 from pitstop.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc
 
 

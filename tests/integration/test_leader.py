@@ -5,27 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import psycopg
 import pytest
-from conftest import (
-    AgentSpec,
-    SchedulerProcess,
-    StoreUrls,
-    follow_events,
-    run_agents,
-    unique,
-    wait_for,
-)
-from fake_rank import FAKE_RANK
 
+from kit.agents import AgentSpec, run_agents
+from kit.dirs import short_tempdir
+from kit.events import follow_events, wait_for
+from kit.ranks import FAKE_RANK
+from kit.schedulers import SchedulerProcess
+from kit.stores import StoreUrls, unique
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc
 
 LEASE = 1.0
@@ -33,9 +27,8 @@ LEASE = 1.0
 
 @pytest.fixture
 def root() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pld-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with short_tempdir("pld-") as path:
+        yield path
 
 
 def holding_job(address: str, name: str) -> jobs_pb2.Job:

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,31 +19,18 @@ from typing import Any
 import grpc
 import psycopg
 import pytest
-from conftest import (
-    AgentSpec,
-    SchedulerThread,
-    StoreUrls,
-    follow_events,
-    run_agents,
-    scheduler_settings,
-    unique,
-    wait_for,
-)
-from fake_rank import FAKE_RANK
 
+from kit.agents import AgentSpec, run_agents
+from kit.events import follow_events, wait_for
+from kit.ranks import FAKE_RANK
+from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.stores import StoreUrls, unique
 from pitstop.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 # Lost after 5 silent beats (2.5 s, the default deadline): at 1.25 s a node was declared
 # lost in a CI run while its agent started four ranks on the loaded 2-core machine. No
 # test here waits on a deadline: a broken stream or an Xid is noticed at once.
 LIVENESS_INTERVALS = 5.0
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pl-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from conftest import StoreUrls, unique
 from sqlalchemy import select
 
+from kit.stores import StoreUrls, unique
 from pitstop.scheduler.db import models
 from pitstop.scheduler.db.engine import create_engine_for, migrate, session_factory
 from pitstop.scheduler.domain import NodeState

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
-from conftest import StoreUrls, unique
 
+from kit.stores import StoreUrls, unique
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.liveness import STALL_SECONDS, LivenessMonitor
 

@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 import psycopg
 import pytest
-from conftest import StoreUrls, unique
 
+from kit.stores import StoreUrls, unique
 from pitstop.scheduler.api.agent import AgentServicer, Beats
 from pitstop.scheduler.db.engine import create_engine_for, migrate, session_factory
 from pitstop.scheduler.domain import NodeState

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -19,11 +17,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import AGENT_BINARY, SchedulerThread, StoreUrls, scheduler_settings, unique
-from fake_rank import FAKE_RANK
-from monitoring import needs_promtool, promtool
 from prometheus_client.parser import text_string_to_metric_families
 
+from kit.agents import AGENT_BINARY
+from kit.monitoring import needs_promtool, promtool
+from kit.ranks import FAKE_RANK
+from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.stores import StoreUrls, unique
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc
 
 STEPS = 20
@@ -64,13 +64,6 @@ def rank_pid(job_id: str, rank: int) -> int:
         ) != "1":
             return int(proc.pid)
     raise AssertionError(f"no process of rank {rank} of {job_id}")
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="pm-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

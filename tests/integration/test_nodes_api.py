@@ -6,8 +6,9 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import SchedulerThread, unique
 
+from kit.schedulers import SchedulerThread
+from kit.stores import unique
 from pitstop.v1 import agent_pb2, common_pb2, nodes_pb2, nodes_pb2_grpc
 
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import PostgresProcess, SchedulerThread, StoreUrls, scheduler_settings, unique
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.stores import PostgresProcess, StoreUrls, unique
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from conftest import unique
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from kit.stores import unique
 from pitstop.scheduler.db import models
 from pitstop.scheduler.db.engine import session_factory
 from pitstop.scheduler.domain import JobState, NodeState

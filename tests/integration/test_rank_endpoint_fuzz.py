@@ -11,9 +11,7 @@ endpoint still serves.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -22,12 +20,13 @@ from typing import Any
 
 import grpc
 import pytest
-from fake_rank import NODE, ExitLog
-from fuzzing import FUZZ_TIMEOUT, assert_clear, call_method, fuzz_settings, messages
 from google.protobuf.descriptor import MethodDescriptor
 from hypothesis import event, given
 from hypothesis import strategies as st
 
+from kit.dirs import short_tempdir
+from kit.fuzzing import FUZZ_TIMEOUT, assert_clear, call_method, fuzz_settings, messages
+from kit.ranks import NODE, ExitLog
 from pitstop.agent.gpu import open_backend
 from pitstop.agent.local import LocalEndpoint
 from pitstop.agent.rankclient import RANK_KEY_METADATA
@@ -106,13 +105,12 @@ class RankEndpoint:
 def rank_endpoint() -> Iterator[RankEndpoint]:
     """One endpoint per fuzzed method (hypothesis runs all of a test's examples in one
     set-up): a fault one method injects does not change what the next one sees."""
-    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="ps-fz-"))  # Unix socket paths are short
-    endpoint = RankEndpoint(root)
-    try:
-        yield endpoint
-    finally:
-        endpoint.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    with short_tempdir("ps-fz-") as root:  # Unix socket paths are short
+        endpoint = RankEndpoint(root)
+        try:
+            yield endpoint
+        finally:
+            endpoint.stop()
 
 
 @st.composite

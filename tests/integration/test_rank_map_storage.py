@@ -10,10 +10,10 @@ import asyncio
 import psycopg
 from alembic import command
 from alembic.config import Config
-from conftest import unique
 from sqlalchemy import create_engine, event, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from kit.stores import unique
 from pitstop.scheduler.db import models
 from pitstop.scheduler.db.engine import (
     MIGRATIONS_DIR,

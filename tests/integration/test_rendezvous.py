@@ -16,7 +16,6 @@ from unittest import mock
 
 import grpc
 import pytest
-from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousError,
@@ -25,6 +24,8 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
+from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.stores import StoreUrls, unique
 from pitstop.scheduler.config import ApiToken
 from pitstop.scheduler.domain import Role
 from pitstop.trainer.rendezvous import (

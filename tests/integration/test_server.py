@@ -8,12 +8,13 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import SchedulerThread, StoreUrls, scheduler_settings, unique
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.stores import StoreUrls, unique
 from pitstop.scheduler.config import ApiToken
 from pitstop.scheduler.domain import Role
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc

@@ -12,7 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import ForkClient, run_mesh_ranks
+
+from kit.forking import ForkClient, run_mesh_ranks
 
 pytest.importorskip("torch")
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import SchedulerThread, StoreUrls, unique
 
+from kit.schedulers import SchedulerThread
+from kit.stores import StoreUrls, unique
 from pitstop.scheduler.api.agent_writes import JobGenerations
 from pitstop.scheduler.db.engine import create_engine_for, session_factory
 from pitstop.scheduler.services.jobs import stale_processes

@@ -7,11 +7,11 @@ from typing import Any
 import grpc
 import psycopg
 import pytest
-from conftest import SchedulerThread
-from fuzzing import FUZZ_TIMEOUT, fuzz_settings
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kit.fuzzing import FUZZ_TIMEOUT, fuzz_settings
+from kit.schedulers import SchedulerThread
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc
 
 # Valid UTF-8 only: protobuf itself refuses to encode lone surrogates.

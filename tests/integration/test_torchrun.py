@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import SchedulerThread, StoreUrls, tls_scheduler, unique
 
+from kit.schedulers import SchedulerThread, tls_scheduler
+from kit.stores import StoreUrls, unique
 from pitstop.common.enrollment import enroll
 from pitstop.common.tls import TLS_DIR_ENV, NodeIdentity
 from pitstop.v1 import nodes_pb2, nodes_pb2_grpc

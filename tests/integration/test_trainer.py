@@ -33,8 +33,9 @@ from typing import IO, Any
 
 import grpc
 import pytest
-from conftest import ForkClient, ForkedChild, forking, free_port
 
+from kit.forking import ForkClient, ForkedChild, forking
+from kit.ports import free_port
 from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
 from pitstop.v1 import (
     agent_pb2,

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from checkpointd_harness import REPLICA, DaemonProcess, FakeCatalog, added, node_segments
-from conftest import free_port
 
+from kit.checkpointd import REPLICA, DaemonProcess, FakeCatalog, added, node_segments
+from kit.ports import free_port
 from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
 from pitstop.checkpointd.writer import SnapshotWriter
 

@@ -21,9 +21,12 @@ from typing import Any
 import grpc
 import psycopg
 import pytest
-from checkpointd_harness import DaemonProcess, FakeCatalog
-from conftest import StoreUrls, unique
-from fuzzing import (
+from google.protobuf.message import Message
+from hypothesis import event, example, given
+from hypothesis import strategies as st
+
+from kit.checkpointd import DaemonProcess, FakeCatalog
+from kit.fuzzing import (
     FUZZ_TIMEOUT,
     Enrolled,
     assert_clear,
@@ -35,10 +38,7 @@ from fuzzing import (
     text,
     truncations,
 )
-from google.protobuf.message import Message
-from hypothesis import event, example, given
-from hypothesis import strategies as st
-
+from kit.stores import StoreUrls, unique
 from pitstop.checkpointd.instances import SHM_DIR
 from pitstop.checkpointd.store import shard_checksum
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, checkpoint_pb2_grpc, common_pb2

@@ -25,9 +25,11 @@ import psutil
 import psycopg
 import pytest
 import yaml
-from conftest import AgentStream, SchedulerProcess, StoreUrls, unique
-from slurm_cluster import SlurmCluster, missing, running_slurm
 
+from kit.schedulers import SchedulerProcess
+from kit.slurm import SlurmCluster, missing, running_slurm
+from kit.stores import StoreUrls, unique
+from kit.streams import AgentStream
 from pitstop.checkpointd.instances import remove_stale_segments
 from pitstop.checkpointd.slots import segment_prefix
 

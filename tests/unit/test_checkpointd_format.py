@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import safetensors
-from fuzzing import FUZZ_TIMEOUT, fuzz_settings
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from kit.fuzzing import FUZZ_TIMEOUT, fuzz_settings
 from pitstop.checkpointd.format import (
     DTYPE_SIZES,
     ShardFormatError,

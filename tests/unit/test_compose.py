@@ -19,8 +19,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-from console_scripts import CLICK_ERROR, PYPROJECT, ROOT, SCRIPTS, SETTINGS, parse
 
+from kit.console_scripts import CLICK_ERROR, PYPROJECT, ROOT, SCRIPTS, SETTINGS, parse
 from pitstop.client.jobspec import load_job_spec
 from pitstop.scheduler.config import SchedulerSettings
 from pitstop.scheduler.config import load_settings as scheduler_settings

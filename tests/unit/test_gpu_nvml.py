@@ -16,7 +16,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import NO_HARDWARE
+
+from kit.hardware import NO_HARDWARE
 
 pynvml = pytest.importorskip("pynvml")
 

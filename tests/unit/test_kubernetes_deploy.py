@@ -29,9 +29,9 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from console_scripts import CLICK_ERROR, ROOT, SETTINGS, parse
 from cryptography import x509
 
+from kit.console_scripts import CLICK_ERROR, ROOT, SETTINGS, parse
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.k8s_health import TAINT_KEY
 from pitstop.checkpointd.config import CheckpointdSettings

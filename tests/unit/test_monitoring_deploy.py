@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from monitoring import (
+
+from kit.monitoring import (
     PROMETHEUS,
     ROOT,
     SYNTHETIC,

@@ -17,7 +17,6 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import SchedulerProcess, StoreUrls, tls_scheduler, unique
 from google.protobuf import timestamp_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
 from google.protobuf.message import Message
@@ -25,6 +24,8 @@ from google.protobuf.message_factory import GetMessageClass
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from kit.schedulers import SchedulerProcess, tls_scheduler
+from kit.stores import StoreUrls, unique
 from pitstop.agent.identity import enroll, identity_for
 from pitstop.client.client import PitstopClient
 from pitstop.common.tls import channel_options, node_credentials

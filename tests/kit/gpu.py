@@ -2,7 +2,7 @@
 a check needs, decided without importing torch where NVML already says no, and where
 each check's numbers go.
 
-A check that cannot run here skips, saying why; every reason starts with conftest's
+A check that cannot run here skips, saying why; every reason starts with the kit's
 NO_HARDWARE, so on a machine that sets everything else up (root on Debian) such a skip
 stays a skip: a missing GPU is no broken set-up.
 
@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NO_HARDWARE
+
+from kit.hardware import NO_HARDWARE
 
 REPORT_ENV = "PITSTOP_GPU_REPORT"
 

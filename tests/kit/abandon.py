@@ -1,4 +1,4 @@
-"""Runs abandon_rank.py's ranks for the abandon tests: the gloo one
+"""Runs the ranks of tests/integration/abandon_rank.py for the abandon tests: the gloo one
 (tests/integration/test_abandon.py) and the NCCL one (tests/gpu/test_gpu_nccl_abandon.py)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 
+from kit.ports import free_port
 from pitstop.trainer import group
 
-RANK = Path(__file__).with_name("abandon_rank.py")
+RANK = Path(__file__).resolve().parents[1] / "integration" / "abandon_rank.py"
 
 
 def run_ranks(

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"
 DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
 PROMTOOL = shutil.which("promtool")

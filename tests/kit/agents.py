@@ -1,0 +1,97 @@
+"""Agents for tests: real `pitstop-agent` processes on simulated GPUs (`run_agents`),
+and a whole agent in the test's own event loop (`running_agent`)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pitstop.agent.config import AgentSettings
+from pitstop.agent.gpu import GpuBackend, open_backend
+from pitstop.agent.main import NodeAgent
+
+AGENT_BINARY = Path(sys.executable).with_name("pitstop-agent")
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """One `pitstop-agent` to run: node id, GPUs (simulated), labels, requested role."""
+
+    node_id: str
+    gpus: int = 8
+    rack: str = "r1"
+    role: str = "worker"
+
+
+@contextlib.contextmanager
+def run_agents(
+    address: str, root: Path, specs: list[AgentSpec]
+) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """Real agent processes on simulated GPUs; SIGTERM and a clean exit at the end."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    procs = {
+        spec.node_id: subprocess.Popen(
+            [
+                str(AGENT_BINARY),
+                "run",
+                "--node-id",
+                spec.node_id,
+                "--scheduler",
+                address,
+                "--gpus",
+                f"sim:{spec.gpus}",
+                "--zone",
+                "z1",
+                "--block",
+                "b1",
+                "--rack",
+                spec.rack,
+                "--role",
+                spec.role,
+                "--state-dir",
+                str(root / spec.node_id),
+                "--metrics-port",
+                "0",
+                "--log-level",
+                "WARNING",
+            ],
+            stdout=subprocess.DEVNULL,
+            env=env,
+        )
+        for spec in specs
+    }
+    try:
+        yield procs
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            proc.wait(30)
+
+
+@contextlib.asynccontextmanager
+async def running_agent(
+    settings: AgentSettings, backend: GpuBackend | None = None, timeout: float = 20.0
+) -> AsyncIterator[NodeAgent]:
+    """A whole agent in this event loop (on `backend`, else the one its settings
+    name), stopped (ranks and all) on exit; its run must end within `timeout` s."""
+    backend = backend or open_backend(settings.gpus, settings.node_id)
+    agent = NodeAgent(settings, backend)
+    await agent.start()
+    stop = asyncio.Event()
+    run = asyncio.create_task(agent.run(stop))
+    try:
+        yield agent
+    finally:
+        stop.set()
+        await asyncio.wait_for(run, timeout)
+        await agent.close(grace_seconds=2.0)

@@ -1,0 +1,44 @@
+"""Processes a test started: stopping one for sure, whether one runs, which run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+
+def terminate(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM, and SIGKILL after 30 s: a process that will not stop is not left running
+    after the test."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (reaped late by a container's init) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def processes_under(root: Path) -> list[int]:
+    """Every live process whose command line names a path under `root`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdecimal() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(str(root).encode() in arg for arg in argv) and running(int(entry.name)):
+            found.append(int(entry.name))
+    return found

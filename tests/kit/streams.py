@@ -1,0 +1,79 @@
+"""A hand-driven agent stream: what an agent says to the scheduler, said by the test."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import grpc
+
+from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+
+class AgentStream:
+    """A hand-driven agent stream: Register on open, then whatever the test sends."""
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        node_id: str,
+        gpus: int,
+        zone: str,
+        block: str,
+        rack: str,
+        role: str,
+    ) -> None:
+        self._outbox: queue.Queue[agent_pb2.AgentMessage | None] = queue.Queue()
+        self.seq = 0
+        self.node_id = node_id
+        register = agent_pb2.Register(
+            node_id=node_id,
+            inventory=common_pb2.Inventory(
+                hostname=node_id,
+                driver_version="sim",
+                gpu_backend="sim",
+                gpus=[
+                    common_pb2.GpuInfo(
+                        index=i,
+                        uuid=f"GPU-{node_id}-{i}",
+                        name="Simulated H100",
+                        memory_bytes=80 << 30,
+                    )
+                    for i in range(gpus)
+                ],
+            ),
+            labels=common_pb2.TopologyLabels(zone=zone, block=block, rack=rack),
+            requested_role=common_pb2.NODE_ROLE_SPARE if role == "spare" else 0,
+        )
+        self.send(register=register)
+        stub = agent_pb2_grpc.AgentServiceStub(channel)
+        self.responses = stub.Connect(iter(self._outbox.get, None))
+        self.registered = next(self.responses).registered
+
+    def send(self, **body: Any) -> None:
+        self.seq += 1
+        self._outbox.put(agent_pb2.AgentMessage(seq=self.seq, **body))
+
+    def send_raw(self, message: agent_pb2.AgentMessage) -> None:
+        self._outbox.put(message)
+
+    def next_command(self, timeout: float = 10.0) -> agent_pb2.SchedulerMessage:
+        result: Future[agent_pb2.SchedulerMessage] = Future()
+
+        def pull() -> None:
+            try:
+                result.set_result(next(self.responses))
+            except BaseException as exc:  # handed to the waiting test
+                result.set_exception(exc)
+
+        threading.Thread(target=pull, daemon=True).start()
+        return result.result(timeout)
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        with contextlib.suppress(grpc.RpcError, StopIteration):
+            for _ in self.responses:
+                pass
