@@ -86,11 +86,11 @@ from typing import Any
 import grpc
 import torch
 
-from pitstop.checkpointd.durable import DurableShard, DurableStore
 from pitstop.checkpointd.replication import CHANNEL_OPTIONS, push_shard
 from pitstop.checkpointd.slots import SHM_DIR, remove_stale_segments, segment_prefix
-from pitstop.checkpointd.store import shard_checksum
-from pitstop.checkpointd.writer import SnapshotWriter
+from pitstop.rankside.durable import DurableShard, DurableStore
+from pitstop.rankside.shards import shard_checksum
+from pitstop.rankside.writer import SnapshotWriter
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 MB = 1_000_000

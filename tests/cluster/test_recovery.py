@@ -49,7 +49,6 @@ from typer.testing import CliRunner
 from pitstop.agent.config import SOCKET_NAME
 from pitstop.agent.identity import enroll, identity_for
 from pitstop.checkpointd.instances import remove_stale_segments
-from pitstop.checkpointd.peers import pull_shard
 from pitstop.checkpointd.slots import segment_prefix
 from pitstop.client import scenario
 from pitstop.client.cli import app
@@ -60,6 +59,7 @@ from pitstop.client.netns import create as create_network
 from pitstop.client.netns import destroy as destroy_network
 from pitstop.common.codeversion import code_version
 from pitstop.common.tls import open_channel
+from pitstop.rankside.peers import pull_shard
 from pitstop.v1 import (
     checkpoint_pb2,
     checkpoint_pb2_grpc,

@@ -29,8 +29,8 @@ import pytest
 from kit.checkpointd import DaemonProcess
 from kit.gpu import cuda, machine, needs_gpu, report
 from kit.hardware import NO_HARDWARE
-from pitstop.checkpointd.instances import SHM_DIR
 from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
+from pitstop.rankside.shm import SHM_DIR
 
 # A hang guard far above the seconds a 10 GB snapshot takes; not a speed bound.
 pytestmark = [pytest.mark.gpu, needs_gpu, pytest.mark.timeout(300)]

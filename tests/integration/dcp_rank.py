@@ -33,8 +33,8 @@ from safetensors.torch import load, load_file, save, save_file
 from sharded_rank import build, train
 from torch.distributed.tensor import DTensor
 
-from pitstop.checkpointd.durable import DurableShard, DurableStore
-from pitstop.checkpointd.store import shard_checksum
+from pitstop.rankside.durable import DurableShard, DurableStore
+from pitstop.rankside.shards import shard_checksum
 from pitstop.trainer.config import RankConfig
 from pitstop.trainer.dcp import DurableReader
 from pitstop.trainer.mesh import build_mesh

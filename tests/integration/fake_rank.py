@@ -118,13 +118,13 @@ def main() -> int:
         )
 
     if args.attach and not standing_by:
-        from pitstop.agent.rankclient import RankControlClient
+        from pitstop.rankside.rankclient import RankControlClient
 
         client = RankControlClient.from_env()
         assert client is not None, "PITSTOP_AGENT_SOCKET is unset"
         attach_and_step(client, int(os.environ["PITSTOP_GENERATION"]))
     if standing_by:
-        from pitstop.agent.rankclient import RankControlClient
+        from pitstop.rankside.rankclient import RankControlClient
 
         standby = RankControlClient(
             os.environ["PITSTOP_AGENT_SOCKET"], os.environ["PITSTOP_JOB_ID"], 0

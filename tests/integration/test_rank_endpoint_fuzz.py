@@ -29,9 +29,9 @@ from kit.fuzzing import FUZZ_TIMEOUT, assert_clear, call_method, fuzz_settings, 
 from kit.ranks import NODE, ExitLog
 from pitstop.agent.gpu import open_backend
 from pitstop.agent.local import LocalEndpoint
-from pitstop.agent.rankclient import RANK_KEY_METADATA
 from pitstop.agent.steps import StepSummarizer
 from pitstop.agent.supervisor import RankSupervisor
+from pitstop.rankside.rankclient import RANK_KEY_METADATA
 from pitstop.v1 import agent_pb2, common_pb2, rank_pb2
 
 pytestmark = FUZZ_TIMEOUT

@@ -14,7 +14,7 @@ import pytest
 from kit.checkpointd import REPLICA, DaemonProcess, FakeCatalog, added, node_segments
 from kit.ports import free_port
 from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
-from pitstop.checkpointd.writer import SnapshotWriter
+from pitstop.rankside.writer import SnapshotWriter
 
 torch = pytest.importorskip("torch")
 

@@ -39,8 +39,8 @@ from kit.fuzzing import (
     truncations,
 )
 from kit.stores import StoreUrls, unique
-from pitstop.checkpointd.instances import SHM_DIR
-from pitstop.checkpointd.store import shard_checksum
+from pitstop.rankside.shards import shard_checksum
+from pitstop.rankside.shm import SHM_DIR
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, checkpoint_pb2, checkpoint_pb2_grpc, common_pb2
 
 pytestmark = FUZZ_TIMEOUT

@@ -1,4 +1,4 @@
-"""The shard layout (pitstop.checkpointd.format): safetensors-readable, aligned, checked."""
+"""The shard layout (pitstop.rankside.format): safetensors-readable, aligned, checked."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from kit.fuzzing import FUZZ_TIMEOUT, fuzz_settings
-from pitstop.checkpointd.format import (
+from pitstop.rankside.format import (
     DTYPE_SIZES,
     ShardFormatError,
     TensorSpec,

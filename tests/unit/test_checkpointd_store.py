@@ -1,4 +1,4 @@
-"""The in-memory shard store and the durable store (pitstop.checkpointd.store, .durable)."""
+"""The in-memory shard store and the durable store (checkpointd.store, rankside.durable)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 import xxhash
 
 from pitstop.checkpointd.catalog import CatalogClient
-from pitstop.checkpointd.durable import DurableShard, DurableStore
 from pitstop.checkpointd.flusher import DurableFlusher
 from pitstop.checkpointd.slots import SlotPool, remove_stale_segments, segment_prefix
 from pitstop.checkpointd.store import (
@@ -23,6 +22,7 @@ from pitstop.checkpointd.store import (
     Tier,
     shard_checksum,
 )
+from pitstop.rankside.durable import DurableShard, DurableStore
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pitstop.checkpointd.format import plan_shard, read_layout, write_header  # noqa: E402
-from pitstop.checkpointd.tensorcopy import copy_into, describe, read_tensor  # noqa: E402
+from pitstop.rankside.format import plan_shard, read_layout, write_header  # noqa: E402
+from pitstop.rankside.tensorcopy import copy_into, describe, read_tensor  # noqa: E402
 from pitstop.trainer.commands import PAUSE, RECONFIGURE, STOP, agree  # noqa: E402
 from pitstop.trainer.config import ConfigError, RankConfig  # noqa: E402
 from pitstop.trainer.state import StateFormatError, TrainState, apply, capture  # noqa: E402

@@ -63,14 +63,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pitstop.agent.rankclient import RANK_KEY_ENV
+from pitstop.rankside.rankclient import FORK_SERVER_PID_ENV, RANK_KEY_ENV
 
 logger = logging.getLogger(__name__)
 
 FORK_SERVER_DIR_ENV = "PITSTOP_FORK_SERVER_DIR"
 """In the server's environment: where it writes each child's environment."""
-FORK_SERVER_PID_ENV = "PITSTOP_FORK_SERVER_PID"
-"""In each child's environment: the server's pid, the child's parent."""
 STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH_")
 """Environment variables read while Python and torch start: a child must match the
 server in these, or be started afresh."""

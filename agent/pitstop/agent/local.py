@@ -26,10 +26,10 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from pitstop.agent.gpu.base import FaultNotSupported, GpuBackend
-from pitstop.agent.rankclient import RANK_KEY_ENV, RANK_KEY_METADATA
 from pitstop.agent.steps import StepSummarizer
 from pitstop.agent.supervisor import RankSupervisor
 from pitstop.common.rpcguard import refusing
+from pitstop.rankside.rankclient import RANK_KEY_ENV, RANK_KEY_METADATA
 from pitstop.v1 import agent_pb2, rank_pb2, rank_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ from typing import BinaryIO, Protocol
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from pitstop.agent.forkserver import ForkServerClient
-from pitstop.agent.rankclient import RANK_KEY_ENV
 from pitstop.common.tls import TLS_DIR_ENV
+from pitstop.rankside.rankclient import RANK_KEY_ENV
 from pitstop.v1 import agent_pb2, common_pb2
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from pitstop.checkpointd.store import ShardId, Tier
+from pitstop.checkpointd.store import Tier
 from pitstop.common.tls import NodeIdentity, open_channel
+from pitstop.rankside.shards import ShardId
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 log = logging.getLogger(__name__)

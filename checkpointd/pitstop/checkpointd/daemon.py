@@ -19,11 +19,9 @@ import grpc
 
 from pitstop.checkpointd.catalog import CatalogClient
 from pitstop.checkpointd.config import CheckpointdSettings
-from pitstop.checkpointd.durable import DurableStore
 from pitstop.checkpointd.errors import CheckpointdError, InvalidArgument, Unavailable
 from pitstop.checkpointd.flusher import DurableFlusher, durable_info
-from pitstop.checkpointd.format import ShardFormatError, read_layout
-from pitstop.checkpointd.instances import SHM_DIR, remove_stale_segments, segment_prefix
+from pitstop.checkpointd.instances import remove_stale_segments, segment_prefix
 from pitstop.checkpointd.interceptors import ErrorInterceptor, TokenInterceptor
 from pitstop.checkpointd.replication import (
     CHANNEL_OPTIONS,
@@ -34,8 +32,12 @@ from pitstop.checkpointd.replication import (
 from pitstop.checkpointd.restore import RestoreSources, ShardNotFound
 from pitstop.checkpointd.service import CheckpointServicer
 from pitstop.checkpointd.slots import MemoryBudgetFull, Segment, SlotPool
-from pitstop.checkpointd.store import ShardId, ShardRecord, ShardStore, Tier, shard_checksum
+from pitstop.checkpointd.store import ShardRecord, ShardStore, Tier
 from pitstop.common.tls import NodeIdentity, node_server_credentials
+from pitstop.rankside.durable import DurableStore
+from pitstop.rankside.format import ShardFormatError, read_layout
+from pitstop.rankside.shards import ShardId, shard_checksum
+from pitstop.rankside.shm import SHM_DIR
 from pitstop.v1 import checkpoint_pb2
 
 log = logging.getLogger(__name__)

@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 
 from pitstop.checkpointd.catalog import CatalogClient
-from pitstop.checkpointd.durable import DurableEntry, DurableShard, DurableStore
 from pitstop.checkpointd.slots import SlotPool
 from pitstop.checkpointd.store import ShardRecord, Tier
 from pitstop.health.interval import durable_every_steps
+from pitstop.rankside.durable import DurableEntry, DurableShard, DurableStore
 from pitstop.v1 import checkpoint_pb2
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
-SHM_DIR = Path("/dev/shm")
+from pitstop.rankside.shm import SHM_DIR as SHM_DIR
+
 SEGMENT_PREFIX = "pitstop-ckpt-"
 MARKER_SUFFIX = ".owner"
 _INSTANCE_HEX = 12

@@ -16,9 +16,10 @@ from pydantic import ValidationError
 
 from pitstop.checkpointd.config import CheckpointdSettings, load_settings
 from pitstop.checkpointd.daemon import CheckpointDaemon
-from pitstop.checkpointd.instances import SHM_DIR, remove_stale_segments, segment_prefix
+from pitstop.checkpointd.instances import remove_stale_segments, segment_prefix
 from pitstop.common.enrollment import EnrollmentError, enroll
 from pitstop.common.tls import NodeIdentity
+from pitstop.rankside.shm import SHM_DIR
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="The pitstop checkpoint daemon.")
 log = logging.getLogger("pitstop.checkpointd")

@@ -12,11 +12,12 @@ from collections.abc import Callable
 import grpc
 
 from pitstop.checkpointd.catalog import CatalogClient
-from pitstop.checkpointd.durable import DurableStore
 from pitstop.checkpointd.errors import NotFound
 from pitstop.checkpointd.replication import Replicator, ShardStreamError, receive_chunks
 from pitstop.checkpointd.slots import Segment, SlotPool
-from pitstop.checkpointd.store import ShardId, ShardRecord, ShardStore, Tier, shard_checksum
+from pitstop.checkpointd.store import ShardRecord, ShardStore, Tier
+from pitstop.rankside.durable import DurableStore
+from pitstop.rankside.shards import ShardId, shard_checksum
 from pitstop.v1 import checkpoint_pb2
 
 log = logging.getLogger(__name__)

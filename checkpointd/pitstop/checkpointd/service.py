@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from pitstop.checkpointd.durable import valid_name
 from pitstop.checkpointd.errors import InvalidArgument, PermissionDenied
-from pitstop.checkpointd.store import ShardId
+from pitstop.rankside.durable import valid_name
+from pitstop.rankside.shards import ShardId
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 if TYPE_CHECKING:

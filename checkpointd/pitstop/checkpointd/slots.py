@@ -30,10 +30,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pitstop.checkpointd.errors import FailedPrecondition, ResourceExhausted
-from pitstop.checkpointd.instances import SHM_DIR as SHM_DIR
 from pitstop.checkpointd.instances import InstanceMarker
 from pitstop.checkpointd.instances import remove_stale_segments as remove_stale_segments
 from pitstop.checkpointd.instances import segment_prefix as segment_prefix
+from pitstop.rankside.shm import SHM_DIR as SHM_DIR
 
 log = logging.getLogger(__name__)
 

@@ -12,17 +12,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import xxhash
-
 from pitstop.checkpointd.slots import Segment
+from pitstop.rankside.shards import CHECKSUM_ALGORITHM, ShardId, shard_checksum
 from pitstop.v1 import checkpoint_pb2
-
-CHECKSUM_ALGORITHM = "xxh3_64"
-
-
-def shard_checksum(data: bytes | memoryview) -> str:
-    """The checksum of a whole shard: xxh3_64, hex. Releases the GIL while it hashes."""
-    return xxhash.xxh3_64(data).hexdigest()
 
 
 class Tier(enum.IntEnum):
@@ -31,18 +23,6 @@ class Tier(enum.IntEnum):
     LOCAL = checkpoint_pb2.SHARD_TIER_LOCAL
     REPLICA = checkpoint_pb2.SHARD_TIER_REPLICA
     DURABLE = checkpoint_pb2.SHARD_TIER_DURABLE
-
-
-@dataclass(frozen=True, order=True)
-class ShardId:
-    """One rank's state at one step of one job."""
-
-    job_id: str
-    rank: int
-    step: int
-
-    def __str__(self) -> str:
-        return f"job {self.job_id} rank {self.rank} step {self.step}"
 
 
 @dataclass(eq=False)

@@ -35,7 +35,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from pitstop.agent.rankclient import RankControlClient
+from pitstop.rankside.rankclient import RankControlClient
 from pitstop.trainer import group
 from pitstop.v1 import rank_pb2
 

@@ -7,7 +7,7 @@
     dcp.load(state_dict, storage_reader=DurableReader("s3://bucket/ckpt", "job-42"))
 
 `DurableReader` reads the durable store as checkpointd flushes it (one safetensors
-shard per rank plus each node's manifest; see `pitstop.checkpointd.durable`) and
+shard per rank plus each node's manifest; see `pitstop.rankside.durable`) and
 describes it to DCP the way DCP's own checkpoints are described: every model tensor
 under its `model.state_dict()` key (the shard's "model." prefix dropped; `prefix`
 puts another in front, e.g. "model." for `dcp.load({"model": model.state_dict()})`),
@@ -57,9 +57,9 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from pitstop.checkpointd.durable import DurableEntry, DurableStore
-from pitstop.checkpointd.format import DTYPE_SIZES, MAX_HEADER_BYTES, METADATA_KEY
-from pitstop.checkpointd.store import shard_checksum
+from pitstop.rankside.durable import DurableEntry, DurableStore
+from pitstop.rankside.format import DTYPE_SIZES, MAX_HEADER_BYTES, METADATA_KEY
+from pitstop.rankside.shards import shard_checksum
 from pitstop.trainer.state import DTENSOR_KEY
 
 log = logging.getLogger(__name__)

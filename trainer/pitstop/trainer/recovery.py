@@ -21,7 +21,7 @@ from dataclasses import fields
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from pitstop.checkpointd.writer import SnapshotWriter
+from pitstop.rankside.writer import SnapshotWriter
 from pitstop.trainer import group
 from pitstop.trainer.commands import RECONFIGURE, STOP
 from pitstop.trainer.mesh import Shape

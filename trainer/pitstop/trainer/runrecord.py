@@ -22,8 +22,8 @@ import threading
 
 import torch
 
-from pitstop.agent.rankclient import RankControlClient
 from pitstop.common.codeversion import code_version
+from pitstop.rankside.rankclient import RankControlClient
 from pitstop.v1 import agent_pb2
 
 log = logging.getLogger(__name__)

@@ -63,9 +63,8 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from pitstop.agent.forkserver import FORK_SERVER_PID_ENV
-from pitstop.agent.rankclient import RankControlClient
-from pitstop.checkpointd.writer import (
+from pitstop.rankside.rankclient import FORK_SERVER_PID_ENV, RankControlClient
+from pitstop.rankside.writer import (
     RestoredState,
     ShardUnavailable,
     SnapshotResult,

@@ -23,7 +23,7 @@ from typing import Any
 
 import fsspec
 
-from pitstop.checkpointd.store import CHECKSUM_ALGORITHM, ShardId
+from pitstop.rankside.shards import CHECKSUM_ALGORITHM, ShardId
 
 log = logging.getLogger(__name__)
 

@@ -60,16 +60,17 @@ from typing import Any
 
 import grpc
 
-from pitstop.checkpointd.format import (
+from pitstop.common.tls import identity_from_env, open_channel
+from pitstop.rankside.format import (
     ShardLayout,
     TensorPlan,
     plan_tensors,
     read_layout,
     write_header,
 )
-from pitstop.checkpointd.instances import SHM_DIR
-from pitstop.checkpointd.peers import PulledShardError, catalog_holders, pull_shard
-from pitstop.checkpointd.tensorcopy import (
+from pitstop.rankside.peers import PulledShardError, catalog_holders, pull_shard
+from pitstop.rankside.shm import SHM_DIR
+from pitstop.rankside.tensorcopy import (
     CUDA,
     PLAIN,
     Copier,
@@ -81,7 +82,6 @@ from pitstop.checkpointd.tensorcopy import (
     read_tensor,
     signature,
 )
-from pitstop.common.tls import identity_from_env, open_channel
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 log = logging.getLogger(__name__)

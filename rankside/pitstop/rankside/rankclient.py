@@ -25,6 +25,8 @@ RANK_KEY_ENV = "PITSTOP_RANK_KEY"
 """A secret the agent gives each process it starts (a rank or a standby); every call
 to its socket must carry it (RANK_KEY_METADATA): only what the agent started may talk."""
 RANK_KEY_METADATA = "x-pitstop-rank-key"
+FORK_SERVER_PID_ENV = "PITSTOP_FORK_SERVER_PID"
+"""In each rank the agent's fork server forks: the server's pid, the rank's parent."""
 
 
 class RankControlClient:

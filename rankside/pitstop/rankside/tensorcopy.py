@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pitstop.checkpointd.format import ShardLayout, TensorSpec
+from pitstop.rankside.format import ShardLayout, TensorSpec
 
 if TYPE_CHECKING:
     import torch
