@@ -1,21 +1,54 @@
 """CheckpointService over grpc.aio: decode, call the daemon, encode. Nothing here
 catches an error: the daemon raises domain errors (errors.py) and one interceptor
-(interceptors.py) turns them into status codes, so no response carries an error."""
+(interceptors.py) turns them into status codes, so no response carries an error.
+
+The servicer knows the daemon only as `Backend`, the methods it calls: the daemon
+(daemon.py) imports this module to serve, and this module imports nothing of it."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 import grpc
 
 from pitstop.checkpointd.errors import InvalidArgument, PermissionDenied
+from pitstop.checkpointd.slots import Segment
+from pitstop.checkpointd.store import ShardRecord, Tier
 from pitstop.rankside.durable import valid_name
 from pitstop.rankside.shards import ShardId
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
-if TYPE_CHECKING:
-    from pitstop.checkpointd.daemon import CheckpointDaemon
+
+class Backend(Protocol):
+    """What the servicer asks of the daemon (CheckpointDaemon is the one there is)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    async def acquire_slot(self, shard: ShardId, size_bytes: int) -> Segment: ...
+
+    async def lease_next(self, sealed: ShardId, size_bytes: int) -> Segment | None: ...
+
+    def seal_slot(
+        self, shard: ShardId, generation: int, shm_name: str, size_bytes: int
+    ) -> None: ...
+
+    def other_sources(self) -> tuple[str, str]: ...
+
+    async def receive_replica(
+        self,
+        chunks: AsyncIterator[checkpoint_pb2.ShardChunk],
+        admitted: Callable[[str], Awaitable[None]] | None = None,
+    ) -> None: ...
+
+    async def is_member(self, job_id: str, node_id: str) -> bool: ...
+
+    def pull_chunks(self, shard: ShardId) -> AsyncIterator[checkpoint_pb2.ShardChunk]: ...
+
+    async def restore(self, shard: ShardId) -> tuple[ShardRecord, Tier]: ...
+
+    async def list_shards(self, job_id: str) -> list[checkpoint_pb2.ShardInfo]: ...
 
 
 def _shard(key: checkpoint_pb2.ShardKey, *, step_required: bool) -> ShardId:
@@ -40,7 +73,7 @@ def _peer_node(context: grpc.aio.ServicerContext) -> str | None:
 class CheckpointServicer:
     """The CheckpointService methods, each a thin call into the daemon."""
 
-    def __init__(self, daemon: CheckpointDaemon) -> None:
+    def __init__(self, daemon: Backend) -> None:
         self.daemon = daemon
 
     def attach(self, server: grpc.aio.Server) -> None:
