@@ -42,8 +42,9 @@ Training outlives the daemon: a daemon that is down, refuses, or whose slot vani
 from /dev/shm costs a skipped snapshot (`SnapshotResult.skipped`), and a seal that
 failed costs that snapshot (`lost_seals`), never the next one. A restore whose daemon
 is unreachable, or whose segment vanished, pulls the shard from the other holders
-instead (peers.py): those the catalog names, else the buddy. Each seal's answer says
-where the catalog and the buddy are, so a rank knows them before it needs them.
+instead (restoring.py, peers.py): those the catalog names, else the buddy. Each seal's
+answer says where the catalog and the buddy are, so a rank knows them before it needs
+them.
 """
 
 from __future__ import annotations
@@ -61,14 +62,15 @@ from typing import Any
 import grpc
 
 from pitstop.common.tls import identity_from_env, open_channel
-from pitstop.rankside.format import (
-    ShardLayout,
-    TensorPlan,
-    plan_tensors,
-    read_layout,
-    write_header,
+from pitstop.rankside.format import TensorPlan, plan_tensors, write_header
+from pitstop.rankside.restoring import (
+    SOURCES,
+    Holders,
+    RestoredState,
+    decoded,
+    restore_elsewhere,
+    said,
 )
-from pitstop.rankside.peers import PulledShardError, catalog_holders, pull_shard
 from pitstop.rankside.shm import SHM_DIR
 from pitstop.rankside.tensorcopy import (
     CUDA,
@@ -79,7 +81,6 @@ from pitstop.rankside.tensorcopy import (
     Signature,
     copy_into,
     describe,
-    read_tensor,
     signature,
 )
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
@@ -91,20 +92,11 @@ _GONE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDE
 """The daemon is down or hung: a snapshot is skipped, a restore goes to other holders."""
 _OUTAGES = _GONE | {grpc.StatusCode.RESOURCE_EXHAUSTED}
 """Errors that skip a snapshot instead of failing the rank: training outlives the daemon."""
-_SOURCES = {
-    checkpoint_pb2.SHARD_TIER_LOCAL: "local",
-    checkpoint_pb2.SHARD_TIER_REPLICA: "replica",
-    checkpoint_pb2.SHARD_TIER_DURABLE: "durable",
-}
 
 
 _Span = tuple[str, int, int]
 """How a tensor is copied (tensorcopy.PLAIN, CUDA, OTHER) and its [begin, end) relative
 to the shard's data start."""
-
-
-class ShardUnavailable(Exception):
-    """Neither the local daemon nor any other holder could give the shard back."""
 
 
 @dataclass(frozen=True)
@@ -116,19 +108,6 @@ class SnapshotResult:
     size_bytes: int
     stall_seconds: float
     skipped: str = ""
-
-
-@dataclass
-class RestoredState:
-    """A restored shard: its tensors (torch tensors; bytes without torch), metadata and
-    where the daemon found it ("local", "replica" or "durable")."""
-
-    step: int
-    generation: int
-    tensors: dict[str, Any]
-    metadata: dict[str, str]
-    source: str
-    checksum: str = ""
 
 
 class SnapshotWriter:
@@ -269,7 +248,7 @@ class SnapshotWriter:
                 "rank %d: the snapshot of step %d was not sealed (it is lost): %s",
                 self.rank,
                 self._finishing_step,
-                _said(exc),
+                said(exc),
             )
 
     def restore(
@@ -294,76 +273,18 @@ class SnapshotWriter:
             if exc.code() not in _GONE:
                 raise
             self._reconnect()
-            reason = f"checkpointd {self.address} unreachable: {_said(exc)}"
-            return self._restore_elsewhere(step, into, reason, rank, local_answers=False)
+            reason = f"checkpointd {self.address} unreachable: {said(exc)}"
+            return restore_elsewhere(self._holders(False), step, into, reason, rank)
         header = response.header
         try:
             slot = MappedSlot.open(self._shm_dir / response.shm_name, header.size_bytes, False)
         except FileNotFoundError:
             reason = f"segment {response.shm_name} vanished from {self._shm_dir}"
-            return self._restore_elsewhere(
-                int(header.key.step), into, reason, rank, local_answers=True
-            )
+            return restore_elsewhere(self._holders(True), int(header.key.step), into, reason, rank)
         try:
-            return _decoded(header, slot.view, _SOURCES.get(response.source, "unknown"), into)
+            return decoded(header, slot.view, SOURCES.get(response.source, "unknown"), into)
         finally:
             slot.close()
-
-    def _restore_elsewhere(
-        self,
-        step: int,
-        into: Mapping[str, Any] | None,
-        reason: str,
-        rank: int,
-        local_answers: bool,
-    ) -> RestoredState:
-        """Pull the shard from another holder: the local daemon itself when it answers
-        (it still has the bytes mapped), those the catalog names, the buddy."""
-        log.warning("rank %d: %s; restoring step %d from another holder", rank, reason, step)
-        candidates = [self.address] if local_answers else []
-        if self.catalog_address:
-            try:
-                step, named = catalog_holders(
-                    self.catalog_address,
-                    self.job_id,
-                    rank,
-                    step,
-                    timeout=self._timeout,
-                    metadata=self._metadata,
-                    identity=self._identity,
-                )
-                candidates += named
-            except grpc.RpcError as exc:
-                log.warning("catalog %s unreachable: %s", self.catalog_address, _said(exc))
-        candidates.append(self.buddy_address)
-        key = checkpoint_pb2.ShardKey(job_id=self.job_id, rank=rank, step=step)
-        tried = []
-        for address in dict.fromkeys(candidates):
-            if not address or (address == self.address and not local_answers):
-                continue
-            try:
-                header, data = pull_shard(
-                    address, key, metadata=self._metadata, identity=self._identity
-                )
-            except (grpc.RpcError, PulledShardError) as exc:
-                log.warning(
-                    "rank %d: pull of step %d from %s failed: %s",
-                    rank,
-                    step,
-                    address,
-                    _said(exc),
-                )
-                tried.append(address)
-                continue
-            source = "local" if address == self.address else "replica"
-            log.info("rank %d: step %d pulled from %s", rank, header.key.step, address)
-            return _decoded(header, memoryview(data), source, into)
-        raise ShardUnavailable(
-            f"rank {rank} of job {self.job_id} cannot restore step {step}: {reason}, and "
-            f"no other holder served it (tried: {', '.join(tried) or 'none known'}; catalog: "
-            f"{self.catalog_address or 'unknown'}). Restart this node's checkpointd, or set "
-            "PITSTOP_SCHEDULER so the rank can ask the catalog who holds it"
-        )
 
     def close(self) -> None:
         """Finish the pending seal (one that fails is logged and counted), unmap the
@@ -377,6 +298,19 @@ class SnapshotWriter:
             self._slots.clear()
             self._copier.close()
             self._channel.close()
+
+    def _holders(self, local_answers: bool) -> Holders:
+        """Where a restore looks when this writer's daemon cannot serve it."""
+        return Holders(
+            self.job_id,
+            self.address,
+            local_answers,
+            self.catalog_address,
+            self.buddy_address,
+            self._timeout,
+            self._metadata,
+            self._identity,
+        )
 
     def _reconnect(self) -> None:
         """A fresh channel, so the next call tries the daemon at once: the old one
@@ -454,27 +388,3 @@ class SnapshotWriter:
         while len(self._slots) > self._keep:
             self._slots.popitem(last=False)[1].close()
         return slot
-
-
-def _decoded(
-    header: checkpoint_pb2.ShardHeader,
-    view: memoryview,
-    source: str,
-    into: Mapping[str, Any] | None,
-) -> RestoredState:
-    layout: ShardLayout = read_layout(view, header.size_bytes)
-    tensors = {e.name: read_tensor(view, layout, e.name, into) for e in layout.entries}
-    return RestoredState(
-        header.key.step,
-        header.key.generation,
-        tensors,
-        dict(layout.metadata),
-        source,
-        header.checksum,
-    )
-
-
-def _said(exc: BaseException) -> str:
-    if isinstance(exc, grpc.RpcError):
-        return f"{exc.code().name} {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"

@@ -64,12 +64,8 @@ import grpc
 import torch
 
 from pitstop.rankside.rankclient import FORK_SERVER_PID_ENV, RankControlClient
-from pitstop.rankside.writer import (
-    RestoredState,
-    ShardUnavailable,
-    SnapshotResult,
-    SnapshotWriter,
-)
+from pitstop.rankside.restoring import RestoredState, ShardUnavailable
+from pitstop.rankside.writer import SnapshotResult, SnapshotWriter
 from pitstop.trainer import group
 from pitstop.trainer.boundary import at_boundary
 from pitstop.trainer.commands import Inbox, StepReporter
