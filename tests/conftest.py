@@ -26,6 +26,7 @@ import pytest
 from kit.dirs import short_tempdir
 from kit.forking import ForkClient, forking
 from kit.hardware import NO_HARDWARE
+from kit.ranks import RankNotices
 from kit.schedulers import SchedulerThread, scheduler_settings
 from kit.stores import StoreUrls, open_stores
 from pitstop.scheduler.db.engine import create_engine_for, migrate, session_factory
@@ -130,6 +131,15 @@ def short_dir() -> Iterator[Path]:
     to 107 bytes."""
     with short_tempdir() as path:
         yield path
+
+
+@pytest.fixture
+async def notices(short_dir: Path) -> AsyncIterator[RankNotices]:
+    """The socket fake ranks (tests/integration/fake_rank.py --notify) report to."""
+    server = RankNotices(short_dir / "notify.sock")
+    await server.start()
+    yield server
+    await server.close()
 
 
 @pytest.fixture(scope="session")

@@ -18,12 +18,12 @@ import grpc
 import psutil
 from typer.testing import CliRunner
 
+from kit.agents import AGENT_BINARY
 from kit.schedulers import SchedulerThread, scheduler_settings
 from kit.stores import StoreUrls
 from pitstop.client.cli import app
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
-AGENT = Path(sys.executable).with_name("pitstop-agent")
 NODES = [f"fleet-{i}" for i in range(4)]
 
 
@@ -58,7 +58,7 @@ def agents(address: str, root: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
     procs = [
         subprocess.Popen(
             [
-                str(AGENT),
+                str(AGENT_BINARY),
                 "run",
                 "--node-id",
                 node,

@@ -11,9 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +18,11 @@ import grpc
 import pytest
 from kubernetes import client
 
-from kit.agents import running_agent
+from kit.agents import AGENT_BINARY, running_agent
 from kit.kube_api import NodeStore, gpu_node, kube_api, write_kubeconfig
 from kit.schedulers import SchedulerThread
 from kit.stores import unique
+from kit.waits import until
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.k8s_publisher import NodeConditionPublisher, connect
 from pitstop.agent.metrics import AgentMetrics
@@ -32,7 +30,6 @@ from pitstop.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
 
 TIMEOUT = 15.0
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
-AGENT_BINARY = Path(sys.executable).with_name("pitstop-agent")
 
 HEALTHY = common_pb2.NodeHealth(verdict=common_pb2.HEALTH_VERDICT_HEALTHY)
 FATAL = common_pb2.NodeHealth(verdict=common_pb2.HEALTH_VERDICT_FATAL, reasons=["GPU 2: lost"])
@@ -40,15 +37,6 @@ FATAL = common_pb2.NodeHealth(verdict=common_pb2.HEALTH_VERDICT_FATAL, reasons=[
 
 def core_api(url: str) -> Any:
     return client.CoreV1Api(client.ApiClient(client.Configuration(host=url)))
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
-    """Poll `condition` (the stub's state: no event to wait on) until it holds, or fail
-    saying `what` did not happen."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        await asyncio.sleep(0.05)
 
 
 def our_taints(store: NodeStore) -> list[tuple[str, str]]:
@@ -111,12 +99,14 @@ async def test_the_publisher_re_applies_every_round_and_outlives_api_failures() 
         stop = asyncio.Event()
         task = asyncio.create_task(publisher.run(stop))
         try:
-            await until(lambda: publisher.rounds >= 3, "three rounds, one every 0.2 s")
+            await until(lambda: publisher.rounds >= 3, "three rounds, one every 0.2 s", TIMEOUT)
             store.fail_with = 500  # the API server away
-            await until(lambda: failures() >= 2, "failures counted, rounds going on")
+            await until(lambda: failures() >= 2, "failures counted, rounds going on", TIMEOUT)
             store.fail_with = 0
             rounds = publisher.rounds
-            await until(lambda: publisher.rounds > rounds, "a round after the API came back")
+            await until(
+                lambda: publisher.rounds > rounds, "a round after the API came back", TIMEOUT
+            )
         finally:
             stop.set()
             await asyncio.wait_for(task, TIMEOUT)
@@ -131,7 +121,7 @@ async def test_a_new_verdict_is_published_within_a_second_not_a_period() -> None
         stop = asyncio.Event()
         task = asyncio.create_task(publisher.run(stop))
         try:
-            await until(lambda: publisher.rounds == 1, "the first round")
+            await until(lambda: publisher.rounds == 1, "the first round", TIMEOUT)
             verdict = FATAL
             await until(lambda: our_taints(store) == [("fatal", "NoSchedule")], "taint", 5.0)
         finally:
@@ -207,7 +197,7 @@ async def test_an_agent_publishes_its_health_and_registers_its_nodes_labels(
                 condition = store.condition("PitstopNodeProblem")
                 return "" if condition is None else str(condition["reason"])
 
-            await until(lambda: reason() == "PitstopHealthy", "a healthy condition")
+            await until(lambda: reason() == "PitstopHealthy", "a healthy condition", TIMEOUT)
             assert our_taints(store) == []
             fault = common_pb2.Fault(gpu_index=2, gpu_lost=True)
             await nodes.InjectFault(nodes_pb2.InjectFaultRequest(node_id=name, fault=fault))
@@ -216,6 +206,7 @@ async def test_an_agent_publishes_its_health_and_registers_its_nodes_labels(
                     reason() == "PitstopFatal" and our_taints(store) == [("fatal", "NoSchedule")]
                 ),
                 "the fatal condition and the taint",  # the taint goes first, then the status
+                TIMEOUT,
             )
             condition = store.condition("PitstopNodeProblem")
             assert condition is not None

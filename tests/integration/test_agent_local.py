@@ -18,9 +18,9 @@ import pytest
 from kit.ranks import NODE, TIMEOUT, ExitLog, RankNotices, start_command
 from pitstop.agent.gpu import FaultNotSupported, SimulatedBackend, open_backend
 from pitstop.agent.local import LocalEndpoint
-from pitstop.agent.rankclient import RANK_KEY_METADATA, RankControlClient
 from pitstop.agent.steps import StepSummarizer
 from pitstop.agent.supervisor import RankSupervisor
+from pitstop.rankside.rankclient import RANK_KEY_METADATA, RankControlClient
 from pitstop.v1 import agent_pb2, common_pb2, rank_pb2, rank_pb2_grpc
 
 
@@ -32,14 +32,6 @@ class Agent:
     exits: ExitLog
     stub: Any
     socket_path: Path
-
-
-@pytest.fixture
-async def notices(short_dir: Path) -> AsyncIterator[RankNotices]:
-    server = RankNotices(short_dir / "notify.sock")
-    await server.start()
-    yield server
-    await server.close()
 
 
 @pytest.fixture

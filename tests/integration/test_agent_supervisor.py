@@ -16,17 +16,9 @@ from kit.dirs import short_tempdir
 from kit.forking import ForkServerProcess
 from kit.ranks import NODE, ExitLog, RankNotices, start_command, wait_gone
 from pitstop.agent.forkserver import ForkServerClient
-from pitstop.agent.rankclient import RANK_KEY_ENV
 from pitstop.agent.supervisor import STANDBY_NICE, RankSupervisor
+from pitstop.rankside.rankclient import RANK_KEY_ENV
 from pitstop.v1 import agent_pb2
-
-
-@pytest.fixture
-async def notices(short_dir: Path) -> AsyncIterator[RankNotices]:
-    server = RankNotices(short_dir / "notify.sock")
-    await server.start()
-    yield server
-    await server.close()
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from typer.testing import CliRunner, Result
 
 from kit.schedulers import SchedulerProcess, tls_scheduler
 from kit.stores import StoreUrls, unique
+from kit.waits import wait_until
 from pitstop.client.cli import app
 from pitstop.client.client import PitstopClient
 from pitstop.client.errors import PitstopError
@@ -68,15 +69,6 @@ def refusal(call: Callable[[], object]) -> PitstopError:
     with pytest.raises(PitstopError) as refused:
         call()
     return refused.value
-
-
-def eventually(condition: Callable[[], bool], within: float) -> float:
-    """Seconds until `condition()` held, polled every 20 ms; fails past `within`."""
-    began = time.monotonic()
-    while not condition():
-        assert time.monotonic() - began < within, f"not within {within} s"
-        time.sleep(0.02)
-    return time.monotonic() - began
 
 
 def refuses(scheduler: SchedulerProcess, token: str) -> bool:
@@ -167,7 +159,12 @@ def test_an_expired_token_is_refused(secure: SchedulerProcess) -> None:
         made = admin.create_api_token(unique("brief"), common_pb2.ROLE_VIEWER, ttl_seconds=1)
     expires = made.record.expires_at.ToDatetime().timestamp()
     assert expires - made.record.created_at.ToDatetime().timestamp() == pytest.approx(1.0)
-    eventually(lambda: refuses(secure, made.token), within=PROPAGATION_SECONDS)
+    wait_until(
+        lambda: refuses(secure, made.token),
+        "the change to reach the scheduler",
+        PROPAGATION_SECONDS,
+        poll=0.02,
+    )
     assert time.time() >= expires - 0.05  # refused for its expiry, not before
     listed = pitstop(secure, "token", "list")
     row = next(line for line in listed.stdout.splitlines() if made.record.name in line)
@@ -181,10 +178,20 @@ def test_another_scheduler_process_refuses_a_revoked_token(
     second = SchedulerProcess(tmp_path, "second", dict(secure.env))
     try:
         name, token = issue(secure, "viewer")
-        eventually(lambda: not refuses(second, token), within=PROPAGATION_SECONDS)
+        wait_until(
+            lambda: not refuses(second, token),
+            "the change to reach the scheduler",
+            PROPAGATION_SECONDS,
+            poll=0.02,
+        )
         with client(secure) as admin:
             admin.revoke_api_token(name)
-        eventually(lambda: refuses(second, token), within=PROPAGATION_SECONDS)
+        wait_until(
+            lambda: refuses(second, token),
+            "the change to reach the scheduler",
+            PROPAGATION_SECONDS,
+            poll=0.02,
+        )
     finally:
         second.stop()
 
@@ -257,7 +264,12 @@ def test_an_open_api_takes_an_admin_first_and_never_reopens(
         # not hand the cluster to whoever can reach it.
         with psycopg.connect(scheduler.env["PITSTOP_DATABASE_URL"]) as db:
             db.execute("update api_tokens set expires_at = now() - interval '1 minute'")
-        eventually(lambda: refuses(scheduler, root.token), within=PROPAGATION_SECONDS)
+        wait_until(
+            lambda: refuses(scheduler, root.token),
+            "the change to reach the scheduler",
+            PROPAGATION_SECONDS,
+            poll=0.02,
+        )
         with client(scheduler, None) as anyone:
             assert refusal(anyone.list_jobs).code == grpc.StatusCode.UNAUTHENTICATED
     finally:

@@ -29,16 +29,17 @@ from kit.checkpointd import (
     Report,
     added,
     as_bytes,
+    daemon_settings,
     key,
     make_state,
     node_segments,
     restored_bytes,
     stub,
 )
-from pitstop.checkpointd.config import CheckpointdSettings
-from pitstop.checkpointd.format import TensorSpec, plan_shard, write_header
 from pitstop.checkpointd.slots import SHM_DIR, remove_stale_segments, segment_prefix
-from pitstop.checkpointd.writer import ShardUnavailable, SnapshotWriter
+from pitstop.rankside.format import TensorSpec, plan_shard, write_header
+from pitstop.rankside.restoring import ShardUnavailable
+from pitstop.rankside.writer import SnapshotWriter
 from pitstop.v1 import checkpoint_pb2
 
 
@@ -57,18 +58,7 @@ def daemons(tmp_path: Path) -> Iterator[Callable[..., DaemonThread]]:
     def start(node: str, **overrides: Any) -> DaemonThread:
         node_id = f"{node}-{uuid.uuid4().hex[:6]}"
         node_ids.append(node_id)
-        values: dict[str, Any] = {
-            "node_id": node_id,
-            "host": "127.0.0.1",
-            "port": 0,
-            "scheduler": "",
-            "state_dir": tmp_path / node_id,
-            "memory_budget_bytes": 64 << 20,
-            "retry_max_seconds": 0.2,
-            "flush_every_steps": 1000,
-            **overrides,
-        }
-        daemon = DaemonThread(CheckpointdSettings(**values))
+        daemon = DaemonThread(daemon_settings(node_id, tmp_path / node_id, **overrides))
         started.append(daemon)
         return daemon
 

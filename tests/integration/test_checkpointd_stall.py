@@ -21,14 +21,14 @@ from kit.checkpointd import (
     DaemonThread,
     RankCalls,
     as_bytes,
+    daemon_settings,
     make_state,
     node_segments,
     restored_bytes,
     stub,
 )
-from pitstop.checkpointd.config import CheckpointdSettings
 from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
-from pitstop.checkpointd.writer import SnapshotWriter
+from pitstop.rankside.writer import SnapshotWriter
 from pitstop.v1 import checkpoint_pb2
 
 
@@ -37,18 +37,8 @@ def daemons(tmp_path: Path) -> Iterator[Callable[..., DaemonThread]]:
     started: list[DaemonThread] = []
 
     def start(node: str, **overrides: Any) -> DaemonThread:
-        values: dict[str, Any] = {
-            "node_id": f"{node}-{uuid.uuid4().hex[:6]}",
-            "host": "127.0.0.1",
-            "port": 0,
-            "scheduler": "",
-            "state_dir": tmp_path / node,
-            "memory_budget_bytes": 64 << 20,
-            "retry_max_seconds": 0.2,
-            "flush_every_steps": 1000,
-            **overrides,
-        }
-        daemon = DaemonThread(CheckpointdSettings(**values))
+        settings = daemon_settings(f"{node}-{uuid.uuid4().hex[:6]}", tmp_path / node, **overrides)
+        daemon = DaemonThread(settings)
         started.append(daemon)
         return daemon
 
@@ -135,8 +125,8 @@ def test_a_seal_answered_without_a_slot_is_followed_by_its_own_lease(
 _RANK_KILLED_MID_COPY = """
 import os, signal, sys
 import torch
-from pitstop.checkpointd import tensorcopy
-from pitstop.checkpointd.writer import SnapshotWriter
+from pitstop.rankside import tensorcopy
+from pitstop.rankside.writer import SnapshotWriter
 
 def state(step):
     return {f"layer{i}": torch.full((64, 1024), float(step * 10 + i)) for i in range(8)}

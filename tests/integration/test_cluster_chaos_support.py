@@ -10,13 +10,13 @@ import os
 import shutil
 import signal
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
+from kit.waits import wait_until
 from pitstop.client.errors import PitstopError
 from pitstop.client.localcluster import ClusterError, LocalCluster, running_cluster
 from pitstop.client.localcluster.stores import OwnPostgres, OwnRedis
@@ -24,20 +24,6 @@ from pitstop.v1 import common_pb2
 
 T = TypeVar("T")
 TIMEOUT = 30.0
-
-
-def eventually(probe: Callable[[], T | None], what: str) -> T:
-    """The first true value `probe` gives within TIMEOUT s (it is polled)."""
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        try:
-            value = probe()
-        except (ClusterError, PitstopError):
-            value = None
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"not within {TIMEOUT:.0f} s: {what}")
 
 
 @pytest.fixture
@@ -76,19 +62,30 @@ def test_faults_of_the_chaos_run_on_a_two_scheduler_cluster(
 ) -> None:
     local, postgres, redis = cluster
     assert local.scheduler_target.startswith("ipv4:127.0.0.1:")
-    leader = eventually(local.leader, "a scheduler leads")
+    leader = wait_until(
+        local.leader, "a scheduler leads", TIMEOUT, poll=0.1, ignore=(ClusterError, PitstopError)
+    )
 
     (first,) = local.daemon_pids("node-1", "checkpointd")
     os.kill(first, signal.SIGKILL)
-    again = eventually(
+    again = wait_until(
         lambda: [p for p in local.daemon_pids("node-1", "checkpointd") if p != first],
         "the agent started its checkpoint daemon again",
+        TIMEOUT,
+        poll=0.1,
+        ignore=(ClusterError, PitstopError),
     )
     assert len(again) == 1
 
     address = local.process(leader).address
     local.kill_scheduler(leader)
-    other = eventually(lambda: local.leader() not in (None, leader) and local.leader(), "takeover")
+    other = wait_until(
+        lambda: local.leader() not in (None, leader) and local.leader(),
+        "takeover",
+        TIMEOUT,
+        poll=0.1,
+        ignore=(ClusterError, PitstopError),
+    )
     assert other != leader
     local.start_scheduler(leader)
     assert local.process(leader).address == address
@@ -101,7 +98,13 @@ def test_faults_of_the_chaos_run_on_a_two_scheduler_cluster(
         (node,) = local.list_nodes()
         return node.connected and node.state == common_pb2.NODE_STATE_READY
 
-    eventually(ready, "node-1 ready after the restart and the flush")
+    wait_until(
+        ready,
+        "node-1 ready after the restart and the flush",
+        TIMEOUT,
+        poll=0.1,
+        ignore=(ClusterError, PitstopError),
+    )
 
     local.kill_node("node-1")
     assert local.daemon_pids("node-1", "checkpointd") == []

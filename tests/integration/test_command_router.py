@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kit.stores import StoreUrls, unique
+from kit.waits import until
 from pitstop.scheduler.gateway import AgentGateway, CommandRouter
 from pitstop.scheduler.hotstate import HotState
 from pitstop.v1 import agent_pb2
@@ -34,16 +35,6 @@ class Process:
         self.queues[node_id] = self.gateway.attach(node_id)
 
 
-async def until(condition: Callable[[], bool], what: str) -> None:
-    """Until `condition` holds; the condition, not the time, ends the wait."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + DEADLINE
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        await asyncio.sleep(0.01)
-
-
 async def taken(holder: Process, node_id: str, *heard_by: Process) -> None:
     """`holder` takes the node's stream; until `heard_by` know it holds it."""
     holder.take(node_id)
@@ -51,7 +42,7 @@ async def taken(holder: Process, node_id: str, *heard_by: Process) -> None:
     def heard() -> bool:
         return all(p.router.holders.get(node_id) == holder.router.process_id for p in heard_by)
 
-    await until(heard, f"the notice that {node_id} is held")
+    await until(heard, f"the notice that {node_id} is held", DEADLINE, poll=0.01)
 
 
 async def received(queue: asyncio.Queue[Any]) -> agent_pb2.SchedulerMessage:
@@ -121,9 +112,19 @@ async def test_a_process_started_later_learns_the_holders_from_redis(
 ) -> None:
     holder = await processes()
     holder.take("n2")
-    await until(lambda: holder.router.holders.get("n2") == holder.router.process_id, "claim")
+    await until(
+        lambda: holder.router.holders.get("n2") == holder.router.process_id,
+        "claim",
+        DEADLINE,
+        poll=0.01,
+    )
     probe = await processes()  # its claim went to Redis before this process existed
-    await until(lambda: probe.router.holders.get("n2") == holder.router.process_id, "loaded")
+    await until(
+        lambda: probe.router.holders.get("n2") == holder.router.process_id,
+        "loaded",
+        DEADLINE,
+        poll=0.01,
+    )
     late = await processes()
     assert await late.router.send("n2", start_ranks("j-2")) == 0
     assert (await received(holder.queues["n2"])).start_ranks.job_id == "j-2"

@@ -11,7 +11,6 @@ import datetime as dt
 import hashlib
 import os
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from cryptography import x509
 from google.protobuf import timestamp_pb2
 
+from kit.agents import AGENT_BINARY
 from kit.events import follow_events, wait_for
 from kit.schedulers import SchedulerProcess, tls_scheduler
 from kit.stores import StoreUrls, unique
@@ -33,7 +33,6 @@ from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, jobs_pb2, jobs_pb2
 
 ADMIN = "admin-token-0123456789"
 VIEWER = "viewer-token-0123456789"
-AGENT_BIN = Path(sys.executable).with_name("pitstop-agent")
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +226,7 @@ def test_the_agent_daemon_enrolls_with_a_token_and_registers(
     env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
     agent = subprocess.Popen(
         [
-            str(AGENT_BIN),
+            str(AGENT_BINARY),
             "run",
             "--node-id",
             node_id,

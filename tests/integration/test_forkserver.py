@@ -12,14 +12,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from kit.dirs import short_tempdir
 from kit.forking import ForkServerProcess
+from kit.waits import until
 from pitstop.agent.forkserver import ForkServerClient
 from pitstop.client.localcluster.processes import environ, pid_alive
 
@@ -82,13 +82,6 @@ def env(**extra: str) -> dict[str, str]:
 def lines(log: Path) -> list[dict[str, object]]:
     text = log.read_text() if log.exists() else ""
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while not condition():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        await asyncio.sleep(0.02)
 
 
 async def test_a_forked_script_runs_as_python_would_run_it(
@@ -159,7 +152,9 @@ async def test_unbuffered_output_reaches_the_log_while_the_process_runs(
     process = await client.launch([sys.executable, str(script), "hold"], env(), None, log)
     assert process is not None
 
-    await until(lambda: len(lines(log)) == 2, "both lines in the log of a live process")
+    await until(
+        lambda: len(lines(log)) == 2, "both lines in the log of a live process", TIMEOUT, poll=0.02
+    )
     assert process.returncode is None
     os.killpg(process.pid, signal.SIGTERM)
     assert await asyncio.wait_for(process.wait(), TIMEOUT) == -signal.SIGTERM
@@ -171,7 +166,7 @@ async def test_its_environment_is_found_by_pid_without_the_rank_key(
     log = tmp_path / "rank.log"
     process = await client.launch([sys.executable, str(script), "hold"], env(X="found"), None, log)
     assert process is not None
-    await until(lambda: len(lines(log)) == 2, "the process runs")
+    await until(lambda: len(lines(log)) == 2, "the process runs", TIMEOUT, poll=0.02)
 
     seen = environ(process.pid)
     assert seen["X"] == "found"
@@ -216,13 +211,15 @@ async def test_the_agent_gone_its_processes_and_what_they_started_are_killed(
     log = tmp_path / "rank.log"
     process = await client.launch([sys.executable, str(script), "hold"], env(), None, log)
     assert process is not None
-    await until(lambda: len(lines(log)) == 2, "the process and its child run")
+    await until(lambda: len(lines(log)) == 2, "the process and its child run", TIMEOUT, poll=0.02)
     child = int(lines(log)[1]["child"])  # type: ignore[call-overload]
 
     await client.close()  # as when the agent dies: its connection closes
 
-    await until(lambda: not pid_alive(process.pid), "the process is killed")
-    await until(lambda: not pid_alive(child), "what it started (its group) is killed")
+    await until(lambda: not pid_alive(process.pid), "the process is killed", TIMEOUT, poll=0.02)
+    await until(
+        lambda: not pid_alive(child), "what it started (its group) is killed", TIMEOUT, poll=0.02
+    )
 
 
 async def test_the_server_gone_its_processes_die_and_later_ones_start_afresh(
@@ -233,12 +230,17 @@ async def test_the_server_gone_its_processes_die_and_later_ones_start_afresh(
         log = tmp_path / "rank.log"
         process = await client.launch([sys.executable, str(script), "hold"], env(), None, log)
         assert process is not None
-        await until(lambda: len(lines(log)) == 2, "the process runs")
+        await until(lambda: len(lines(log)) == 2, "the process runs", TIMEOUT, poll=0.02)
 
         doomed.proc.kill()
 
         assert await asyncio.wait_for(process.wait(), TIMEOUT) == -signal.SIGKILL
-        await until(lambda: not pid_alive(process.pid), "the process dies with the server")
+        await until(
+            lambda: not pid_alive(process.pid),
+            "the process dies with the server",
+            TIMEOUT,
+            poll=0.02,
+        )
         assert await client.launch([sys.executable, str(script)], env(), None, log) is None
         await client.close()
 

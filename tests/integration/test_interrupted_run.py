@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from kit.processes import running
+
 TESTS = Path(__file__).resolve().parents[1]
 
 HOLDING = """
@@ -40,14 +42,6 @@ def test_holds(child):
 """
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 # `make test` runs most of the suite on two pytest-xdist workers, where the signal reaches
 # the controller and the fixtures live in the workers; xdist's own shutdown would kill a
 # worker 10 s on, in the middle of that 8 s teardown, which it starts only after 5 s.
@@ -74,13 +68,13 @@ def test_sigterm_runs_the_teardown_of_every_fixture(
             assert time.monotonic() < deadline, "the inner test never started"
             time.sleep(0.05)
         child = int((tmp_path / "child.pid").read_text())
-        assert alive(child)
+        assert running(child)
         run.send_signal(signal.SIGTERM)
         output = run.communicate(timeout=60)[0].decode()
-        outlived = alive(child)
+        outlived = running(child)
     finally:
         run.kill()
-        if child and alive(child):  # this test leaves nothing behind either
+        if child and running(child):  # this test leaves nothing behind either
             os.kill(child, signal.SIGKILL)
     assert run.returncode == pytest.ExitCode.INTERRUPTED, output[-3000:]
     assert "keyboard" in output.lower(), output[-3000:]

@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from kit.monitoring import needs_promtool, promtool
 from kit.ranks import FAKE_RANK
 from kit.schedulers import SchedulerThread, scheduler_settings
 from kit.stores import StoreUrls, unique
+from kit.waits import wait_until
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc
 
 STEPS = 20
@@ -42,14 +42,6 @@ def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
-
-
-def wait_until(what: str, check: object, timeout: float = 60.0) -> None:
-    assert callable(check)
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def rank_pid(job_id: str, rank: int) -> int:
@@ -133,9 +125,15 @@ def test_scheduler_and_agent_metrics_pass_promtool_while_a_job_steps(
 ) -> None:
     scheduler_url = f"http://127.0.0.1:{leading.scheduler.metrics_port}/metrics"
     wait_until(
-        "the scheduler to lead", lambda: "pitstop_scheduler_leader 1.0" in scrape(scheduler_url)
+        lambda: "pitstop_scheduler_leader 1.0" in scrape(scheduler_url),
+        "the scheduler to lead",
+        poll=0.1,
     )
-    wait_until("the agent's stream", lambda: "pitstop_agent_scheduler_connected{" in scrape(agent))
+    wait_until(
+        lambda: "pitstop_agent_scheduler_connected{" in scrape(agent),
+        "the agent's stream",
+        poll=0.1,
+    )
     jobs = jobs_pb2_grpc.JobServiceStub(leading.channel())
     command = [
         sys.executable,
@@ -162,7 +160,7 @@ def test_scheduler_and_agent_metrics_pass_promtool_while_a_job_steps(
         last_loss = now.get(("pitstop_scheduler_job_loss", labels)) == pytest.approx(1.0 / STEPS)
         return now.get(("pitstop_scheduler_job_steps_total", labels)) == STEPS and last_loss
 
-    wait_until(f"{STEPS} steps of {job.id} on the scheduler's /metrics", stepped)
+    wait_until(stepped, f"{STEPS} steps of {job.id} on the scheduler's /metrics", poll=0.1)
     seen = samples(scrape(scheduler_url))
     tokens = 2 * STEPS * TOKENS_PER_STEP  # two ranks
     assert seen[("pitstop_scheduler_job_tokens_total", labels)] == tokens
@@ -176,13 +174,16 @@ def test_scheduler_and_agent_metrics_pass_promtool_while_a_job_steps(
     # Rank 0 dies: the job restarts it and steps again, a recovery of cause rank_exit.
     os.kill(rank_pid(job.id, 0), signal.SIGKILL)
     resumed = ("pitstop_scheduler_recovery_seconds_count", frozenset({("cause", "rank_exit")}))
-    wait_until("the recovery on /metrics", lambda: samples(scrape(scheduler_url)).get(resumed))
     wait_until(
-        "the restarted rank's steps",
+        lambda: samples(scrape(scheduler_url)).get(resumed), "the recovery on /metrics", poll=0.1
+    )
+    wait_until(
         lambda: (
             samples(scrape(scheduler_url))[("pitstop_scheduler_job_steps_total", labels)]
             == 2 * STEPS
         ),  # the new generation's steps count again
+        "the restarted rank's steps",
+        poll=0.1,
     )
     scheduler_text, agent_text = scrape(scheduler_url), scrape(agent)
     for name, text in (("scheduler", scheduler_text), ("agent", agent_text)):
@@ -201,6 +202,7 @@ def test_scheduler_and_agent_metrics_pass_promtool_while_a_job_steps(
 
     jobs.Cancel(jobs_pb2.JobControlRequest(job_id=job.id))
     wait_until(
-        "the cancelled job's series to go",
         lambda: f'job_id="{job.id}"' not in scrape(scheduler_url),
+        "the cancelled job's series to go",
+        poll=0.1,
     )

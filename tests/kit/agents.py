@@ -12,7 +12,9 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from kit.stores import unique
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.gpu import GpuBackend, open_backend
 from pitstop.agent.main import NodeAgent
@@ -95,3 +97,21 @@ async def running_agent(
         stop.set()
         await asyncio.wait_for(run, timeout)
         await agent.close(grace_seconds=2.0)
+
+
+def agent_settings(address: str, state_dir: Path, **overrides: Any) -> AgentSettings:
+    """An agent's settings for a test: a node of its own on 8 simulated GPUs, labelled,
+    talking to the scheduler at `address`, its state in `state_dir`."""
+    values: dict[str, Any] = {
+        "node_id": unique("agent"),
+        "scheduler": address,
+        "gpus": "sim:8",
+        "state_dir": state_dir,
+        "metrics_port": 0,
+        "zone": "z1",
+        "block": "b1",
+        "rack": "r7",
+        "nvlink_domain": "nvl-1",
+        **overrides,
+    }
+    return AgentSettings(**values)

@@ -23,7 +23,7 @@ import grpc
 from pitstop.checkpointd.config import CheckpointdSettings
 from pitstop.checkpointd.daemon import CheckpointDaemon
 from pitstop.checkpointd.instances import MARKER_SUFFIX, SHM_DIR, segment_prefix
-from pitstop.checkpointd.writer import SnapshotWriter
+from pitstop.rankside.writer import SnapshotWriter
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
 TIMEOUT = 15.0
@@ -270,3 +270,20 @@ def stub(address: str) -> Any:
 
 def key(job: str, rank: int, step: int) -> checkpoint_pb2.ShardKey:
     return checkpoint_pb2.ShardKey(job_id=job, rank=rank, step=step)
+
+
+def daemon_settings(node_id: str, state_dir: Path, **overrides: Any) -> CheckpointdSettings:
+    """A checkpoint daemon's settings for a test: any free port on loopback, no
+    scheduler, 64 MiB of memory, quick retries, no durable flush within a test."""
+    values: dict[str, Any] = {
+        "node_id": node_id,
+        "host": "127.0.0.1",
+        "port": 0,
+        "scheduler": "",
+        "state_dir": state_dir,
+        "memory_budget_bytes": 64 << 20,
+        "retry_max_seconds": 0.2,
+        "flush_every_steps": 1000,
+        **overrides,
+    }
+    return CheckpointdSettings(**values)

@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kit.ports import free_listen_port
 
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue")
 SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
@@ -49,25 +49,6 @@ def missing() -> str | None:
             "packages slurm-wlm and munge (scripts/system_packages.sh does, as root)"
         )
     return None
-
-
-LISTEN_PORTS = range(20_000, 32_000)
-"""Where the Slurm daemons listen: below Linux's ephemeral range (32768-60999). A port the
-kernel hands out for binding to 0 is an ephemeral one, and an outgoing connection took
-one such port between the probe and slurmd's bind (`Unable to bind listen port:
-Address already in use`, once in `.ci/run`)."""
-
-
-def free_port() -> int:
-    """A port of LISTEN_PORTS that nothing listens on now."""
-    for port in random.sample(LISTEN_PORTS, 200):
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {LISTEN_PORTS.start}-{LISTEN_PORTS.stop - 1}")
 
 
 @dataclass(frozen=True)
@@ -217,8 +198,8 @@ class SlurmCluster:
         lines = [
             "ClusterName=pitstoptest",
             "SlurmctldHost=localhost(127.0.0.1)",
-            f"SlurmctldPort={free_port()}",
-            f"SlurmdPort={free_port()}",
+            f"SlurmctldPort={free_listen_port()}",
+            f"SlurmdPort={free_listen_port()}",
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/munge",
@@ -247,8 +228,8 @@ class SlurmCluster:
         ]
         for node in self.nodes:
             lines.append(
-                f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 Port={free_port()} "
-                "CPUs=1 State=UNKNOWN"
+                f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 "
+                f"Port={free_listen_port()} CPUs=1 State=UNKNOWN"
             )
         lines.append("PartitionName=pitstop Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")

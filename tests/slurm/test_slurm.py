@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from kit.schedulers import SchedulerProcess
 from kit.slurm import SlurmCluster, missing, running_slurm
 from kit.stores import StoreUrls, unique
 from kit.streams import AgentStream
+from kit.waits import wait_until
 from pitstop.checkpointd.instances import remove_stale_segments
 from pitstop.checkpointd.slots import segment_prefix
 
@@ -100,18 +101,6 @@ def cli_processes() -> str:
     return "pitstop CLI processes:\n" + ("\n".join(lines) or "none")
 
 
-def until(what: str, check: Callable[[], Any], explain: Callable[[], str]) -> Any:
-    """Poll `check` until it returns something true; fail after WAIT with `explain()`."""
-    deadline = time.monotonic() + WAIT
-    while True:
-        found = check()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {WAIT:g} s: {what}\n{explain()}")
-        time.sleep(0.2)
-
-
 @pytest.mark.usefixtures("nodes_back")
 def test_a_job_in_an_sbatch_allocation_outlives_a_killed_node_which_slurm_drains(
     slurm: SlurmCluster, stores: StoreUrls, tmp_path: Path
@@ -159,23 +148,27 @@ def test_a_job_in_an_sbatch_allocation_outlives_a_killed_node_which_slurm_drains
         found = query("SELECT current_step FROM jobs")
         return bool(found) and found[0][0] >= KILL_AT_STEP
 
-    until(f"the job at step {KILL_AT_STEP}", stepping, explain)
+    wait_until(stepping, f"the job at step {KILL_AT_STEP}", WAIT, poll=0.2, explain=explain)
     for daemon in ("agent", "checkpointd"):
         os.kill(int((nodes / "n2" / f"{daemon}.pid").read_text()), signal.SIGKILL)
 
-    drained = until(
-        "n2 drained in Slurm with pitstop's reason",
+    drained = wait_until(
         lambda: (
             (n := slurm.sinfo()["n2"]).state.startswith("drain")
             and n.reason.startswith("pitstop: lost")
             and n
         ),
-        explain,
+        "n2 drained in Slurm with pitstop's reason",
+        WAIT,
+        poll=0.2,
+        explain=explain,
     )
-    replacement = until(
-        "a replacement node joined as a spare",
+    replacement = wait_until(
         lambda: query("SELECT id FROM nodes WHERE id = 'n4' AND role = 'spare' AND connected"),
-        explain,
+        "a replacement node joined as a spare",
+        WAIT,
+        poll=0.2,
+        explain=explain,
     )
     try:
         ended = slurm.wait_job(batch, WAIT)
@@ -266,35 +259,47 @@ def test_the_drain_and_the_replacement_survive_scheduler_restarts(
         )
 
     try:
-        until("n3 allocated", lambda: slurm.job(hold).get("JobState") == "RUNNING", explain)
+        wait_until(
+            lambda: slurm.job(hold).get("JobState") == "RUNNING",
+            "n3 allocated",
+            WAIT,
+            poll=0.2,
+            explain=explain,
+        )
         slurm.stop_controller()
         first = scheduler("first")
         AgentStream(first.channel(), "n3", 1, "z1", "b1", "r1", "worker").close()
-        until(
-            "the adapter found Slurm unreachable",
+        wait_until(
             lambda: "Slurm did not answer" in (tmp_path / "first.log").read_text(),
-            explain,
+            "the adapter found Slurm unreachable",
+            WAIT,
+            poll=0.2,
+            explain=explain,
         )
         first.kill()
         slurm.start_controller()
         second = scheduler("second")
-        until(
-            "n3 drained and its replacement submitted",
+        wait_until(
             lambda: (
                 submissions.exists()
                 and [n for n in slurm.jobs().values() if n.startswith("restarts-n3-")]
             ),
-            explain,
+            "n3 drained and its replacement submitted",
+            WAIT,
+            poll=0.2,
+            explain=explain,
         )
         second.kill()
         os.kill(int(submissions.read_text().split()[0]), signal.SIGKILL)  # its sbatch stand-in
         third = scheduler("third")
-        requested = until(
-            "the replacement recorded",
+        requested = wait_until(
             lambda: query(
                 "SELECT reason FROM events WHERE kind = 'node.slurm_replacement_requested'"
             ),
-            explain,
+            "the replacement recorded",
+            WAIT,
+            poll=0.2,
+            explain=explain,
         )
         third.stop()
         seen = slurm.sinfo()["n3"]

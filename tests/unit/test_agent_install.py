@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from kit.agents import AGENT_BINARY
 from pitstop.agent.config import load_settings
 from pitstop.agent.install import DEFAULT_EXECUTABLE, EXAMPLE_CONFIG, install, render_unit
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-AGENT_BINARY = Path(sys.executable).with_name("pitstop-agent")
 
 
 def test_install_writes_the_checked_in_files_byte_for_byte(tmp_path: Path) -> None:

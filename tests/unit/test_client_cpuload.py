@@ -8,12 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from kit.processes import running
+from kit.waits import wait_until
 from pitstop.client.cpuload import (
     ENV,
     MAX_PROCS,
@@ -28,24 +28,9 @@ from pitstop.client.cpuload import (
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "cpuload.py"
 
 
-def running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
-
-
 def cpu_ticks(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize(
@@ -87,8 +72,11 @@ def test_a_block_spins_and_stops_its_processes() -> None:
         assert len(pids) == 2
         assert load.running() == pids
         before = {pid: cpu_ticks(pid) for pid in pids}
-        wait_for(
-            lambda: all(cpu_ticks(pid) > before[pid] + 10 for pid in pids), "the processes to spin"
+        wait_until(
+            lambda: all(cpu_ticks(pid) > before[pid] + 10 for pid in pids),
+            "the processes to spin",
+            10.0,
+            poll=0.02,
         )
     assert not any(running(pid) for pid in pids)
     assert load.running() == []
@@ -129,7 +117,12 @@ def test_the_processes_die_with_a_killed_parent() -> None:
         assert all(running(pid) for pid in pids)
         parent.kill()
         parent.wait(timeout=10)
-        wait_for(lambda: not any(running(pid) for pid in pids), "the busy processes to die")
+        wait_until(
+            lambda: not any(running(pid) for pid in pids),
+            "the busy processes to die",
+            10.0,
+            poll=0.02,
+        )
     finally:
         if parent.poll() is None:
             parent.kill()

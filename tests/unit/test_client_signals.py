@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kit.processes import running
 from pitstop.client.signals import Terminated, exit_code, orderly_exit
 
 PROGRAM = """\
@@ -30,14 +31,6 @@ with orderly_exit():
     except Terminated as stop:
         sys.exit(stop.exit_code)
 """
-
-
-def running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
 
 
 @pytest.mark.parametrize(
