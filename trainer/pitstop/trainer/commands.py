@@ -35,8 +35,8 @@ import grpc
 import torch
 import torch.distributed as dist
 
+import pitstop.trainer.group as group
 from pitstop.rankside.rankclient import RankControlClient
-from pitstop.trainer import group
 from pitstop.v1 import rank_pb2
 
 log = logging.getLogger(__name__)

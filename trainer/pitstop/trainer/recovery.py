@@ -21,17 +21,19 @@ from dataclasses import fields
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+import pitstop.trainer.group as group
 from pitstop.rankside.writer import SnapshotWriter
-from pitstop.trainer import group
+from pitstop.trainer.checks import Checker
 from pitstop.trainer.commands import RECONFIGURE, STOP
+from pitstop.trainer.context import RankContext
+from pitstop.trainer.loading import Loader
 from pitstop.trainer.mesh import Shape
+from pitstop.trainer.snapshots import Snapshots
 from pitstop.trainer.state import TrainState, apply, capture
 from pitstop.v1 import agent_pb2, common_pb2, rank_pb2
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    from pitstop.trainer.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +44,16 @@ class PeerLostError(RuntimeError):
 
 
 class Recovery:
-    """Carries out Reconfigure and standby adoption for one session."""
+    """Carries out Reconfigure and standby adoption for one session: moves its
+    RankContext to the new generation, loading the state with its Loader."""
 
-    def __init__(self, session: Session) -> None:
-        self._session = session
+    def __init__(
+        self, context: RankContext, loader: Loader, snapshots: Snapshots, checks: Checker
+    ) -> None:
+        self._context = context
+        self._loader = loader
+        self._snapshots = snapshots
+        self._checks = checks
         self.recoveries: list[dict[str, float]] = []
         """Per recovery: generation, restore step, and seconds spent restoring and
         re-forming, for the goodput account and the logs."""
@@ -53,27 +61,27 @@ class Recovery:
     def after_peer_loss(self, state: TrainState, error: BaseException) -> None:
         """A collective failed: drop the group and wait for the Reconfigure that
         recovers, or raise PeerLostError when none comes in time."""
-        session = self._session
+        context = self._context
         group.abandon()  # peers still waiting on this rank hear of it now
         group.drop()
-        inbox = session.inbox
+        inbox = context.inbox
         if inbox is None:
-            raise PeerLostError(f"rank {session.rank} lost a peer off-cluster") from error
-        timeout = session.config.reconfigure_timeout
+            raise PeerLostError(f"rank {context.rank} lost a peer off-cluster") from error
+        timeout = context.config.reconfigure_timeout
         deadline = time.monotonic() + timeout
         log.warning(
-            "rank %d lost a peer; waiting up to %.0fs for a Reconfigure", session.rank, timeout
+            "rank %d lost a peer; waiting up to %.0fs for a Reconfigure", context.rank, timeout
         )
         while True:
             pending = inbox.wait_for((RECONFIGURE, STOP), max(0.0, deadline - time.monotonic()))
             if pending is None:
                 raise PeerLostError(
-                    f"rank {session.rank} lost a peer at step {state.step} and no Reconfigure "
+                    f"rank {context.rank} lost a peer at step {state.step} and no Reconfigure "
                     f"came within {timeout:.0f}s ({inbox.broken or 'none sent'}); exiting so "
                     "the scheduler restarts it from the committed step"
                 ) from error
             if pending.kind == STOP:
-                session.stop(state, pending.command)
+                context.stop(state, pending.command)
                 return
             if self.reconfigure(state, pending.command, cut_short=True):
                 return
@@ -83,13 +91,13 @@ class Recovery:
     ) -> bool:
         """Carry out `command`'s Reconfigure; False when it is stale (not newer than this
         rank's generation) and was only acknowledged."""
-        session, new = self._session, command.reconfigure
-        inbox = session.inbox
+        context, new = self._context, command.reconfigure
+        inbox = context.inbox
         assert inbox is not None
-        if new.generation <= session.generation:
+        if new.generation <= context.generation:
             inbox.acknowledge(command, ok=True, step=state.step)
             log.info(
-                "rank %d: stale Reconfigure to generation %d ignored", session.rank, new.generation
+                "rank %d: stale Reconfigure to generation %d ignored", context.rank, new.generation
             )
             return False
         started = time.perf_counter()
@@ -97,9 +105,9 @@ class Recovery:
         rank = self._rank_in(new.rank_map)
         if rank is None:
             log.info(
-                "rank %d is not in generation %d: leaving the job", session.rank, new.generation
+                "rank %d is not in generation %d: leaving the job", context.rank, new.generation
             )
-            session.stop(state, command)
+            context.stop(state, command)
             return True
         try:
             self._join(state, new, rank, must_restore=cut_short)
@@ -120,7 +128,7 @@ class Recovery:
             )
             log.warning(
                 "rank %d: generation %d superseded by %d while forming",
-                session.rank,
+                context.rank,
                 new.generation,
                 superseded_by,
             )
@@ -136,37 +144,37 @@ class Recovery:
 
     def adopt(self) -> TrainState:
         """Standby: wait for a rank, become it, load its state and join its group."""
-        session = self._session
-        control = session.control
+        context = self._context
+        control = context.control
         if control is None:
             raise RuntimeError(
                 "PITSTOP_STANDBY=1 needs PITSTOP_AGENT_SOCKET: the agent hands out ranks"
             )
         _import_what_building_a_state_imports()
-        log.info("standby for job %s: waiting for a rank", session.config.job_id)
+        log.info("standby for job %s: waiting for a rank", context.config.job_id)
         assignment = control.standby()
         started = time.perf_counter()
         new = assignment.reconfigure
-        control.rank = session.rank = assignment.rank
+        control.rank = context.rank = assignment.rank
         os.environ["CUDA_VISIBLE_DEVICES"] = str(assignment.gpu_index)  # CUDA not yet touched
-        session.device = group.device_for(0)
-        address = session.config.checkpointd
+        context.device = group.device_for(0)
+        address = context.config.checkpointd
         try:
             attached = control.attach(new.generation)
             address = address or attached.checkpointd_address
         except Exception as exc:  # grpc.RpcError: the rank still runs, without attach
             log.warning("rank %d: attach after adoption failed: %s", assignment.rank, exc)
-        if address and session.config.job_id:
-            session.writer = SnapshotWriter(
+        if address and context.config.job_id:
+            context.writer = SnapshotWriter(
                 address,
-                session.config.job_id,
+                context.config.job_id,
                 assignment.rank,
-                copy_threads=session.config.copy_threads or None,
-                catalog_address=session.config.scheduler,
+                copy_threads=context.config.copy_threads or None,
+                catalog_address=context.config.scheduler,
             )
-        session.start_commands()
+        context.start_commands()
         # A state built on the mesh is built once the new group has formed.
-        state = None if session.rebuilds else session.build()
+        state = None if self._loader.rebuilds else self._loader.build()
         state = self._join(state, new, assignment.rank, must_restore=new.restore_step > 0)
         self._record(new, started)
         return state
@@ -177,42 +185,42 @@ class Recovery:
         """Move to generation `new` as `rank`: restore if needed, re-form the group. A
         state built on the mesh is rebuilt on the new one after the group forms (`state`
         None: a standby's, built there), and the state moved into it. Returns the state."""
-        session = self._session
-        session.generation = int(new.generation)
-        session.checks.skipped.update(new.skipped_steps)  # as the scheduler recorded them
-        if session.control is not None:
-            session.control.generation = session.generation
-        if session.writer is not None:
-            session.writer.generation = session.generation
-            session.writer.rank = rank
+        context = self._context
+        context.generation = int(new.generation)
+        self._checks.skipped.update(new.skipped_steps)  # as the scheduler recorded them
+        if context.control is not None:
+            context.control.generation = context.generation
+        if context.writer is not None:
+            context.writer.generation = context.generation
+            context.writer.rank = rank
         restore = must_restore or state is None or state.step != new.restore_step
-        written = session.shape_at(int(new.restore_step))
-        if state is not None and restore and not session.rebuilds:
-            session.load(state, int(new.restore_step))
-        if rank != session.rank and session.control is not None:
-            session.control.rank = rank
-            if session.inbox is not None:
-                session.inbox.watch(rank)
-        session.rank = rank
-        session.world_size = new.rank_map.world_size or len(new.rank_map.ranks)
-        session.shape = Shape.from_rank_map(new.rank_map, rank)
+        written = self._snapshots.shape_at(int(new.restore_step))
+        if state is not None and restore and not self._loader.rebuilds:
+            self._loader.load(state, int(new.restore_step))
+        if rank != context.rank and context.control is not None:
+            context.control.rank = rank
+            if context.inbox is not None:
+                context.inbox.watch(rank)
+        context.rank = rank
+        context.world_size = new.rank_map.world_size or len(new.rank_map.ranks)
+        context.shape = Shape.from_rank_map(new.rank_map, rank)
         host, _, port = new.rendezvous_address.rpartition(":")
         os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(session.world_size), MASTER_ADDR=host, MASTER_PORT=port
+            RANK=str(rank), WORLD_SIZE=str(context.world_size), MASTER_ADDR=host, MASTER_PORT=port
         )
-        os.environ.update(session.shape.env())
+        os.environ.update(context.shape.env())
         self._form(new)
         # Building is collective (sub-groups, tensor-parallel weights distributed from
         # the TP group's first rank): every rank builds exactly once here. Restoring step
         # 0 is what was just built (loading it would build again on some ranks only).
-        if not session.rebuilds:
+        if not self._loader.rebuilds:
             assert state is not None
             return state
-        fresh = session.build()  # the script's parallelize step, on the new mesh
+        fresh = self._loader.build()  # the script's parallelize step, on the new mesh
         # A shrink: the restore step was snapshotted on the old mesh, as another rank.
-        reshaped = written is not None and written.sizes != session.shape.sizes
+        reshaped = written is not None and written.sizes != context.shape.sizes
         if (restore or reshaped) and new.restore_step > 0:
-            session.load(fresh, int(new.restore_step), written if reshaped else None)
+            self._loader.load(fresh, int(new.restore_step), written if reshaped else None)
         elif not restore:  # a survivor at the restore step: its own shards, from memory
             assert state is not None
             apply(fresh, *capture(state))
@@ -223,28 +231,28 @@ class Recovery:
         return state
 
     def _form(self, new: agent_pb2.Reconfigure) -> None:
-        session = self._session
+        context = self._context
         group.form(
-            session.rank,
-            session.world_size,
-            session.config.timeout,
+            context.rank,
+            context.world_size,
+            context.config.timeout,
             rendezvous_address=new.rendezvous_address,
-            device=session.device,
-            wait=timedelta(seconds=session.config.reconfigure_timeout),
+            device=context.device,
+            wait=timedelta(seconds=context.config.reconfigure_timeout),
             superseded=self._superseded_by(new.generation),
-            generation=session.generation,
+            generation=context.generation,
         )
 
     def _superseded_by(self, generation: int) -> Callable[[], bool] | None:
-        inbox = self._session.inbox
+        inbox = self._context.inbox
         if inbox is None:
             return None
         return lambda: inbox.newest_generation() > generation
 
     def _rank_in(self, rank_map: common_pb2.RankMap) -> int | None:
-        config, session = self._session.config, self._session
+        config, context = self._context.config, self._context
         if not config.node_id:
-            return session.rank if any(a.rank == session.rank for a in rank_map.ranks) else None
+            return context.rank if any(a.rank == context.rank for a in rank_map.ranks) else None
         for assignment in rank_map.ranks:
             if assignment.node_id != config.node_id:
                 continue
@@ -261,7 +269,7 @@ class Recovery:
         )
         log.info(
             "rank %d joined generation %d at step %d in %.3fs",
-            self._session.rank,
+            self._context.rank,
             new.generation,
             new.restore_step,
             seconds,
