@@ -14,7 +14,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ("proto", "common", "health", "scheduler", "agent", "checkpointd", "rankside", "trainer", "client")
+PARTS = (
+    "proto",
+    "common",
+    "health",
+    "scheduler",
+    "agent",
+    "checkpointd",
+    "rankside",
+    "trainer",
+    "client",
+)
 MAX_FILE_LINES = 800
 MAX_CLASS_LINES = 300
 
