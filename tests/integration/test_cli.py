@@ -1,4 +1,4 @@
-"""The ``pitstop`` CLI against a real scheduler (the ``scheduler`` fixture from conftest).
+"""The ``pitstop`` CLI against a real scheduler (the ``scheduler`` fixture of tests/conftest.py).
 
 Every test makes its own job names and node ids, so it never depends on another test's
 rows; assertions look for those rows rather than counting.
