@@ -11,15 +11,15 @@ import re
 import shutil
 import subprocess
 import time
-import uuid
-from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import pytest
 import yaml
 from typer.testing import CliRunner, Result
 
+from kit.schedulers import SchedulerThread
+from kit.stores import unique
 from pitstop.client.cli import app
 from pitstop.client.enums import JOB_STATES, enum_words
 from pitstop.v1 import agent_pb2
@@ -27,30 +27,7 @@ from pitstop.v1 import agent_pb2
 TINY_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "jobs" / "tiny.yaml"
 
 
-class SchedulerFixture(Protocol):
-    address: str
-
-    def register_node(
-        self,
-        node_id: str,
-        gpus: int = 8,
-        zone: str = "z1",
-        block: str = "b1",
-        rack: str = "r1",
-        role: str = "worker",
-    ) -> None: ...
-
-    def agent_stream(
-        self, node_id: str, gpus: int = 8
-    ) -> AbstractContextManager[Any]:  # an open agent stream; .next_command()
-        ...
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-def pitstop(scheduler: SchedulerFixture | None, *args: str, server: str | None = None) -> Result:
+def pitstop(scheduler: SchedulerThread | None, *args: str, server: str | None = None) -> Result:
     address = server or (scheduler.address if scheduler else "127.0.0.1:1")
     # catch_exceptions=False: a traceback inside the CLI fails the test loudly.
     return CliRunner().invoke(app, ["--server", address, *args], catch_exceptions=False)
@@ -90,14 +67,14 @@ def write_spec(tmp_path: Path, **overrides: Any) -> tuple[Path, str]:
     return path, name
 
 
-def submit(scheduler: SchedulerFixture, tmp_path: Path) -> dict[str, Any]:
+def submit(scheduler: SchedulerThread, tmp_path: Path) -> dict[str, Any]:
     path, name = write_spec(tmp_path)
     job: dict[str, Any] = ok_json(pitstop(scheduler, "job", "submit", "-f", str(path), "--json"))
     assert job["spec"]["name"] == name
     return job
 
 
-def test_submit_list_show(scheduler: SchedulerFixture, tmp_path: Path) -> None:
+def test_submit_list_show(scheduler: SchedulerThread, tmp_path: Path) -> None:
     job = submit(scheduler, tmp_path)
     assert job["id"]
     assert job["state"].startswith("JOB_STATE_")
@@ -118,7 +95,7 @@ def test_submit_list_show(scheduler: SchedulerFixture, tmp_path: Path) -> None:
     assert job["id"] in table.stdout
 
 
-def test_submit_prints_id_and_state(scheduler: SchedulerFixture, tmp_path: Path) -> None:
+def test_submit_prints_id_and_state(scheduler: SchedulerThread, tmp_path: Path) -> None:
     path, name = write_spec(tmp_path)
     result = pitstop(scheduler, "job", "submit", "-f", str(path))
     assert result.exit_code == 0, result.stderr
@@ -130,7 +107,7 @@ def test_submit_prints_id_and_state(scheduler: SchedulerFixture, tmp_path: Path)
     assert match[2] in enum_words(JOB_STATES)
 
 
-def test_list_filters_by_state(scheduler: SchedulerFixture, tmp_path: Path) -> None:
+def test_list_filters_by_state(scheduler: SchedulerThread, tmp_path: Path) -> None:
     job = submit(scheduler, tmp_path)
     assert pitstop(scheduler, "job", "cancel", job["id"]).exit_code == 0
     cancelled = ok_json(pitstop(scheduler, "job", "list", "--state", "cancelled", "--json"))
@@ -140,7 +117,7 @@ def test_list_filters_by_state(scheduler: SchedulerFixture, tmp_path: Path) -> N
     assert job["id"] not in {row["id"] for row in running}
 
 
-def test_cancel_twice_is_a_failed_precondition(scheduler: SchedulerFixture, tmp_path: Path) -> None:
+def test_cancel_twice_is_a_failed_precondition(scheduler: SchedulerThread, tmp_path: Path) -> None:
     job = submit(scheduler, tmp_path)
     first = pitstop(scheduler, "job", "cancel", job["id"], "--reason", "test over")
     assert first.exit_code == 0, first.stderr
@@ -150,7 +127,7 @@ def test_cancel_twice_is_a_failed_precondition(scheduler: SchedulerFixture, tmp_
     assert_one_line_error(second, "(FAILED_PRECONDITION)")
 
 
-def test_watch_replays_until_the_job_ends(scheduler: SchedulerFixture, tmp_path: Path) -> None:
+def test_watch_replays_until_the_job_ends(scheduler: SchedulerThread, tmp_path: Path) -> None:
     job = submit(scheduler, tmp_path)
     assert pitstop(scheduler, "job", "cancel", job["id"]).exit_code == 0
     # The job has ended, so the replay reaches its final event and the command returns.
@@ -162,14 +139,14 @@ def test_watch_replays_until_the_job_ends(scheduler: SchedulerFixture, tmp_path:
     assert "cancelled" in events[-1]["to_state"].lower()
 
 
-def test_show_unknown_job_is_not_found(scheduler: SchedulerFixture) -> None:
+def test_show_unknown_job_is_not_found(scheduler: SchedulerThread) -> None:
     missing = unique("j-missing")
     result = pitstop(scheduler, "job", "show", missing)
     assert_one_line_error(result, missing, "(NOT_FOUND)")
 
 
 def test_server_rejects_a_bad_spec_naming_the_field(
-    scheduler: SchedulerFixture, tmp_path: Path
+    scheduler: SchedulerThread, tmp_path: Path
 ) -> None:
     path, _ = write_spec(tmp_path, dp=0, min_dp=3)
     result = pitstop(scheduler, "job", "submit", "-f", str(path))
@@ -184,7 +161,7 @@ def test_malformed_spec_never_reaches_the_server(tmp_path: Path) -> None:
     assert_one_line_error(result, "bad.yaml: spec.dp:", '"two" is not a whole number')
 
 
-def test_node_lifecycle(scheduler: SchedulerFixture) -> None:
+def test_node_lifecycle(scheduler: SchedulerThread) -> None:
     node_id = unique("node")
     scheduler.register_node(node_id, gpus=4, zone="zq", block="bq", rack="rq")
 
@@ -225,7 +202,7 @@ def test_node_lifecycle(scheduler: SchedulerFixture) -> None:
     assert all(event["node_id"] == node_id for event in events)
 
 
-def test_inject_fault_reaches_the_agent(scheduler: SchedulerFixture) -> None:
+def test_inject_fault_reaches_the_agent(scheduler: SchedulerThread) -> None:
     node_id = unique("node")
     with scheduler.agent_stream(node_id, gpus=2) as agent:
         response = ok_json(
@@ -239,7 +216,7 @@ def test_inject_fault_reaches_the_agent(scheduler: SchedulerFixture) -> None:
     assert command.inject_fault.slow_multiplier == 2.0
 
 
-def test_inject_fault_without_agent_stream(scheduler: SchedulerFixture) -> None:
+def test_inject_fault_without_agent_stream(scheduler: SchedulerThread) -> None:
     node_id = unique("node")
     with scheduler.agent_stream(node_id, gpus=2):
         pass  # registered, then the stream closed: the node has no agent stream now
@@ -255,12 +232,12 @@ def test_inject_fault_needs_exactly_one_kind() -> None:
     assert "exactly one" in result.stderr
 
 
-def test_unknown_node_is_not_found(scheduler: SchedulerFixture) -> None:
+def test_unknown_node_is_not_found(scheduler: SchedulerThread) -> None:
     missing = unique("node-missing")
     assert_one_line_error(pitstop(scheduler, "node", "cordon", missing), missing, "(NOT_FOUND)")
 
 
-def test_events_for_a_job(scheduler: SchedulerFixture, tmp_path: Path) -> None:
+def test_events_for_a_job(scheduler: SchedulerThread, tmp_path: Path) -> None:
     job = submit(scheduler, tmp_path)
     events = ok_json(pitstop(scheduler, "events", "--job", job["id"], "--json"))
     assert isinstance(events, list)
@@ -288,7 +265,7 @@ def git_tree(path: Path) -> str:
     return head.stdout.strip()
 
 
-def record_of(scheduler: SchedulerFixture, job_id: str, generations: int) -> dict[str, Any]:
+def record_of(scheduler: SchedulerThread, job_id: str, generations: int) -> dict[str, Any]:
     """`job record --json` once the record holds `generations` generations."""
     deadline = time.monotonic() + 10
     while True:
@@ -299,7 +276,7 @@ def record_of(scheduler: SchedulerFixture, job_id: str, generations: int) -> dic
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-def test_job_record_and_diff(scheduler: SchedulerFixture, tmp_path: Path) -> None:
+def test_job_record_and_diff(scheduler: SchedulerThread, tmp_path: Path) -> None:
     """Submit takes the code of the spec's working_dir; a generation's run record, sent on
     its node's agent stream, shows in `job record`; `job diff` names what differs."""
     head = git_tree(tmp_path / "src")
