@@ -25,7 +25,7 @@ Phases, each measured over --window seconds of wall time:
   PostgreSQL transactions and rows (pg_stat_database deltas; its counters reach the
   view within about a second of each transaction, so edges blur by that much).
 * load: the job of the fleet's size runs (TP 8 x PP 16 x DP = N*8/128: at 12,500 nodes
-  the 99,968-rank job of DESIGN.md) at --step-seconds a step: heartbeats with 8 running
+  the 99,968-rank job of docs/scale.md) at --step-seconds a step: heartbeats with 8 running
   ranks and a step summary a node per step.
   In both: heartbeats/s ingested, streams reopened (a broken stream), each process's
   CPU (% of one core), event-loop lag (the pitstop_scheduler_event_loop_lag_seconds

@@ -7,15 +7,15 @@ import pytest
 from pitstop.health.xid import XID_CATALOG, XidClass, XidInfo, classify_xid, verdict_for
 from pitstop.v1 import common_pb2
 
-# DESIGN.md "Health" names these; the catalog must agree with it.
-DESIGN_CLASSES = [
+# docs/architecture.md ("Health") names these; the catalog must agree with it.
+DOCUMENTED_CLASSES = [
     *[(xid, XidClass.FATAL) for xid in (48, 64, 74, 79, 95, 119, 120, 140)],
     *[(xid, XidClass.APPLICATION) for xid in (13, 31, 43, 45)],
     *[(xid, XidClass.WARNING) for xid in (63, 92, 94)],
 ]
 
 
-@pytest.mark.parametrize(("xid", "xid_class"), DESIGN_CLASSES)
+@pytest.mark.parametrize(("xid", "xid_class"), DOCUMENTED_CLASSES)
 def test_design_xids_have_the_designed_class(xid: int, xid_class: XidClass) -> None:
     info = classify_xid(xid)
     assert info.xid == xid

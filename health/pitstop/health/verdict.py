@@ -2,7 +2,7 @@
 
 Pure functions over the wire types: nothing here reads a clock, a device or a file, and
 no input message is changed; every function returns new messages. The rules follow
-DESIGN.md ("Health"):
+docs/architecture.md ("Health"):
 
 - FATAL (replace the node now): the GPU is lost, a row remap failed, the volatile
   uncorrected ECC count grew, or a fatal Xid arrived.

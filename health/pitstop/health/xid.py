@@ -2,7 +2,7 @@
 
 Source: NVIDIA, "NVIDIA GPU Xid Errors" (https://docs.nvidia.com/deploy/xid-errors/), the
 Xid catalog table giving each Xid's description and recommended action. The names below
-are that catalog's descriptions; the classes are pitstop's policy (DESIGN.md, "Health"),
+are that catalog's descriptions; the classes are pitstop's policy (docs/architecture.md, "Health"),
 which wins where it differs from NVIDIA's per-Xid suggestion. Where it differs:
 
 - 94 (contained ECC error): NVIDIA says restart the application; pitstop drains and

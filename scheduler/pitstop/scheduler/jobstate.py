@@ -1,4 +1,4 @@
-"""The job state machine of DESIGN.md, as data: which transitions are legal.
+"""The job state machine of docs/architecture.md, as data: which transitions are legal.
 
 PENDING -> PLACED -> STARTING -> RUNNING <-> RECOVERING, RUNNING <-> PAUSED,
 then SUCCEEDED | FAILED | CANCELLED; a preempted job goes from RUNNING back to

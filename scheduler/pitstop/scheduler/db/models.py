@@ -1,4 +1,4 @@
-"""The durable truth (DESIGN.md "State"): nodes, GPUs, jobs, rank maps, the
+"""The durable truth (docs/architecture.md, "Processes and wires"): nodes, GPUs, jobs, rank maps, the
 checkpoint catalog, the append-only event log, Xid history, leases and
 torchrun rendezvous state.
 

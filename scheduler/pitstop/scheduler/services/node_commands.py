@@ -1,6 +1,6 @@
 """Desired state per node of a job (``node_commands``): written by the decision that
 makes a generation, acknowledged by the node's agent, re-sent by whichever process
-leads until acknowledged. Level-triggered, in the sense of DESIGN.md "Recovery"."""
+leads until acknowledged. Level-triggered, in the sense of docs/architecture.md, "Invariants"."""
 
 from __future__ import annotations
 
