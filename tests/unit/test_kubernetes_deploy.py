@@ -1,7 +1,7 @@
 """The Helm chart (deploy/helm/pitstop), rendered by helm and checked without a cluster.
 
 No Kubernetes API server runs here. So: `helm lint --strict`, then `helm template` with
-the default values and with the README's example values files, and every rendered
+the default values and with docs/operations.md's example values files, and every rendered
 manifest is validated against the Kubernetes JSON schemas of a pinned version
 (kubernetes-validate, strict: an unknown field is an error). The ServiceMonitor, a
 Prometheus Operator CRD outside those schemas, is validated against the subset of its
@@ -61,7 +61,7 @@ STORES = [
 ]
 VARIANTS: dict[str, list[str]] = {
     "defaults": [],
-    # The README's production install, and a node's join token written by the chart.
+    # docs/operations.md's production install, and a node's join token written by the chart.
     "production": [
         "-f",
         str(EXAMPLES / "production.yaml"),
@@ -69,7 +69,7 @@ VARIANTS: dict[str, list[str]] = {
         "--set",
         "enrollment.joinTokens.gpu-node-1=pst_join_example",
     ],
-    # The README's try-it-without-GPUs install, and the insecure path (no TLS).
+    # docs/operations.md's try-it-without-GPUs install, and the insecure path (no TLS).
     "simulated-insecure": ["-f", str(EXAMPLES / "simulated.yaml"), "--set", "tls.enabled=false"],
 }
 NODE_ENV = {"NODE_NAME": "gpu-node-1", "POD_IP": "10.8.0.17"}
@@ -198,7 +198,7 @@ def helm(env: dict[str, str], *args: str, check: bool = True) -> subprocess.Comp
 
 
 def template_args(*extra: str) -> list[str]:
-    """The README's `helm template`: release pitstop, namespace pitstop, the pinned version."""
+    """The `helm template` of docs/operations.md: release and namespace pitstop, pinned version."""
     return [
         "template",
         RELEASE,
@@ -705,18 +705,18 @@ def test_bad_values_are_refused_naming_the_value(
     assert message in result.stderr, result.stderr
 
 
-# The README
+# The operations guide
 
 
-def readme_kubernetes_section() -> str:
-    text = (ROOT / "README.md").read_text()
+def operations_kubernetes_section() -> str:
+    text = (ROOT / "docs" / "operations.md").read_text()
     match = re.search(r"^## Kubernetes\n(.*?)(?=^## )", text, re.MULTILINE | re.DOTALL)
-    assert match, "the README has a Kubernetes section"
+    assert match, "docs/operations.md has a Kubernetes section"
     return match.group(1)
 
 
-def test_the_readme_shows_what_this_test_renders() -> None:
-    section = readme_kubernetes_section()
+def test_the_operations_guide_shows_what_this_test_renders() -> None:
+    section = operations_kubernetes_section()
     assert f"--kube-version {KUBE_VERSION}" in section
     assert "helm lint --strict deploy/helm/pitstop" in section
     for path in re.findall(r"-f (deploy/helm/pitstop/\S+\.yaml)", section):
@@ -726,11 +726,11 @@ def test_the_readme_shows_what_this_test_renders() -> None:
     assert "tests/unit/test_kubernetes_deploy.py" in section
 
 
-def test_every_value_the_readme_sets_exists() -> None:
+def test_every_value_the_operations_guide_sets_exists() -> None:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    for dotted in re.findall(r"--set (\S+)=", readme_kubernetes_section()):
+    for dotted in re.findall(r"--set (\S+)=", operations_kubernetes_section()):
         node: Any = values
         for part in dotted.split("."):
             assert isinstance(node, dict), dotted
-            assert part in node, f"the README sets {dotted}, which values.yaml lacks"
+            assert part in node, f"docs/operations.md sets {dotted}, which values.yaml lacks"
             node = node[part]
