@@ -13,6 +13,8 @@ each line cut at pipes, `&&` and `;`. Of what is left:
 - `python -m MODULE`: the module can be found;
 - `.venv/bin/pytest` / `python -m pytest`: every `tests/...` path exists.
 
+`pitstop*` commands in running text (an inline code span on one line) are checked too.
+
 Placeholders (UPPERCASE words, `<what>`, `[optional parts]`, `a|b` alternatives, `...`)
 are read as such. Every `[text](path)` link that is not a URL names an existing file,
 and a `#anchor` on a Markdown file names one of its headings. A failure names the doc,
@@ -39,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"", "sh", "bash", "console", "shell"}
 ALT = "\x00"  # stands for a `|` between two words: `cancel|pause|resume`
+INLINE = re.compile(r"`((?:\.venv/bin/)?pitstop(?:-agent|-scheduler|-checkpointd)? [^`]*)`")
 APPS = {
     "pitstop": "pitstop.client.cli",
     "pitstop-scheduler": "pitstop.scheduler.main",
@@ -121,6 +124,20 @@ def commands(doc: Path) -> Iterator[Command]:
         for words in words_of(line):
             if program(words) is not None:
                 yield Command(doc, number, line, tuple(words))
+
+
+def inline_commands(doc: Path) -> Iterator[Command]:
+    """`pitstop ...` in running text, as an inline code span on one line."""
+    fence = False
+    for number, line in enumerate(doc.read_text().splitlines(), start=1):
+        if line.strip().startswith("```"):
+            fence = not fence
+            continue
+        for span in [] if fence else INLINE.findall(line):
+            for words in words_of(span):
+                found = program(words)
+                if found is not None and found[0] in APPS:
+                    yield Command(doc, number, span, tuple(words))
 
 
 def alternatives(word: str) -> list[str]:
@@ -306,7 +323,8 @@ def link_problems(doc: Path) -> list[str]:
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
 def test_every_command_the_doc_shows_exists(doc: Path) -> None:
-    problems = [f"{c.where()}: {p}" for c in commands(doc) for p in check(c)]
+    shown = [*commands(doc), *inline_commands(doc)]
+    problems = [f"{c.where()}: {p}" for c in shown for p in check(c)]
     assert not problems, "\n".join(problems)
 
 
