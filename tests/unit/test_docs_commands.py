@@ -41,6 +41,11 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"", "sh", "bash", "console", "shell"}
 ALT = "\x00"  # stands for a `|` between two words: `cancel|pause|resume`
+TOP = (
+    *("proto", "common", "health", "scheduler", "agent", "checkpointd", "rankside"),
+    *("trainer", "client", "tests", "bench", "scripts", "deploy", "examples", "docs"),
+)
+REPO_PATH = re.compile(rf"(?:{'|'.join(TOP)})/[\w./*-]*")
 INLINE = re.compile(r"`((?:\.venv/bin/)?pitstop(?:-agent|-scheduler|-checkpointd)? [^`]*)`")
 APPS = {
     "pitstop": "pitstop.client.cli",
@@ -265,10 +270,21 @@ def check_pytest(args: list[str]) -> list[str]:
     ]
 
 
+def missing_paths(words: list[str]) -> list[str]:
+    """The words that name a file or folder of the repository that is not there."""
+    paths = [w.split("::")[0] for w in words if REPO_PATH.fullmatch(w)]
+    return [f"no such path {p}" for p in paths if not any(ROOT.glob(p))]
+
+
 def check(command: Command) -> list[str]:
     found = program(list(command.words))
     assert found is not None
     name, args = found
+    problems = missing_paths(args)
+    return problems + check_program(name, args)
+
+
+def check_program(name: str, args: list[str]) -> list[str]:
     if name in APPS:
         return check_pitstop(name, args)
     if name == "make":
@@ -331,6 +347,17 @@ def test_every_command_the_doc_shows_exists(doc: Path) -> None:
 @pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
 def test_every_relative_link_points_to_a_file(doc: Path) -> None:
     problems = link_problems(doc)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(ROOT)))
+def test_every_repository_path_in_running_text_exists(doc: Path) -> None:
+    """`tests/...`, `bench/...`, `deploy/...` and the like, as inline code spans."""
+    problems = []
+    for number, line in enumerate(doc.read_text().splitlines(), start=1):
+        for span in re.findall(r"`([^`]+)`", line):
+            for problem in missing_paths([span]):
+                problems.append(f"{doc.relative_to(ROOT)}:{number}: {problem}")
     assert not problems, "\n".join(problems)
 
 
