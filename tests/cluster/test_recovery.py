@@ -29,21 +29,11 @@ from typing import Any, BinaryIO
 import grpc
 import pytest
 import redis
-from conftest import (
-    ForkClient,
-    ForkedChild,
-    ForkServerProcess,
-    PostgresProcess,
-    SchedulerProcess,
-    SchedulerThread,
-    StoreUrls,
-    follow_events,
-    forking,
-    free_port,
-    run_mesh_ranks,
-    scheduler_settings,
-    unique,
-)
+from kit.events import follow_events
+from kit.forking import ForkClient, ForkedChild, ForkServerProcess, forking, run_mesh_ranks
+from kit.ports import free_port
+from kit.schedulers import SchedulerProcess, SchedulerThread, scheduler_settings
+from kit.stores import PostgresProcess, StoreUrls, unique
 from typer.testing import CliRunner
 
 from pitstop.agent.config import SOCKET_NAME
