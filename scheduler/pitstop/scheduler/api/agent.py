@@ -9,108 +9,38 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import json
 import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 
 import grpc
-from google.protobuf import json_format
 
-from pitstop.scheduler.admission import PREEMPT_GRACE_SECONDS
 from pitstop.scheduler.api.agent_input import check_agent_message
+from pitstop.scheduler.api.agent_messages import HEALTH_PATH, StreamLink, handle
+from pitstop.scheduler.api.agent_stream import Beats, StreamState, tracked
 from pitstop.scheduler.api.agent_writes import AckWriter, JobGenerations
 from pitstop.scheduler.auth import current_caller
 from pitstop.scheduler.cancelling import reraise_if_cancelling
 from pitstop.scheduler.convert import NODE_ROLE_TO_PB, NODE_STATE_TO_PB, node_roles_from_pb
-from pitstop.scheduler.db import models
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from pitstop.scheduler.gateway import AgentGateway, CloseStream
-from pitstop.scheduler.hotstate import STANDBY_READY, HotState
+from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.liveness import DEADLINE_REASON, STALL_SECONDS
 from pitstop.scheduler.metrics import SchedulerMetrics
 from pitstop.scheduler.services import enrollment
 from pitstop.scheduler.services import health as health_service
-from pitstop.scheduler.services import integrity as integrity_service
-from pitstop.scheduler.services import jobs as job_service
-from pitstop.scheduler.services import node_commands as node_command_service
 from pitstop.scheduler.services import nodes as node_service
-from pitstop.scheduler.services import records as record_service
-from pitstop.scheduler.services import stacks as stacks_service
-from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.store import Store
-from pitstop.v1 import agent_pb2, common_pb2
+from pitstop.v1 import agent_pb2
+
+__all__ = ["NODE_ID_RE", "AgentServicer", "Beats"]
 
 log = logging.getLogger(__name__)
 
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 JUDGE_TICK_SECONDS = 1.0
 """How often a process judges the streams it holds (a quarter of a shorter timeout)."""
-HEALTH_PATH = "heartbeat.health"
-ENDED_CHECK_SECONDS = 5.0
-"""How often the jobs a node reports running processes of are looked up."""
-
-
-@dataclass
-class StreamState:
-    """What one open stream remembers, so unchanged heartbeats cost no database write."""
-
-    node_id: str
-    seq: int
-    verdict: int = common_pb2.HEALTH_VERDICT_UNSPECIFIED
-    reasons: tuple[str, ...] = ()
-    # Commands sent down this stream and not yet acknowledged: id -> what an ack means.
-    commands: dict[int, SentCommand | None] = field(default_factory=dict)
-    ended_check_at: float = 0.0
-    # The last heartbeat's health as sent (its bytes), and as kept in Redis (JSON text,
-    # with the jobs whose standby waits): a health that did not change is not checked
-    # or converted again (ingest reads thousands of heartbeats in a recovery's burst).
-    health_sent: tuple[bytes, tuple[str, ...]] | None = None
-    health_json: str = "{}"
-    # When this process last read a message of the stream (time.monotonic(); a stalled
-    # judge moves it on), and the wall time it did (the node's last sign of life).
-    last_seen: float = field(default_factory=time.monotonic)
-    heard_at: float = field(default_factory=time.time)
-    # The stale-process check in flight: it reads PostgreSQL, so it runs beside the
-    # stream's reader, never in its way (the next heartbeat must not wait for a pool).
-    stale_check: asyncio.Task[None] | None = None
-
-
-@dataclass(frozen=True)
-class SentCommand:
-    """A job command whose acknowledgement is recorded (node_commands)."""
-
-    job_id: str
-    generation: int
-    actions: tuple[node_command_service.NodeAction, ...]
-
-
-def _tracked(message: agent_pb2.SchedulerMessage) -> SentCommand | None:
-    kind = message.WhichOneof("body")
-    if kind == "start_ranks" and not message.start_ranks.standby_gpus:
-        start = message.start_ranks
-        return SentCommand(
-            start.job_id, start.generation, node_command_service.actions_of(kind, False)
-        )
-    if kind == "reconfigure":
-        new = message.reconfigure
-        actions = node_command_service.actions_of(kind, bool(new.adopted_ranks))
-        return SentCommand(new.job_id, new.generation, actions)
-    return None
-
-
-@dataclass(frozen=True)
-class Beats:
-    """What agents are told about heartbeats, and the deadline that follows (seconds)."""
-
-    interval: float
-    """How often an agent looks at its node and flushes step times."""
-    refresh: float
-    """The longest an agent goes without a heartbeat."""
-    liveness_timeout: float
-    """No heartbeat for this long: the liveness scan declares the node LOST."""
 
 
 class AgentServicer:
@@ -144,6 +74,16 @@ class AgentServicer:
         # The streams this process holds, by node: judged here (judge_streams).
         self._streams: dict[str, StreamState] = {}
         self.generations = JobGenerations(store)
+        self.link = StreamLink(
+            store,
+            hot,
+            gateway,
+            self.send,
+            metrics,
+            self.acks,
+            self.generations,
+            beats.liveness_timeout,
+        )
 
     async def Connect(  # noqa: N802 (gRPC method name)
         self,
@@ -181,7 +121,7 @@ class AgentServicer:
                     reason = item.reason
                     return
                 assert isinstance(item, agent_pb2.SchedulerMessage)
-                state.commands[item.command_id] = _tracked(item)
+                state.commands[item.command_id] = tracked(item)
                 yield item
         finally:
             pending = [
@@ -331,170 +271,8 @@ class AgentServicer:
             state.seq = message.seq
             state.last_seen, state.heard_at = time.monotonic(), time.time()
             if message.WhichOneof("body") == "heartbeat":
-                # Its health is checked by _heartbeat, when it changed.
+                # Its health is checked by the heartbeat handler, when it changed.
                 check_agent_message(message.heartbeat, path="heartbeat", skip=HEALTH_PATH)
             else:
                 check_agent_message(message)
-            await self._handle(state, message)
-
-    async def _handle(self, state: StreamState, message: agent_pb2.AgentMessage) -> None:
-        kind = message.WhichOneof("body")
-        node_id = state.node_id
-        if kind == "heartbeat":
-            await self._heartbeat(state, message.heartbeat)
-        elif kind == "xid":
-            async with self.store.write() as session:
-                await health_service.record_xid(
-                    session, node_id, message.xid, now=dt.datetime.now(dt.UTC)
-                )
-        elif kind == "step_summary":
-            summary = message.step_summary
-            summary.node_id = node_id  # the stream's node, whatever the agent wrote
-            await self.hot.record_step_summary(summary)
-        elif kind == "rank_exited":
-            exited = message.rank_exited
-            how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
-            async with self.store.write() as session:
-                record_event(
-                    session,
-                    "rank.exited",
-                    actor=f"agent:{node_id}",
-                    job_id=exited.job_id or None,
-                    node_id=node_id,
-                    reason=f"rank {exited.rank} ended with {how}",
-                    attributes={
-                        "rank": str(exited.rank),
-                        "generation": str(exited.generation),
-                        "exit_code": str(exited.exit_code),
-                        "signal": str(exited.signal),
-                        **{f"result.{k}": v[:1000] for k, v in list(exited.result.items())[:32]},
-                    },
-                )
-        elif kind == "finding":
-            await self._finding(node_id, message.finding)
-        elif kind == "run_record":
-            await self._run_record(node_id, message.run_record)
-        elif kind == "stacks":
-            async with self.store.write() as session:
-                job = await session.get(models.Job, message.stacks.job_id)
-                if job is not None:  # a job deleted since: its stacks have nowhere to go
-                    stacks_service.store(session, node_id, message.stacks)
-        elif kind == "ack":
-            await self._ack(state, message.ack)
-        elif kind == "register":
-            raise FailedPrecondition("Register is only valid as a stream's first message")
-        else:
-            raise InvalidArgument("body", kind or "empty", "send one of the AgentMessage kinds")
-
-    async def _finding(self, node_id: str, finding: agent_pb2.IntegrityFinding) -> None:
-        async with self.store.write() as session:
-            paused = await integrity_service.record_finding(session, node_id, finding)
-            nodes = await job_service.job_nodes(session, paused) if paused is not None else []
-        if paused is not None:
-            # After the commit, as a user's pause: the ranks stop at their next boundary.
-            pause = agent_pb2.SchedulerMessage(
-                pause=agent_pb2.PauseJob(job_id=paused.id, generation=paused.generation)
-            )
-            for node in nodes:
-                await self.send(node, pause)
-
-    async def _run_record(self, node_id: str, record: agent_pb2.RunRecord) -> None:
-        """Keep a generation's run record. One that cannot be kept is logged and dropped:
-        it is the job's record, not worth the node's stream (the agent's endpoint refuses
-        what would be refused here before it is sent)."""
-        try:
-            async with self.store.write() as session:
-                kept = await record_service.store_run_record(session, node_id, record)
-        except InvalidArgument as exc:
-            log.warning("node %s: run record of job %s dropped: %s", node_id, record.job_id, exc)
-            return
-        if not kept:
-            log.info("node %s: run record of unknown job %s dropped", node_id, record.job_id)
-
-    async def _heartbeat(self, state: StreamState, beat: agent_pb2.Heartbeat) -> None:
-        if beat.HasField("time"):
-            lag = dt.datetime.now(dt.UTC) - beat.time.ToDatetime(dt.UTC)
-            self.metrics.heartbeat_lag_seconds.observe(max(lag.total_seconds(), 0.0))
-        sent = (
-            beat.health.SerializeToString(deterministic=True),
-            tuple(sorted({r.job_id for r in beat.running_ranks if r.standby and r.ready})),
-        )
-        if sent != state.health_sent:
-            if state.health_sent is None or sent[0] != state.health_sent[0]:
-                check_agent_message(beat.health, path=HEALTH_PATH)
-            live = json_format.MessageToDict(beat.health, preserving_proto_field_name=True)
-            live[STANDBY_READY] = list(sent[1])
-            state.health_sent, state.health_json = sent, json.dumps(live)
-        await self.hot.record_heartbeat(state.node_id, self.liveness_timeout, state.health_json)
-        self._check_stale_soon(state, beat)
-        reasons = tuple(beat.health.reasons)
-        if (beat.health.verdict, reasons) == (state.verdict, state.reasons):
-            return
-        state.verdict, state.reasons = beat.health.verdict, reasons
-        async with self.store.write() as session:
-            await health_service.apply_health(session, state.node_id, beat.health)
-
-    def _check_stale_soon(self, state: StreamState, beat: agent_pb2.Heartbeat) -> None:
-        """Start `_stop_stale` beside the reader, every few seconds at most, one at a time."""
-        now = asyncio.get_running_loop().time()
-        if not beat.running_ranks or now < state.ended_check_at:
-            return
-        if state.stale_check is not None and not state.stale_check.done():
-            return
-        state.ended_check_at = now + ENDED_CHECK_SECONDS
-        running = [(r.job_id, r.generation, r.rank, r.standby) for r in beat.running_ranks]
-        state.stale_check = asyncio.create_task(self._stop_stale_logged(state, running))
-
-    async def _stop_stale_logged(
-        self, state: StreamState, running: list[tuple[str, int, int, bool]]
-    ) -> None:
-        try:
-            await self._stop_stale(state, running)
-        except Exception:  # the next heartbeats try again
-            log.warning("node %s: stale-process check failed", state.node_id, exc_info=True)
-
-    async def _stop_stale(
-        self, state: StreamState, running: list[tuple[str, int, int, bool]]
-    ) -> None:
-        """Stop the node's processes of jobs that ended, and its ranks left behind in an
-        older generation of a job that runs on without them. The leader tells a node
-        when a job ends or leaves it, but that message can be lost (a leader change, a
-        node cut off or frozen meanwhile), and nothing may run on — or hold a GPU —
-        for nothing."""
-        if await self.generations.nothing_to_stop(running):
-            return
-        async with self.store.read() as session:
-            stale = await job_service.stale_processes(session, state.node_id, running)
-        for job_id, ranks in sorted(stale.items()):
-            if ranks is None:  # preempted: the ranks stop at a boundary, snapshot sealed
-                why = "the job was sent back to the queue"
-                stop = agent_pb2.StopRanks(
-                    job_id=job_id, grace_seconds=PREEMPT_GRACE_SECONDS, reason=why, at_boundary=True
-                )
-            else:
-                why = "the job ended" if not ranks else "its job runs on in a newer generation"
-                stop = agent_pb2.StopRanks(job_id=job_id, ranks=ranks, grace_seconds=5, reason=why)
-            log.info(
-                "node %s: stopping %s of job %s: %s", state.node_id, ranks or "all", job_id, why
-            )
-            await self.gateway.forward(state.node_id, agent_pb2.SchedulerMessage(stop_ranks=stop))
-
-    async def _ack(self, state: StreamState, ack: agent_pb2.CommandAck) -> None:
-        if ack.command_id not in state.commands:
-            log.warning(
-                "node %s: ack for unknown command %d ignored", state.node_id, ack.command_id
-            )
-            return
-        sent = state.commands.pop(ack.command_id)
-        if ack.ok and sent is not None:
-            self.acks.add(sent.job_id, state.node_id, sent.generation, sent.actions)
-        if not ack.ok:
-            async with self.store.write() as session:
-                record_event(
-                    session,
-                    "node.command_failed",
-                    actor=f"agent:{state.node_id}",
-                    node_id=state.node_id,
-                    reason=ack.error[:1000],
-                    attributes={"command_id": str(ack.command_id)},
-                )
+            await handle(self.link, state, message)
