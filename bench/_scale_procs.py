@@ -1,0 +1,398 @@
+"""bench/scale.py's processes, stores and measurements: the pitstop-scheduler processes,
+their PostgreSQL and Redis, the windows a phase is measured over and the events it
+waits for."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+from prometheus_client.parser import text_string_to_metric_families
+from redis import Redis as SyncRedis
+
+from bench._scale_sim import GPUS, Fleet, load
+from pitstop.client.localcluster.spawning import free_port
+from pitstop.client.localcluster.stores import OwnPostgres, OwnRedis
+from pitstop.client.signals import dying_with_parent
+from pitstop.v1 import jobs_pb2
+
+# Processes, stores, measurements
+
+
+LEASE_SECONDS = 4.0
+"""The leader lease (the scheduler's default): a deciding process that dies is replaced
+within about one period."""
+
+
+class Scheduler:
+    """One pitstop-scheduler process on the benchmark's stores."""
+
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        database_url: str,
+        redis_url: str,
+        tls_dir: Path | None,
+        role: str = "both",
+        keepalive: tuple[float, float] | None = None,
+    ) -> None:
+        self.name = name
+        self.role = role  # "both"; "decider": no agent streams; "ingest": no leader loops
+        self.port = free_port()
+        self.node_port = free_port() if tls_dir is not None else self.port
+        self.metrics_port = free_port()
+        self.log = root / f"{name}.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+        env.update(
+            PITSTOP_DATABASE_URL=database_url,
+            PITSTOP_REDIS_URL=redis_url,
+            PITSTOP_REDIS_PREFIX="scale:",
+            PITSTOP_HOST="127.0.0.1",
+            PITSTOP_PORT=str(self.port),
+            PITSTOP_METRICS_PORT=str(self.metrics_port),
+            PITSTOP_DASHBOARD_PORT="0",  # a free one each: several processes side by side
+            PITSTOP_STATE_DIR=str(root / name),
+            PITSTOP_LOG_LEVEL="WARNING",
+            PITSTOP_LEADER_LEASE_SECONDS=str(LEASE_SECONDS),
+            GRPC_VERBOSITY="ERROR",
+        )
+        if keepalive is not None:  # else the scheduler's defaults, as users run it
+            env["PITSTOP_KEEPALIVE_SECONDS"] = str(keepalive[0])
+            env["PITSTOP_KEEPALIVE_TIMEOUT_SECONDS"] = str(keepalive[1])
+        if role == "decider":
+            env["PITSTOP_AGENT_STREAMS"] = "false"
+        elif role == "ingest":
+            env["PITSTOP_LEADER_LOOPS"] = "false"
+        if tls_dir is not None:
+            # Mutual TLS for the nodes, as users run it; the CA is the benchmark's.
+            env.update(
+                PITSTOP_TLS="true",
+                PITSTOP_TLS_DIR=str(tls_dir),
+                PITSTOP_NODE_PORT=str(self.node_port),
+            )
+        binary = Path(sys.executable).parent / "pitstop-scheduler"
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                dying_with_parent([str(binary)]),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        self.ps: psutil.Process | None = None
+
+    @property
+    def target(self) -> str:
+        """Where people's clients call."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def node_target(self) -> str:
+        """Where agents connect (the mutual-TLS port with TLS)."""
+        return f"127.0.0.1:{self.node_port}"
+
+    def wait_listening(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while b"listening on" not in self.log.read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"{self.name} did not start:\n{tail}")
+            time.sleep(0.05)
+        # The process that serves: the wrapper execs it, so the pid is the scheduler's.
+        self.ps = psutil.Process(self.proc.pid)
+
+    def cpu(self) -> float:
+        if self.ps is None or not self.alive():
+            return 0.0
+        times = self.ps.cpu_times()
+        return float(times.user + times.system)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def metrics(self) -> dict[str, Any]:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+        out: dict[str, Any] = {
+            "lag_buckets": {},
+            "leader": 0.0,
+            "lag_gauge": {},
+            "beats": 0.0,
+            "beat_lag_buckets": {},
+            "decisions": 0.0,
+            "decision_seconds": 0.0,
+        }
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "pitstop_scheduler_event_loop_lag_seconds_bucket":
+                    out["lag_buckets"][float(sample.labels["le"])] = sample.value
+                elif sample.name == "pitstop_scheduler_event_loop_lag_quantile_seconds":
+                    out["lag_gauge"][sample.labels["q"]] = sample.value
+                elif sample.name.startswith("pitstop_scheduler_decision_seconds_") and (
+                    sample.labels.get("decision") == "recovery"
+                ):
+                    if sample.name.endswith("_count"):
+                        out["decisions"] = sample.value
+                    elif sample.name.endswith("_sum"):
+                        out["decision_seconds"] = sample.value
+                elif sample.name == "pitstop_scheduler_heartbeat_lag_seconds_bucket":
+                    out["beat_lag_buckets"][float(sample.labels["le"])] = sample.value
+                elif sample.name == "pitstop_scheduler_heartbeat_lag_seconds_count":
+                    out["beats"] = sample.value
+                elif sample.name == "pitstop_scheduler_leader":
+                    out["leader"] = sample.value
+        return out
+
+    def kill(self) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def tree_cpu(pid: int | None) -> float:
+    """CPU seconds of a process and its children (PostgreSQL's backends)."""
+    if pid is None:
+        return 0.0
+    try:
+        root = psutil.Process(pid)
+        total = 0.0
+        for proc in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                t = proc.cpu_times()
+                total += t.user + t.system
+        return total
+    except psutil.Error:
+        return 0.0
+
+
+def own_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def lag_p99(before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The bucket bound under which 99% of the window's loop-lag samples fell."""
+    bounds = sorted(after)
+    delta = {b: after[b] - before.get(b, 0.0) for b in bounds}
+    total = delta.get(math.inf, 0.0)
+    if total <= 0:
+        return None
+    for bound in bounds:
+        if delta[bound] >= 0.99 * total:
+            return bound
+    return math.inf
+
+
+@dataclass
+class Stores:
+    postgres: OwnPostgres
+    redis: OwnRedis
+    r: SyncRedis = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.r = SyncRedis.from_url(self.redis.url)
+
+    def redis_calls(self) -> dict[str, int]:
+        stats = self.r.info("commandstats")
+        return {
+            k.removeprefix("cmdstat_"): int(v["calls"])
+            for k, v in stats.items()
+            if k not in ("cmdstat_info",)
+        }
+
+    def pg_stats(self) -> dict[str, int]:
+        with psycopg.connect(self.postgres.url, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT xact_commit + xact_rollback, tup_returned, tup_fetched, tup_inserted,"
+                " tup_updated, tup_deleted FROM pg_stat_database WHERE datname = 'postgres'"
+            ).fetchone()
+        assert row is not None
+        names = ("xacts", "tup_returned", "tup_fetched", "tup_inserted", "tup_updated")
+        return dict(zip((*names, "tup_deleted"), (int(x) for x in row), strict=True))
+
+
+class Window:
+    """Counters at a window's start and end."""
+
+    def __init__(self, stores: Stores, schedulers: list[Scheduler], fleet: Fleet) -> None:
+        self.stores, self.schedulers, self.fleet = stores, schedulers, fleet
+
+    def read(self) -> dict[str, Any]:
+        return {
+            "t": time.monotonic(),
+            "redis": self.stores.redis_calls(),
+            "pg": self.stores.pg_stats(),
+            "sched_cpu": [s.cpu() for s in self.schedulers],
+            "sim_cpu": own_cpu(),
+            "pg_cpu": tree_cpu(self.stores.postgres.pid),
+            "redis_cpu": tree_cpu(self.stores.redis.pid),
+            "metrics": [s.metrics() if s.alive() else None for s in self.schedulers],
+            "sent": dict(self.fleet.sent),
+            "registrations": sum(n.registrations for n in self.fleet.nodes),
+        }
+
+    async def measure(self, seconds: float) -> dict[str, Any]:
+        a = await asyncio.to_thread(self.read)
+        self.fleet.take_lag()
+        await asyncio.sleep(seconds)
+        b = await asyncio.to_thread(self.read)
+        span = b["t"] - a["t"]
+        redis_delta = {k: v - a["redis"].get(k, 0) for k, v in b["redis"].items()}
+        redis_delta = {k: v for k, v in redis_delta.items() if v}
+        pg_delta = {k: v - a["pg"][k] - (1 if k == "xacts" else 0) for k, v in b["pg"].items()}
+        sent = {k: v - a["sent"][k] for k, v in b["sent"].items()}
+        # Heartbeats the scheduler processes handled: their heartbeat-lag observations.
+        ingested = sum(
+            mb["beats"] - ma["beats"]
+            for ma, mb in zip(a["metrics"], b["metrics"], strict=True)
+            if ma and mb
+        )
+        cpus = [y - x for x, y in zip(a["sched_cpu"], b["sched_cpu"], strict=True)]
+        lags = [
+            lag_p99(ma["lag_buckets"], mb["lag_buckets"]) if ma and mb else None
+            for ma, mb in zip(a["metrics"], b["metrics"], strict=True)
+        ]
+        gauges = [m["lag_gauge"].get("0.99") if m else None for m in b["metrics"]]
+        beat_lags = [
+            lag_p99(ma["beat_lag_buckets"], mb["beat_lag_buckets"]) if ma and mb else None
+            for ma, mb in zip(a["metrics"], b["metrics"], strict=True)
+        ]
+        beats = max(sent["heartbeat"], 1)
+        return {
+            "seconds": round(span, 1),
+            "loadavg": load(),
+            "heartbeats_sent_per_s": round(sent["heartbeat"] / span, 1),
+            "heartbeats_ingested_per_s": round(ingested / span, 1),
+            "step_summaries_per_s": round(sent["step_summaries"] / span, 1),
+            "step_samples_folded_per_s": round(sent["samples"] / span, 1),
+            "rank_windows_per_s": round(sent["windows"] / span, 1),
+            "scheduler_cpu_pct": [round(100 * c / span, 1) for c in cpus],
+            "scheduler_cpu_pct_total": round(100 * sum(cpus) / span, 1),
+            "scheduler_cpu_ms_per_1k_heartbeats": round(1e6 * sum(cpus) / beats, 1),
+            "simulator_cpu_pct": round(100 * (b["sim_cpu"] - a["sim_cpu"]) / span, 1),
+            "postgres_cpu_pct": round(100 * (b["pg_cpu"] - a["pg_cpu"]) / span, 1),
+            "redis_cpu_pct": round(100 * (b["redis_cpu"] - a["redis_cpu"]) / span, 1),
+            "loop_lag_p99_seconds": lags,
+            "loop_lag_p99_gauge_1min": gauges,
+            "heartbeat_lag_p99_seconds": beat_lags,
+            "simulator_loop_lag_max_seconds": round(self.fleet.take_lag(), 3),
+            "redis_calls": redis_delta,
+            "redis_calls_per_heartbeat": round(sum(redis_delta.values()) / beats, 3),
+            "pg": pg_delta,
+            "pg_xacts_per_heartbeat": round(pg_delta["xacts"] / beats, 4),
+            "streams_reopened": b["registrations"] - a["registrations"],
+            "_beats": sent["heartbeat"],
+            "_batches": sent["step_summaries"],
+            "_redis_total": sum(redis_delta.values()),
+        }
+
+
+class Events:
+    """The scheduler's event log, read straight from PostgreSQL (not through the
+    scheduler: the benchmark must not load what it measures)."""
+
+    def __init__(self, url: str) -> None:
+        self.conn = psycopg.connect(url, autocommit=True)
+        row = self.conn.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()
+        self.last = int(row[0]) if row else 0
+        # Read and not yet passed by a wait: the events after the one a wait returned
+        # are the next wait's (a decision read in the same poll as its failure's
+        # detection was dropped with it, and its failure counted as "no decision").
+        self.unread: list[tuple[int, str, str | None, str | None, float, dict[str, str]]] = []
+
+    def skip(self) -> None:
+        """Forget everything that happened so far."""
+        self.since()
+        self.unread.clear()
+
+    def since(self) -> list[tuple[int, str, str | None, str | None, float, dict[str, str]]]:
+        rows = self.conn.execute(
+            "SELECT id, kind, node_id, job_id, extract(epoch from time), attributes"
+            " FROM events WHERE id > %s ORDER BY id",
+            (self.last,),
+        ).fetchall()
+        if rows:
+            self.last = int(rows[-1][0])
+        return [(int(r[0]), r[1], r[2], r[3], float(r[4]), r[5] or {}) for r in rows]
+
+    async def wait(self, match: Any, timeout: float) -> tuple[Any, ...] | None:
+        """The first event, oldest first, that `match`es; the events before it are
+        passed, those after it kept for the next wait."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.unread += await asyncio.to_thread(self.since)
+            for index, event in enumerate(self.unread):
+                if match(event):
+                    del self.unread[: index + 1]
+                    return tuple(event)
+            await asyncio.sleep(0.02)
+        return None
+
+    def generation(self, job_id: str) -> int:
+        row = self.conn.execute("SELECT generation FROM jobs WHERE id = %s", (job_id,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def job_spec(dp: int, spares: int) -> jobs_pb2.JobSpec:
+    return jobs_pb2.JobSpec(
+        name="bench-scale",
+        command=["python", "-c", "pass"],
+        tp=8,
+        pp=16,
+        dp=dp,
+        gpus_per_node=GPUS,
+        min_dp=max(dp - spares, 1),
+        spares=spares,
+        standby_processes=False,
+        max_restarts=1000,
+    )
+
+
+async def connect_fleet(fleet: Fleet, timeout: float) -> float:
+    """Start every node, at most 200 registering at once; seconds until all are."""
+    began = time.monotonic()
+    for start in range(0, len(fleet.nodes), 200):
+        wave = fleet.nodes[start : start + 200]
+        for node in wave:
+            node.start()
+        async with asyncio.timeout(timeout):
+            await asyncio.gather(*(n.registered.wait() for n in wave))
+    return time.monotonic() - began
+
+
+async def wait_for(predicate: Any, timeout: float, what: str) -> float:
+    began = time.monotonic()
+    while not predicate():
+        if time.monotonic() - began > timeout:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - began

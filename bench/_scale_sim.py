@@ -1,0 +1,538 @@
+"""bench/scale.py's simulated fleet: nodes that speak the agent protocol over their own
+streams (through a relay process that can be cut), the job's ranks on them, and the
+benchmark's constants."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from pitstop.client.signals import dying_with_parent
+from pitstop.common.tls import (
+    CertificateAuthority,
+    cert_pem,
+    certificate_request,
+    channel_options,
+    key_pem,
+    new_key,
+)
+from pitstop.health.straggler import StragglerPolicy
+from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+GPUS = 8
+RANKS_PER_REPLICA = 8 * 16  # TP 8 x PP 16
+FULL_FLEET = 12_500
+NODES_PER_RACK, RACKS_PER_BLOCK, BLOCKS_PER_ZONE = 8, 49, 8
+TARGETS = {
+    "detect_p99_seconds": 1.0,
+    "decide_p99_seconds": 0.1,
+    "fanout_seconds": 1.0,
+    "loop_lag_p99_seconds": 0.1,
+    "ingest_cpu_cores": 1.0,
+}
+DECISIONS = ("job.recovering", "job.reconfigured", "job.restarting")
+JOB_ID_ANY = ""
+
+
+def say(message: str) -> None:
+    print(f"[scale {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def stamp(seconds: float) -> Timestamp:
+    out = Timestamp()
+    out.FromNanoseconds(int(seconds * 1e9))
+    return out
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# The simulated fleet
+
+
+@dataclass
+class Assignment:
+    """One generation of the job on a node: its ranks (global rank, gpu index)."""
+
+    generation: int
+    ranks: list[tuple[int, int]]
+    started: float
+    restore_step: int
+    windows: StragglerPolicy = field(default_factory=StragglerPolicy)
+    """How the node cuts the job's straggler windows (its command says)."""
+
+
+class Fleet:
+    """Every simulated node, and what the benchmark reads of them."""
+
+    def __init__(
+        self,
+        targets: list[str],
+        interval: float,
+        step_seconds: float,
+        tls: NodeCertificates | None = None,
+    ) -> None:
+        self.targets = targets
+        self.tls = tls
+        self.cabled: set[int] = set()
+        """Indexes of the nodes whose stream runs through a Cable (a network to cut)."""
+        self.alive_targets = set(range(len(targets)))
+        self.interval = interval
+        self.step_seconds = step_seconds
+        self.nodes: list[SimNode] = []
+        self.sent = {"heartbeat": 0, "step_summaries": 0, "ack": 0, "samples": 0, "windows": 0}
+        # (job, generation) -> node id -> ranks, worked out once per rank map.
+        self._maps: dict[tuple[str, int], dict[str, list[tuple[int, int]]]] = {}
+        # generation -> node id -> when its command for it arrived
+        self.received: dict[int, dict[str, float]] = {}
+        self.command_bytes: dict[int, int] = {}
+        # The simulator's own event-loop lag (sampled every 50 ms), largest since read:
+        # a late simulator sends late heartbeats, which is not the scheduler's fault.
+        self.lag_max = 0.0
+        self._lag_task: asyncio.Task[None] | None = None
+
+    def watch_lag(self) -> None:
+        async def watch() -> None:
+            while True:
+                before = time.monotonic()
+                await asyncio.sleep(0.05)
+                self.lag_max = max(self.lag_max, time.monotonic() - before - 0.05)
+
+        self._lag_task = asyncio.create_task(watch())
+
+    def take_lag(self) -> float:
+        lag, self.lag_max = self.lag_max, 0.0
+        return lag
+
+    def ranks_of(
+        self, job_id: str, rank_map: common_pb2.RankMap
+    ) -> dict[str, list[tuple[int, int]]]:
+        key = (job_id, rank_map.generation)
+        if key not in self._maps:
+            by_node: dict[str, list[tuple[int, int]]] = {}
+            for a in rank_map.ranks:
+                by_node.setdefault(a.node_id, []).append((a.rank, a.gpu_index))
+            self._maps = {key: by_node}  # only the newest map is kept
+        return self._maps[key]
+
+    def by_id(self, node_id: str) -> SimNode:
+        return next(n for n in self.nodes if n.node_id == node_id)
+
+    async def close(self) -> None:
+        if self._lag_task is not None:
+            self._lag_task.cancel()
+        for node in self.nodes:
+            node.dead = True
+            node.cancel()
+        await asyncio.gather(*(n.task for n in self.nodes if n.task), return_exceptions=True)
+
+
+def labels_of(index: int) -> common_pb2.TopologyLabels:
+    rack = index // NODES_PER_RACK
+    block = rack // RACKS_PER_BLOCK
+    zone = block // BLOCKS_PER_ZONE
+    return common_pb2.TopologyLabels(
+        zone=f"z{zone}", block=f"z{zone}-b{block}", rack=f"z{zone}-b{block}-r{rack}"
+    )
+
+
+def inventory_of(node_id: str, gpu_uuids: list[str]) -> common_pb2.Inventory:
+    """What a simulated node's agent registers with: 8 simulated GPUs of 80 GiB."""
+    return common_pb2.Inventory(
+        hostname=node_id,
+        driver_version="sim",
+        gpu_backend="sim",
+        agent_version="bench",
+        gpus=[
+            common_pb2.GpuInfo(index=g, uuid=u, name="sim", memory_bytes=80 << 30)
+            for g, u in enumerate(gpu_uuids)
+        ],
+    )
+
+
+class SimNode:
+    """One node's agent as the scheduler sees it: a stream, heartbeats, step summaries, acks."""
+
+    def __init__(self, fleet: Fleet, index: int, spare: bool, target: int) -> None:
+        self.fleet = fleet
+        self.index = index
+        self.node_id = f"n{index:05d}"
+        self.spare = spare
+        self.target = target
+        self.dead = False  # no more reconnects
+        self.hung = False  # no heartbeats, stream open (an agent hung in Python)
+        self.cable: Cable | None = None
+        self.registered = asyncio.Event()
+        self.registrations = 0
+        self.jobs: dict[str, Assignment] = {}
+        self.reported_step: dict[str, int] = {}
+        self.unhealthy_gpu: int | None = None
+        self.outbox: asyncio.Queue[agent_pb2.AgentMessage | None] = asyncio.Queue()
+        self.call: Any = None
+        self.task: asyncio.Task[None] | None = None
+        self.started_at = stamp(time.time())
+        self.gpu_uuids = [f"GPU-{index:05d}-{g}" for g in range(GPUS)]
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.run(), name=self.node_id)
+
+    def cancel(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+
+    def send(self, **body: Any) -> None:
+        self.outbox.put_nowait(agent_pb2.AgentMessage(**body))
+
+    def register_message(self) -> agent_pb2.AgentMessage:
+        return agent_pb2.AgentMessage(
+            seq=1,
+            register=agent_pb2.Register(
+                node_id=self.node_id,
+                inventory=inventory_of(self.node_id, self.gpu_uuids),
+                labels=labels_of(self.index),
+                requested_role=(
+                    common_pb2.NODE_ROLE_SPARE if self.spare else common_pb2.NODE_ROLE_WORKER
+                ),
+                running_ranks=self.running(),
+                agent_started_at=self.started_at,
+            ),
+        )
+
+    async def run(self) -> None:
+        """Keep a registered stream, reconnecting (to the next live scheduler, jittered)
+        as an agent does, until the node is dead."""
+        while not self.dead:
+            try:
+                await self.session()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a broken stream: reconnect, as the agent does
+                pass
+            self.registered.clear()
+            if self.dead or self.hung:
+                return
+            await asyncio.sleep(random.uniform(0.05, 1.0))
+            alive = sorted(self.fleet.alive_targets)
+            if self.target not in alive and alive:
+                self.target = alive[self.index % len(alive)]
+
+    async def session(self) -> None:
+        fleet = self.fleet
+        target = fleet.targets[self.target]
+        if self.index in fleet.cabled:
+            self.cable = Cable(target)
+            target = await self.cable.start()
+        if fleet.tls is None:
+            channel = grpc.aio.insecure_channel(target)
+        else:
+            channel = grpc.aio.secure_channel(
+                target, fleet.tls.credentials(self.node_id), options=channel_options()
+            )
+        try:
+            stub = agent_pb2_grpc.AgentServiceStub(channel)
+            self.outbox = asyncio.Queue()
+            self.call = stub.Connect(self.requests(self.register_message()))
+            beats: asyncio.Task[None] | None = None
+            try:
+                async for reply in self.call:
+                    kind = reply.WhichOneof("body")
+                    if kind == "registered":
+                        self.registrations += 1
+                        self.registered.set()
+                        beats = asyncio.create_task(self.beat(reply.registered))
+                    else:
+                        self.command(reply, kind)
+            finally:
+                if beats is not None:
+                    beats.cancel()
+                self.outbox.put_nowait(None)
+        finally:
+            await channel.close(grace=None)
+            if self.cable is not None and not self.cable.is_cut:
+                self.cable.close()
+
+    async def requests(
+        self, first: agent_pb2.AgentMessage
+    ) -> AsyncIterator[agent_pb2.AgentMessage]:
+        yield first
+        seq = 1
+        outbox = self.outbox
+        while (message := await outbox.get()) is not None:
+            seq += 1
+            message.seq = seq
+            yield message
+
+    def running(self) -> list[agent_pb2.RunningRank]:
+        out: list[agent_pb2.RunningRank] = []
+        for job_id, job in self.jobs.items():
+            step = self.reported_step.get(job_id, job.restore_step)
+            out.extend(
+                agent_pb2.RunningRank(
+                    job_id=job_id, generation=job.generation, rank=r, pid=10_000 + g, step=step
+                )
+                for r, g in job.ranks
+            )
+        return out
+
+    def health(self) -> common_pb2.NodeHealth:
+        gpus = []
+        for g, uuid in enumerate(self.gpu_uuids):
+            fatal = g == self.unhealthy_gpu
+            gpus.append(
+                common_pb2.GpuHealth(
+                    index=g,
+                    uuid=uuid,
+                    temperature_c=45.0,
+                    power_w=300.0,
+                    pcie_link_gen=5,
+                    pcie_link_gen_max=5,
+                    pcie_link_width=16,
+                    pcie_link_width_max=16,
+                    verdict=(
+                        common_pb2.HEALTH_VERDICT_FATAL
+                        if fatal
+                        else common_pb2.HEALTH_VERDICT_HEALTHY
+                    ),
+                    reasons=["Xid 79 (GPU has fallen off the bus)"] if fatal else [],
+                )
+            )
+        if self.unhealthy_gpu is None:
+            return common_pb2.NodeHealth(verdict=common_pb2.HEALTH_VERDICT_HEALTHY, gpus=gpus)
+        return common_pb2.NodeHealth(
+            verdict=common_pb2.HEALTH_VERDICT_FATAL,
+            reasons=[f"GPU {self.unhealthy_gpu}: Xid 79 (GPU has fallen off the bus)"],
+            gpus=gpus,
+        )
+
+    async def beat(self, registered: agent_pb2.Registered) -> None:
+        """As the agent: look every interval; a heartbeat when what it says changed and
+        at least every refresh interval; the ranks' new steps at each look."""
+        interval = registered.heartbeat_interval_seconds or self.fleet.interval
+        refresh = max(registered.refresh_interval_seconds, interval)
+        await asyncio.sleep(random.uniform(0, interval))  # agents are not in phase
+        sent: tuple[object, ...] | None = None
+        sent_at = -math.inf
+        while True:
+            if not self.hung:
+                now = time.monotonic()
+                gist = self.gist()
+                if gist != sent or now - sent_at >= refresh - interval / 2:
+                    self.heartbeat()
+                    sent, sent_at = gist, now
+                self.send_steps()
+            await asyncio.sleep(interval)
+
+    def gist(self) -> tuple[object, ...]:
+        """What a heartbeat says that the scheduler acts on (the agent's `_gist`)."""
+        jobs = tuple(sorted((j, a.generation, tuple(a.ranks)) for j, a in self.jobs.items()))
+        return (self.unhealthy_gpu, jobs)
+
+    def heartbeat(self) -> None:
+        self.send(
+            heartbeat=agent_pb2.Heartbeat(
+                time=stamp(time.time()), health=self.health(), running_ranks=self.running()
+            )
+        )
+        self.fleet.sent["heartbeat"] += 1
+
+    def send_steps(self) -> None:
+        now = time.time()
+        sent = self.fleet.sent
+        for job_id, job in self.jobs.items():
+            step = job.restore_step + int((now - job.started) / self.fleet.step_seconds)
+            last = self.reported_step.get(job_id, job.restore_step)
+            if step <= last:
+                continue
+            # What the agent sends: its ranks' steps since the last summary, folded,
+            # with a window summary per rank for every straggler window they completed.
+            seconds = self.fleet.step_seconds
+            summary = agent_pb2.StepSummary(
+                job_id=job_id,
+                generation=job.generation,
+                ranks=len(job.ranks),
+                slowest_step=step,
+                newest_step=step,
+                samples=(step - last) * len(job.ranks),
+                tokens=8192 * (step - last) * len(job.ranks),
+                loss_step=step,
+                loss=2.0,
+                time=stamp(now),
+            )
+            size = job.windows.window_steps
+            counted = job.restore_step + 1 + job.windows.warmup_steps
+            for s in range(last + 1, step + 1):
+                if s < counted or (s - counted + 1) % size:
+                    continue
+                window = (s - counted) // size
+                for r, _ in job.ranks:
+                    summary.windows.add(
+                        rank=r,
+                        window=window,
+                        steps=size,
+                        timed=size,
+                        median_seconds=seconds * random.uniform(0.99, 1.01),
+                        max_seconds=seconds * 1.02,
+                        first_step=s - size + 1,
+                    )
+            self.reported_step[job_id] = step
+            self.send(step_summary=summary)
+            sent["step_summaries"] += 1
+            sent["samples"] += summary.samples
+            sent["windows"] += len(summary.windows)
+
+    def command(self, reply: agent_pb2.SchedulerMessage, kind: str | None) -> None:
+        now = time.time()
+        if kind in ("start_ranks", "reconfigure"):
+            body = reply.start_ranks if kind == "start_ranks" else reply.reconfigure
+            if kind == "start_ranks" and reply.start_ranks.standby_gpus:
+                pass
+            else:
+                self.fleet.received.setdefault(body.generation, {}).setdefault(self.node_id, now)
+                sizes = self.fleet.command_bytes
+                sizes[body.generation] = max(sizes.get(body.generation, 0), reply.ByteSize())
+                if body.rank_map.node_local:  # this node's share of the map
+                    ranks = [(a.rank, a.gpu_index) for a in body.rank_map.ranks]
+                else:
+                    ranks = self.fleet.ranks_of(body.job_id, body.rank_map).get(self.node_id, [])
+                if ranks:
+                    self.jobs[body.job_id] = Assignment(
+                        body.generation,
+                        ranks,
+                        now,
+                        body.restore_step,
+                        StragglerPolicy.from_step_windows(body.step_windows),
+                    )
+                    self.reported_step[body.job_id] = body.restore_step
+                else:
+                    self.jobs.pop(body.job_id, None)
+        elif kind == "stop_ranks":
+            stop = reply.stop_ranks
+            job = self.jobs.get(stop.job_id)
+            if job is not None:
+                job.ranks = [(r, g) for r, g in job.ranks if stop.ranks and r not in stop.ranks]
+                if not job.ranks:
+                    del self.jobs[stop.job_id]
+        self.send(ack=agent_pb2.CommandAck(command_id=reply.command_id, ok=True))
+        self.fleet.sent["ack"] += 1
+
+    def inject_xid(self) -> None:
+        """What the agent sends on a fatal Xid: the Xid, the exit of the rank on that GPU
+        (the agent ends it), and a heartbeat at once saying FATAL."""
+        gpu = 0
+        job_id, job = next(iter(self.jobs.items()))
+        rank = next(r for r, g in job.ranks if g == gpu)
+        self.unhealthy_gpu = gpu
+        now = time.time()
+        self.send(
+            xid=common_pb2.XidEvent(
+                gpu_index=gpu,
+                gpu_uuid=self.gpu_uuids[gpu],
+                xid=79,
+                message="GPU has fallen off the bus",
+                time=stamp(now),
+                source=common_pb2.XID_SOURCE_SIMULATED,
+                verdict=common_pb2.HEALTH_VERDICT_FATAL,
+            )
+        )
+        job.ranks = [(r, g) for r, g in job.ranks if g != gpu]
+        self.send(
+            rank_exited=agent_pb2.RankExited(
+                job_id=job_id, generation=job.generation, rank=rank, signal=9, time=stamp(now)
+            )
+        )
+        self.heartbeat()
+
+
+RELAY = """
+import asyncio, sys
+
+async def pump(reader, writer):
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        writer.close()
+
+async def main(host, port):
+    async def relay(reader, writer):
+        up_reader, up_writer = await asyncio.open_connection(host, port)
+        tasks.update(
+            asyncio.create_task(pump(*ends)) for ends in ((reader, up_writer), (up_reader, writer))
+        )
+    tasks = set()
+    server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.Event().wait()
+
+host, port = sys.argv[1].rsplit(":", 1)
+asyncio.run(main(host, int(port)))
+"""
+"""A TCP relay, run as a process of its own: in the simulator's busy event loop it
+delayed every keepalive ping of its node (all 11 false losses of a 2,568-node run were
+nodes behind one, none of the 2,544 others)."""
+
+
+class Cable:
+    """A TCP relay between one simulated node and its scheduler, in a process of its own:
+    `cut` stops it (SIGSTOP), so every byte stops both ways and nothing is closed, as a
+    cut network or a host that lost power (no FIN, no reset): only the stream's
+    keepalive pings can tell."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.is_cut = False
+        self._process: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> str:
+        self._process = await asyncio.create_subprocess_exec(
+            *dying_with_parent([sys.executable, "-c", RELAY, self.target]),  # killed with us
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert self._process.stdout is not None
+        port = int(await self._process.stdout.readline())
+        return f"127.0.0.1:{port}"
+
+    def cut(self) -> None:
+        assert self._process is not None
+        self.is_cut = True
+        os.kill(self._process.pid, signal.SIGSTOP)
+
+    def close(self) -> None:
+        if self._process is not None and self._process.returncode is None:
+            self._process.kill()  # a stopped process dies of SIGKILL too
+
+
+class NodeCertificates:
+    """Each simulated node's certificate from the cluster CA, as enrollment issues them
+    (signed here rather than through 2,500 join tokens: the stream is what is measured)."""
+
+    def __init__(self, ca_directory: Path) -> None:
+        self.ca = CertificateAuthority.load_or_create(ca_directory)
+        self._made: dict[str, Any] = {}
+
+    def credentials(self, node_id: str) -> Any:
+        if node_id not in self._made:
+            key = new_key()
+            cert = self.ca.issue_node(certificate_request(key, node_id), node_id)
+            self._made[node_id] = grpc.ssl_channel_credentials(
+                root_certificates=self.ca.pem,
+                private_key=key_pem(key),
+                certificate_chain=cert_pem(cert),
+            )
+        return self._made[node_id]
