@@ -12,10 +12,8 @@ import os
 import re
 import secrets
 import shlex
-import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -23,6 +21,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from pitstop.client import launch
 from pitstop.client.localcluster.errors import ClusterError, ClusterStartError, log_tail
 from pitstop.client.localcluster.processes import POLL, start_ticks, tagged_processes
 from pitstop.client.localcluster.settings import (
@@ -61,16 +60,10 @@ _MAX_SOCKET_PATH = 100
 
 def binary(name: str) -> str:
     """A pitstop console script: next to the running python first, then on PATH."""
-    beside = Path(sys.executable).parent / name
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    found = shutil.which(name)
-    if found is None:
-        raise ClusterError(
-            f"cannot find {name} next to {sys.executable} or on PATH; "
-            "install pitstop (pip install pitstop) in this environment"
-        )
-    return found
+    try:
+        return launch.binary(name)
+    except launch.LaunchError as exc:
+        raise ClusterError(str(exc)) from exc
 
 
 LOCAL_PREFLIGHT_SECONDS = 5.0
@@ -91,15 +84,11 @@ class ClusterSpawning(ClusterState):
     """Starting daemons, a part of `LocalCluster`."""
 
     def _daemon_env(self, extra: Mapping[str, str], name: str) -> dict[str, str]:
-        env = dict(os.environ)
+        # Jobs say `python`: let it be this environment's, where pitstop is installed.
+        env = launch.with_python_first(os.environ)
         # A daemon that dies at start leaves a plain traceback, whose last lines (the
         # ones `up` shows) name the error, rather than a boxed one.
         env.setdefault("_TYPER_STANDARD_TRACEBACK", "1")
-        # Jobs say `python`: let it be this environment's, where pitstop is installed.
-        here = str(Path(sys.executable).parent)
-        path = env.get("PATH", os.defpath)
-        if path.split(os.pathsep)[0] != here:
-            env["PATH"] = here + os.pathsep + path
         env.update(self.env)
         for key, value in extra.items():
             env.setdefault(key, value)
@@ -212,19 +201,10 @@ class ClusterSpawning(ClusterState):
         host = "127.0.0.1" if self.network is None else self.network.gateway
         if self.tls:
             env.update(self._tls_env(name))
-        argv = [
-            binary("pitstop-scheduler"),
-            "--state-dir",
-            str(self.state_dir / name),
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--metrics-port",
-            "0",
-            "--dashboard-port",
-            "0",
-        ]
+        binary("pitstop-scheduler")  # ClusterError, naming it, when it is missing
+        argv = launch.scheduler_command(
+            state_dir=self.state_dir / name, host=host, port=port, metrics_port=0, dashboard_port=0
+        )
         what = "the scheduler" if name == "scheduler" else f"the scheduler {name}"
         starting = self._spawn(name, "scheduler", argv, env, what)
         try:
@@ -337,25 +317,18 @@ class ClusterSpawning(ClusterState):
         return "127.0.0.1" if self.network is None else self.network.link(node_id).address
 
     def _checkpointd_argv(self, spec: NodeSpec, port: int) -> list[str]:
-        return [
-            binary("pitstop-checkpointd"),
-            "run",
-            "--node-id",
-            spec.node_id,
-            "--host",
-            self._node_host(spec.node_id),
-            "--port",
-            str(port),
-            "--scheduler",
-            self.scheduler_target,
-            "--state-dir",
-            str(self.state_dir / "nodes" / spec.node_id / "checkpointd"),
+        binary("pitstop-checkpointd")  # ClusterError, naming it, when it is missing
+        return launch.checkpointd_command(
+            node_id=spec.node_id,
+            host=self._node_host(spec.node_id),
+            port=port,
+            scheduler=self.scheduler_target,
+            state_dir=self.state_dir / "nodes" / spec.node_id / "checkpointd",
             # One durable store for the whole cluster, as a shared bucket would be: a
             # spare restores what a dead node flushed.
-            "--durable-url",
-            (self.state_dir / "durable").as_uri(),
-            *(["--tls-dir", str(self._identity(spec.node_id).directory)] if self.tls else []),
-        ]
+            durable_url=(self.state_dir / "durable").as_uri(),
+            tls_dir=self._identity(spec.node_id).directory if self.tls else None,
+        )
 
     def _spawn_checkpointd(self, spec: NodeSpec, join_token: str = "") -> _Starting:
         # A daemon its agent starts again must come back at the same address: a fixed port.
@@ -378,34 +351,28 @@ class ClusterSpawning(ClusterState):
     def _spawn_agent(self, spec: NodeSpec, checkpointd_address: str) -> _Starting:
         agent_dir = self.state_dir / "nodes" / spec.node_id / "agent"
         socket = self._socket_path(agent_dir, spec.node_id)
-        argv = [
-            binary("pitstop-agent"),
-            "run",
-            "--node-id",
-            spec.node_id,
-            "--scheduler",
-            self.scheduler_target,
-            "--gpus",
-            f"sim:{spec.gpus}",
-            "--zone",
-            "z1",
-            "--block",
-            "b1",
-            "--rack",
-            spec.rack,
-            "--role",
-            spec.role,
-            "--state-dir",
-            str(agent_dir),
-            "--socket-path",
-            str(socket),
-            "--checkpointd-address",
-            checkpointd_address,
-            "--metrics-port",
-            "0",
-        ]
-        if self.ca_cert is not None:  # enrolled by its checkpoint daemon, started first
-            argv += ["--tls", "--ca-file", str(self.ca_cert)]
+        binary("pitstop-agent")  # ClusterError, naming it, when it is missing
+        owned = self.agent_owns_checkpointd
+        argv = launch.agent_command(
+            node_id=spec.node_id,
+            scheduler=self.scheduler_target,
+            gpus=f"sim:{spec.gpus}",
+            zone="z1",
+            block="b1",
+            rack=spec.rack,
+            role=spec.role,
+            state_dir=agent_dir,
+            socket_path=socket,
+            checkpointd_address=checkpointd_address,
+            metrics_port=0,
+            # Enrolled by its checkpoint daemon, started first.
+            tls=True if self.ca_cert is not None else None,
+            ca_file=self.ca_cert,
+            checkpointd_command=(
+                self._owned_checkpointd_command(spec, checkpointd_address) if owned else None
+            ),
+            advertise_host=self._node_host(spec.node_id) if self.network is not None else None,
+        )
         # An idle node checks itself every few seconds (300 on a fleet): a drilled
         # preflight failure (inject-fault --fail-preflight) shows while one watches.
         extra = {
@@ -413,13 +380,7 @@ class ClusterSpawning(ClusterState):
                 "PITSTOP_AGENT_PREFLIGHT_INTERVAL_SECONDS", str(LOCAL_PREFLIGHT_SECONDS)
             )
         }
-        if self.agent_owns_checkpointd:
-            argv += [
-                "--checkpointd-command",
-                self._owned_checkpointd_command(spec, checkpointd_address),
-            ]
         if self.network is not None:
-            argv += ["--advertise-host", self._node_host(spec.node_id)]
             # Gloo would pick the address the host name resolves to, loopback here;
             # the ranks inherit the agent's environment.
             extra["GLOO_SOCKET_IFNAME"] = IFACE
