@@ -134,9 +134,9 @@ class CommandRouter:
         )
         frame = _frame(COMMAND, node_id, message.SerializeToString())
         try:
-            heard = await self.hot.redis.publish(channel, frame)
+            heard = await self.hot.publish(channel, frame)
             if not heard and channel != self.channel:  # its holder is gone: ask everyone
-                await self.hot.redis.publish(self.channel, frame)
+                await self.hot.publish(self.channel, frame)
         except RedisError:
             log.warning("cannot route a command to node %s: Redis unreachable", node_id)
             return None
@@ -167,10 +167,7 @@ class CommandRouter:
             for at in range(0, len(entries), BATCH_COMMANDS)
         ]
         try:
-            async with self.hot.redis.pipeline(transaction=False) as pipe:
-                for channel, frame in frames:
-                    pipe.publish(channel, frame)
-                heard = await pipe.execute()
+            heard = await self.hot.publish_all(frames)
             # A holder gone: ask everyone (whoever holds the stream now forwards it).
             unheard = [
                 frame
@@ -178,10 +175,7 @@ class CommandRouter:
                 if not listeners and channel != self.channel
             ]
             if unheard:
-                async with self.hot.redis.pipeline(transaction=False) as pipe:
-                    for frame in unheard:
-                        pipe.publish(self.channel, frame)
-                    await pipe.execute()
+                await self.hot.publish_all([(self.channel, frame) for frame in unheard])
         except RedisError:
             count = sum(len(entries) for entries in remote.values())
             log.warning("cannot route %d commands: Redis unreachable", count)
@@ -191,7 +185,7 @@ class CommandRouter:
         if self.gateway.close(node_id, reason):
             return
         try:
-            await self.hot.redis.publish(self.channel, _frame(CLOSE, node_id, reason.encode()))
+            await self.hot.publish(self.channel, _frame(CLOSE, node_id, reason.encode()))
         except RedisError:
             log.warning("cannot close node %s's stream elsewhere: Redis unreachable", node_id)
 
@@ -205,30 +199,23 @@ class CommandRouter:
         """Name this process the node's holder, for every process (best effort: without
         it, commands for the node take the shared channel)."""
         try:
-            async with self.hot.redis.pipeline(transaction=False) as pipe:
-                pipe.hset(self.hot.stream_holders_key, node_id, self.process_id)
-                pipe.publish(self.channel, _frame(HOLDER, node_id, self.process_id.encode()))
-                await pipe.execute()
+            notice = _frame(HOLDER, node_id, self.process_id.encode())
+            await self.hot.name_stream_holder(node_id, self.process_id, self.channel, notice)
         except RedisError:
             log.debug("could not name this process node %s's holder", node_id, exc_info=True)
 
     async def _listen(self) -> None:
         while True:
             try:
-                pubsub = self.hot.redis.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(self.channel, self.own_channel)
-                try:
+                async with self.hot.subscribed(self.channel, self.own_channel) as messages:
                     # After subscribing: a claim made meanwhile arrives as a notice.
-                    known = await self.hot.redis.hgetall(self.hot.stream_holders_key)
-                    for node, holder in known.items():
-                        self.holders.setdefault(_text(node), _text(holder))
-                    async for item in pubsub.listen():
+                    for node, holder in (await self.hot.stream_holders()).items():
+                        self.holders.setdefault(node, holder)
+                    async for item in messages:
                         try:
                             await self._handle(item["channel"], item["data"])
                         except (ValueError, DecodeError) as exc:  # one bad frame, not the loop
                             log.warning("command router: a frame it cannot read: %s", exc)
-                finally:
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError, ValueError):
@@ -253,7 +240,7 @@ class CommandRouter:
                 # Sent here on a stale holder: those streams moved. Whoever holds them
                 # now hears them on the shared channel; the sender learns the new
                 # holder from that process's notice.
-                await self.hot.redis.publish(self.channel, _batch_frame(moved))
+                await self.hot.publish(self.channel, _batch_frame(moved))
 
 
 COMMAND, CLOSE, HOLDER, BATCH = b"M", b"C", b"H", b"B"

@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import AsyncIterator, Collection, Iterable
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -43,7 +43,10 @@ POOL_WAIT_SECONDS = 2.0
 
 
 class HotState:
-    """Typed access to the scheduler's Redis keys, all under one prefix."""
+    """Typed access to the scheduler's Redis keys and channels, all under one prefix.
+
+    The one owner of them: the rest of the scheduler reaches Redis through its methods
+    (pub/sub included), never through `redis` itself."""
 
     def __init__(self, client: aioredis.Redis, prefix: str = "pitstop:") -> None:
         self.redis = client
@@ -157,6 +160,42 @@ class HotState:
         process also listens on this name with its own id appended."""
         return f"{self.prefix}node-commands"
 
+    async def publish(self, channel: str, message: bytes | str) -> int:
+        """Publish on `channel`; how many subscribers heard it."""
+        return int(await self.redis.publish(channel, message))
+
+    async def publish_all(self, messages: list[tuple[str, bytes]]) -> list[int]:
+        """Publish each (channel, message) in one round trip; how many heard each."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for channel, message in messages:
+                pipe.publish(channel, message)
+            return [int(n) for n in await pipe.execute()]
+
+    @contextlib.asynccontextmanager
+    async def subscribed(self, *channels: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """The messages of `channels` (subscription notices left out), while inside."""
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(*channels)
+        try:
+            yield pubsub.listen()
+        finally:
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def name_stream_holder(
+        self, node_id: str, process_id: str, channel: str, notice: bytes
+    ) -> None:
+        """Record `process_id` as the holder of the node's agent stream and publish
+        `notice` on `channel`, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self.stream_holders_key, node_id, process_id)
+            pipe.publish(channel, notice)
+            await pipe.execute()
+
+    async def stream_holders(self) -> dict[str, str]:
+        """node id -> the scheduler process holding its agent stream, as recorded."""
+        known = await self.redis.hgetall(self.stream_holders_key)
+        return {_text(node): _text(holder) for node, holder in known.items()}
+
     async def node_health(self, node_id: str) -> dict[str, Any] | None:
         """The node's live health as its last heartbeat reported it (with received_at)."""
         raw = await self.redis.get(self.node_health_key(node_id))
@@ -198,6 +237,24 @@ class HotState:
             for key, entry in entries:
                 pipe.xadd(key, {"batch": entry.SerializeToString()}, maxlen=keep, approximate=True)
             await pipe.execute()
+
+    async def step_summaries_after(
+        self, job_id: str, cursor: str, newest: int, *, windows: bool = False
+    ) -> tuple[list[agent_pb2.StepSummary], str]:
+        """The summaries of the job's steps stream (its window stream with `windows`)
+        after entry `cursor` (the newest `newest`, for none yet), and the new cursor."""
+        key = self.windows_key(job_id) if windows else self.steps_key(job_id)
+        entries: list[Any]
+        if not cursor:
+            latest = await self.redis.xrevrange(key, count=newest)
+            entries = list(reversed(cast(list[Any], latest or [])))
+        else:
+            entries = cast(list[Any], await self.redis.xrange(key, min=f"({cursor}", count=20_000))
+        summaries = []
+        for entry_id, fields in entries or []:
+            cursor = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            summaries.append(agent_pb2.StepSummary.FromString(fields[b"batch"]))
+        return summaries, cursor
 
     async def read_step_summaries(
         self, cursors: dict[str, str], count: int = 10_000
@@ -326,13 +383,9 @@ class EventBus:
         # Reconnects forever: a Redis outage only slows watchers down to their poll.
         while True:
             try:
-                pubsub = self._hot.redis.pubsub(ignore_subscribe_messages=True)
-                await pubsub.subscribe(self._hot.events_channel)
-                try:
-                    async for _message in pubsub.listen():
+                async with self._hot.subscribed(self._hot.events_channel) as messages:
+                    async for _message in messages:
                         self._wake()
-                finally:
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError):

@@ -11,7 +11,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 from google.protobuf import json_format
 from sqlalchemy import select
@@ -297,13 +297,13 @@ class StepFeed:
         """The summaries not read yet: of the steps stream (progress, loss, tokens) and
         of the window stream (the windows: one summary in about a window's steps has
         any, so the first read reaches much further back there)."""
-        summaries, self.cursor = await _read_stream(
-            hot, hot.steps_key(self.job_id), self.cursor, FIRST_READ_SUMMARIES
+        summaries, self.cursor = await hot.step_summaries_after(
+            self.job_id, self.cursor, FIRST_READ_SUMMARIES
         )
         for summary in summaries:
             del summary.windows[:]
-        windows, self.windows_cursor = await _read_stream(
-            hot, hot.windows_key(self.job_id), self.windows_cursor, FIRST_READ_WINDOWS
+        windows, self.windows_cursor = await hot.step_summaries_after(
+            self.job_id, self.windows_cursor, FIRST_READ_WINDOWS, windows=True
         )
         return summaries + windows
 
@@ -365,24 +365,6 @@ class StepFeed:
             "loss": [[n, round(statistics.fmean(self.losses[n]), 6)] for n in loss_steps],
             **_rates(self.progress),
         }
-
-
-async def _read_stream(
-    hot: HotState, key: str, cursor: str, first: int
-) -> tuple[list[agent_pb2.StepSummary], str]:
-    """The summaries of stream `key` after entry `cursor` (the newest `first`, for none
-    yet), and the new cursor."""
-    entries: list[Any]
-    if not cursor:
-        newest = await hot.redis.xrevrange(key, count=first)
-        entries = list(reversed(cast(list[Any], newest or [])))
-    else:
-        entries = cast(list[Any], await hot.redis.xrange(key, min=f"({cursor}", count=20_000))
-    summaries = []
-    for entry_id, fields in entries or []:
-        cursor = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-        summaries.append(agent_pb2.StepSummary.FromString(fields[b"batch"]))
-    return summaries, cursor
 
 
 def _rates(progress: deque[tuple[float, int, int]]) -> dict[str, float]:
