@@ -16,6 +16,7 @@ from pitstop.scheduler.services import events as event_service
 from pitstop.scheduler.services import jobs as job_service
 from pitstop.scheduler.services import records as record_service
 from pitstop.scheduler.services import stacks as stacks_service
+from pitstop.scheduler.services.views import job_in_full
 from pitstop.scheduler.store import Store
 from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2
 
@@ -132,16 +133,3 @@ class JobServicer:
             until=lambda e: e.to_state in _TERMINAL_NAMES,
         ):
             yield event
-
-
-async def job_in_full(store: Store, hot: HotState, job_id: str) -> jobs_pb2.Job:
-    """One job as `pitstop job show` and the dashboard have it: its current rank map
-    and the per-rank step statistics from Redis."""
-    async with store.read() as session:
-        job = await job_service.get_job(session, job_id)
-        ranks = await job_service.current_ranks(session, job)
-        queue = await job_service.queue_positions(session) if not ranks else {}
-    message = job_to_pb(job, ranks, queue_position=queue.get(job.id, 0))
-    stats = await hot.rank_stats(job.id)
-    message.rank_stats.extend(jobs_pb2.RankStepStats(**s) for s in stats)
-    return message

@@ -24,6 +24,7 @@ from pitstop.scheduler.services import enrollment
 from pitstop.scheduler.services import events as event_service
 from pitstop.scheduler.services import nodes as node_service
 from pitstop.scheduler.services.health import health_verdict
+from pitstop.scheduler.services.views import node_in_full
 from pitstop.scheduler.store import Store
 from pitstop.v1 import agent_pb2, common_pb2, nodes_pb2
 
@@ -181,13 +182,3 @@ class EventServicer:
             after_id=request.after_event_id,
         ):
             yield event
-
-
-async def node_in_full(store: Store, hot: HotState, node_id: str) -> nodes_pb2.Node:
-    """One node as `pitstop node show` and the dashboard have it: its Xid history, the
-    jobs on it, and its live health from Redis."""
-    async with store.read() as session:
-        node = await node_service.get_node(session, node_id)
-        xids = await node_service.xid_history(session, node.id)
-        jobs = await node_service.active_jobs_on(session, node.id)
-    return node_to_pb(node, xids=xids, job_ids=jobs, live_health=await hot.node_health(node.id))

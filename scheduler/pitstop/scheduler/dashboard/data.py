@@ -16,8 +16,6 @@ from typing import Any
 from google.protobuf import json_format
 from sqlalchemy import select
 
-from pitstop.scheduler.api.jobs import job_in_full
-from pitstop.scheduler.api.nodes import node_in_full
 from pitstop.scheduler.convert import event_to_pb, node_to_pb
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import TERMINAL_JOB_STATES, NodeRole, NodeState
@@ -26,6 +24,7 @@ from pitstop.scheduler.services import events as event_service
 from pitstop.scheduler.services import jobs as job_service
 from pitstop.scheduler.services import nodes as node_service
 from pitstop.scheduler.services import records as record_service
+from pitstop.scheduler.services.views import job_in_full, node_in_full
 from pitstop.scheduler.store import Store
 from pitstop.v1 import agent_pb2, common_pb2
 
