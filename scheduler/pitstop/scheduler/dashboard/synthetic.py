@@ -21,19 +21,30 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from google.protobuf import json_format
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from pitstop.health.straggler import StragglerPolicy, WindowFold
 from pitstop.scheduler.db import models
 from pitstop.scheduler.db.engine import session_factory
 from pitstop.scheduler.domain import JobState, NodeRole, NodeState
+from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.services.jobs import spec_to_json
 from pitstop.v1 import agent_pb2, jobs_pb2
 
-if TYPE_CHECKING:
-    from pitstop.scheduler.server import Scheduler
+
+class Scheduler(Protocol):
+    """What seeding needs of a running scheduler (pitstop.scheduler.server.Scheduler):
+    its database and its Redis."""
+
+    @property
+    def engine(self) -> AsyncEngine: ...
+
+    @property
+    def hot(self) -> HotState: ...
+
 
 NODES, RANKS = 1000, 4000
 """The default fleet: 1,000 nodes and a 4,000-rank job."""
