@@ -17,6 +17,7 @@ from pitstop.scheduler.leader import LeaderElection
 from pitstop.scheduler.metrics import SchedulerMetrics
 from pitstop.scheduler.reconcile import commands
 from pitstop.scheduler.reconcile.context import Leader, Timeouts
+from pitstop.scheduler.reconcile.deadlines import deadlines_due
 from pitstop.scheduler.reconcile.exits import ExitFollower
 from pitstop.scheduler.reconcile.hangs import HangWatch
 from pitstop.scheduler.reconcile.placing import place_pending_jobs
@@ -130,7 +131,7 @@ class Reconciler:
         await self._send(await self.exits.handle())
 
     async def _deadlines(self) -> None:
-        await self._send(await self.recovery.deadlines_due())
+        await self._send(await deadlines_due(self.leader, self.recovery.accounts_due))
 
     async def _send(self, job_ids: set[str]) -> None:
         """The decisions just committed go out at once (the tick's end re-sends what

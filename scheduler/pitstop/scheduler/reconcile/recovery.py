@@ -15,7 +15,6 @@ from redis.exceptions import RedisError
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pitstop.health.goodput import incident_attributes
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState, NodeState
 from pitstop.scheduler.placement import choose_replacement, replace_node, shrink_by_one_replica
@@ -28,6 +27,7 @@ from pitstop.scheduler.reconcile.context import (
     locked_job,
     set_deadline,
 )
+from pitstop.scheduler.reconcile.outcomes import fail_job, recovering
 from pitstop.scheduler.services import catalog, goodput, lifecycle
 from pitstop.scheduler.services import node_commands as plan
 from pitstop.scheduler.services.events import record_event
@@ -81,7 +81,8 @@ async def node_actions(
 
 
 class Recovery:
-    """Node failures, rank exits and deadlines, each turned into a committed decision."""
+    """Node failures and rank exits, each turned into a committed decision (a missed
+    deadline is deadlines.py's)."""
 
     def __init__(self, leader: Leader, step_seconds: Callable[[str], float]) -> None:
         self.leader = leader
@@ -260,7 +261,7 @@ class Recovery:
             spec = spec_from_json(job.spec)
             placement = await self.leader.rank_maps.of(session, job)
             if job.restarts >= spec.max_restarts:
-                nodes = await _fail(session, job, placement, exited.reason)
+                nodes = await fail_job(session, job, placement, exited.reason)
             else:
                 job.restarts += 1
                 # A job that stepped past its restore step since its last restart got
@@ -340,119 +341,6 @@ class Recovery:
             )
         return True
 
-    # Deadlines -------------------------------------------------------------------------
-
-    async def deadlines_due(self) -> set[str]:
-        """Fall back for every job whose decision in flight missed its deadline."""
-        async with self.leader.store.read() as session:
-            due = (
-                await session.scalars(
-                    select(models.Job.id)
-                    .where(models.Job.state.in_((JobState.STARTING, JobState.RECOVERING)))
-                    .where(models.Job.deadline.is_not(None))
-                    .where(models.Job.deadline < func.now())
-                )
-            ).all()
-        decided = set()
-        for job_id in due:
-            if await self.fall_back(job_id):
-                decided.add(job_id)
-        return decided
-
-    async def fall_back(self, job_id: str) -> bool:
-        """Restart every rank of the job from its restore step, in the same places (a
-        restart counted against max_restarts: a job that can never get going ends
-        FAILED rather than waiting for ever)."""
-        leader = self.leader
-        nodes: list[str] = []
-        async with leader.store.write() as session:
-            job = await locked_job(leader, session, job_id, IN_FLIGHT)
-            if job is None or job.deadline is None:
-                return False
-            passed = select(models.Job.deadline < func.now()).where(models.Job.id == job_id)
-            if await session.scalar(passed) is not True:
-                return False
-            spec = spec_from_json(job.spec)
-            placement = await self.leader.rank_maps.of(session, job)
-            if await failed_nodes(session, placement):
-                # Waiting for capacity to replace a failed node (repair_failed_nodes acts
-                # the moment a spare appears): a restart in place cannot run.
-                set_deadline(job, leader.timeouts.restart_seconds)
-                return False
-            waited = (
-                "the recovery did not resume"
-                if job.state is JobState.RECOVERING
-                else "the ranks did not start stepping"
-            )
-            if job.restarts >= spec.max_restarts:
-                nodes = await _fail(session, job, placement, f"{waited} before its deadline")
-            else:
-                job.restarts += 1
-                await self.leader.rank_maps.write(session, job, placement)
-                job.restore_step = await catalog.restorable_step(session, job)
-                job.commands_after = None
-                set_deadline(job, leader.timeouts.restart_seconds)
-                await plan.replace_plan(
-                    session, job, dict.fromkeys(placement.nodes(), NodeAction.START)
-                )
-                now = time.time()
-                attributes = {
-                    "generation": str(job.generation),
-                    "fallback": "true",
-                    **incident_attributes(
-                        cause=f"{waited} before its deadline",
-                        failed_at=now,
-                        detected_at=now,
-                        lost_steps=max(job.current_step - job.restore_step, 0),
-                    ),
-                }
-                reason = (
-                    f"{waited} before its deadline: restarting every rank from step "
-                    f"{job.restore_step} (restart {job.restarts} of {spec.max_restarts})"
-                )
-                recovering(
-                    session,
-                    job,
-                    kind="job.restarting",
-                    again="job.restarting",
-                    reason=reason,
-                    attributes=attributes,
-                )
-            self.accounts_due.add(job.id)
-        if nodes:
-            await stop_everywhere(leader, job_id, nodes, "job failed")
-            return False
-        leader.metrics.recoveries.labels("fallback").inc()
-        log.warning("job %s: fell back to a full restart", job_id)
-        return True
-
-
-def recovering(
-    session: AsyncSession,
-    job: models.Job,
-    *,
-    kind: str,
-    again: str,
-    reason: str,
-    attributes: dict[str, str],
-) -> None:
-    """The job goes RECOVERING with event `kind`; one already recovering stays so, and
-    the decision is recorded as `again` (a further decision within the same incident
-    or a new one of its own; the goodput account tells them apart)."""
-    if job.state is not JobState.RECOVERING:
-        lifecycle.transition(
-            session, job, JobState.RECOVERING, kind=kind, reason=reason, attributes=attributes
-        )
-        return
-    record_event(
-        session,
-        again,
-        actor="scheduler",
-        job_id=job.id,
-        reason=reason,
-        attributes={"generation": str(job.generation), **attributes},
-    )
-
 
 RESTART_WINDOW = dt.timedelta(minutes=5)
 """Rank restarts further back than this no longer lengthen the next one's backoff."""
@@ -485,23 +373,6 @@ async def _recent_restarts(session: AsyncSession, job_id: str) -> int:
         )
         or 0
     )
-
-
-async def _fail(
-    session: AsyncSession, job: models.Job, placement: Placement, why: str
-) -> list[str]:
-    """The job FAILED, its restarts exhausted: no deadline, its GPUs free; the nodes
-    whose ranks are to be stopped."""
-    lifecycle.transition(
-        session,
-        job,
-        JobState.FAILED,
-        kind="job.failed",
-        reason=f"{why}; restarts exhausted ({job.restarts})",
-    )
-    set_deadline(job, None)
-    await lifecycle.release_gpus(session, job.id)
-    return list(placement.nodes())
 
 
 async def _nodes_with_failed_ranks(session: AsyncSession, job: models.Job) -> set[str]:
