@@ -11,7 +11,6 @@ and NCCL refuses two ranks of one group on one GPU."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import tempfile
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from kit.gpu import cuda, machine, needs_gpu, report
+from pitstop.client.launch import clean_env
 from pitstop.client.localcluster import LocalCluster, running_cluster
 from pitstop.client.scenario import (
     Driver,
@@ -53,7 +53,7 @@ def state_dir() -> Iterator[Path]:
 
 def cpu_hash() -> str:
     """The fault-free run on the CPU (CUDA hidden)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    env = clean_env()
     env["CUDA_VISIBLE_DEVICES"] = ""
     done = subprocess.run(
         example_command(STEPS, 0.0, "--log-every", "0"),

@@ -19,7 +19,7 @@ from kit.schedulers import SchedulerThread, scheduler_settings
 from kit.stores import StoreUrls, unique
 from pitstop.client import PitstopClient
 from pitstop.client.errors import PitstopError
-from pitstop.client.localcluster import binary
+from pitstop.client.launch import agent_command, clean_env
 from pitstop.v1 import common_pb2, nodes_pb2
 
 pytestmark = [pytest.mark.gpu, needs_gpu, pytest.mark.timeout(180)]
@@ -36,11 +36,18 @@ def nvml_agent(stores: StoreUrls, tmp_path: Path) -> Iterator[tuple[SchedulerThr
     )
     node_id = unique("gpu-node")
     log = tmp_path / "agent.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-    command = [binary("pitstop-agent"), "run", "--node-id", node_id]
-    command += ["--scheduler", scheduler.address, "--gpus", "nvml", "--zone", "z1"]
-    command += ["--block", "b1", "--rack", "r1", "--state-dir", str(tmp_path / "agent")]
-    command += ["--metrics-port", "0", "--log-level", "INFO"]
+    env = clean_env()
+    command = agent_command(
+        node_id=node_id,
+        scheduler=scheduler.address,
+        gpus="nvml",
+        zone="z1",
+        block="b1",
+        rack="r1",
+        state_dir=tmp_path / "agent",
+        metrics_port=0,
+        log_level="INFO",
+    )
     with log.open("wb") as out:
         agent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:

@@ -10,7 +10,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from pitstop.agent.config import AgentSettings
 from pitstop.agent.liveness import Liveness
 from pitstop.agent.main import NodeAgent
 from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
+from pitstop.client.launch import checkpointd_command
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, nodes_pb2, nodes_pb2_grpc
 
 TIMEOUT = 20.0
@@ -35,11 +35,15 @@ DOWN = "checkpoint daemon at {address} is down"
 
 
 def checkpointd_argv(node_id: str, state_dir: Path, port: int) -> list[str]:
-    return [
-        *(sys.executable, "-m", "pitstop.checkpointd.main", "run", "--node-id", node_id),
-        *("--host", "127.0.0.1", "--port", str(port), "--scheduler", ""),
-        *("--state-dir", str(state_dir), "--memory-budget-bytes", str(64 << 20)),
-    ]
+    return checkpointd_command(
+        node_id=node_id,
+        host="127.0.0.1",
+        port=port,
+        scheduler="",
+        state_dir=state_dir,
+        as_module=True,
+        extra=["--memory-budget-bytes", str(64 << 20)],
+    )
 
 
 class Checkpointd:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -18,10 +17,10 @@ import grpc
 import psutil
 from typer.testing import CliRunner
 
-from kit.agents import AGENT_BINARY
 from kit.schedulers import SchedulerThread, scheduler_settings
 from kit.stores import StoreUrls
 from pitstop.client.cli import app
+from pitstop.client.launch import agent_command, clean_env
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 NODES = [f"fleet-{i}" for i in range(4)]
@@ -54,31 +53,20 @@ def newest_event(address: str) -> int:
 
 @contextlib.contextmanager
 def agents(address: str, root: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    env = clean_env()
     procs = [
         subprocess.Popen(
-            [
-                str(AGENT_BINARY),
-                "run",
-                "--node-id",
-                node,
-                "--scheduler",
-                address,
-                "--gpus",
-                "sim:8",
-                "--zone",
-                "z1",
-                "--block",
-                "b1",
-                "--rack",
-                f"r{i % 2}",
-                "--state-dir",
-                str(root / node),
-                "--metrics-port",
-                "0",
-                "--log-level",
-                "WARNING",
-            ],
+            agent_command(
+                node_id=node,
+                scheduler=address,
+                gpus="sim:8",
+                zone="z1",
+                block="b1",
+                rack=f"r{i % 2}",
+                state_dir=root / node,
+                metrics_port=0,
+                log_level="WARNING",
+            ),
             stdout=subprocess.DEVNULL,
             env=env,
         )

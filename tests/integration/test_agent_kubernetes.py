@@ -9,7 +9,6 @@ an API server would receive it, and what the agent does with the Node it reads.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import grpc
 import pytest
 from kubernetes import client
 
-from kit.agents import AGENT_BINARY, running_agent
+from kit.agents import running_agent
 from kit.kube_api import NodeStore, gpu_node, kube_api, write_kubeconfig
 from kit.schedulers import SchedulerThread
 from kit.stores import unique
@@ -26,6 +25,7 @@ from kit.waits import until
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.k8s_publisher import NodeConditionPublisher, connect
 from pitstop.agent.metrics import AgentMetrics
+from pitstop.client.launch import agent_command, clean_env
 from pitstop.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
 
 TIMEOUT = 15.0
@@ -216,14 +216,14 @@ async def test_an_agent_publishes_its_health_and_registers_its_nodes_labels(
 def test_an_agent_asked_to_publish_outside_kubernetes_says_what_is_missing(
     tmp_path: Path,
 ) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PITSTOP_", "KUBERNETES_"))}
+    env = {k: v for k, v in clean_env().items() if not k.startswith("KUBERNETES_")}
     env.update(
         HOME=str(tmp_path),
         KUBECONFIG=str(tmp_path / "no-such-kubeconfig"),
         PITSTOP_AGENT_KUBERNETES_NODE_CONDITIONS="true",
     )
     result = subprocess.run(
-        [str(AGENT_BINARY), "run", "--gpus", "sim:1", "--state-dir", str(tmp_path / "s")],
+        agent_command(gpus="sim:1", state_dir=tmp_path / "s"),
         capture_output=True,
         text=True,
         env=env,

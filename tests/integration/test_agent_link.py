@@ -27,6 +27,7 @@ from kit.stores import StoreUrls, unique
 from kit.waits import until
 from pitstop.agent.gpu import SimulatedBackend
 from pitstop.agent.main import NodeAgent
+from pitstop.client.launch import agent_command
 from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
 TIMEOUT = 15.0
@@ -468,20 +469,13 @@ async def test_the_binary_registers_and_stops_its_ranks_on_sigterm(
     scheduler: SchedulerThread, short_dir: Path, notices: RankNotices
 ) -> None:
     node_id = unique("bin")
-    command = [
-        str(AGENT_BINARY),
-        "run",
-        "--node-id",
-        node_id,
-        "--scheduler",
-        scheduler.address,
-        "--gpus",
-        "sim:2",
-        "--state-dir",
-        str(short_dir / "state"),
-        "--metrics-port",
-        "0",
-    ]
+    command = agent_command(
+        node_id=node_id,
+        scheduler=scheduler.address,
+        gpus="sim:2",
+        state_dir=short_dir / "state",
+        metrics_port=0,
+    )
     agent = await asyncio.create_subprocess_exec(
         *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -12,13 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from pitstop.client.launch import clean_env
+
 ROOT = Path(__file__).resolve().parents[2]
 # As the dashboard tests (test_dashboard.py) skip: without Chromium there is no browser.
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 def test_api_benchmark_prints_one_json_line() -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    env = clean_env()
     result = subprocess.run(
         [
             sys.executable,
@@ -106,7 +107,7 @@ def test_scale_benchmark_prints_one_json_line() -> None:
     mutual TLS; 16 simulated nodes and spares; a broken stream, a fatal Xid and a silent
     death (the node's network cut: no reset) detected, decided and fanned out to every
     node of the job, and the headline the issue asks for."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    env = clean_env()
     result = subprocess.run(
         [
             sys.executable,
@@ -173,7 +174,7 @@ def test_scale_benchmark_prints_one_json_line() -> None:
 @pytest.mark.timeout(240)
 def test_dashboard_benchmark_prints_one_json_line() -> None:
     """Embedded stores, a small synthetic fleet, one measured load in headless Chromium."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    env = clean_env()
     result = subprocess.run(
         [sys.executable, "bench/dashboard.py", "--nodes", "50", "--ranks", "200", "--loads", "1"],
         cwd=ROOT,
@@ -196,7 +197,7 @@ def test_dashboard_benchmark_prints_one_json_line() -> None:
 def test_checkpoint_benchmark_prints_one_json_line_and_stops_its_daemons() -> None:
     """A tiny run of every case: the floors and the peers beside pitstop's stall, the
     tuned async_save's settings in the output, and no daemon or segment left behind."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    env = clean_env()
     command = [sys.executable, "bench/checkpoint.py", "--sizes-mb", "8", "--sharded-mb", "8"]
     bench = subprocess.Popen(
         [*command, "--reps", "1", "--cuda"],

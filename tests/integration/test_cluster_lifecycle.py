@@ -24,6 +24,7 @@ from kit.clustercli import cli_environment, cluster_cli, status_json
 from kit.dirs import short_tempdir
 from kit.processes import processes_under, running
 from kit.stores import StoreUrls, unique
+from pitstop.client.launch import clean_env
 from pitstop.client.localcluster import (
     CLUSTER_ENV,
     DAEMON_ENV,
@@ -234,7 +235,7 @@ def descendants(root: int) -> set[int]:
 def test_the_demo_stopped_by_sigterm_leaves_nothing(stores: StoreUrls, state_dir: Path) -> None:
     """SIGTERM mid-run: the demo brings its cluster (daemons, ranks, standbys, embedded
     nothing: the test stores) down, kills its reference run, and exits 143."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    env = clean_env()
     env.update(
         PITSTOP_DATABASE_URL=stores.fresh_database(),
         PITSTOP_REDIS_URL=stores.redis_url,

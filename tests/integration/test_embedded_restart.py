@@ -4,20 +4,19 @@ on the same state dir, and SIGTERM shuts everything down."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 
+from pitstop.client.launch import binary, clean_env, scheduler_command
+
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 # The scheduler under test must choose the embedded stores: no PITSTOP_* from outside.
-ENV = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+ENV = clean_env()
 
 
 @contextmanager
@@ -26,17 +25,7 @@ def scheduler_process(state_dir: Path) -> Iterator[str]:
     state_dir.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("a") as log:
         proc = subprocess.Popen(
-            [
-                str(BIN / "pitstop-scheduler"),
-                "--state-dir",
-                str(state_dir),
-                "--port",
-                "0",
-                "--metrics-port",
-                "0",
-                "--dashboard-port",
-                "0",
-            ],
+            scheduler_command(state_dir=state_dir, port=0, metrics_port=0, dashboard_port=0),
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -58,7 +47,7 @@ def scheduler_process(state_dir: Path) -> Iterator[str]:
 
 def cli(address: str, *args: str) -> str:
     result = subprocess.run(
-        [str(BIN / "pitstop"), "--server", address, *args],
+        [binary("pitstop"), "--server", address, *args],
         capture_output=True,
         text=True,
         env=ENV,

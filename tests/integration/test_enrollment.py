@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import os
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -21,13 +20,13 @@ import pytest
 from cryptography import x509
 from google.protobuf import timestamp_pb2
 
-from kit.agents import AGENT_BINARY
 from kit.events import follow_events, wait_for
 from kit.schedulers import SchedulerProcess, tls_scheduler
 from kit.stores import StoreUrls, unique
 from pitstop.agent.identity import EnrollmentError, enroll, identity_for
 from pitstop.client.client import PitstopClient
 from pitstop.client.errors import PitstopError
+from pitstop.client.launch import agent_command, clean_env
 from pitstop.common.tls import channel_options, common_name, load_key, node_credentials
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, jobs_pb2, jobs_pb2_grpc
 
@@ -223,27 +222,18 @@ def test_the_agent_daemon_enrolls_with_a_token_and_registers(
     with admin(secure) as client:
         token = client.create_join_token(600, node_id).token
     events = follow_events(secure.address, ca=ca_file(secure), token=VIEWER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    env = clean_env()
     agent = subprocess.Popen(
-        [
-            str(AGENT_BINARY),
-            "run",
-            "--node-id",
-            node_id,
-            "--scheduler",
-            secure.address,
-            "--gpus",
-            "sim:1",
-            "--state-dir",
-            str(tmp_path / "agent"),
-            "--metrics-port",
-            "0",
-            "--tls",
-            "--join-token",
-            token,
-            "--ca-file",
-            str(ca_file(secure)),
-        ],
+        agent_command(
+            node_id=node_id,
+            scheduler=secure.address,
+            gpus="sim:1",
+            state_dir=tmp_path / "agent",
+            metrics_port=0,
+            tls=True,
+            ca_file=ca_file(secure),
+            extra=["--join-token", token],
+        ),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

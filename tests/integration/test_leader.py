@@ -4,7 +4,6 @@ leader hands over within two lease periods; no GPU is ever booked twice."""
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import sys
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from kit.events import follow_events, wait_for
 from kit.ranks import FAKE_RANK
 from kit.schedulers import SchedulerProcess
 from kit.stores import StoreUrls, unique
+from pitstop.client.launch import clean_env
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc
 
 LEASE = 1.0
@@ -46,7 +46,7 @@ def test_one_leader_decides_and_a_standby_takes_over_without_double_booking(
     stores: StoreUrls, root: Path
 ) -> None:
     database = stores.fresh_database()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")} | {
+    env = clean_env() | {
         "PITSTOP_DATABASE_URL": database,
         "PITSTOP_REDIS_URL": stores.redis_url,
         "PITSTOP_REDIS_PREFIX": f"{stores.redis_prefix}{unique('leader')}:",

@@ -18,12 +18,12 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kit.agents import AGENT_BINARY
 from kit.monitoring import needs_promtool, promtool
 from kit.ranks import FAKE_RANK
 from kit.schedulers import SchedulerThread, scheduler_settings
 from kit.stores import StoreUrls, unique
 from kit.waits import wait_until
+from pitstop.client.launch import agent_command, clean_env
 from pitstop.v1 import jobs_pb2, jobs_pb2_grpc
 
 STEPS = 20
@@ -80,26 +80,18 @@ def leading(stores: StoreUrls, tmp_path: Path) -> Iterator[SchedulerThread]:
 @pytest.fixture
 def agent(leading: SchedulerThread, short_dir: Path) -> Iterator[str]:
     """One real agent on simulated GPUs; yields its /metrics URL (as it printed it)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    env = clean_env()
     log = short_dir / "agent.log"
     with log.open("w") as errors:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(
-            [
-                str(AGENT_BINARY),
-                "run",
-                "--node-id",
-                "m0",
-                "--scheduler",
-                leading.address,
-                "--gpus",
-                "sim:2",
-                "--state-dir",
-                str(short_dir / "m0"),
-                "--metrics-port",
-                "0",
-                "--log-level",
-                "WARNING",
-            ],
+            agent_command(
+                node_id="m0",
+                scheduler=leading.address,
+                gpus="sim:2",
+                state_dir=short_dir / "m0",
+                metrics_port=0,
+                log_level="WARNING",
+            ),
             stdout=subprocess.PIPE,
             stderr=errors,
             text=True,

@@ -37,6 +37,7 @@ import pytest
 from kit.forking import ForkClient, ForkedChild, forking
 from kit.ports import free_port
 from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
+from pitstop.client.launch import checkpointd_command, clean_env
 from pitstop.v1 import (
     agent_pb2,
     checkpoint_pb2,
@@ -145,7 +146,7 @@ def fork(forks: ForkClient, command: list[str], env: dict[str, str]) -> tuple[Fo
 
 
 def base_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PITSTOP_", "MASTER_"))}
+    env = {k: v for k, v in clean_env().items() if not k.startswith("MASTER_")}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"):
         env.pop(key, None)
     env.update(PYTHONUNBUFFERED="1", PITSTOP_COLLECTIVE_TIMEOUT="10", **extra)
@@ -219,10 +220,18 @@ def checkpointd() -> Iterator[str]:
     """A real pitstop-checkpointd, without a scheduler; its address."""
     node_id = f"trainer-{uuid.uuid4().hex[:6]}"
     state_dir = Path(tempfile.mkdtemp(prefix="pitstop-trainer-"))
-    command = [sys.executable, "-m", "pitstop.checkpointd.main", "run", "--node-id", node_id]
-    command += ["--host", "127.0.0.1", "--port", "0", "--scheduler", "", "--state-dir"]
-    command += [str(state_dir), "--memory-budget-bytes", str(256 << 20), "--keep-in-memory", "4"]
-    command += ["--flush-every-steps", "1000"]
+    command = checkpointd_command(
+        node_id=node_id,
+        host="127.0.0.1",
+        port=0,
+        scheduler="",
+        state_dir=state_dir,
+        as_module=True,
+        extra=[
+            *("--memory-budget-bytes", str(256 << 20)),
+            *("--keep-in-memory", "4", "--flush-every-steps", "1000"),
+        ],
+    )
     daemon = Proc(command, base_env())
     try:
         line = daemon.wait_for(lambda line: "listening on" in line)

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +16,9 @@ from kit.stores import unique
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.gpu import GpuBackend, open_backend
 from pitstop.agent.main import NodeAgent
+from pitstop.client.launch import agent_command, binary, clean_env
 
-AGENT_BINARY = Path(sys.executable).with_name("pitstop-agent")
+AGENT_BINARY = binary("pitstop-agent")
 
 
 @dataclass(frozen=True)
@@ -37,33 +36,21 @@ def run_agents(
     address: str, root: Path, specs: list[AgentSpec]
 ) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
     """Real agent processes on simulated GPUs; SIGTERM and a clean exit at the end."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    env = clean_env()
     procs = {
         spec.node_id: subprocess.Popen(
-            [
-                str(AGENT_BINARY),
-                "run",
-                "--node-id",
-                spec.node_id,
-                "--scheduler",
-                address,
-                "--gpus",
-                f"sim:{spec.gpus}",
-                "--zone",
-                "z1",
-                "--block",
-                "b1",
-                "--rack",
-                spec.rack,
-                "--role",
-                spec.role,
-                "--state-dir",
-                str(root / spec.node_id),
-                "--metrics-port",
-                "0",
-                "--log-level",
-                "WARNING",
-            ],
+            agent_command(
+                node_id=spec.node_id,
+                scheduler=address,
+                gpus=f"sim:{spec.gpus}",
+                zone="z1",
+                block="b1",
+                rack=spec.rack,
+                role=spec.role,
+                state_dir=root / spec.node_id,
+                metrics_port=0,
+                log_level="WARNING",
+            ),
             stdout=subprocess.DEVNULL,
             env=env,
         )

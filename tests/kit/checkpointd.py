@@ -6,11 +6,9 @@ from __future__ import annotations
 import array
 import asyncio
 import ctypes
-import os
 import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -23,6 +21,7 @@ import grpc
 from pitstop.checkpointd.config import CheckpointdSettings
 from pitstop.checkpointd.daemon import CheckpointDaemon
 from pitstop.checkpointd.instances import MARKER_SUFFIX, SHM_DIR, segment_prefix
+from pitstop.client.launch import checkpointd_command, clean_env
 from pitstop.rankside.writer import SnapshotWriter
 from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 
@@ -155,11 +154,16 @@ class DaemonProcess:
         **env: str,
     ) -> None:
         self.node_id = node_id
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-        environ.update({f"PITSTOP_CHECKPOINTD_{k.upper()}": v for k, v in env.items()})
-        command = [sys.executable, "-m", "pitstop.checkpointd.main", "run"]
-        command += ["--node-id", node_id, "--host", "127.0.0.1", "--port", str(port)]
-        command += ["--scheduler", scheduler, "--state-dir", str(state_dir), *args]
+        environ = clean_env(**{f"PITSTOP_CHECKPOINTD_{k.upper()}": v for k, v in env.items()})
+        command = checkpointd_command(
+            node_id=node_id,
+            host="127.0.0.1",
+            port=port,
+            scheduler=scheduler,
+            state_dir=state_dir,
+            as_module=True,
+            extra=args,
+        )
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ
         )

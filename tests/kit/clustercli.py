@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from kit.stores import StoreUrls, unique
+from pitstop.client.launch import binary, clean_env
 
-PITSTOP = Path(sys.executable).with_name("pitstop")
+PITSTOP = binary("pitstop")
 CLI_TIMEOUT = 100.0
 
 
 def cli_environment(stores: StoreUrls) -> dict[str, str]:
     """This process's environment without PITSTOP_* settings, on a Redis prefix of its
     own, and wide enough that tables do not wrap."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-    env["PITSTOP_REDIS_PREFIX"] = f"{stores.redis_prefix}{unique('cluster')}:"
-    env["COLUMNS"] = "200"
-    return env
+    return clean_env(
+        PITSTOP_REDIS_PREFIX=f"{stores.redis_prefix}{unique('cluster')}:", COLUMNS="200"
+    )
 
 
 def pitstop_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

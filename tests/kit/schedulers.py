@@ -7,10 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +22,7 @@ from kit.ports import free_port
 from kit.processes import terminate
 from kit.stores import StoreUrls, unique
 from kit.streams import AgentStream
+from pitstop.client.launch import clean_env, scheduler_command
 from pitstop.common.tls import channel_options
 from pitstop.scheduler.config import SchedulerSettings
 from pitstop.scheduler.server import Scheduler, start_scheduler
@@ -140,19 +139,16 @@ def scheduler_settings(stores: StoreUrls, state_dir: Path, **overrides: Any) -> 
 def tls_scheduler(stores: StoreUrls, root: Path, tokens: list[dict[str, str]]) -> SchedulerProcess:
     """A scheduler process with TLS on (its CA made in its state directory), a database
     of its own, both ports picked free, and these API tokens."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")} | {
-        "PITSTOP_DATABASE_URL": stores.fresh_database(),
-        "PITSTOP_REDIS_URL": stores.redis_url,
-        "PITSTOP_REDIS_PREFIX": f"{stores.redis_prefix}{unique('tls')}:",
-        "PITSTOP_TLS": "true",
-        "PITSTOP_NODE_PORT": "0",
-        "PITSTOP_TOKENS": json.dumps(tokens),
-        "GRPC_VERBOSITY": "NONE",
-    }
+    env = clean_env(
+        PITSTOP_DATABASE_URL=stores.fresh_database(),
+        PITSTOP_REDIS_URL=stores.redis_url,
+        PITSTOP_REDIS_PREFIX=f"{stores.redis_prefix}{unique('tls')}:",
+        PITSTOP_TLS="true",
+        PITSTOP_NODE_PORT="0",
+        PITSTOP_TOKENS=json.dumps(tokens),
+        GRPC_VERBOSITY="NONE",
+    )
     return SchedulerProcess(root, "scheduler", env)
-
-
-SCHEDULER_BIN = Path(sys.executable).with_name("pitstop-scheduler")
 
 
 class SchedulerProcess:
@@ -170,17 +166,12 @@ class SchedulerProcess:
     def start(self) -> None:
         with self.log.open("a") as log:
             self.proc = subprocess.Popen(
-                [
-                    str(SCHEDULER_BIN),
-                    "--state-dir",
-                    str(self.root / self.name),
-                    "--port",
-                    str(self.port),
-                    "--metrics-port",
-                    str(self.metrics_port),
-                    "--dashboard-port",
-                    "0",
-                ],
+                scheduler_command(
+                    state_dir=self.root / self.name,
+                    port=self.port,
+                    metrics_port=self.metrics_port,
+                    dashboard_port=0,
+                ),
                 stdout=subprocess.PIPE,
                 stderr=log,
                 text=True,

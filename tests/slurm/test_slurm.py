@@ -33,6 +33,7 @@ from kit.streams import AgentStream
 from kit.waits import wait_until
 from pitstop.checkpointd.instances import remove_stale_segments
 from pitstop.checkpointd.slots import segment_prefix
+from pitstop.client.launch import clean_env
 
 SKIP = missing()
 pytestmark = [
@@ -75,7 +76,7 @@ def fault_free_hash(result: dict[str, str]) -> threading.Thread:
     command = yaml.safe_load(SPEC.read_text())["command"]
     at = command.index("--step-seconds")
     argv = [sys.executable, *command[1:at] + command[at + 2 :], "--log-every", "0"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+    env = clean_env()
 
     def run() -> None:
         done = subprocess.run(argv, capture_output=True, env=env, timeout=WAIT, check=True)
@@ -230,7 +231,7 @@ def test_the_drain_and_the_replacement_survive_scheduler_restarts(
     script.write_text(REPLACE.format(submissions=submissions))
     script.chmod(0o755)
     database = stores.fresh_database()
-    env = {k: v for k, v in slurm.env.items() if not k.startswith("PITSTOP_")} | {
+    env = clean_env(slurm.env) | {
         "PITSTOP_DATABASE_URL": database,
         "PITSTOP_REDIS_URL": stores.redis_url,
         "PITSTOP_REDIS_PREFIX": f"{stores.redis_prefix}{unique('slurm')}:",
