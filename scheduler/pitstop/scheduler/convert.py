@@ -10,12 +10,12 @@ from google.protobuf import json_format, timestamp_pb2
 
 from pitstop.scheduler.config import ApiToken
 from pitstop.scheduler.db import models
-from pitstop.scheduler.domain import JobState, NodeRole, NodeState, Role
+from pitstop.scheduler.domain import GpuReport, JobState, NodeRole, NodeState, Registration, Role
 from pitstop.scheduler.errors import InvalidArgument
 from pitstop.scheduler.hotstate import STANDBY_READY
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.scheduler.topology import Placement, shape_of
-from pitstop.v1 import common_pb2, jobs_pb2, nodes_pb2
+from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, nodes_pb2
 
 if TYPE_CHECKING:
     from pitstop.scheduler.services.projects import ProjectUse
@@ -71,6 +71,41 @@ def node_roles_from_pb(values: Sequence[int], field: str = "roles") -> list[Node
         return [_NODE_ROLE_FROM_PB[v] for v in values]
     except KeyError as exc:
         raise InvalidArgument(field, exc.args[0], "use worker or spare") from None
+
+
+def registration_from_pb(reg: agent_pb2.Register) -> Registration:
+    """A node's Register as the services take it."""
+    inv, labels = reg.inventory, reg.labels
+    return Registration(
+        node_id=reg.node_id,
+        gpus=tuple(
+            GpuReport(
+                index=g.index,
+                uuid=g.uuid,
+                name=g.name,
+                memory_bytes=g.memory_bytes,
+                pci_bus_id=g.pci_bus_id,
+                fabric_cluster_uuid=g.fabric_cluster_uuid,
+                fabric_clique_id=g.fabric_clique_id,
+            )
+            for g in inv.gpus
+        ),
+        hostname=inv.hostname,
+        driver_version=inv.driver_version,
+        gpu_backend=inv.gpu_backend,
+        agent_version=inv.agent_version,
+        checkpointd_address=inv.checkpointd_address,
+        zone=labels.zone,
+        block=labels.block,
+        rack=labels.rack,
+        nvlink_domain=labels.nvlink_domain,
+        role=(
+            NodeRole.SPARE if reg.requested_role == common_pb2.NODE_ROLE_SPARE else NodeRole.WORKER
+        ),
+        agent_started_at=(
+            reg.agent_started_at.ToDatetime(dt.UTC) if reg.HasField("agent_started_at") else None
+        ),
+    )
 
 
 def job_to_pb(

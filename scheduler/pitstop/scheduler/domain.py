@@ -73,3 +73,37 @@ class IssuedToken:
     """None: it never expires."""
     projects: tuple[str, ...] = ()
     """The projects it may act in; empty: every project."""
+
+
+@dataclass(frozen=True)
+class GpuReport:
+    """One GPU as a node's agent reports it when it registers."""
+
+    index: int
+    uuid: str
+    name: str = ""
+    memory_bytes: int = 0
+    pci_bus_id: str = ""
+    fabric_cluster_uuid: str = ""
+    fabric_clique_id: int = 0
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a node's agent says of its node when its stream opens (Register)."""
+
+    node_id: str
+    gpus: tuple[GpuReport, ...] = ()
+    hostname: str = ""
+    driver_version: str = ""
+    gpu_backend: str = ""
+    agent_version: str = ""
+    checkpointd_address: str = ""
+    zone: str = ""
+    block: str = ""
+    rack: str = ""
+    nvlink_domain: str = ""
+    role: NodeRole = NodeRole.WORKER
+    """The role a node new to the scheduler takes (a known node keeps its own)."""
+    agent_started_at: dt.datetime | None = None
+    """When the agent process started; None if it did not say."""

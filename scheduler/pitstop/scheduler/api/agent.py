@@ -22,7 +22,12 @@ from pitstop.scheduler.api.agent_stream import Beats, StreamState, tracked
 from pitstop.scheduler.api.agent_writes import AckWriter, JobGenerations
 from pitstop.scheduler.auth import current_caller
 from pitstop.scheduler.cancelling import reraise_if_cancelling
-from pitstop.scheduler.convert import NODE_ROLE_TO_PB, NODE_STATE_TO_PB, node_roles_from_pb
+from pitstop.scheduler.convert import (
+    NODE_ROLE_TO_PB,
+    NODE_STATE_TO_PB,
+    node_roles_from_pb,
+    registration_from_pb,
+)
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from pitstop.scheduler.gateway import AgentGateway, CloseStream
 from pitstop.scheduler.hotstate import HotState
@@ -234,7 +239,7 @@ class AgentServicer:
                 await enrollment.check_not_revoked(session, reg.node_id, caller.issued_at)
             node, _created = await node_service.register_node(
                 session,
-                reg,
+                registration_from_pb(reg),
                 now=dt.datetime.now(dt.UTC),
                 connected_elsewhere=self.gateway.connected(reg.node_id),
             )

@@ -10,11 +10,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
 from pitstop.scheduler.db import models
-from pitstop.scheduler.domain import TERMINAL_JOB_STATES, NodeRole, NodeState
+from pitstop.scheduler.domain import TERMINAL_JOB_STATES, NodeRole, NodeState, Registration
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
 from pitstop.scheduler.jobspec import check_text
 from pitstop.scheduler.services.events import record_event
-from pitstop.v1 import agent_pb2, common_pb2
+from pitstop.v1 import common_pb2
 
 XID_HISTORY = 50
 
@@ -239,19 +239,18 @@ async def set_node_role(
 
 async def register_node(
     session: AsyncSession,
-    reg: agent_pb2.Register,
+    reg: Registration,
     *,
     now: dt.datetime,
     connected_elsewhere: bool = False,
 ) -> tuple[models.Node, bool]:
-    """Create or refresh a node from its agent's Register. Returns (node, created).
+    """Create or refresh a node from its agent's registration. Returns (node, created).
 
     The scheduler's record wins for role and state; inventory and labels are the agent's.
     A LOST node that registers again is READY; an UNHEALTHY one only when its agent
     process restarted (the repair). A node id already streaming from another agent with
     different GPUs is refused: two hosts share one id.
     """
-    inv = reg.inventory
     node = await session.scalar(
         select(models.Node)
         .where(models.Node.id == reg.node_id)
@@ -260,13 +259,13 @@ async def register_node(
     )
     if node is not None and connected_elsewhere:
         known = sorted(g.uuid for g in node.gpus)
-        offered = sorted(g.uuid for g in inv.gpus)
+        offered = sorted(g.uuid for g in reg.gpus)
         if known != offered:
             raise FailedPrecondition(
                 f"node {reg.node_id} is connected from another agent with different GPUs "
                 f"({', '.join(known[:2])}...); give each host its own node_id"
             )
-    offered_uuids = [g.uuid for g in inv.gpus]
+    offered_uuids = [g.uuid for g in reg.gpus]
     if offered_uuids:
         claimed = (
             await session.execute(
@@ -282,32 +281,27 @@ async def register_node(
                 f"{claimed.node_id}; a node registers only its own GPUs (two hosts with one "
                 "GPU uuid is a misconfigured simulator or a spoof)"
             )
-    started_at = (
-        reg.agent_started_at.ToDatetime(dt.UTC) if reg.HasField("agent_started_at") else None
-    )
+    started_at = reg.agent_started_at
     created = node is None
     if node is None:
-        role = (
-            NodeRole.SPARE if reg.requested_role == common_pb2.NODE_ROLE_SPARE else NodeRole.WORKER
-        )
         node = models.Node(
-            id=reg.node_id, role=role, state=NodeState.READY, reason="registered", health={}
+            id=reg.node_id, role=reg.role, state=NodeState.READY, reason="registered", health={}
         )
         session.add(node)
     restarted = started_at is not None and node.agent_started_at != started_at
-    node.hostname = inv.hostname
-    node.driver_version = inv.driver_version
-    node.gpu_backend = inv.gpu_backend
-    node.agent_version = inv.agent_version
-    node.checkpointd_address = inv.checkpointd_address
-    node.zone, node.block = reg.labels.zone, reg.labels.block
-    node.rack, node.nvlink_domain = reg.labels.rack, reg.labels.nvlink_domain
+    node.hostname = reg.hostname
+    node.driver_version = reg.driver_version
+    node.gpu_backend = reg.gpu_backend
+    node.agent_version = reg.agent_version
+    node.checkpointd_address = reg.checkpointd_address
+    node.zone, node.block = reg.zone, reg.block
+    node.rack, node.nvlink_domain = reg.rack, reg.nvlink_domain
     node.connected = True
     node.last_seen_at = now
     node.agent_started_at = started_at
     by_index = {g.index: g for g in node.gpus}
     seen = set()
-    for g in inv.gpus:
+    for g in reg.gpus:
         seen.add(g.index)
         gpu = by_index.get(g.index)
         if gpu is None:
@@ -324,7 +318,7 @@ async def register_node(
         actor=actor,
         node_id=node.id,
         to_state=node.state.value,
-        reason=f"{len(inv.gpus)} GPUs, backend {inv.gpu_backend or 'unknown'}",
+        reason=f"{len(reg.gpus)} GPUs, backend {reg.gpu_backend or 'unknown'}",
     )
     if node.state is NodeState.LOST and node.revoked_at is not None:
         # Its certificates were revoked and it enrolled again: an admin says when it
