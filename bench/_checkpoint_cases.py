@@ -27,6 +27,7 @@ import torch
 
 from pitstop.checkpointd.replication import CHANNEL_OPTIONS, push_shard
 from pitstop.checkpointd.slots import SHM_DIR, remove_stale_segments, segment_prefix
+from pitstop.client.launch import checkpointd_command, clean_env
 from pitstop.rankside.durable import DurableShard, DurableStore
 from pitstop.rankside.shards import shard_checksum
 from pitstop.rankside.writer import SnapshotWriter
@@ -91,13 +92,18 @@ def daemons(workdir: Path, budget: int) -> Iterator[tuple[str, str]]:
 
     def start(name: str, *extra: str) -> str:
         node_id = f"bench-{name}-{os.getpid()}"
-        command = [sys.executable, "-m", "pitstop.checkpointd.main", "run", "--node-id", node_id]
-        command += ["--host", "127.0.0.1", "--port", "0", "--scheduler", ""]
-        command += ["--state-dir", str(workdir / name), "--memory-budget-bytes", str(budget)]
-        command += ["--flush-every-steps", "1000000", "--log-level", "WARNING", *extra]
-        command += ["--keep-in-memory", str(KEEP_IN_MEMORY)]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+        memory = ["--memory-budget-bytes", str(budget), "--flush-every-steps", "1000000"]
+        command = checkpointd_command(
+            node_id=node_id,
+            host="127.0.0.1",
+            port=0,
+            scheduler="",
+            state_dir=workdir / name,
+            log_level="WARNING",
+            as_module=True,
+            extra=[*memory, *extra, "--keep-in-memory", str(KEEP_IN_MEMORY)],
+        )
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=clean_env())
         started.append((process, node_id))
         assert process.stdout is not None
         line = process.stdout.readline()

@@ -37,6 +37,7 @@ from bench._checkpoint_cases import (
     state_bytes,
     tuned_stager,
 )
+from pitstop.client.launch import clean_env
 from pitstop.v1 import checkpoint_pb2_grpc
 
 SCRIPT = Path(__file__).resolve().with_name("checkpoint.py")
@@ -221,7 +222,7 @@ def run_sharded_case(size_mb: int, reps: int, workdir: Path) -> dict[str, Any]:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
+        env = clean_env()
         ranks: list[subprocess.Popen[bytes]] = []
         try:
             for rank in range(SHARDED_WORLD):

@@ -20,6 +20,7 @@ from typing import IO, Any
 import psutil
 
 from bench._peers_costs import bury
+from pitstop.client.launch import clean_env
 from pitstop.client.signals import dying_with_parent
 
 BIN = Path(sys.executable).parent
@@ -144,9 +145,7 @@ class Processes:
 
 @contextlib.contextmanager
 def processes() -> Iterator[Processes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-    env["PYTHONUNBUFFERED"] = "1"
-    procs = Processes(env)
+    procs = Processes(clean_env(PYTHONUNBUFFERED="1"))
     try:
         yield procs
     finally:

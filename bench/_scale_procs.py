@@ -11,7 +11,6 @@ import os
 import resource
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis as SyncRedis
 
 from bench._scale_sim import GPUS, Fleet, load
+from pitstop.client.launch import clean_env, scheduler_command
 from pitstop.client.localcluster.spawning import free_port
 from pitstop.client.localcluster.stores import OwnPostgres, OwnRedis
 from pitstop.client.signals import dying_with_parent
@@ -56,8 +56,7 @@ class Scheduler:
         self.node_port = free_port() if tls_dir is not None else self.port
         self.metrics_port = free_port()
         self.log = root / f"{name}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-        env.update(
+        env = clean_env(
             PITSTOP_DATABASE_URL=database_url,
             PITSTOP_REDIS_URL=redis_url,
             PITSTOP_REDIS_PREFIX="scale:",
@@ -84,10 +83,9 @@ class Scheduler:
                 PITSTOP_TLS_DIR=str(tls_dir),
                 PITSTOP_NODE_PORT=str(self.node_port),
             )
-        binary = Path(sys.executable).parent / "pitstop-scheduler"
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
-                dying_with_parent([str(binary)]),
+                dying_with_parent(scheduler_command()),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import functools
 import json
-import os
 import queue
 import random
 import shutil
@@ -43,9 +42,9 @@ from typing import Any
 import grpc
 
 from pitstop.client.cpuload import MAX_SECONDS, cpu_load
+from pitstop.client.launch import agent_command, clean_env, scheduler_command
 from pitstop.v1 import common_pb2, nodes_pb2, nodes_pb2_grpc
 
-BIN = Path(sys.executable).parent
 EVENT_TIMEOUT_S = 30.0
 
 
@@ -117,29 +116,20 @@ class Cluster:
     def __init__(self, root: Path, agents: int, heartbeat: float, db: str, redis: str) -> None:
         self.root = root
         self.heartbeat = heartbeat
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PITSTOP_")}
-        env |= {
-            "PITSTOP_HEARTBEAT_INTERVAL_SECONDS": str(heartbeat),
-            "PITSTOP_LIVENESS_STARTUP_GRACE_SECONDS": "0",
-            "GRPC_VERBOSITY": "ERROR",
-        }
+        env = clean_env(
+            PITSTOP_HEARTBEAT_INTERVAL_SECONDS=str(heartbeat),
+            PITSTOP_LIVENESS_STARTUP_GRACE_SECONDS="0",
+            GRPC_VERBOSITY="ERROR",
+        )
         if db:
             env["PITSTOP_DATABASE_URL"] = db
         if redis:
             env["PITSTOP_REDIS_URL"] = redis
         self.env = env
         self.scheduler = subprocess.Popen(
-            [
-                str(BIN / "pitstop-scheduler"),
-                "--state-dir",
-                str(root / "scheduler"),
-                "--port",
-                "0",
-                "--metrics-port",
-                "0",
-                "--log-level",
-                "WARNING",
-            ],
+            scheduler_command(
+                state_dir=root / "scheduler", port=0, metrics_port=0, log_level="WARNING"
+            ),
             stdout=subprocess.PIPE,
             text=True,
             env=env,
@@ -155,28 +145,17 @@ class Cluster:
     def start_agent(self, node_id: str) -> None:
         index = self.node_ids.index(node_id)
         self.agents[node_id] = subprocess.Popen(
-            [
-                str(BIN / "pitstop-agent"),
-                "run",
-                "--node-id",
-                node_id,
-                "--scheduler",
-                self.address,
-                "--gpus",
-                "sim:8",
-                "--rack",
-                f"r{index % 2}",
-                "--zone",
-                "z1",
-                "--block",
-                "b1",
-                "--state-dir",
-                str(self.root / node_id),
-                "--metrics-port",
-                "0",
-                "--log-level",
-                "WARNING",
-            ],
+            agent_command(
+                node_id=node_id,
+                scheduler=self.address,
+                gpus="sim:8",
+                rack=f"r{index % 2}",
+                zone="z1",
+                block="b1",
+                state_dir=self.root / node_id,
+                metrics_port=0,
+                log_level="WARNING",
+            ),
             stdout=subprocess.DEVNULL,
             env=self.env,
         )

@@ -56,6 +56,7 @@ from contextlib import contextmanager
 import torch
 
 from pitstop.checkpointd.slots import remove_stale_segments, segment_prefix
+from pitstop.client.launch import checkpointd_command
 from pitstop.trainer import Session, TrainState
 from pitstop.trainer.example import Job, parse_args
 
@@ -66,10 +67,16 @@ def checkpointd() -> Iterator[tuple[str, int]]:
     process id."""
     node_id = f"bench-overhead-{uuid.uuid4().hex[:6]}"
     state_dir = tempfile.mkdtemp(prefix="pitstop-bench-")
-    command = [sys.executable, "-m", "pitstop.checkpointd.main", "run", "--node-id", node_id]
-    command += ["--host", "127.0.0.1", "--port", "0", "--scheduler", "", "--state-dir"]
-    command += [state_dir, "--memory-budget-bytes", str(256 << 20), "--flush-every-steps", "100000"]
-    command += ["--log-level", "WARNING"]
+    command = checkpointd_command(
+        node_id=node_id,
+        host="127.0.0.1",
+        port=0,
+        scheduler="",
+        state_dir=state_dir,
+        log_level="WARNING",
+        as_module=True,
+        extra=["--memory-budget-bytes", str(256 << 20), "--flush-every-steps", "100000"],
+    )
     daemon = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert daemon.stdout is not None
