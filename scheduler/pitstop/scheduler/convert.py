@@ -10,7 +10,17 @@ from google.protobuf import json_format, timestamp_pb2
 
 from pitstop.scheduler.config import ApiToken
 from pitstop.scheduler.db import models
-from pitstop.scheduler.domain import GpuReport, JobState, NodeRole, NodeState, Registration, Role
+from pitstop.scheduler.domain import (
+    GpuReport,
+    HealthReport,
+    HealthVerdict,
+    JobState,
+    NodeRole,
+    NodeState,
+    Registration,
+    Role,
+    XidReport,
+)
 from pitstop.scheduler.errors import InvalidArgument
 from pitstop.scheduler.hotstate import STANDBY_READY
 from pitstop.scheduler.services.jobs import spec_from_json
@@ -71,6 +81,34 @@ def node_roles_from_pb(values: Sequence[int], field: str = "roles") -> list[Node
         return [_NODE_ROLE_FROM_PB[v] for v in values]
     except KeyError as exc:
         raise InvalidArgument(field, exc.args[0], "use worker or spare") from None
+
+
+# Stored as short lowercase words ("nvml_event", "fatal"), the enum names less prefix.
+_XID_SOURCE_NAMES = {
+    v: k.removeprefix("XID_SOURCE_").lower() for k, v in common_pb2.XidSource.items()
+}
+_VERDICT_FROM_PB = {v: HealthVerdict(k) for k, v in common_pb2.HealthVerdict.items()}
+
+
+def xid_from_pb(xid: common_pb2.XidEvent) -> XidReport:
+    """An agent's XidEvent as the services take it."""
+    return XidReport(
+        xid=xid.xid,
+        gpu_index=xid.gpu_index,
+        gpu_uuid=xid.gpu_uuid,
+        message=xid.message,
+        source=_XID_SOURCE_NAMES.get(xid.source, "unspecified"),
+        time=xid.time.ToDatetime(dt.UTC) if xid.HasField("time") else None,
+    )
+
+
+def health_from_pb(health: common_pb2.NodeHealth) -> HealthReport:
+    """A heartbeat's NodeHealth as the services take it."""
+    return HealthReport(
+        verdict=_VERDICT_FROM_PB.get(health.verdict),
+        reasons=tuple(health.reasons),
+        document=json_format.MessageToDict(health, preserving_proto_field_name=True),
+    )
 
 
 def registration_from_pb(reg: agent_pb2.Register) -> Registration:

@@ -6,6 +6,7 @@ import datetime as dt
 import enum
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 
 class NodeRole(enum.StrEnum):
@@ -107,3 +108,39 @@ class Registration:
     """The role a node new to the scheduler takes (a known node keeps its own)."""
     agent_started_at: dt.datetime | None = None
     """When the agent process started; None if it did not say."""
+
+
+class HealthVerdict(enum.StrEnum):
+    """A node's health verdict, named as its stored health JSON names it."""
+
+    UNSPECIFIED = "HEALTH_VERDICT_UNSPECIFIED"
+    HEALTHY = "HEALTH_VERDICT_HEALTHY"
+    APPLICATION = "HEALTH_VERDICT_APPLICATION"
+    WARNING = "HEALTH_VERDICT_WARNING"
+    FATAL = "HEALTH_VERDICT_FATAL"
+    DEGRADED = "HEALTH_VERDICT_DEGRADED"
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """A node's health as its agent's heartbeat reported it."""
+
+    verdict: HealthVerdict | None
+    """None: a verdict this scheduler does not know."""
+    reasons: tuple[str, ...]
+    document: dict[str, Any]
+    """The whole report as the node keeps it (NodeHealth's JSON form)."""
+
+
+@dataclass(frozen=True)
+class XidReport:
+    """An Xid a node's agent reported."""
+
+    xid: int
+    gpu_index: int
+    gpu_uuid: str = ""
+    message: str = ""
+    source: str = "unspecified"
+    """How the agent learned of it, a short lowercase word ("nvml_event")."""
+    time: dt.datetime | None = None
+    """When the driver reported it; None if the agent did not say."""

@@ -20,6 +20,7 @@ from pitstop.scheduler.admission import PREEMPT_GRACE_SECONDS
 from pitstop.scheduler.api.agent_input import check_agent_message
 from pitstop.scheduler.api.agent_stream import StreamState
 from pitstop.scheduler.api.agent_writes import AckWriter, JobGenerations
+from pitstop.scheduler.convert import health_from_pb, xid_from_pb
 from pitstop.scheduler.db import models
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument
 from pitstop.scheduler.gateway import AgentGateway
@@ -77,7 +78,7 @@ async def _register_again(
 async def _xid(link: StreamLink, state: StreamState, message: agent_pb2.AgentMessage) -> None:
     async with link.store.write() as session:
         await health_service.record_xid(
-            session, state.node_id, message.xid, now=dt.datetime.now(dt.UTC)
+            session, state.node_id, xid_from_pb(message.xid), now=dt.datetime.now(dt.UTC)
         )
 
 
@@ -191,7 +192,7 @@ async def _heartbeat(link: StreamLink, state: StreamState, message: agent_pb2.Ag
         return
     state.verdict, state.reasons = beat.health.verdict, reasons
     async with link.store.write() as session:
-        await health_service.apply_health(session, state.node_id, beat.health)
+        await health_service.apply_health(session, state.node_id, health_from_pb(beat.health))
 
 
 def _check_stale_soon(link: StreamLink, state: StreamState, beat: agent_pb2.Heartbeat) -> None:

@@ -16,21 +16,16 @@ import datetime as dt
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from google.protobuf import json_format
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.health.xid import XidClass, classify_xid
 from pitstop.scheduler.db import models
-from pitstop.scheduler.domain import NodeState
+from pitstop.scheduler.domain import HealthReport, HealthVerdict, NodeState, XidReport
 from pitstop.scheduler.services import catalog
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.nodes import move_node
-from pitstop.v1 import common_pb2
 
-# Stored as short lowercase words ("nvml_event", "fatal"), the enum names less prefix.
-_SOURCE_NAMES = {v: k.removeprefix("XID_SOURCE_").lower() for k, v in common_pb2.XidSource.items()}
-_VERDICT_NAMES = {v: k for k, v in common_pb2.HealthVerdict.items()}
 # States a verdict may move a node out of. UNHEALTHY and LOST are left alone: the first
 # is already the worst, the second means the agent is not talking at all.
 _LIVE = (NodeState.READY, NodeState.CORDONED, NodeState.DRAINING)
@@ -70,7 +65,7 @@ async def quarantine(
 
 
 async def record_xid(
-    session: AsyncSession, node_id: str, xid: common_pb2.XidEvent, *, now: dt.datetime
+    session: AsyncSession, node_id: str, xid: XidReport, *, now: dt.datetime
 ) -> NodeState | None:
     """Store the Xid in the node's history and act on its class. Returns the new state if
     the node changed state."""
@@ -88,9 +83,9 @@ async def record_xid(
             gpu_uuid=xid.gpu_uuid,
             xid=xid.xid,
             message=xid.message[:2000],
-            source=_SOURCE_NAMES.get(xid.source, "unspecified"),
+            source=xid.source,
             verdict=verdict,
-            time=xid.time.ToDatetime(dt.UTC) if xid.HasField("time") else now,
+            time=xid.time if xid.time is not None else now,
         )
     )
     reason = f"Xid {xid.xid} on GPU {xid.gpu_index}: {info.name}"
@@ -120,21 +115,21 @@ async def record_xid(
 
 
 async def apply_health(
-    session: AsyncSession, node_id: str, health: common_pb2.NodeHealth
+    session: AsyncSession, node_id: str, health: HealthReport
 ) -> NodeState | None:
     """Store the node's health (called only when the verdict or reasons changed) and act
     on a fatal or warning verdict. Returns the new state if the node changed state."""
     node = await locked_node(session, node_id)
     if node is None:
         return None
-    was_degraded = health_verdict(node.health) == common_pb2.HEALTH_VERDICT_DEGRADED
-    node.health = json_format.MessageToDict(health, preserving_proto_field_name=True)
-    reason = "; ".join(health.reasons) or _VERDICT_NAMES.get(health.verdict, "unknown")
+    was_degraded = health_verdict(node.health) is HealthVerdict.DEGRADED
+    node.health = health.document
+    reason = "; ".join(health.reasons) or (health.verdict.value if health.verdict else "unknown")
     actor = f"agent:{node_id}"
-    if health.verdict == common_pb2.HEALTH_VERDICT_FATAL and node.state in _LIVE:
+    if health.verdict is HealthVerdict.FATAL and node.state in _LIVE:
         await quarantine(session, node, reason=reason, actor=actor)
         return node.state
-    if health.verdict == common_pb2.HEALTH_VERDICT_WARNING and node.state in (
+    if health.verdict is HealthVerdict.WARNING and node.state in (
         NodeState.READY,
         NodeState.CORDONED,
     ):
@@ -142,7 +137,7 @@ async def apply_health(
             session, node, NodeState.DRAINING, kind="node.draining", reason=reason, actor=actor
         )
         return node.state
-    degraded = health.verdict == common_pb2.HEALTH_VERDICT_DEGRADED
+    degraded = health.verdict is HealthVerdict.DEGRADED
     if degraded or was_degraded:
         # The node keeps its state and its work; the event log says what is wrong, and
         # when it is over.
@@ -214,7 +209,9 @@ async def mark_all_lost(
     return lost
 
 
-def health_verdict(health_json: dict[str, Any]) -> int:
-    """The verdict stored in a node's health JSON (0 when unknown)."""
-    name = str(health_json.get("verdict", "HEALTH_VERDICT_UNSPECIFIED"))
-    return common_pb2.HealthVerdict.Value(name) if name in common_pb2.HealthVerdict.keys() else 0  # noqa: SIM118
+def health_verdict(health_json: dict[str, Any]) -> HealthVerdict:
+    """The verdict stored in a node's health JSON (UNSPECIFIED when unknown)."""
+    try:
+        return HealthVerdict(str(health_json.get("verdict", HealthVerdict.UNSPECIFIED)))
+    except ValueError:
+        return HealthVerdict.UNSPECIFIED

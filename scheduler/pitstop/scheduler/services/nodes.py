@@ -10,11 +10,16 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
 from pitstop.scheduler.db import models
-from pitstop.scheduler.domain import TERMINAL_JOB_STATES, NodeRole, NodeState, Registration
+from pitstop.scheduler.domain import (
+    TERMINAL_JOB_STATES,
+    HealthVerdict,
+    NodeRole,
+    NodeState,
+    Registration,
+)
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, NotFound
 from pitstop.scheduler.jobspec import check_text
 from pitstop.scheduler.services.events import record_event
-from pitstop.v1 import common_pb2
 
 XID_HISTORY = 50
 
@@ -143,7 +148,7 @@ async def uncordon_node(
     *,
     reason: str,
     actor: str,
-    live_verdict: int | None = None,
+    live_verdict: HealthVerdict | None = None,
     live_received_at: float = 0.0,
 ) -> models.Node:
     """CORDONED or DRAINING -> READY; already ready is a no-op. An UNHEALTHY node may be
@@ -158,7 +163,7 @@ async def uncordon_node(
     if (
         node.state is NodeState.UNHEALTHY
         and node.connected
-        and live_verdict == common_pb2.HEALTH_VERDICT_HEALTHY
+        and live_verdict is HealthVerdict.HEALTHY
     ):
         since = await session.scalar(
             select(func.max(models.Event.time))
