@@ -54,41 +54,23 @@ class SchedulerThread:
         self._channels.append(channel)
         return channel
 
-    def register_node(
-        self,
-        node_id: str,
-        gpus: int = 8,
-        zone: str = "z1",
-        block: str = "b1",
-        rack: str = "r1",
-        role: str = "worker",
-    ) -> None:
-        """Make a node exist the way production does: an agent stream sends Register. The
-        stream stays open until the scheduler stops, so the node stays connected (the
-        session scheduler's heartbeat interval is long enough that none is needed)."""
-        self._open_streams.append(
-            AgentStream(self.channel(), node_id, gpus, zone, block, rack, role)
-        )
-
-    def open_stream(
-        self, node_id: str, gpus: int = 8, rack: str = "r1", role: str = "worker"
-    ) -> AgentStream:
-        """An agent stream that stays open until the scheduler stops."""
-        stream = AgentStream(self.channel(), node_id, gpus, "z1", "b1", rack, role)
+    def open_stream(self, node_id: str, gpus: int = 8, **labels: str) -> AgentStream:
+        """An agent stream that stays open until the scheduler stops. `labels`: zone,
+        block, rack (z1, b1, r1) and role (worker)."""
+        stream = AgentStream(self.channel(), node_id, gpus, **labels)
         self._open_streams.append(stream)
         return stream
 
+    def register_node(self, node_id: str, gpus: int = 8, **labels: str) -> None:
+        """Make a node exist the way production does: an agent stream sends Register. The
+        stream stays open until the scheduler stops, so the node stays connected (the
+        session scheduler's heartbeat interval is long enough that none is needed)."""
+        self.open_stream(node_id, gpus, **labels)
+
     @contextlib.contextmanager
-    def agent_stream(
-        self,
-        node_id: str,
-        gpus: int = 8,
-        zone: str = "z1",
-        block: str = "b1",
-        rack: str = "r1",
-        role: str = "worker",
-    ) -> Iterator[AgentStream]:
-        stream = AgentStream(self.channel(), node_id, gpus, zone, block, rack, role)
+    def agent_stream(self, node_id: str, gpus: int = 8, **labels: str) -> Iterator[AgentStream]:
+        """An agent stream closed when the block ends."""
+        stream = AgentStream(self.channel(), node_id, gpus, **labels)
         try:
             yield stream
         finally:

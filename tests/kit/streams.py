@@ -20,11 +20,11 @@ class AgentStream:
         self,
         channel: grpc.Channel,
         node_id: str,
-        gpus: int,
-        zone: str,
-        block: str,
-        rack: str,
-        role: str,
+        gpus: int = 8,
+        zone: str = "z1",
+        block: str = "b1",
+        rack: str = "r1",
+        role: str = "worker",
     ) -> None:
         self._outbox: queue.Queue[agent_pb2.AgentMessage | None] = queue.Queue()
         self.seq = 0
