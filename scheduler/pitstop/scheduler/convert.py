@@ -18,14 +18,18 @@ from pitstop.scheduler.domain import (
     NodeRole,
     NodeState,
     Registration,
+    RestorePoint,
     Role,
+    ShardHeld,
+    ShardKey,
+    ShardReport,
     XidReport,
 )
 from pitstop.scheduler.errors import InvalidArgument
 from pitstop.scheduler.hotstate import STANDBY_READY
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.scheduler.topology import Placement, shape_of
-from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, nodes_pb2
+from pitstop.v1 import agent_pb2, checkpoint_pb2, common_pb2, jobs_pb2, nodes_pb2
 
 if TYPE_CHECKING:
     from pitstop.scheduler.services.projects import ProjectUse
@@ -109,6 +113,49 @@ def health_from_pb(health: common_pb2.NodeHealth) -> HealthReport:
         reasons=tuple(health.reasons),
         document=json_format.MessageToDict(health, preserving_proto_field_name=True),
     )
+
+
+_SHARD_TIERS = {
+    checkpoint_pb2.SHARD_TIER_LOCAL: "local",
+    checkpoint_pb2.SHARD_TIER_REPLICA: "replica",
+    checkpoint_pb2.SHARD_TIER_DURABLE: "durable",
+}
+
+
+def _shard_key(key: checkpoint_pb2.ShardKey) -> ShardKey:
+    return ShardKey(key.job_id, key.step, key.rank, key.generation)
+
+
+def shard_report_from_pb(request: checkpoint_pb2.ReportShardsRequest) -> ShardReport:
+    """A checkpoint daemon's ReportShards as the catalog takes it."""
+    return ShardReport(
+        node_id=request.node_id,
+        added=tuple(
+            ShardHeld(
+                _shard_key(info.header.key),
+                _SHARD_TIERS.get(info.tier, "local"),
+                info.header.checksum,
+                info.header.size_bytes,
+            )
+            for info in request.added
+        ),
+        removed=tuple(_shard_key(k) for k in request.removed),
+        removed_durable=tuple(_shard_key(k) for k in request.removed_durable),
+        flush_errors=tuple(request.flush_errors),
+        fresh_start=request.fresh_start,
+    )
+
+
+def restore_point_to_pb(point: RestorePoint) -> checkpoint_pb2.GetRestorePointResponse:
+    response = checkpoint_pb2.GetRestorePointResponse(
+        committed_step=point.committed_step, durable_step=point.durable_step
+    )
+    response.member_node_ids.extend(point.member_node_ids)
+    for rank, copies in point.locations.items():
+        for node_id, address in copies:
+            response.locations[rank].node_ids.append(node_id)
+            response.locations[rank].addresses.append(address)
+    return response
 
 
 def registration_from_pb(reg: agent_pb2.Register) -> Registration:

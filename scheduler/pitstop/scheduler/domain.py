@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -144,3 +144,49 @@ class XidReport:
     """How the agent learned of it, a short lowercase word ("nvml_event")."""
     time: dt.datetime | None = None
     """When the driver reported it; None if the agent did not say."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardKey:
+    """One rank's shard of one step of a job."""
+
+    job_id: str
+    step: int
+    rank: int
+    generation: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ShardHeld:
+    """A shard a checkpoint daemon holds (or, durable, wrote to the store)."""
+
+    key: ShardKey
+    tier: str
+    """"local", "replica" or "durable"."""
+    checksum: str = ""
+    size_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """One checkpoint daemon's report of what changed in what it holds."""
+
+    node_id: str
+    added: tuple[ShardHeld, ...] = ()
+    removed: tuple[ShardKey, ...] = ()
+    removed_durable: tuple[ShardKey, ...] = ()
+    flush_errors: tuple[str, ...] = ()
+    fresh_start: bool = False
+    """A new daemon: its memory starts empty."""
+
+
+@dataclass(frozen=True)
+class RestorePoint:
+    """A job's committed and durable steps, its members, and where each rank's
+    in-memory shard of one step lies."""
+
+    committed_step: int
+    durable_step: int
+    member_node_ids: tuple[str, ...] = ()
+    locations: dict[int, list[tuple[str, str]]] = field(default_factory=dict)
+    """rank -> (node id, its checkpoint daemon's address) of each copy."""

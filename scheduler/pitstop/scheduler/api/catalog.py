@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from pitstop.scheduler.auth import current_caller
+from pitstop.scheduler.convert import restore_point_to_pb, shard_report_from_pb
 from pitstop.scheduler.errors import PermissionDenied
 from pitstop.scheduler.jobspec import check_text
 from pitstop.scheduler.services import catalog as catalog_service
@@ -28,7 +29,7 @@ class CatalogServicer:
                 f"report shards held by {request.node_id!r}"
             )
         async with self.store.write() as session:
-            settled = await catalog_service.report_shards(session, request)
+            settled = await catalog_service.report_shards(session, shard_report_from_pb(request))
             # In the report's own transaction: one lookup by key, no extra round trip.
             unfit = bool(request.buddy_node_id) and not await catalog_service.may_hold_replicas(
                 session, request.buddy_node_id
@@ -53,4 +54,5 @@ class CatalogServicer:
     ) -> checkpoint_pb2.GetRestorePointResponse:
         async with self.store.read() as session:
             job = await job_service.get_job(session, request.job_id)
-            return await catalog_service.restore_point(session, job, request.step)
+            point = await catalog_service.restore_point(session, job, request.step)
+        return restore_point_to_pb(point)

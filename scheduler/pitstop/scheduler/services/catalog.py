@@ -17,19 +17,13 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.db import models
-from pitstop.scheduler.domain import JobState, NodeState
+from pitstop.scheduler.domain import JobState, NodeState, RestorePoint, ShardReport
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.scheduler.services.nodes import get_node
-from pitstop.v1 import checkpoint_pb2
 
 log = logging.getLogger(__name__)
 
-_TIERS = {
-    checkpoint_pb2.SHARD_TIER_LOCAL: "local",
-    checkpoint_pb2.SHARD_TIER_REPLICA: "replica",
-    checkpoint_pb2.SHARD_TIER_DURABLE: "durable",
-}
 # Durable copies belong to no node; they are stored under this node id.
 DURABLE_NODE = ""
 
@@ -48,9 +42,7 @@ async def world_size(session: AsyncSession, job: models.Job, generation: int) ->
     return max(spec.tp, 1) * max(spec.pp, 1) * max(spec.dp, 1)
 
 
-async def report_shards(
-    session: AsyncSession, request: checkpoint_pb2.ReportShardsRequest
-) -> dict[str, Settled]:
+async def report_shards(session: AsyncSession, report: ShardReport) -> dict[str, Settled]:
     """Apply one daemon's report; returns, per job touched, the newest steps it made
     committed or durable (`advance_jobs` moves the jobs' pointers, in a transaction of
     its own).
@@ -61,10 +53,10 @@ async def report_shards(
     never locked here: a report is telemetry, and a deciding transaction (which locks the
     row) must not queue behind reports. Concurrent reports of one step are serialised by
     the step's checkpoint row instead (`_settle`)."""
-    node_id = request.node_id
-    if request.fresh_start:
+    node_id = report.node_id
+    if report.fresh_start:
         await forget_node(session, node_id)  # a new daemon: its memory starts empty
-    named = sorted({info.header.key.job_id for info in request.added})
+    named = sorted({info.key.job_id for info in report.added})
     jobs = {
         job.id: job
         for job in await session.scalars(select(models.Job).where(models.Job.id.in_(named)))
@@ -73,12 +65,12 @@ async def report_shards(
         log.warning("node %s reported a shard of unknown job %s", node_id, job_id)
     steps: dict[tuple[str, int], int] = {}
     shards: dict[tuple[str, int, int, str], dict[str, Any]] = {}
-    for info in request.added:
-        key = info.header.key
+    for info in report.added:
+        key = info.key
         if key.job_id not in jobs:
             continue
         steps.setdefault((key.job_id, key.step), key.generation)
-        tier = _TIERS.get(info.tier, "local")
+        tier = info.tier
         holder = DURABLE_NODE if tier == "durable" else node_id
         shards[(key.job_id, key.step, key.rank, holder)] = {
             "job_id": key.job_id,
@@ -86,8 +78,8 @@ async def report_shards(
             "rank": key.rank,
             "node_id": holder,
             "tier": tier,
-            "checksum": info.header.checksum,
-            "size_bytes": info.header.size_bytes,
+            "checksum": info.checksum,
+            "size_bytes": info.size_bytes,
         }
     # Rows in one order everywhere: two reports never wait on each other crosswise.
     for chunk in _chunks(sorted(steps.items())):
@@ -108,8 +100,8 @@ async def report_shards(
                 },
             )
         )
-    gone = [(k.job_id, k.step, k.rank, node_id) for k in request.removed]
-    gone += [(k.job_id, k.step, k.rank, DURABLE_NODE) for k in request.removed_durable]
+    gone = [(k.job_id, k.step, k.rank, node_id) for k in report.removed]
+    gone += [(k.job_id, k.step, k.rank, DURABLE_NODE) for k in report.removed_durable]
     shard = models.CheckpointShard
     for chunk in _chunks(sorted(set(gone))):
         await session.execute(
@@ -117,7 +109,7 @@ async def report_shards(
                 tuple_(shard.job_id, shard.step, shard.rank, shard.node_id).in_(chunk)
             )
         )
-    for error in request.flush_errors:
+    for error in report.flush_errors:
         record_event(
             session,
             "checkpoint.flush_failed",
@@ -308,20 +300,15 @@ async def _world_sizes(
     return {g: int(placed.get(g) or planned) for g in generations}
 
 
-async def restore_point(
-    session: AsyncSession, job: models.Job, step: int = 0
-) -> checkpoint_pb2.GetRestorePointResponse:
+async def restore_point(session: AsyncSession, job: models.Job, step: int = 0) -> RestorePoint:
     """The job's committed and durable steps, and where each rank's in-memory shard of
     `step` (0: the committed step) lies: node ids and their checkpoint daemons."""
-    response = checkpoint_pb2.GetRestorePointResponse(
-        committed_step=job.committed_step, durable_step=job.durable_step
-    )
     members = await session.scalars(
         select(func.distinct(models.RankAssignment.node_id))
         .where(models.RankAssignment.job_id == job.id)
         .where(models.RankAssignment.current())
     )
-    response.member_node_ids.extend(sorted(members))
+    point = RestorePoint(job.committed_step, job.durable_step, tuple(sorted(members)))
     step = step or job.committed_step
     if step:
         rows = await session.execute(
@@ -337,9 +324,8 @@ async def restore_point(
             .order_by(models.CheckpointShard.rank, models.CheckpointShard.node_id)
         )
         for rank, node_id, address in rows:
-            response.locations[rank].node_ids.append(node_id)
-            response.locations[rank].addresses.append(address or "")
-    return response
+            point.locations.setdefault(rank, []).append((node_id, address or ""))
+    return point
 
 
 HOLDS_NO_COPIES = (NodeState.LOST, NodeState.UNHEALTHY)
