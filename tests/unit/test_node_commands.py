@@ -13,7 +13,8 @@ LIMIT = 64 << 10
 
 
 def placement(nodes: int) -> Placement:
-    """The 99,968-rank job (docs/scale.md) on `nodes` 8-GPU nodes: TP 8 x PP 16 x DP, a node per TP group."""
+    """The 99,968-rank job (docs/scale.md) on `nodes` 8-GPU nodes: TP 8 x PP 16 x DP, a
+    node per TP group."""
     slots = []
     for rank in range(nodes * 8):
         dp, pp, tp = rank_coordinates(rank, TP, PP)
