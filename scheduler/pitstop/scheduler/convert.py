@@ -28,6 +28,7 @@ from pitstop.scheduler.domain import (
 from pitstop.scheduler.errors import InvalidArgument
 from pitstop.scheduler.hotstate import STANDBY_READY
 from pitstop.scheduler.services.jobs import spec_from_json
+from pitstop.scheduler.services.views import JobInFull, NodeInFull
 from pitstop.scheduler.topology import Placement, shape_of
 from pitstop.v1 import agent_pb2, checkpoint_pb2, common_pb2, jobs_pb2, nodes_pb2
 
@@ -375,3 +376,15 @@ def project_to_pb(use: ProjectUse) -> jobs_pb2.Project:
         updated_at=timestamp(use.updated_at),
         updated_by=use.updated_by,
     )
+
+
+def job_in_full_to_pb(full: JobInFull) -> jobs_pb2.Job:
+    """One job with its rank map and per-rank step statistics."""
+    message = job_to_pb(full.job, full.ranks, queue_position=full.queue_position)
+    message.rank_stats.extend(jobs_pb2.RankStepStats(**s) for s in full.rank_stats)
+    return message
+
+
+def node_in_full_to_pb(full: NodeInFull) -> nodes_pb2.Node:
+    """One node with its Xid history, its jobs and its live health."""
+    return node_to_pb(full.node, xids=full.xids, job_ids=full.job_ids, live_health=full.live_health)

@@ -8,7 +8,7 @@ import grpc
 
 from pitstop.scheduler.api.watch import follow_events
 from pitstop.scheduler.auth import current_caller
-from pitstop.scheduler.convert import event_to_pb, job_states_from_pb, job_to_pb
+from pitstop.scheduler.convert import event_to_pb, job_in_full_to_pb, job_states_from_pb, job_to_pb
 from pitstop.scheduler.domain import TERMINAL_JOB_STATES
 from pitstop.scheduler.gateway import CommandRouter
 from pitstop.scheduler.hotstate import HotState
@@ -45,7 +45,7 @@ class JobServicer:
     async def Get(  # noqa: N802
         self, request: jobs_pb2.GetJobRequest, context: grpc.aio.ServicerContext
     ) -> jobs_pb2.Job:
-        return await job_in_full(self.store, self.hot, request.job_id)
+        return job_in_full_to_pb(await job_in_full(self.store, self.hot, request.job_id))
 
     async def List(  # noqa: N802
         self, request: jobs_pb2.ListJobsRequest, context: grpc.aio.ServicerContext

@@ -13,6 +13,7 @@ from pitstop.scheduler.api.watch import follow_events
 from pitstop.scheduler.auth import current_caller
 from pitstop.scheduler.convert import (
     event_to_pb,
+    node_in_full_to_pb,
     node_roles_from_pb,
     node_states_from_pb,
     node_to_pb,
@@ -50,7 +51,7 @@ class NodeServicer:
     async def Get(  # noqa: N802
         self, request: nodes_pb2.GetNodeRequest, context: grpc.aio.ServicerContext
     ) -> nodes_pb2.Node:
-        return await node_in_full(self.store, self.hot, request.node_id)
+        return node_in_full_to_pb(await node_in_full(self.store, self.hot, request.node_id))
 
     async def Cordon(  # noqa: N802
         self, request: nodes_pb2.NodeControlRequest, context: grpc.aio.ServicerContext

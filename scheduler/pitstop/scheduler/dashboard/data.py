@@ -16,7 +16,12 @@ from typing import Any
 from google.protobuf import json_format
 from sqlalchemy import select
 
-from pitstop.scheduler.convert import event_to_pb, node_to_pb
+from pitstop.scheduler.convert import (
+    event_to_pb,
+    job_in_full_to_pb,
+    node_in_full_to_pb,
+    node_to_pb,
+)
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import TERMINAL_JOB_STATES, NodeRole, NodeState
 from pitstop.scheduler.hotstate import HotState
@@ -119,7 +124,7 @@ async def fleet(store: Store, node_ids: Iterable[str] | None = None) -> list[dic
 
 async def node_detail(store: Store, hot: HotState, node_id: str) -> dict[str, Any]:
     """One node as `pitstop node show` has it: health per GPU, Xid history, jobs."""
-    message = await node_in_full(store, hot, node_id)
+    message = node_in_full_to_pb(await node_in_full(store, hot, node_id))
     detail = json_format.MessageToDict(message, preserving_proto_field_name=True)
     detail["status"] = node_status(
         NodeState(_word(common_pb2.NodeState.Name(message.state), "NODE_STATE_")),
@@ -186,7 +191,7 @@ def incident_rows(goodput: dict[str, Any]) -> list[dict[str, Any]]:
 async def job_detail(store: Store, hot: HotState, job_id: str) -> dict[str, Any]:
     """A job: state, generation, steps, goodput and its incidents, and where each rank
     runs (node, zone, block, rack, its dp/pp/tp coordinates, straggler or not)."""
-    message = await job_in_full(store, hot, job_id)
+    message = job_in_full_to_pb(await job_in_full(store, hot, job_id))
     ranks = sorted(message.rank_map.ranks, key=lambda r: r.rank)
     async with store.read() as session:
         query = select(models.Node).where(models.Node.id.in_({r.node_id for r in ranks}))
