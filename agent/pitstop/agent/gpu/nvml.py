@@ -17,7 +17,7 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from pitstop.agent.gpu import kmsg
+import pitstop.agent.gpu.kmsg as kmsg
 from pitstop.agent.gpu.base import FaultNotSupported, GpuBackend, GpuBackendError, XidCallback
 from pitstop.v1 import common_pb2
 
