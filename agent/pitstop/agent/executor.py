@@ -24,64 +24,22 @@ import contextlib
 import itertools
 import logging
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Collection
-from pathlib import Path
-from typing import Protocol
+from collections.abc import Awaitable, Callable
 
 from pitstop.agent import stacks
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.gpu import GpuBackend
+from pitstop.agent.handover import StandbyHandover
 from pitstop.agent.metrics import AgentMetrics
-from pitstop.v1 import agent_pb2, common_pb2, rank_pb2
+from pitstop.agent.rankports import RankChannel, RankSupervision
+from pitstop.v1 import agent_pb2, rank_pb2
+
+__all__ = ["CommandExecutor", "CommandHandler"]
 
 log = logging.getLogger(__name__)
 
-STANDBY_WAIT_SECONDS = 60.0
-"""How long a rank handed to a standby process still importing waits for it before it
-starts afresh instead (a cold start takes as long as the import it would wait for)."""
-
 CommandHandler = Callable[[agent_pb2.SchedulerMessage], Awaitable[str]]
 """Carries out one command kind; returns "" when done, or the error in words."""
-
-
-class RankSupervision(Protocol):
-    """What the link needs of the rank supervisor: for the commands, the registration
-    and (`kill_gpu`) the Xid handling."""
-
-    async def start_ranks(
-        self, command: agent_pb2.StartRanks, only: Collection[int] | None = None
-    ) -> list[int]: ...
-    async def stop_ranks(self, command: agent_pb2.StopRanks) -> list[int]: ...
-    def running(self) -> list[agent_pb2.RunningRank]: ...
-    def renumber(self, job_id: str, rank_map: common_pb2.RankMap) -> dict[int, int]: ...
-    def kill_gpu(self, gpu_index: int, reason: str) -> list[tuple[str, int]]: ...
-    def log_path(self, job_id: str, rank: int) -> Path | None: ...
-    async def start_standbys(self, command: agent_pb2.StartRanks) -> list[int]: ...
-    def standby_pid(self, job_id: str, gpu_index: int) -> int | None: ...
-    def standby_gpu_for(self, job_id: str, gpu_index: int) -> int | None: ...
-    def standby_command(self, job_id: str) -> agent_pb2.StartRanks | None: ...
-    def adopt(
-        self, job_id: str, gpu_index: int, rank: int, generation: int, on_gpu: int | None = None
-    ) -> int | None: ...
-
-
-class RankChannel(Protocol):
-    """What the commands need of the local endpoint: commands to ranks, generations."""
-
-    async def send_command(self, job_id: str, rank: int, command: rank_pb2.RankCommand) -> bool: ...
-    def set_generation(
-        self,
-        job_id: str,
-        generation: int,
-        restore_step: int,
-        windows: agent_pb2.StepWindows | None = None,
-    ) -> None: ...
-    async def assign_standby(
-        self, job_id: str, assignment: rank_pb2.StandbyAssignment, pid: int | None = None
-    ) -> bool: ...
-    async def wait_standby_process(
-        self, job_id: str, pid: int, timeout: float, alive: Callable[[], bool]
-    ) -> bool: ...
 
 
 def _generation_command(message: agent_pb2.SchedulerMessage, kind: str) -> tuple[int, str] | None:
@@ -136,6 +94,7 @@ class CommandExecutor:
         self._carried_out: defaultdict[str, set[tuple[int, str]]] = defaultdict(set)
         self._newest: defaultdict[str, int] = defaultdict(int)
         self._rank_command_ids = itertools.count(1)
+        self._handover = StandbyHandover(settings.node_id, supervisor, local)
 
     @property
     def kinds(self) -> frozenset[str]:
@@ -242,7 +201,7 @@ class CommandExecutor:
     async def _reconfigure(self, message: agent_pb2.SchedulerMessage) -> str:
         new = message.reconfigure
         self._local.set_generation(new.job_id, new.generation, new.restore_step, new.step_windows)
-        adopted, taken = await self._hand_to_standbys(new)
+        adopted, taken = await self._handover.hand_over(new)
         # The ranks taken over (or started afresh) here join the new generation on their
         # own; those already running here are told.
         relayed = await self._relay(new.job_id, rank_pb2.RankCommand(reconfigure=new), skip=taken)
@@ -341,82 +300,3 @@ class CommandExecutor:
                 "have no open command stream; they may have exited"
             )
         return ""
-
-    # The standby hand-over (Reconfigure with adopted ranks)
-
-    async def _hand_to_standbys(self, new: agent_pb2.Reconfigure) -> tuple[str, set[int]]:
-        """Give each rank this node adopts to the job's standby process on the rank's GPU
-        (or the one beside the job's ranks). One still importing is waited for; where none
-        is left (it died, or was never started here), the rank starts as a fresh process
-        from the standby's command. A rank of the job still running here (a node whose
-        other rank died adopts in place) keeps its process. The error, if any, and the
-        ranks taken over or started."""
-        job_id, node_id = new.job_id, self._settings.node_id
-        placed = {a.rank: a for a in new.rank_map.ranks if a.node_id == node_id}
-        running = {
-            r.rank for r in self._supervisor.running() if r.job_id == job_id and not r.standby
-        }
-        missed, fresh, taken = [], [], set()
-        for rank in new.adopted_ranks:
-            where = placed.get(rank)
-            if where is None:
-                missed.append(rank)
-                continue
-            if rank in running:
-                continue
-            taken.add(rank)
-            if not await self._adopt(new, where):
-                fresh.append(rank)
-        if fresh:
-            spec = self._supervisor.standby_command(job_id)
-            if spec is None:
-                missed += fresh
-            else:
-                log.warning(
-                    "job %s: no standby process waits for ranks %s here: starting them afresh",
-                    job_id,
-                    fresh,
-                )
-                start = agent_pb2.StartRanks(
-                    job_id=job_id,
-                    generation=new.generation,
-                    command=spec.command,
-                    env=spec.env,
-                    working_dir=spec.working_dir,
-                    rank_map=new.rank_map,
-                    rendezvous_address=new.rendezvous_address,
-                    restore_step=new.restore_step,
-                )
-                await self._supervisor.start_ranks(start, only=fresh)
-        if missed:
-            return (
-                f"job {job_id}: node {node_id} cannot take ranks {missed}: not placed here in "
-                "the rank map, or no standby process of the job was ever started here"
-            ), taken
-        return "", taken
-
-    async def _adopt(self, new: agent_pb2.Reconfigure, where: common_pb2.RankAssignment) -> bool:
-        """Hand rank `where` to the job's standby process on its GPU, once that process
-        waits (at most STANDBY_WAIT_SECONDS); False when there is none to hand it to."""
-        job_id = new.job_id
-        gpu = self._supervisor.standby_gpu_for(job_id, where.gpu_index)
-        pid = None if gpu is None else self._supervisor.standby_pid(job_id, gpu)
-        if gpu is None or pid is None:
-            return False
-
-        def alive() -> bool:
-            return self._supervisor.standby_pid(job_id, gpu) == pid
-
-        # True: the process waits now, and no await comes before the hand-over, so it
-        # cannot stop waiting in between.
-        if not await self._local.wait_standby_process(job_id, pid, STANDBY_WAIT_SECONDS, alive):
-            return False
-        adopted = self._supervisor.adopt(
-            job_id, gpu, where.rank, new.generation, on_gpu=where.gpu_index
-        )
-        if adopted != pid:
-            return False
-        assignment = rank_pb2.StandbyAssignment(
-            reconfigure=new, rank=where.rank, local_rank=where.local_rank, gpu_index=where.gpu_index
-        )
-        return await self._local.assign_standby(job_id, assignment, pid=pid)

@@ -25,10 +25,11 @@ from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_ran
 
 from pitstop.agent.conditions import ConditionSource
 from pitstop.agent.config import AgentSettings
-from pitstop.agent.executor import CommandExecutor, RankChannel, RankSupervision
+from pitstop.agent.executor import CommandExecutor
 from pitstop.agent.gpu import GpuBackend
 from pitstop.agent.heartbeats import Heartbeats, StepSource, timestamp
 from pitstop.agent.metrics import AgentMetrics
+from pitstop.agent.rankports import RankChannel, RankSupervision
 from pitstop.common.tls import NodeIdentity, open_channel
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
