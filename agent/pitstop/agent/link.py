@@ -3,18 +3,17 @@
 On every stream the agent registers (seq 1); then the heartbeats (`heartbeats.py`) send
 the node's health, Xids, step times and rank exits as they happen, and the command
 executor (`executor.py`) carries out the scheduler's commands, acknowledging each. This
-module owns the stream itself: the registration, the one outbox every message leaves
-through, and the reconnect. A broken stream is reopened with backoff and the node
-registers again; running ranks are never touched because the scheduler went away.
+module owns the stream itself: the registration (built by `registration.py`), the one
+outbox every message leaves through (`outbox.py`), and the reconnect. A broken stream
+is reopened with backoff and the node registers again; running ranks are never touched
+because the scheduler went away.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
@@ -27,9 +26,11 @@ from pitstop.agent.conditions import ConditionSource
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.executor import CommandExecutor
 from pitstop.agent.gpu import GpuBackend
-from pitstop.agent.heartbeats import Heartbeats, StepSource, timestamp
+from pitstop.agent.heartbeats import Heartbeats, StepSource
 from pitstop.agent.metrics import AgentMetrics
+from pitstop.agent.outbox import Outbox, first_of
 from pitstop.agent.rankports import RankChannel, RankSupervision
+from pitstop.agent.registration import register_message
 from pitstop.common.tls import NodeIdentity, open_channel
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
@@ -58,20 +59,6 @@ class LinkDown(Exception):
         self.stable = stable
 
 
-async def _first_of(wanted: asyncio.Event | asyncio.Future[Any], ended: asyncio.Event) -> bool:
-    """Wait for `wanted` (an event set, a future done) or `ended`; whether `wanted` came.
-    A future that has not come is cancelled."""
-    want = asyncio.ensure_future(wanted.wait()) if isinstance(wanted, asyncio.Event) else wanted
-    end = asyncio.ensure_future(ended.wait())
-    try:
-        await asyncio.wait({want, end}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        end.cancel()
-        if not want.done():
-            want.cancel()
-    return want.done() and not want.cancelled()
-
-
 def keepalive_options(settings: AgentSettings) -> list[tuple[str, int]]:
     """gRPC channel options: ping the scheduler, and break a stream whose ping goes
     unanswered (the scheduler accepts pings this often: AGENT_PING_FLOOR_MS)."""
@@ -83,14 +70,6 @@ def keepalive_options(settings: AgentSettings) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
-
-
-def agent_version() -> str:
-    """The installed pitstop version."""
-    try:
-        return importlib.metadata.version("pitstop")
-    except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
 
 
 class SchedulerLink:
@@ -117,10 +96,7 @@ class SchedulerLink:
         self._metrics = metrics
         self._started_at = psutil.Process().create_time()
         self._token = settings.token
-        # None ends the stream: the request iterator returns, which half-closes it.
-        self._outbox: asyncio.Queue[agent_pb2.AgentMessage | None] = asyncio.Queue()
-        self._held: agent_pb2.AgentMessage | None = None
-        """A message taken from the outbox as its stream ended: the next stream's first."""
+        self._outbox = Outbox()
         self._heartbeats = Heartbeats(
             settings,
             backend,
@@ -239,7 +215,9 @@ class SchedulerLink:
     async def _session(self, stop: asyncio.Event) -> None:
         """One stream: returns when `stop` is set, raises LinkDown when the stream ends."""
         try:
-            register = await self._register_message()
+            register = await register_message(
+                self._settings, self._backend, self._supervisor.running, self._started_at
+            )
         except Exception as exc:
             log.exception("building the registration failed")
             raise LinkDown(f"cannot build the registration: {exc}") from exc
@@ -264,7 +242,7 @@ class SchedulerLink:
                 conversation.result()  # raises LinkDown
             # Stopping: send what is queued, half-close, and give the scheduler a moment
             # to end the stream itself, so it sees a clean goodbye rather than a reset.
-            self._outbox.put_nowait(None)
+            self._outbox.close()
             answered.set()
             await asyncio.wait({conversation}, timeout=CLOSE_GRACE_SECONDS)
         finally:
@@ -319,10 +297,10 @@ class SchedulerLink:
         # Nothing more until the scheduler answers. A refusal ends the stream at once, and
         # a write in flight then makes grpc's asyncio client report "INTERNAL: Internal
         # error from Core" in place of the refusal's status and reason (grpc/grpc#36066).
-        if not await _first_of(answered, ended):
+        if not await first_of(answered, ended):
             return
         while True:
-            message = await self._next_message(ended)
+            message = await self._outbox.next_message(ended)
             if message is None:
                 return
             seq += 1
@@ -330,58 +308,6 @@ class SchedulerLink:
             if message.HasField("heartbeat"):
                 self._metrics.heartbeats.labels(self._settings.node_id).inc()
             yield message
-
-    async def _next_message(self, ended: asyncio.Event) -> agent_pb2.AgentMessage | None:
-        """The next message to send on this stream; None to half-close it (the agent
-        stops) or once it has ended (a message taken as it ended goes out first on the
-        next stream)."""
-        held, self._held = self._held, None
-        if held is not None:
-            return held
-        getter = asyncio.ensure_future(self._outbox.get())
-        try:
-            came = await _first_of(getter, ended)
-        except asyncio.CancelledError:  # the call was cancelled: keep what was taken
-            if getter.done() and not getter.cancelled():
-                self._held = getter.result()
-            raise
-        if not came:
-            return None
-        message = getter.result()
-        if message is not None and ended.is_set():
-            self._held = message
-            return None
-        return message
-
-    async def _register_message(self) -> agent_pb2.AgentMessage:
-        settings, backend = self._settings, self._backend
-        gpus = await asyncio.to_thread(backend.inventory)
-        return agent_pb2.AgentMessage(
-            register=agent_pb2.Register(
-                node_id=settings.node_id,
-                inventory=common_pb2.Inventory(
-                    hostname=settings.advertise_host or socket.gethostname(),
-                    driver_version=backend.driver_version(),
-                    gpus=gpus,
-                    agent_version=agent_version(),
-                    gpu_backend=backend.name,
-                    checkpointd_address=settings.checkpointd_address,
-                ),
-                labels=common_pb2.TopologyLabels(
-                    zone=settings.zone,
-                    block=settings.block,
-                    rack=settings.rack,
-                    nvlink_domain=settings.nvlink_domain,
-                ),
-                requested_role=(
-                    common_pb2.NODE_ROLE_SPARE
-                    if settings.role == "spare"
-                    else common_pb2.NODE_ROLE_WORKER
-                ),
-                running_ranks=self._supervisor.running(),
-                agent_started_at=timestamp(self._started_at),
-            )
-        )
 
     def _on_registered(self, registered: agent_pb2.Registered) -> None:
         assert self._loop is not None
@@ -421,7 +347,7 @@ class SchedulerLink:
             await asyncio.gather(task, return_exceptions=True)
 
     def _send(self, **body: Any) -> None:
-        self._outbox.put_nowait(agent_pb2.AgentMessage(**body))
+        self._outbox.put(agent_pb2.AgentMessage(**body))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
