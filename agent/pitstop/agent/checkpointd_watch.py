@@ -30,21 +30,18 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from pitstop.agent.checkpointd_probe import HealthProbe
 from pitstop.agent.conditions import NodeCondition
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.liveness import DaemonLiveness, Liveness, RestartBackoff
 from pitstop.agent.metrics import AgentMetrics
-from pitstop.common.tls import NodeIdentity, open_channel
+from pitstop.common.tls import NodeIdentity
 from pitstop.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
-PROBE_DEADLINE_SECONDS = 0.5
 START_GRACE_SECONDS = 15.0
 """How long a daemon that never answered yet may take to start before it counts as down."""
 START_TIMEOUT_SECONDS = 60.0
@@ -75,15 +72,11 @@ class CheckpointdWatch:
         identity: NodeIdentity | None = None,
     ) -> None:
         self.address = settings.checkpointd_address
-        self._identity = identity
         self._argv = settings.checkpointd_argv
         self._interval = settings.checkpointd_probe_seconds
-        self._deadline = PROBE_DEADLINE_SECONDS
         self._misses_to_down = settings.checkpointd_probe_misses
         self._hang_seconds = settings.checkpointd_hang_seconds
-        self._metadata = (
-            (("authorization", f"Bearer {settings.token}"),) if settings.token else None
-        )
+        self._prober = HealthProbe(self.address, settings.token, identity)
         self.log_path = settings.state_dir / LOG_NAME
         self._node_id = settings.node_id
         self._metrics = metrics
@@ -99,7 +92,6 @@ class CheckpointdWatch:
         self._next_start_at = 0.0
         self._down_since: float | None = None
         self._closing = False
-        self._channel: Any = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._changed = asyncio.Event()
@@ -135,7 +127,7 @@ class CheckpointdWatch:
         if self._exit_watcher is not None:
             self._exit_watcher.cancel()
             await asyncio.gather(self._exit_watcher, return_exceptions=True)
-        await self._close_channel()
+        await self._prober.close()
 
     def conditions(self) -> list[NodeCondition]:
         """The daemon's condition for this heartbeat: down now, or down since the last."""
@@ -165,7 +157,7 @@ class CheckpointdWatch:
             await self._pause()
 
     async def _tick(self) -> None:
-        why, unreachable = await self._probe()
+        why, unreachable = await self._prober.probe()
         now = self._clock()
         if why is None:
             changed = self.liveness.answered(now)
@@ -216,44 +208,6 @@ class CheckpointdWatch:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
         self._wake.clear()
-
-    async def _probe(self) -> tuple[str | None, bool]:
-        """(None when the daemon answered, else why not in words; whether nothing could
-        be reached at the address at all, so that a daemon may be started there)."""
-        if self._channel is None:
-            self._channel = open_channel(self.address, self._identity, aio=True)
-        stub = health_pb2_grpc.HealthStub(self._channel)
-        try:
-            reply = await stub.Check(
-                health_pb2.HealthCheckRequest(), timeout=self._deadline, metadata=self._metadata
-            )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                return None, False  # its server answered; it serves no health service
-            why = self._describe(exc)
-            unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE
-        else:
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return None, False
-            why = f"it reports {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
-            unreachable = False
-        # The next probe gets a fresh channel: it connects at once instead of waiting out
-        # the old channel's reconnect backoff, so a daemon that is back is seen at once.
-        await self._close_channel()
-        return why, unreachable
-
-    def _describe(self, exc: grpc.aio.AioRpcError) -> str:
-        code = exc.code()
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return f"no answer within {self._deadline:g} s"
-        # "failed to connect to all addresses; ...: Connection refused" -> the last part.
-        detail = (exc.details() or "").rsplit(": ", 1)[-1]
-        return f"{code.name}: {detail}" if detail else str(code.name)
-
-    async def _close_channel(self) -> None:
-        channel, self._channel = self._channel, None
-        if channel is not None:
-            await channel.close()
 
     def _announce(self, now: float) -> None:
         gauge = self._metrics.checkpointd_up.labels(self._node_id, self.address)
