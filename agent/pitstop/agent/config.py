@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import logging
 import shlex
 import socket
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    YamlConfigSettingsSource,
-)
+from pydantic_settings import SettingsConfigDict
 
 from pitstop.agent.gpu import MAX_SIMULATED_GPUS
+from pitstop.common.settings import LayeredSettings, check_log_level, load_layered, log_level_number
 
 ENV_PREFIX = "PITSTOP_AGENT_"
 DEFAULT_STATE_DIR = Path("/var/lib/pitstop/agent")
 SOCKET_NAME = "agent.sock"
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # Node labels that name a failure domain, most common first: the well-known zone label;
 # GKE's, EKS's and Kueue's topology labels for blocks and racks (sub-blocks, network
@@ -53,7 +47,7 @@ def check_gpus_spec(spec: str) -> str:
     )
 
 
-class AgentSettings(BaseSettings):
+class AgentSettings(LayeredSettings):
     """Everything the agent reads at start. Every field is also PITSTOP_AGENT_<NAME>."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
@@ -174,10 +168,7 @@ class AgentSettings(BaseSettings):
     @field_validator("log_level")
     @classmethod
     def _log_level(cls, value: str) -> str:
-        level = value.upper()
-        if level not in _LOG_LEVELS:
-            raise ValueError(f"log_level {value!r}: use one of {', '.join(_LOG_LEVELS)}")
-        return level
+        return check_log_level(value)
 
     @field_validator("checkpointd_address")
     @classmethod
@@ -227,43 +218,10 @@ class AgentSettings(BaseSettings):
     @property
     def log_level_number(self) -> int:
         """The log level as a `logging` number."""
-        return logging.getLevelNamesMapping()[self.log_level]
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings)
+        return log_level_number(self.log_level)
 
 
 def load_settings(config_file: Path | None = None, **flags: Any) -> AgentSettings:
     """Merge defaults, the YAML config file, PITSTOP_AGENT_* variables and the flags given
     (flags win; a flag given as None is not given)."""
-    given = {k: v for k, v in flags.items() if v is not None}
-    if config_file is None:
-        return AgentSettings(**given)
-    if not config_file.is_file():
-        raise FileNotFoundError(f"config file {config_file} does not exist; fix the --config path")
-
-    class FileSettings(AgentSettings):
-        model_config = SettingsConfigDict(
-            env_prefix=ENV_PREFIX, extra="forbid", yaml_file=config_file
-        )
-
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
-
-    return FileSettings(**given, config_file=config_file)
+    return load_layered(AgentSettings, config_file, flags)

@@ -29,6 +29,7 @@ from pitstop.agent.metrics import AgentMetrics, MetricsServer
 from pitstop.agent.preflight import Preflight
 from pitstop.agent.steps import StepSummarizer
 from pitstop.agent.supervisor import RankSupervisor
+from pitstop.common.settings import one_line
 from pitstop.v1 import agent_pb2
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="The pitstop node agent.")
@@ -198,14 +199,6 @@ class _StartFailed(Exception):
         self.code = code
 
 
-def _one_line(exc: ValidationError) -> str:
-    parts = []
-    for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"]) or "config"
-        parts.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
-    return "; ".join(parts)
-
-
 @app.command()
 def run(
     config: Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file")] = None,
@@ -279,7 +272,7 @@ def run(
             fork_server=fork_server,
         )
     except ValidationError as exc:
-        _fail(f"invalid configuration: {_one_line(exc)}", EXIT_BAD_CONFIG)
+        _fail(f"invalid configuration: {one_line(exc)}", EXIT_BAD_CONFIG)
     except (FileNotFoundError, ValueError) as exc:
         _fail(f"invalid configuration: {exc}", EXIT_BAD_CONFIG)
     logging.basicConfig(

@@ -3,23 +3,18 @@ environment < flags."""
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    YamlConfigSettingsSource,
-)
+from pydantic_settings import SettingsConfigDict
+
+from pitstop.common.settings import LayeredSettings, check_log_level, load_layered, log_level_number
 
 ENV_PREFIX = "PITSTOP_CHECKPOINTD_"
 DEFAULT_STATE_DIR = Path("/var/lib/pitstop/checkpointd")
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def _check_address(what: str, value: str) -> str:
@@ -29,7 +24,7 @@ def _check_address(what: str, value: str) -> str:
     return value
 
 
-class CheckpointdSettings(BaseSettings):
+class CheckpointdSettings(LayeredSettings):
     """Everything checkpointd reads at start. Every field is also
     PITSTOP_CHECKPOINTD_<NAME>."""
 
@@ -105,15 +100,12 @@ class CheckpointdSettings(BaseSettings):
     @field_validator("log_level")
     @classmethod
     def _log_level(cls, value: str) -> str:
-        level = value.upper()
-        if level not in _LOG_LEVELS:
-            raise ValueError(f"log_level {value!r}: use one of {', '.join(_LOG_LEVELS)}")
-        return level
+        return check_log_level(value)
 
     @property
     def log_level_number(self) -> int:
         """The log level as a `logging` number."""
-        return logging.getLevelNamesMapping()[self.log_level]
+        return log_level_number(self.log_level)
 
     def budget_bytes(self, shm_dir: Path) -> int:
         """The memory budget: as configured, or half of `shm_dir`'s size."""
@@ -122,41 +114,8 @@ class CheckpointdSettings(BaseSettings):
         stat = os.statvfs(shm_dir)
         return stat.f_blocks * stat.f_frsize // 2
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings)
-
 
 def load_settings(config_file: Path | None = None, **flags: Any) -> CheckpointdSettings:
     """Merge defaults, the YAML config file, PITSTOP_CHECKPOINTD_* variables and the
     flags given (flags win; a flag given as None is not given)."""
-    given = {k: v for k, v in flags.items() if v is not None}
-    if config_file is None:
-        return CheckpointdSettings(**given)
-    if not config_file.is_file():
-        raise FileNotFoundError(f"config file {config_file} does not exist; fix the --config path")
-
-    class FileSettings(CheckpointdSettings):
-        model_config = SettingsConfigDict(
-            env_prefix=ENV_PREFIX, extra="forbid", yaml_file=config_file
-        )
-
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
-
-    return FileSettings(**given, config_file=config_file)
+    return load_layered(CheckpointdSettings, config_file, flags)

@@ -8,13 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field, field_validator, model_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    YamlConfigSettingsSource,
-)
+from pydantic_settings import SettingsConfigDict
 
+from pitstop.common.settings import LayeredSettings, load_layered
 from pitstop.scheduler.domain import Role
 from pitstop.scheduler.errors import InvalidArgument
 from pitstop.scheduler.jobspec import check_project
@@ -76,7 +72,7 @@ AGENT_PING_FLOOR_MS = 500
 """The shortest interval between an agent's own keepalive pings the scheduler accepts."""
 
 
-class SchedulerSettings(BaseSettings):
+class SchedulerSettings(LayeredSettings):
     """Everything the scheduler reads at start. Every field is also PITSTOP_<NAME>."""
 
     model_config = SettingsConfigDict(env_prefix="PITSTOP_", extra="forbid")
@@ -220,40 +216,7 @@ class SchedulerSettings(BaseSettings):
             ("grpc.http2.max_ping_strikes", 0),
         ]
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings)
-
 
 def load_settings(config_file: Path | None = None, **flags: Any) -> SchedulerSettings:
     """Merge defaults, the YAML config file, PITSTOP_* variables and the flags given (flags win)."""
-    given = {k: v for k, v in flags.items() if v is not None}
-    if config_file is None:
-        return SchedulerSettings(**given)
-    if not config_file.is_file():
-        raise FileNotFoundError(f"config file {config_file} does not exist; fix the --config path")
-
-    class FileSettings(SchedulerSettings):
-        model_config = SettingsConfigDict(
-            env_prefix="PITSTOP_", extra="forbid", yaml_file=config_file
-        )
-
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
-
-    return FileSettings(**given, config_file=config_file)
+    return load_layered(SchedulerSettings, config_file, flags)

@@ -1,0 +1,92 @@
+"""The one settings loader of pitstop's daemons: defaults < YAML config file < environment
+(each daemon's prefix) < command-line flags, with pydantic-settings.
+
+A daemon's settings class derives from `LayeredSettings` (which reads the flags given
+and the environment, and never a .env file or secrets directory) and loads with
+`load_layered`, which adds the config file under both. `check_log_level` and
+`one_line` are the validation and the error wording the daemons share.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+S = TypeVar("S", bound="LayeredSettings")
+
+
+class LayeredSettings(BaseSettings):
+    """Settings read from the flags given (init arguments), then the environment."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings)
+
+
+def load_layered(settings_cls: type[S], config_file: Path | None, flags: dict[str, Any]) -> S:
+    """`settings_cls` from its defaults, the YAML `config_file` (when given), its
+    environment variables and `flags` (flags win; a flag given as None is not given).
+    Raises FileNotFoundError for a config file that does not exist, and pydantic's
+    ValidationError for a value it refuses."""
+    given = {k: v for k, v in flags.items() if v is not None}
+    if config_file is None:
+        return settings_cls(**given)
+    if not config_file.is_file():
+        raise FileNotFoundError(f"config file {config_file} does not exist; fix the --config path")
+
+    class FileSettings(settings_cls):  # type: ignore[valid-type, misc]
+        model_config = SettingsConfigDict(yaml_file=config_file)
+
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
+
+    settings: S = FileSettings(**given, config_file=config_file)
+    return settings
+
+
+def check_log_level(value: str) -> str:
+    """`value` upper-cased when it names a log level; ValueError otherwise."""
+    level = value.upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"log_level {value!r}: use one of {', '.join(LOG_LEVELS)}")
+    return level
+
+
+def log_level_number(level: str) -> int:
+    """A checked log level as a `logging` number."""
+    return logging.getLevelNamesMapping()[level]
+
+
+def one_line(exc: ValidationError) -> str:
+    """A settings ValidationError in one line: `field: message; field: message`."""
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "config"
+        parts.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
