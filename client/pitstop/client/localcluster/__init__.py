@@ -14,8 +14,12 @@ a process that cluster.json never recorded.
 ...     cluster.restart_node("node-1")
 
 The parts: `settings` (timeouts, the hung-node deadline, the daemons' environment),
-`statefile` (cluster.json and its lock), `processes` (/proc: pids, ranks, tags),
-`spawning` and `stopping` (daemons), `cluster` (`LocalCluster`, `stop_cluster`,
+`statefile` (cluster.json, its lock, and `ClusterState`, the record a cluster holds),
+`processes` (/proc: pids, ranks, tags), `nodecommands` (each daemon's environment and
+command line), `spawning` (`DaemonSpawner`: starts daemons, waits for their lines),
+`stopping` (`ClusterStopper`), `readiness` (waiting for nodes), `schedulers`,
+`cutoff` (network faults), `recorded` (what `LocalCluster` reads through to its record)
+and `cluster` (`LocalCluster`, composed of those parts; `stop_cluster`,
 `running_cluster`). Network namespaces are `pitstop.client.netns`; the fault driver of
 the demo and the recovery benchmark is `pitstop.client.scenario`.
 """
@@ -32,6 +36,7 @@ from pitstop.client.localcluster.errors import (
     ClusterStartError,
     log_tail,
 )
+from pitstop.client.localcluster.nodecommands import binary
 from pitstop.client.localcluster.processes import (
     TaggedProcess,
     pid_alive,
@@ -57,7 +62,7 @@ from pitstop.client.localcluster.settings import (
     STOP_TIMEOUT,
     silent_host_of,
 )
-from pitstop.client.localcluster.spawning import binary, free_port
+from pitstop.client.localcluster.spawning import free_port
 from pitstop.client.localcluster.statefile import (
     ClusterProcess,
     Kind,

@@ -1,70 +1,145 @@
 """`LocalCluster`: bringing a local cluster up, waiting for its nodes, failing, cutting
 off and restarting them, and bringing it down; `stop_cluster` and `running_cluster` for
-whatever runs in a state dir."""
+whatever runs in a state dir.
+
+A `LocalCluster` is made of parts with one job each: `record` (a `ClusterState`: what
+cluster.json records, the processes this object started, the lock on both),
+`commands` (each daemon's environment and command line), `spawner` (starts daemons and
+waits for the line each prints once it serves) and `stopper` (stops them). Its record's
+fields and lookups are its own attributes too (`state_dir`, `processes`, `node()`...)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import time
-import urllib.request
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from pitstop.client.errors import PitstopError
-from pitstop.client.localcluster.errors import (
-    ClusterAlreadyRunning,
-    ClusterError,
-    ClusterStartError,
-    checked,
-)
-from pitstop.client.localcluster.processes import (
-    signal_group,
-    tagged_processes,
-    wait_gone,
-)
+from pitstop.client.client import PitstopClient
+from pitstop.client.localcluster.cutoff import cut as _cut
+from pitstop.client.localcluster.cutoff import cut_off as _cut_off
+from pitstop.client.localcluster.cutoff import heal as _heal
+from pitstop.client.localcluster.errors import ClusterError, checked
+from pitstop.client.localcluster.nodecommands import NodeCommands
+from pitstop.client.localcluster.processes import wait_gone
+from pitstop.client.localcluster.readiness import Progress
+from pitstop.client.localcluster.readiness import wait_ready as _wait_ready
+from pitstop.client.localcluster.recorded import Recorded, refuse_running
+from pitstop.client.localcluster.schedulers import leader as _leader
+from pitstop.client.localcluster.schedulers import scheduler_metrics as _scheduler_metrics
+from pitstop.client.localcluster.schedulers import start_scheduler as _start_scheduler
 from pitstop.client.localcluster.settings import (
+    DEFAULT_LIVENESS_TIMEOUT,
     DEFAULT_PORT,
     DEFAULT_STATE_DIR,
     DEFAULT_TIMEOUT,
-    KILL_WAIT,
+    KEEPALIVE_SECONDS,
     LOCK_WAIT,
     STATE_FILE,
     STOP_TIMEOUT,
-    check_liveness,
+    check_up_options,
 )
-from pitstop.client.localcluster.spawning import ClusterSpawning
+from pitstop.client.localcluster.spawning import DaemonSpawner
 from pitstop.client.localcluster.statefile import (
     ClusterProcess,
+    ClusterState,
+    Kind,
+    NodeSpec,
     locked,
     node_layout,
     wipe_state_dir,
 )
-from pitstop.client.localcluster.stopping import ClusterStopping
+from pitstop.client.localcluster.stopping import ClusterStopper
 from pitstop.client.netns import Network, check_supported
 from pitstop.client.netns import create as create_network
-from pitstop.v1 import common_pb2, nodes_pb2
+from pitstop.v1 import nodes_pb2
 
-Progress = Callable[[str], None]
-_LEADING = re.compile(r"^pitstop_scheduler_leader 1(\.0)?$", re.MULTILINE)
-_READY_POLL = 0.2
-_UP_STATES = (
-    common_pb2.NODE_STATE_READY,
-    common_pb2.NODE_STATE_CORDONED,
-    common_pb2.NODE_STATE_DRAINING,
-)
+__all__ = ["LocalCluster", "Progress", "running_cluster", "stop_cluster"]
 
 
-class LocalCluster(ClusterSpawning, ClusterStopping):
+class LocalCluster:
     """A running local cluster: its state dir, scheduler address, nodes and processes.
 
     Get one from :meth:`up` (starts it) or :meth:`load` (finds one that runs). Use it as
     a context manager to bring it :meth:`down` at the end of the block.
     """
+
+    # The record's fields (see ClusterState), read and written through to it.
+    state_dir: Recorded[Path] = Recorded()
+    scheduler_address: Recorded[str] = Recorded()
+    nodes: Recorded[list[NodeSpec]] = Recorded()
+    processes: Recorded[list[ClusterProcess]] = Recorded()
+    network: Recorded[Network | None] = Recorded()
+    liveness_timeout: Recorded[float] = Recorded()
+    agent_owns_checkpointd: Recorded[bool] = Recorded()
+    tls: Recorded[bool] = Recorded()
+    silent_host_timeout: Recorded[float] = Recorded()
+    env: Recorded[dict[str, str]] = Recorded()
+    state_file: Recorded[Path] = Recorded()
+    log_dir: Recorded[Path] = Recorded()
+    ca_cert: Recorded[Path | None] = Recorded()
+    dashboard_url: Recorded[str] = Recorded()
+    admin_token_file: Recorded[Path] = Recorded()
+    schedulers: Recorded[list[ClusterProcess]] = Recorded()
+    scheduler_target: Recorded[str] = Recorded()
+
+    def __init__(
+        self,
+        state_dir: Path,
+        scheduler_address: str,
+        nodes: list[NodeSpec],
+        processes: list[ClusterProcess] | None = None,
+        network: Network | None = None,
+        liveness_timeout: float = DEFAULT_LIVENESS_TIMEOUT,
+        agent_owns_checkpointd: bool = False,
+        tls: bool = True,
+        silent_host_timeout: float = 2 * KEEPALIVE_SECONDS,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self._assemble(
+            ClusterState(
+                state_dir,
+                scheduler_address,
+                nodes,
+                [] if processes is None else processes,
+                network,
+                liveness_timeout,
+                agent_owns_checkpointd,
+                tls,
+                silent_host_timeout,
+                {} if env is None else env,
+            )
+        )
+
+    def _assemble(self, record: ClusterState) -> None:
+        self.record = record
+        self.commands = NodeCommands(record)
+        self.spawner = DaemonSpawner(record, self.commands)
+        self.stopper = ClusterStopper(record)
+
+    @classmethod
+    def load(cls, state_dir: str | os.PathLike[str] = DEFAULT_STATE_DIR) -> Self | None:
+        """The cluster recorded in `state_dir`, running or not; None when none is."""
+        record = ClusterState.load(state_dir)
+        if record is None:
+            return None
+        cluster = cls.__new__(cls)
+        cluster._assemble(record)
+        return cluster
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, LocalCluster):
+            return NotImplemented
+        return self.record == other.record
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"LocalCluster({self.record!r})"
 
     # Starting
 
@@ -109,41 +184,15 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
         """
         root = Path(state_dir).expanduser().absolute()
         layout = node_layout(nodes, spares, gpus_per_node)
-        if liveness_timeout is not None:
-            check_liveness(liveness_timeout)
-        if schedulers < 1:
-            raise ClusterError(f"schedulers={schedulers}: a cluster needs at least one")
-        if schedulers > 1 and not (database_url and redis_url):
-            raise ClusterError(
-                f"schedulers={schedulers}: several schedulers share one PostgreSQL and one "
-                "Redis; give database_url and redis_url (embedded stores are per process)"
-            )
-        if schedulers > 1 and not insecure:
-            raise ClusterError(
-                f"schedulers={schedulers}: a local cluster of several schedulers runs insecure "
-                "only (each would need the CA and a node port of its own); ask for it with "
-                "insecure=True"
-            )
+        check_up_options(liveness_timeout, schedulers, database_url, redis_url, insecure)
         say = progress or (lambda _message: None)
         if netns:
             checked(check_supported)
         with locked(root):
             earlier = cls.load(root)
-            running = [] if earlier is None else earlier.running()
-            recorded = {p.pid for p in running}
-            running += [
-                ClusterProcess.from_tagged(t, root / "logs")
-                for t in tagged_processes(root)
-                if t.is_daemon() and t.pid not in recorded
-            ]
-            if running:
-                first = next((p for p in running if p.kind == "scheduler"), running[0])
-                raise ClusterAlreadyRunning(
-                    f"a cluster is already running in {root} ({first.name} pid {first.pid}); "
-                    f"run pitstop cluster down --state-dir {root} first"
-                )
+            refuse_running(root, None if earlier is None else earlier.record)
             if earlier is not None:
-                earlier._reap_leftovers()
+                earlier.stopper.reap_leftovers()
                 (root / STATE_FILE).unlink(missing_ok=True)
             cluster = cls(
                 root,
@@ -153,35 +202,16 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
                 agent_owns_checkpointd=agent_owns_checkpointd,
                 tls=not insecure,
             )
-            cluster._scheduler_options = (database_url, redis_url, liveness_timeout)
+            cluster.record._scheduler_options = (database_url, redis_url, liveness_timeout)
             deadline = time.monotonic() + timeout
             try:
-                if netns:
-                    say(f"creating {len(layout)} network namespaces")
-                    cluster.network = checked(
-                        lambda: create_network([spec.node_id for spec in layout])
-                    )
-                    cluster._save()
-                say("starting the scheduler")
-                cluster._start_scheduler(port, database_url, redis_url, liveness_timeout, deadline)
-                for number in range(2, schedulers + 1):
-                    cluster._start_scheduler(
-                        0,
-                        database_url,
-                        redis_url,
-                        liveness_timeout,
-                        deadline,
-                        f"scheduler-{number}",
-                    )
-                say(f"scheduler at {cluster.scheduler_target}; starting {len(layout)} nodes")
-                cluster._start_nodes(layout, deadline)
-                cluster.wait_ready(timeout=max(deadline - time.monotonic(), 0.0), progress=say)
+                _start_all(cluster, layout, port, schedulers, netns, deadline, say)
             except BaseException:
                 say("stopping what was started")
                 # A survivor of SIGKILL keeps cluster.json, for `down` to retry; the
                 # error that stopped `up` is the one to report.
                 with contextlib.suppress(ClusterError):
-                    cluster._stop_all(STOP_TIMEOUT)
+                    cluster.stopper.stop_all(STOP_TIMEOUT)
                     (root / STATE_FILE).unlink(missing_ok=True)
                 raise
         return cluster
@@ -197,77 +227,49 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
     ) -> None:
         self.down()
 
+    def admin_token(self) -> str | None:
+        """The admin token a client of this cluster sends (None: insecure, the API open)."""
+        return self.record.admin_token()
+
+    def client(self, timeout: float = 10.0, max_attempts: int = 5) -> PitstopClient:
+        """A client for the cluster's schedulers, as its admin; use it in a ``with`` block."""
+        return self.record.client(timeout, max_attempts)
+
+    def node(self, node_id: str) -> NodeSpec:
+        """The spec of one node; ClusterError when the cluster has no such node."""
+        return self.record.node(node_id)
+
+    def process(self, name: str) -> ClusterProcess:
+        """The process named `name`, e.g. ``scheduler`` or ``agent-node-1``."""
+        return self.record.process(name)
+
+    def node_processes(self, node_id: str) -> list[ClusterProcess]:
+        """The node's agent and checkpointd, agent first."""
+        return self.record.node_processes(node_id)
+
+    def daemon_pids(self, node_id: str, kind: Kind) -> list[int]:
+        """Live pids of the node's daemon of `kind`, recorded or started by its agent."""
+        return self.record.daemon_pids(node_id, kind)
+
+    def is_alive(self, proc: ClusterProcess) -> bool:
+        """Whether `proc` runs; reaps it when this object started it."""
+        return self.record.is_alive(proc)
+
+    def running(self) -> list[ClusterProcess]:
+        """The processes alive now."""
+        return self.record.running()
+
+    def rank_pids(self, node_id: str) -> list[int]:
+        """Live rank processes the node's agent started (each leads its own session)."""
+        return self.record.rank_pids(node_id)
+
+    def _save(self) -> None:
+        self.record._save()
+
     def list_nodes(self, timeout: float = 5.0) -> list[nodes_pb2.Node]:
         """The scheduler's nodes (PitstopError when it cannot be reached)."""
         with self.client(timeout=timeout, max_attempts=1) as client:
             return client.list_nodes()
-
-    # Schedulers
-
-    def start_scheduler(self, name: str, *, timeout: float = DEFAULT_TIMEOUT) -> ClusterProcess:
-        """Start the scheduler `name` again (after :meth:`kill_scheduler`, or a crash) on
-        the port it had, with the stores it had; return it once it listens. Only from
-        the object that brought the cluster up (it alone knows the store URLs);
-        ClusterError when it runs or the cluster is down."""
-        port = int(self.process(name).address.rsplit(":", 1)[1])
-        if self._scheduler_options is None:
-            raise ClusterError(
-                f"cannot restart {name}: only the process that brought the cluster up knows "
-                "its store URLs"
-            )
-        database_url, redis_url, liveness_timeout = self._scheduler_options
-        with locked(self.state_dir, wait=timeout):
-            if self._closed or not self.state_file.exists():
-                raise ClusterError(
-                    f"the cluster in {self.state_dir} is down; {name} is not started"
-                )
-            return self._start_scheduler(
-                port,
-                database_url,
-                redis_url,
-                liveness_timeout,
-                time.monotonic() + timeout,
-                name,
-            )
-
-    def kill_scheduler(
-        self, name: str, sig: signal.Signals = signal.SIGKILL, *, wait: bool = True
-    ) -> None:
-        """Signal the scheduler `name` (its process group); with `wait`, return once it
-        is gone (ClusterError if it outlives KILL_WAIT s, or STOP_TIMEOUT s after
-        another signal than SIGKILL)."""
-        proc = self.process(name)
-        if not self.is_alive(proc):
-            return
-        signal_group(proc.pid, sig)
-        if wait:
-            limit = KILL_WAIT if sig == signal.SIGKILL else STOP_TIMEOUT
-            if wait_gone([proc.pid], limit, self._pid_alive):
-                raise ClusterError(f"{name} (pid {proc.pid}) outlived {sig.name} by {limit:.0f} s")
-        self._forget_children([proc.pid])
-
-    def scheduler_metrics(self, name: str, timeout: float = 2.0) -> str:
-        """The text of the scheduler's /metrics (ClusterError when it does not answer)."""
-        proc = self.process(name)
-        if not proc.metrics:
-            raise ClusterError(f"{name} did not say where its metrics are (read {proc.log})")
-        url = f"http://{proc.metrics}/metrics"
-        try:
-            with urllib.request.urlopen(url, timeout=timeout) as reply:
-                return str(reply.read().decode())
-        except OSError as exc:
-            raise ClusterError(f"{name}: {url} did not answer: {exc}") from exc
-
-    def leader(self, timeout: float = 2.0) -> str | None:
-        """The name of the scheduler that holds the leader lease now, by its metrics
-        (``pitstop_scheduler_leader 1.0``); None when no live one says so."""
-        for proc in self.schedulers:
-            if not self.is_alive(proc):
-                continue
-            with contextlib.suppress(ClusterError):
-                if _LEADING.search(self.scheduler_metrics(proc.name, timeout)):
-                    return proc.name
-        return None
 
     def wait_ready(
         self,
@@ -278,63 +280,45 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
         """Wait until each node (all by default) is connected to the scheduler from its
         current agent (the inventory names its current checkpointd) and ready, and
         return them. ClusterStartError when a daemon exits or `timeout` passes."""
-        wanted = (
-            [self.node(n).node_id for n in node_ids]
-            if node_ids is not None
-            else [spec.node_id for spec in self.nodes]
-        )
-        addresses = {p.node_id: p.address for p in self.processes if p.kind == "checkpointd"}
-        deadline = time.monotonic() + timeout
-        seen: dict[str, nodes_pb2.Node] = {}
-        last_error = ""
-        shown = ""
-        with self.client(timeout=2.0, max_attempts=1) as client:
-            while True:
-                self._check_alive(wanted)
-                try:
-                    seen = {n.id: n for n in client.list_nodes() if n.id in wanted}
-                    last_error = ""
-                except PitstopError as exc:
-                    last_error = str(exc)
-                ready = [n for n in wanted if n in seen and _is_up(seen[n], addresses.get(n, ""))]
-                if len(ready) == len(wanted):
-                    return [seen[n] for n in wanted]
-                if progress is not None:
-                    pending = [n for n in wanted if n not in ready]
-                    line = (
-                        f"{len(ready)}/{len(wanted)} nodes ready; waiting for {', '.join(pending)}"
-                    )
-                    if line != shown:
-                        progress(line)
-                        shown = line
-                if time.monotonic() >= deadline:
-                    raise ClusterStartError(
-                        self._not_ready(wanted, seen, addresses, timeout, last_error)
-                    )
-                time.sleep(_READY_POLL)
+        return _wait_ready(self.record, node_ids, timeout, progress)
+
+    # Schedulers
+
+    def start_scheduler(self, name: str, *, timeout: float = DEFAULT_TIMEOUT) -> ClusterProcess:
+        """Start the scheduler `name` again (after :meth:`kill_scheduler`, or a crash) on
+        the port it had, with the stores it had; return it once it listens. Only from
+        the object that brought the cluster up (it alone knows the store URLs);
+        ClusterError when it runs or the cluster is down."""
+        return _start_scheduler(self.spawner, name, timeout)
+
+    def kill_scheduler(
+        self, name: str, sig: signal.Signals = signal.SIGKILL, *, wait: bool = True
+    ) -> None:
+        """Signal the scheduler `name` (its process group); with `wait`, return once it
+        is gone (ClusterError if it outlives KILL_WAIT s, or STOP_TIMEOUT s after
+        another signal than SIGKILL)."""
+        self.stopper.kill_scheduler(name, sig, wait=wait)
+
+    def scheduler_metrics(self, name: str, timeout: float = 2.0) -> str:
+        """The text of the scheduler's /metrics (ClusterError when it does not answer)."""
+        return _scheduler_metrics(self.record, name, timeout)
+
+    def leader(self, timeout: float = 2.0) -> str | None:
+        """The name of the scheduler that holds the leader lease now, by its metrics
+        (``pitstop_scheduler_leader 1.0``); None when no live one says so."""
+        return _leader(self.record, timeout)
 
     def cut(self, node_id: str) -> None:
         """Cut the node off the network, its processes alive (needs ``--netns``)."""
-        checked(lambda: self._network().cut(self.node(node_id).node_id))
+        _cut(self.record, node_id)
 
     def heal(self, node_id: str) -> None:
         """Bring a node that was cut off back onto the network."""
-        checked(lambda: self._network().heal(self.node(node_id).node_id))
+        _heal(self.record, node_id)
 
     def cut_off(self) -> list[str]:
         """The nodes cut off now (none without ``--netns``)."""
-        network = self.network
-        if network is None:
-            return []
-        return [link.node_id for link in network.links if network.is_cut(link.node_id)]
-
-    def _network(self) -> Network:
-        if self.network is None:
-            raise ClusterError(
-                f"the cluster in {self.state_dir} runs without network namespaces; "
-                "bring it up with pitstop cluster up --netns (as root) to cut nodes off"
-            )
-        return self.network
+        return _cut_off(self.record)
 
     def restart_node(
         self, node_id: str, *, wait: bool = True, timeout: float = DEFAULT_TIMEOUT
@@ -344,9 +328,9 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
         scheduler sees the node ready from the new agent. Returns the new processes."""
         old = self.node_processes(node_id)
         stopping = self.kill_node(node_id, signal.SIGTERM, wait=False)
-        if wait_gone(stopping, STOP_TIMEOUT, self._pid_alive):
+        if wait_gone(stopping, STOP_TIMEOUT, self.record._pid_alive):
             self.kill_node(node_id, signal.SIGKILL)
-        self._forget_children([p.pid for p in old])
+        self.record._forget_children([p.pid for p in old])
         return self.start_node(node_id, wait=wait, timeout=timeout)
 
     def start_node(
@@ -358,75 +342,70 @@ class LocalCluster(ClusterSpawning, ClusterStopping):
         of a node: :meth:`restart_node` stops them first) or the cluster is down."""
         spec = self.node(node_id)
         deadline = time.monotonic() + timeout
-        with locked(self.state_dir, wait=timeout):
-            if self._closed or not self.state_file.exists():
-                raise ClusterError(
-                    f"the cluster in {self.state_dir} is down; {node_id} is not started"
-                )
-            before = {p.pid for p in self.node_processes(node_id)}
-            try:
-                new = self._start_nodes([spec], deadline)
-            except BaseException:
-                self._stop_processes(
-                    [p for p in self.node_processes(node_id) if p.pid not in before]
-                )
-                raise
+        new = _start_node(self, spec, deadline, timeout)
         if wait:
             self.wait_ready([node_id], timeout=max(deadline - time.monotonic(), 0.0))
         return new
 
-    def _check_alive(self, node_ids: Sequence[str]) -> None:
-        # With several schedulers, one may be down (killed on purpose) while another serves.
-        schedulers_down = not any(self.is_alive(p) for p in self.schedulers)
-        for proc in self.processes:
-            watched = schedulers_down if proc.kind == "scheduler" else proc.node_id in node_ids
-            if watched and not self.is_alive(proc):
-                child = self._children.get(proc.pid)
-                code = "" if child is None else f" with code {child.returncode}"
-                raise ClusterStartError(
-                    f"{proc.name} (pid {proc.pid}) exited{code}",
-                    proc.log,
-                    self._offsets.get(proc.name, 0),
-                )
+    def kill_node(
+        self, node_id: str, sig: signal.Signals = signal.SIGKILL, *, wait: bool = True
+    ) -> list[int]:
+        """Signal the node's agent, its checkpointd and its ranks, as a dying host would;
+        see `ClusterStopper.kill_node`."""
+        return self.stopper.kill_node(node_id, sig, wait=wait)
 
-    def _not_ready(
-        self,
-        wanted: Sequence[str],
-        seen: Mapping[str, nodes_pb2.Node],
-        addresses: Mapping[str, str],
-        timeout: float,
-        last_error: str,
-    ) -> str:
-        problems = []
-        for node_id in wanted:
-            node = seen.get(node_id)
-            log = self.log_dir / f"agent-{node_id}.log"
-            if (
-                node is None
-                or not node.connected
-                or (node.inventory.checkpointd_address != addresses.get(node_id, ""))
-            ):
-                problems.append(f"{node_id} never registered (read {log})")
-            elif not _is_up(node, addresses.get(node_id, "")):
-                state = common_pb2.NodeState.Name(node.state).removeprefix("NODE_STATE_").lower()
-                reason = f": {node.reason}" if node.reason else ""
-                problems.append(f"{node_id} is {state}{reason} (read {log})")
-        message = f"nodes not ready after {timeout:.0f} s: {'; '.join(problems)}"
-        if last_error:
-            message += (
-                f"; the scheduler at {self.scheduler_address} did not answer ({last_error}); "
-                f"read {self.log_dir / 'scheduler.log'}"
+    def down(self, *, timeout: float = STOP_TIMEOUT, wipe: bool = False) -> list[ClusterProcess]:
+        """Stop the whole cluster, agents first; see `ClusterStopper.down`."""
+        return self.stopper.down(timeout=timeout, wipe=wipe)
+
+
+def _start_all(
+    cluster: LocalCluster,
+    layout: list[NodeSpec],
+    port: int,
+    schedulers: int,
+    netns: bool,
+    deadline: float,
+    say: Progress,
+) -> None:
+    """`up`'s work on the new `cluster`: its network namespaces (with `netns`), its
+    schedulers, its nodes; returns once every node is ready."""
+    assert cluster.record._scheduler_options is not None
+    database_url, redis_url, liveness_timeout = cluster.record._scheduler_options
+    if netns:
+        say(f"creating {len(layout)} network namespaces")
+        cluster.network = checked(lambda: create_network([spec.node_id for spec in layout]))
+        cluster.record._save()
+    say("starting the scheduler")
+    cluster.spawner.start_scheduler(port, database_url, redis_url, liveness_timeout, deadline)
+    for number in range(2, schedulers + 1):
+        cluster.spawner.start_scheduler(
+            0, database_url, redis_url, liveness_timeout, deadline, f"scheduler-{number}"
+        )
+    say(f"scheduler at {cluster.scheduler_target}; starting {len(layout)} nodes")
+    cluster.spawner.start_nodes(layout, deadline)
+    cluster.wait_ready(timeout=max(deadline - time.monotonic(), 0.0), progress=say)
+
+
+def _start_node(
+    cluster: LocalCluster, spec: NodeSpec, deadline: float, lock_wait: float
+) -> list[ClusterProcess]:
+    """`start_node`'s daemons, under the state dir's lock; whatever of them started is
+    stopped again when one fails."""
+    node_id = spec.node_id
+    with locked(cluster.state_dir, wait=lock_wait):
+        if cluster.record._closed or not cluster.state_file.exists():
+            raise ClusterError(
+                f"the cluster in {cluster.state_dir} is down; {node_id} is not started"
             )
-        return message
-
-
-def _is_up(node: nodes_pb2.Node, checkpointd_address: str) -> bool:
-    """Connected from the agent started with our checkpointd, and healthy."""
-    return (
-        node.connected
-        and node.state in _UP_STATES
-        and (not checkpointd_address or node.inventory.checkpointd_address == checkpointd_address)
-    )
+        before = {p.pid for p in cluster.node_processes(node_id)}
+        try:
+            return cluster.spawner.start_nodes([spec], deadline)
+        except BaseException:
+            cluster.stopper.stop_processes(
+                [p for p in cluster.node_processes(node_id) if p.pid not in before]
+            )
+            raise
 
 
 def stop_cluster(
@@ -446,7 +425,7 @@ def stop_cluster(
     if cluster is not None:
         return cluster.down(timeout=timeout, wipe=wipe)
     with locked(root, wait=LOCK_WAIT):
-        strays = LocalCluster(root, "", [], _closed=True)._stop_all(timeout)
+        strays = ClusterStopper(ClusterState(root, "", [], _closed=True)).stop_all(timeout)
     if wipe:
         wipe_state_dir(root)
     return strays or None

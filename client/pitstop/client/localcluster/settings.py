@@ -110,3 +110,28 @@ def liveness_of(env: Mapping[str, str]) -> float:
             f"{REFRESH_ENV}={env.get(REFRESH_ENV)!r} and "
             f"{LIVENESS_ENV}={env.get(LIVENESS_ENV)!r}: give numbers"
         ) from None
+
+
+def check_up_options(
+    liveness_timeout: float | None,
+    schedulers: int,
+    database_url: str | None,
+    redis_url: str | None,
+    insecure: bool,
+) -> None:
+    """ClusterError when `LocalCluster.up` is asked for what it cannot start."""
+    if liveness_timeout is not None:
+        check_liveness(liveness_timeout)
+    if schedulers < 1:
+        raise ClusterError(f"schedulers={schedulers}: a cluster needs at least one")
+    if schedulers > 1 and not (database_url and redis_url):
+        raise ClusterError(
+            f"schedulers={schedulers}: several schedulers share one PostgreSQL and one "
+            "Redis; give database_url and redis_url (embedded stores are per process)"
+        )
+    if schedulers > 1 and not insecure:
+        raise ClusterError(
+            f"schedulers={schedulers}: a local cluster of several schedulers runs insecure "
+            "only (each would need the CA and a node port of its own); ask for it with "
+            "insecure=True"
+        )

@@ -11,10 +11,8 @@ import json
 import os
 import re
 import secrets
-import shlex
 import socket
 import subprocess
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -23,11 +21,10 @@ from pathlib import Path
 
 from pitstop.client import launch
 from pitstop.client.localcluster.errors import ClusterError, ClusterStartError, log_tail
+from pitstop.client.localcluster.nodecommands import NodeCommands, binary
 from pitstop.client.localcluster.processes import POLL, start_ticks, tagged_processes
 from pitstop.client.localcluster.settings import (
     CHECKPOINTD_ENV,
-    CLUSTER_ENV,
-    DAEMON_ENV,
     HEARTBEAT_ENV,
     HEARTBEAT_INTERVAL,
     JOIN_TOKEN_TTL_SECONDS,
@@ -45,7 +42,6 @@ from pitstop.client.localcluster.statefile import (
     recorded,
 )
 from pitstop.client.netns import IFACE
-from pitstop.common.tls import NodeIdentity
 
 # The line each daemon prints once it serves (only at the start of a line: a traceback
 # quoting the print call must not match).
@@ -54,24 +50,15 @@ _CHECKPOINTD_LINE = re.compile(r"^pitstop-checkpointd \S+ listening on (\S+:\d+)
 _METRICS_LINE = re.compile(r"^\S+ \S+ INFO \S+: metrics on http://(\S+:\d+)/metrics\s*$")
 _DASHBOARD_LINE = re.compile(r"^\S+ \S+ INFO \S+: dashboard on (https?://\S+)\s*$")
 _NODE_PORT_LINE = re.compile(r"^pitstop-scheduler nodes connect on (\S+:\d+)\s*$")
-# AF_UNIX paths hold 108 bytes with the terminating NUL.
-_MAX_SOCKET_PATH = 100
 
-
-def binary(name: str) -> str:
-    """A pitstop console script: next to the running python first, then on PATH."""
-    try:
-        return launch.binary(name)
-    except launch.LaunchError as exc:
-        raise ClusterError(str(exc)) from exc
-
+__all__ = ["DaemonSpawner", "Starting", "binary", "find_address", "free_port"]
 
 LOCAL_PREFLIGHT_SECONDS = 5.0
 """How often an idle node of a local cluster runs its preflight (pitstop.agent.preflight)."""
 
 
 @dataclass
-class _Starting:
+class Starting:
     """A daemon just spawned, and where in its log its own output begins."""
 
     process: ClusterProcess
@@ -80,23 +67,15 @@ class _Starting:
     what: str
 
 
-class ClusterSpawning(ClusterState):
-    """Starting daemons, a part of `LocalCluster`."""
+class DaemonSpawner:
+    """Starts the daemons of the cluster `record` and waits for the line each prints
+    once it serves; `commands` builds what each is started with."""
 
-    def _daemon_env(self, extra: Mapping[str, str], name: str) -> dict[str, str]:
-        # Jobs say `python`: let it be this environment's, where pitstop is installed.
-        env = launch.with_python_first(os.environ)
-        # A daemon that dies at start leaves a plain traceback, whose last lines (the
-        # ones `up` shows) name the error, rather than a boxed one.
-        env.setdefault("_TYPER_STANDARD_TRACEBACK", "1")
-        env.update(self.env)
-        for key, value in extra.items():
-            env.setdefault(key, value)
-        env[CLUSTER_ENV] = str(self.state_dir)
-        env[DAEMON_ENV] = name
-        return env
+    def __init__(self, record: ClusterState, commands: NodeCommands) -> None:
+        self.record = record
+        self.commands = commands
 
-    def _spawn(
+    def spawn(
         self,
         name: str,
         kind: Kind,
@@ -106,26 +85,28 @@ class ClusterSpawning(ClusterState):
         *,
         node_id: str = "",
         socket: str = "",
-    ) -> _Starting:
+    ) -> Starting:
         """Start a daemon detached: its own session, stdin from /dev/null, stdout and
         stderr appended to logs/<name>.log; record it in cluster.json at once. Refuses
         (ClusterError) once `down` has begun, and when a daemon of that name already
         runs: a node's daemons are never started twice."""
-        with self._lock:
-            if self._closed:
+        with self.record._lock:
+            if self.record._closed:
                 raise ClusterError(
-                    f"the cluster in {self.state_dir} is going down; {what} is not started"
+                    f"the cluster in {self.record.state_dir} is going down; {what} is not started"
                 )
-            self._refuse_second(name, what)
-            return self._spawnrecorded(name, kind, argv, env, what, node_id, socket)
+            self.refuse_second(name, what)
+            return self.spawn_recorded(name, kind, argv, env, what, node_id, socket)
 
-    def _refuse_second(self, name: str, what: str) -> None:
+    def refuse_second(self, name: str, what: str) -> None:
         """ClusterError when a daemon called `name` runs: one this object or cluster.json
         records, or one found by its environment."""
-        pids = {p.pid for p in self.processes if p.name == name and self.is_alive(p)}
-        pids |= {p.pid for p in recorded(self.state_file) if p.name == name and p.alive()}
+        pids = {p.pid for p in self.record.processes if p.name == name and self.record.is_alive(p)}
+        pids |= {p.pid for p in recorded(self.record.state_file) if p.name == name and p.alive()}
         pids |= {
-            t.pid for t in tagged_processes(self.state_dir) if t.daemon == name and t.is_daemon()
+            t.pid
+            for t in tagged_processes(self.record.state_dir)
+            if t.daemon == name and t.is_daemon()
         }
         if pids:
             raise ClusterError(
@@ -133,7 +114,7 @@ class ClusterSpawning(ClusterState):
                 "daemons are never started twice: stop them first (restart_node does)"
             )
 
-    def _spawnrecorded(
+    def spawn_recorded(
         self,
         name: str,
         kind: Kind,
@@ -142,9 +123,9 @@ class ClusterSpawning(ClusterState):
         what: str,
         node_id: str,
         socket: str,
-    ) -> _Starting:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = self.log_dir / f"{name}.log"
+    ) -> Starting:
+        self.record.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.record.log_dir / f"{name}.log"
         stamp = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         with log.open("ab") as out:
             out.write(f"--- pitstop cluster: starting {what} at {stamp} ---\n".encode())
@@ -161,8 +142,8 @@ class ClusterSpawning(ClusterState):
                 )
             except OSError as exc:
                 raise ClusterStartError(f"cannot run {argv[0]}: {exc.strerror or exc}") from exc
-        self._children[popen.pid] = popen
-        self._offsets[name] = offset
+        self.record._children[popen.pid] = popen
+        self.record._offsets[name] = offset
         proc = ClusterProcess(
             name=name,
             kind=kind,
@@ -172,11 +153,11 @@ class ClusterSpawning(ClusterState):
             socket=socket,
             start_ticks=start_ticks(popen.pid),
         )
-        self.processes = [p for p in self.processes if p.name != name] + [proc]
-        self._save()
-        return _Starting(proc, popen, offset, what)
+        self.record.processes = [p for p in self.record.processes if p.name != name] + [proc]
+        self.record._save()
+        return Starting(proc, popen, offset, what)
 
-    def _start_scheduler(
+    def start_scheduler(
         self,
         port: int,
         database_url: str | None,
@@ -187,40 +168,44 @@ class ClusterSpawning(ClusterState):
     ) -> ClusterProcess:
         """Start the scheduler `name` (``scheduler``, or ``scheduler-2``... beside it) and
         return it once it listens (and says where its /metrics are)."""
-        env = self._daemon_env(SCHEDULER_ENV, name)
+        env = self.commands.daemon_env(SCHEDULER_ENV, name)
         if liveness_timeout is not None:
             env[HEARTBEAT_ENV] = env[REFRESH_ENV] = f"{HEARTBEAT_INTERVAL:g}"
             env[LIVENESS_ENV] = f"{liveness_timeout / HEARTBEAT_INTERVAL:g}"
-        self.liveness_timeout = liveness_of(env)
-        self.silent_host_timeout = silent_host_of(env)
+        self.record.liveness_timeout = liveness_of(env)
+        self.record.silent_host_timeout = silent_host_of(env)
         # URLs through the environment, not argv: a password stays out of `ps`.
         if database_url:
             env["PITSTOP_DATABASE_URL"] = database_url
         if redis_url:
             env["PITSTOP_REDIS_URL"] = redis_url
-        host = "127.0.0.1" if self.network is None else self.network.gateway
-        if self.tls:
-            env.update(self._tls_env(name))
+        host = "127.0.0.1" if self.record.network is None else self.record.network.gateway
+        if self.record.tls:
+            env.update(self.tls_env(name))
         binary("pitstop-scheduler")  # ClusterError, naming it, when it is missing
         argv = launch.scheduler_command(
-            state_dir=self.state_dir / name, host=host, port=port, metrics_port=0, dashboard_port=0
+            state_dir=self.record.state_dir / name,
+            host=host,
+            port=port,
+            metrics_port=0,
+            dashboard_port=0,
         )
         what = "the scheduler" if name == "scheduler" else f"the scheduler {name}"
-        starting = self._spawn(name, "scheduler", argv, env, what)
+        starting = self.spawn(name, "scheduler", argv, env, what)
         try:
-            (address,) = self._await_lines([starting], _SCHEDULER_LINE, deadline)
+            (address,) = self.await_lines([starting], _SCHEDULER_LINE, deadline)
             # Logged right after the line above; a scheduler without it still serves.
-            metrics = _find_address(starting.process.log, starting.offset, _METRICS_LINE)
+            metrics = find_address(starting.process.log, starting.offset, _METRICS_LINE)
             if metrics is None:
                 with contextlib.suppress(ClusterStartError):
-                    (metrics,) = self._await_lines(
+                    (metrics,) = self.await_lines(
                         [starting], _METRICS_LINE, min(deadline, time.monotonic() + 5.0)
                     )
             # Logged right after the metrics line.
-            dashboard = _find_address(starting.process.log, starting.offset, _DASHBOARD_LINE)
+            dashboard = find_address(starting.process.log, starting.offset, _DASHBOARD_LINE)
             if dashboard is None:
                 with contextlib.suppress(ClusterStartError):
-                    (dashboard,) = self._await_lines(
+                    (dashboard,) = self.await_lines(
                         [starting], _DASHBOARD_LINE, min(deadline, time.monotonic() + 5.0)
                     )
         except ClusterStartError as exc:
@@ -231,10 +216,10 @@ class ClusterSpawning(ClusterState):
                 ) from exc
             raise
         node_address = ""
-        if self.tls:
-            (node_address,) = self._await_lines([starting], _NODE_PORT_LINE, deadline)
+        if self.record.tls:
+            (node_address,) = self.await_lines([starting], _NODE_PORT_LINE, deadline)
         if name == "scheduler":
-            self.scheduler_address = address
+            self.record.scheduler_address = address
         proc = replace(
             starting.process,
             address=address,
@@ -242,21 +227,23 @@ class ClusterSpawning(ClusterState):
             node_address=node_address,
             dashboard=dashboard or "",
         )
-        self._update(proc)
+        self.record._update(proc)
         return proc
 
-    def _tls_env(self, name: str) -> dict[str, str]:
+    def tls_env(self, name: str) -> dict[str, str]:
         """A secure scheduler's settings: TLS with the CA in its state dir, the node port
         it had (the nodes learned it at enrollment) or a free one, and the cluster's
         admin token (made on first use, kept 0600) beside any configured ones."""
-        token_file = self.admin_token_file
+        token_file = self.record.admin_token_file
         if not token_file.exists():
-            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self.record.state_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as out:
                 out.write(secrets.token_urlsafe(32) + "\n")
-        token = self.admin_token() or ""
-        earlier = next((p for p in self.processes if p.name == name and p.node_address), None)
+        token = self.record.admin_token() or ""
+        earlier = next(
+            (p for p in self.record.processes if p.name == name and p.node_address), None
+        )
         node_port = earlier.node_address.rsplit(":", 1)[1] if earlier is not None else "0"
         admin = {
             "name": "local-admin",
@@ -273,106 +260,62 @@ class ClusterSpawning(ClusterState):
             "PITSTOP_TOKENS": json.dumps([*configured, admin]),
         }
 
-    def _join_tokens(self, specs: Sequence[NodeSpec]) -> dict[str, str]:
+    def join_tokens(self, specs: Sequence[NodeSpec]) -> dict[str, str]:
         """A one-time join token for each node of `specs` not enrolled yet (with TLS)."""
-        if not self.tls:
+        if not self.record.tls:
             return {}
-        wanted = [s.node_id for s in specs if not self._identity(s.node_id).enrolled]
+        wanted = [s.node_id for s in specs if not self.commands.identity(s.node_id).enrolled]
         if not wanted:
             return {}
-        with self.client(timeout=10.0) as client:
+        with self.record.client(timeout=10.0) as client:
             return {
                 node_id: client.create_join_token(JOIN_TOKEN_TTL_SECONDS, node_id).token
                 for node_id in wanted
             }
 
-    def _identity(self, node_id: str) -> NodeIdentity:
-        """The node's identity: its agent's state dir/tls, shared with its checkpointd."""
-        return NodeIdentity(self.state_dir / "nodes" / node_id / "agent" / "tls", node_id)
-
-    def _start_nodes(self, specs: Sequence[NodeSpec], deadline: float) -> list[ClusterProcess]:
+    def start_nodes(self, specs: Sequence[NodeSpec], deadline: float) -> list[ClusterProcess]:
         """Checkpoint daemons for `specs` together (enrolling each node that is not yet,
         with TLS), then, once each listens, the agents."""
-        tokens = self._join_tokens(specs)
+        tokens = self.join_tokens(specs)
         checkpointds = [
-            self._spawn_checkpointd(spec, tokens.get(spec.node_id, "")) for spec in specs
+            self.spawn_checkpointd(spec, tokens.get(spec.node_id, "")) for spec in specs
         ]
-        addresses = self._await_lines(checkpointds, _CHECKPOINTD_LINE, deadline)
+        addresses = self.await_lines(checkpointds, _CHECKPOINTD_LINE, deadline)
         started: list[ClusterProcess] = []
         for starting, address in zip(checkpointds, addresses, strict=True):
             proc = replace(starting.process, address=address)
-            self._update(proc)
+            self.record._update(proc)
             started.append(proc)
         agents = [
-            self._spawn_agent(spec, proc.address) for spec, proc in zip(specs, started, strict=True)
+            self.spawn_agent(spec, proc.address) for spec, proc in zip(specs, started, strict=True)
         ]
         return started + [a.process for a in agents]
 
-    def _in_namespace(self, node_id: str, argv: list[str]) -> list[str]:
-        """`argv` run in the node's network namespace, if it has one."""
-        return argv if self.network is None else [*self.network.exec_prefix(node_id), *argv]
-
-    def _node_host(self, node_id: str) -> str:
-        """The address the node's daemons listen on and its ranks are reached at."""
-        return "127.0.0.1" if self.network is None else self.network.link(node_id).address
-
-    def _checkpointd_argv(self, spec: NodeSpec, port: int) -> list[str]:
-        binary("pitstop-checkpointd")  # ClusterError, naming it, when it is missing
-        return launch.checkpointd_command(
-            node_id=spec.node_id,
-            host=self._node_host(spec.node_id),
-            port=port,
-            scheduler=self.scheduler_target,
-            state_dir=self.state_dir / "nodes" / spec.node_id / "checkpointd",
-            # One durable store for the whole cluster, as a shared bucket would be: a
-            # spare restores what a dead node flushed.
-            durable_url=(self.state_dir / "durable").as_uri(),
-            tls_dir=self._identity(spec.node_id).directory if self.tls else None,
-        )
-
-    def _spawn_checkpointd(self, spec: NodeSpec, join_token: str = "") -> _Starting:
+    def spawn_checkpointd(self, spec: NodeSpec, join_token: str = "") -> Starting:
         # A daemon its agent starts again must come back at the same address: a fixed port.
-        port = free_port(self._node_host(spec.node_id)) if self.agent_owns_checkpointd else 0
-        argv = self._checkpointd_argv(spec, port)
-        env = self._daemon_env(CHECKPOINTD_ENV, f"checkpointd-{spec.node_id}")
-        if join_token and self.ca_cert is not None:
+        port = (
+            free_port(self.commands.node_host(spec.node_id))
+            if self.record.agent_owns_checkpointd
+            else 0
+        )
+        argv = self.commands.checkpointd_argv(spec, port)
+        env = self.commands.daemon_env(CHECKPOINTD_ENV, f"checkpointd-{spec.node_id}")
+        if join_token and self.record.ca_cert is not None:
             # Through the environment, out of `ps`: the daemon enrolls the node with it.
             env["PITSTOP_CHECKPOINTD_JOIN_TOKEN"] = join_token
-            env["PITSTOP_CHECKPOINTD_CA_FILE"] = str(self.ca_cert)
-        return self._spawn(
+            env["PITSTOP_CHECKPOINTD_CA_FILE"] = str(self.record.ca_cert)
+        return self.spawn(
             f"checkpointd-{spec.node_id}",
             "checkpointd",
-            self._in_namespace(spec.node_id, argv),
+            self.commands.in_namespace(spec.node_id, argv),
             env,
             f"the checkpoint daemon of {spec.node_id}",
             node_id=spec.node_id,
         )
 
-    def _spawn_agent(self, spec: NodeSpec, checkpointd_address: str) -> _Starting:
-        agent_dir = self.state_dir / "nodes" / spec.node_id / "agent"
-        socket = self._socket_path(agent_dir, spec.node_id)
-        binary("pitstop-agent")  # ClusterError, naming it, when it is missing
-        owned = self.agent_owns_checkpointd
-        argv = launch.agent_command(
-            node_id=spec.node_id,
-            scheduler=self.scheduler_target,
-            gpus=f"sim:{spec.gpus}",
-            zone="z1",
-            block="b1",
-            rack=spec.rack,
-            role=spec.role,
-            state_dir=agent_dir,
-            socket_path=socket,
-            checkpointd_address=checkpointd_address,
-            metrics_port=0,
-            # Enrolled by its checkpoint daemon, started first.
-            tls=True if self.ca_cert is not None else None,
-            ca_file=self.ca_cert,
-            checkpointd_command=(
-                self._owned_checkpointd_command(spec, checkpointd_address) if owned else None
-            ),
-            advertise_host=self._node_host(spec.node_id) if self.network is not None else None,
-        )
+    def spawn_agent(self, spec: NodeSpec, checkpointd_address: str) -> Starting:
+        socket = self.commands.socket_path(spec.node_id)
+        argv = self.commands.agent_argv(spec, socket, checkpointd_address)
         # An idle node checks itself every few seconds (300 on a fleet): a drilled
         # preflight failure (inject-fault --fail-preflight) shows while one watches.
         extra = {
@@ -380,45 +323,22 @@ class ClusterSpawning(ClusterState):
                 "PITSTOP_AGENT_PREFLIGHT_INTERVAL_SECONDS", str(LOCAL_PREFLIGHT_SECONDS)
             )
         }
-        if self.network is not None:
+        if self.record.network is not None:
             # Gloo would pick the address the host name resolves to, loopback here;
             # the ranks inherit the agent's environment.
             extra["GLOO_SOCKET_IFNAME"] = IFACE
-        return self._spawn(
+        return self.spawn(
             f"agent-{spec.node_id}",
             "agent",
-            self._in_namespace(spec.node_id, argv),
-            self._daemon_env(extra, f"agent-{spec.node_id}"),
+            self.commands.in_namespace(spec.node_id, argv),
+            self.commands.daemon_env(extra, f"agent-{spec.node_id}"),
             f"the agent of {spec.node_id}",
             node_id=spec.node_id,
             socket=str(socket),
         )
 
-    def _owned_checkpointd_command(self, spec: NodeSpec, address: str) -> str:
-        """The command the agent starts its checkpoint daemon with: the one the cluster
-        started, on the same port, with the daemon's own environment and name (so that
-        `down`, `kill_node` and the never-twice check find it as the node's daemon)."""
-        name = f"checkpointd-{spec.node_id}"
-        daemon_env = self._daemon_env(CHECKPOINTD_ENV, name)
-        settings = [f"{key}={daemon_env[key]}" for key in CHECKPOINTD_ENV]
-        port = int(address.rsplit(":", 1)[1])
-        return shlex.join(
-            ["env", f"{DAEMON_ENV}={name}", *settings, *self._checkpointd_argv(spec, port)]
-        )
-
-    def _socket_path(self, agent_dir: Path, node_id: str) -> Path:
-        """The agent's socket in its state dir, or, when that path is too long for a
-        Unix socket, in a private folder under the temp dir named for this cluster."""
-        socket = agent_dir / "agent.sock"
-        if len(str(socket)) <= _MAX_SOCKET_PATH:
-            return socket
-        digest = hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:12]
-        folder = Path(tempfile.gettempdir()) / f"pitstop-{digest}"
-        folder.mkdir(mode=0o700, exist_ok=True)
-        return folder / f"{node_id}.sock"
-
-    def _await_lines(
-        self, starting: Sequence[_Starting], pattern: re.Pattern[str], deadline: float
+    def await_lines(
+        self, starting: Sequence[Starting], pattern: re.Pattern[str], deadline: float
     ) -> list[str]:
         """The address each daemon printed on the line `pattern` matches, read from its
         log (no pipe stays open to a daemon). ClusterStartError when one exits first or
@@ -430,7 +350,7 @@ class ClusterSpawning(ClusterState):
                     continue
                 # Poll before reading: a daemon that printed and then exited is found.
                 code = item.popen.poll()
-                address = _find_address(item.process.log, item.offset, pattern)
+                address = find_address(item.process.log, item.offset, pattern)
                 if address is not None:
                     found[index] = address
                 elif code is not None:
@@ -456,7 +376,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(probe.getsockname()[1])
 
 
-def _find_address(log: Path, offset: int, pattern: re.Pattern[str]) -> str | None:
+def find_address(log: Path, offset: int, pattern: re.Pattern[str]) -> str | None:
     """The address in the first complete line after `offset` that `pattern` matches."""
     try:
         with log.open("rb") as out:

@@ -11,6 +11,7 @@ import subprocess
 from collections.abc import Sequence
 
 from pitstop.client.localcluster.errors import ClusterError
+from pitstop.client.localcluster.nodecommands import binary
 from pitstop.client.localcluster.processes import (
     pid_alive,
     rank_pids,
@@ -21,7 +22,6 @@ from pitstop.client.localcluster.processes import (
     wait_gone,
 )
 from pitstop.client.localcluster.settings import KILL_WAIT, LOCK_WAIT, STOP_TIMEOUT
-from pitstop.client.localcluster.spawning import binary
 from pitstop.client.localcluster.statefile import (
     ClusterProcess,
     ClusterState,
@@ -31,8 +31,11 @@ from pitstop.client.localcluster.statefile import (
 from pitstop.client.netns import destroy as destroy_network
 
 
-class ClusterStopping(ClusterState):
-    """Stopping daemons, a part of `LocalCluster`."""
+class ClusterStopper:
+    """Stops the daemons of the cluster `record`."""
+
+    def __init__(self, record: ClusterState) -> None:
+        self.record = record
 
     def kill_node(
         self, node_id: str, sig: signal.Signals = signal.SIGKILL, *, wait: bool = True
@@ -41,9 +44,11 @@ class ClusterStopping(ClusterState):
         of its own), as a dying host would; return the pids signalled. With `wait`,
         return only once they are gone (ClusterError if they outlive KILL_WAIT s after
         SIGKILL; after another signal, wait for them to exit on their own)."""
-        ranks = self.rank_pids(node_id)
+        ranks = self.record.rank_pids(node_id)
         # The recorded daemons, and a checkpoint daemon its agent started again.
-        daemons = self.daemon_pids(node_id, "agent") + self.daemon_pids(node_id, "checkpointd")
+        daemons = self.record.daemon_pids(node_id, "agent") + self.record.daemon_pids(
+            node_id, "checkpointd"
+        )
         for pid in daemons:
             signal_group(pid, sig)
         for pid in ranks:
@@ -51,13 +56,29 @@ class ClusterStopping(ClusterState):
         pids = daemons + ranks
         if wait:
             limit = KILL_WAIT if sig == signal.SIGKILL else STOP_TIMEOUT
-            left = wait_gone(pids, limit, self._pid_alive)
+            left = wait_gone(pids, limit, self.record._pid_alive)
             if left:
                 raise ClusterError(
                     f"node {node_id}: pids {', '.join(map(str, left))} outlived "
                     f"{sig.name} by {limit:.0f} s"
                 )
         return pids
+
+    def kill_scheduler(
+        self, name: str, sig: signal.Signals = signal.SIGKILL, *, wait: bool = True
+    ) -> None:
+        """Signal the scheduler `name` (its process group); with `wait`, return once it
+        is gone (ClusterError if it outlives KILL_WAIT s, or STOP_TIMEOUT s after
+        another signal than SIGKILL)."""
+        proc = self.record.process(name)
+        if not self.record.is_alive(proc):
+            return
+        signal_group(proc.pid, sig)
+        if wait:
+            limit = KILL_WAIT if sig == signal.SIGKILL else STOP_TIMEOUT
+            if wait_gone([proc.pid], limit, self.record._pid_alive):
+                raise ClusterError(f"{name} (pid {proc.pid}) outlived {sig.name} by {limit:.0f} s")
+        self.record._forget_children([proc.pid])
 
     def down(self, *, timeout: float = STOP_TIMEOUT, wipe: bool = False) -> list[ClusterProcess]:
         """Stop the agents, then the checkpoint daemons, then the scheduler: SIGTERM
@@ -67,60 +88,62 @@ class ClusterStopping(ClusterState):
         starts nothing (a thread restarting a node is refused). Removes cluster.json, and
         with `wipe` the whole state dir. Returns the daemons that were running, recorded
         or not. ClusterError when a process survives SIGKILL (cluster.json is kept then)."""
-        with self._lock:
-            self._closed = True
-        with locked(self.state_dir, wait=LOCK_WAIT):
-            was_running = self.running()
-            strays = self._stop_all(timeout)
-            self.state_file.unlink(missing_ok=True)
+        with self.record._lock:
+            self.record._closed = True
+        with locked(self.record.state_dir, wait=LOCK_WAIT):
+            was_running = self.record.running()
+            strays = self.stop_all(timeout)
+            self.record.state_file.unlink(missing_ok=True)
         if wipe:
-            wipe_state_dir(self.state_dir)
+            wipe_state_dir(self.record.state_dir)
         return was_running + strays
 
-    def _stop_all(self, timeout: float) -> list[ClusterProcess]:
+    def stop_all(self, timeout: float) -> list[ClusterProcess]:
         """Stop every recorded process, stage by stage, then the unrecorded ones; returns
         the unrecorded daemons that were found."""
-        sockets = {p.node_id: p.socket for p in self.processes if p.kind == "agent"}
+        sockets = {p.node_id: p.socket for p in self.record.processes if p.kind == "agent"}
         ranks = [pid for pids in rank_pids(sockets).values() for pid in pids]
         killed_checkpointds: list[ClusterProcess] = []
         for kind in ("agent", "checkpointd", "scheduler"):
-            stage = [p for p in self.processes if p.kind == kind]
-            dead_before = [p for p in stage if not self.is_alive(p)]
-            killed = self._stop_processes(stage, timeout)
+            stage = [p for p in self.record.processes if p.kind == kind]
+            dead_before = [p for p in stage if not self.record.is_alive(p)]
+            killed = self.stop_processes(stage, timeout)
             if kind == "agent":
                 for pid in ranks:
                     signal_rank(pid, signal.SIGKILL)
-                ranks = wait_gone(ranks, KILL_WAIT, self._pid_alive)
+                ranks = wait_gone(ranks, KILL_WAIT, self.record._pid_alive)
             if kind == "checkpointd":
                 killed_checkpointds = dead_before + killed
             if kind == "scheduler":
-                self._stop_stores(timeout)
-        strays = self._stop_strays(timeout)
-        self._cleanup_segments(killed_checkpointds + [p for p in strays if p.kind == "checkpointd"])
-        left = [p for p in self.processes if self.is_alive(p)]
+                self.stop_stores(timeout)
+        strays = self.stop_strays(timeout)
+        self.cleanup_segments(killed_checkpointds + [p for p in strays if p.kind == "checkpointd"])
+        left = [p for p in self.record.processes if self.record.is_alive(p)]
         if left or ranks:
             names = [f"{p.name} (pid {p.pid})" for p in left] + [f"rank pid {r}" for r in ranks]
             raise ClusterError(
                 f"{', '.join(names)} survived SIGKILL (stuck in the kernel?); "
-                f"{self.state_file} is kept"
+                f"{self.record.state_file} is kept"
             )
-        self._forget_children(list(self._children))
-        self._remove_network()
+        self.record._forget_children(list(self.record._children))
+        self.remove_network()
         return strays
 
-    def _stop_strays(self, timeout: float) -> list[ClusterProcess]:
+    def stop_strays(self, timeout: float) -> list[ClusterProcess]:
         """Whatever still runs with this cluster's `CLUSTER_ENV`: a daemon cluster.json
         does not name, and what it started. Session leaders (daemons, ranks) get SIGTERM
         to their group first, SIGKILL after `timeout`; returns the daemons among them."""
-        found = tagged_processes(self.state_dir)
+        found = tagged_processes(self.record.state_dir)
         if not found:
             return []
-        strays = [ClusterProcess.from_tagged(t, self.log_dir) for t in found if t.is_daemon()]
+        strays = [
+            ClusterProcess.from_tagged(t, self.record.log_dir) for t in found if t.is_daemon()
+        ]
         leaders = [t.pid for t in found if t.session_leader]
         for pid in leaders:
             signal_group(pid, signal.SIGTERM)
         wait_gone(leaders, timeout, pid_alive)
-        left = tagged_processes(self.state_dir)
+        left = tagged_processes(self.record.state_dir)
         for tagged in left:
             if tagged.session_leader:
                 signal_group(tagged.pid, signal.SIGKILL)
@@ -130,43 +153,43 @@ class ClusterStopping(ClusterState):
         still = wait_gone([t.pid for t in left], KILL_WAIT, pid_alive)
         if still:
             raise ClusterError(
-                f"pids {', '.join(map(str, still))} of the cluster in {self.state_dir} "
+                f"pids {', '.join(map(str, still))} of the cluster in {self.record.state_dir} "
                 "survived SIGKILL (stuck in the kernel?)"
             )
         if strays:  # an unrecorded scheduler may have left its embedded stores
-            self._stop_stores(timeout)
+            self.stop_stores(timeout)
         return strays
 
-    def _remove_network(self) -> None:
+    def remove_network(self) -> None:
         """Remove the namespaces and the bridge (once nothing runs in them)."""
-        if self.network is None:
+        if self.record.network is None:
             return
-        problems = destroy_network(self.network)
+        problems = destroy_network(self.record.network)
         if problems:
             raise ClusterError(
                 f"could not remove the cluster's network namespaces: {'; '.join(problems)}; "
-                f"{self.state_file} is kept, run pitstop cluster down again"
+                f"{self.record.state_file} is kept, run pitstop cluster down again"
             )
 
-    def _stop_processes(
+    def stop_processes(
         self, procs: Sequence[ClusterProcess], timeout: float = STOP_TIMEOUT
     ) -> list[ClusterProcess]:
         """SIGTERM each running process's group, SIGKILL after `timeout`; returns the
         processes that needed SIGKILL."""
-        running = [p for p in procs if self.is_alive(p)]
+        running = [p for p in procs if self.record.is_alive(p)]
         for proc in running:
             signal_group(proc.pid, signal.SIGTERM)
-        left = set(wait_gone([p.pid for p in running], timeout, self._pid_alive))
+        left = set(wait_gone([p.pid for p in running], timeout, self.record._pid_alive))
         killed = [p for p in running if p.pid in left]
         for proc in killed:
             signal_group(proc.pid, signal.SIGKILL)
-        wait_gone([p.pid for p in killed], KILL_WAIT, self._pid_alive)
+        wait_gone([p.pid for p in killed], KILL_WAIT, self.record._pid_alive)
         return killed
 
-    def _stop_stores(self, timeout: float) -> None:
+    def stop_stores(self, timeout: float) -> None:
         """Embedded PostgreSQL and Redis of a scheduler that did not stop them (it was
         killed): they run in sessions of their own, outside its process group."""
-        stores = store_processes(self.state_dir / "scheduler")
+        stores = store_processes(self.record.state_dir / "scheduler")
         for pid, sig in stores:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
@@ -175,7 +198,7 @@ class ClusterStopping(ClusterState):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
 
-    def _cleanup_segments(self, procs: Sequence[ClusterProcess]) -> None:
+    def cleanup_segments(self, procs: Sequence[ClusterProcess]) -> None:
         """Shared-memory segments a killed checkpointd left in /dev/shm (a daemon that
         stops on SIGTERM removes its own)."""
         for proc in procs:
@@ -189,13 +212,13 @@ class ClusterStopping(ClusterState):
                     check=False,
                 )
 
-    def _reap_leftovers(self) -> None:
+    def reap_leftovers(self) -> None:
         """After a cluster whose daemons are all gone (killed, host rebooted): its ranks
         and embedded stores, if anything of them is left."""
-        sockets = {p.node_id: p.socket for p in self.processes if p.kind == "agent"}
+        sockets = {p.node_id: p.socket for p in self.record.processes if p.kind == "agent"}
         for pids in rank_pids(sockets).values():
             for pid in pids:
                 signal_rank(pid, signal.SIGKILL)
-        self._stop_stores(KILL_WAIT)
-        self._stop_strays(KILL_WAIT)
-        self._remove_network()
+        self.stop_stores(KILL_WAIT)
+        self.stop_strays(KILL_WAIT)
+        self.remove_network()
