@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import os
-import queue
-import random
-import threading
-import time
 import uuid
 from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
@@ -24,6 +20,7 @@ from tenacity import (
 )
 
 from pitstop.client.errors import PitstopError
+from pitstop.client.streams import follow, is_unavailable
 from pitstop.common.tls import channel_options
 from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
@@ -33,10 +30,6 @@ TOKEN_ENV = "PITSTOP_TOKEN"
 CA_CERT_ENV = "PITSTOP_CA_CERT"
 
 _M = TypeVar("_M", bound=Message)
-
-
-def _is_unavailable(error: BaseException) -> bool:
-    return isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def _stub(stub_class: Any, channel: grpc.Channel) -> Any:
@@ -78,7 +71,7 @@ class PitstopClient:
         )
         self._max_attempts = max_attempts
         self._retrying = Retrying(
-            retry=retry_if_exception(_is_unavailable),
+            retry=retry_if_exception(is_unavailable),
             stop=stop_after_attempt(max_attempts) | stop_after_delay(max_retry_seconds),
             # Spelled out rather than wait_exponential_jitter, whose arguments changed
             # between the tenacity versions pyproject allows.
@@ -184,7 +177,7 @@ class PitstopClient:
             request = jobs_pb2.WatchJobRequest(job_id=job_id, after_event_id=cursor)
             return self._jobs.Watch(request, metadata=self._metadata)
 
-        return self._follow(open_stream, after_event_id)
+        return follow(open_stream, after_event_id, self._max_attempts)
 
     # Nodes
 
@@ -305,7 +298,7 @@ class PitstopClient:
             )
             return self._events.Watch(request, metadata=self._metadata)
 
-        return self._follow(open_stream, after_event_id)
+        return follow(open_stream, after_event_id, self._max_attempts)
 
     # Plumbing
 
@@ -325,84 +318,3 @@ class PitstopClient:
         if not isinstance(response, response_type):
             raise TypeError(f"expected {response_type.__name__}, got {type(response).__name__}")
         return response
-
-    def _follow(
-        self, open_stream: Callable[[int], Any], after_event_id: int
-    ) -> Generator[common_pb2.Event, None, None]:
-        # A dropped connection (scheduler restart, failover) resumes after the last
-        # event seen, so a watcher sees every event once; only repeated failures without
-        # a single event in between give up.
-        cursor = after_event_id
-        failures = 0
-        while True:
-            pump = _StreamPump(open_stream, cursor)
-            try:
-                while (item := pump.received.get()) is not _STREAM_END:
-                    if isinstance(item, BaseException):
-                        raise item
-                    event = cast(common_pb2.Event, item)
-                    failures = 0
-                    cursor = max(cursor, event.id)
-                    yield event
-                return
-            except grpc.RpcError as error:
-                failures += 1
-                if not _is_unavailable(error) or failures >= self._max_attempts:
-                    raise PitstopError.from_rpc_error(error) from None
-            finally:
-                pump.close()
-            time.sleep(min(2.0, 0.1 * 2**failures) + random.uniform(0, 0.1))
-
-
-_STREAM_END = object()
-PUMP_CLOSE_SECONDS = 5.0
-"""How long ending a watch waits for its reading thread to leave gRPC (a cancelled read
-returns at once)."""
-
-
-class _StreamPump:
-    """Opens a server stream and reads it on its own thread, onto a queue.
-
-    Ctrl-C is raised in the main thread. Were the stream opened or read there, it could
-    land inside gRPC's call bookkeeping and leave the channel unable to close (close()
-    then waits forever). Here it lands in ``queue.get()``, which is safe to interrupt.
-    """
-
-    def __init__(self, open_stream: Callable[[int], Any], cursor: int) -> None:
-        self.received: queue.Queue[object] = queue.Queue()
-        self._lock = threading.Lock()
-        self._call: Any = None
-        self._cancelled = False
-        self._thread = threading.Thread(
-            target=self._run, args=(open_stream, cursor), name="pitstop-stream", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, open_stream: Callable[[int], Any], cursor: int) -> None:
-        try:
-            call = open_stream(cursor)
-            with self._lock:
-                self._call = call
-                cancelled = self._cancelled
-            if cancelled:
-                call.cancel()
-            for message in call:
-                self.received.put(message)
-        except Exception as error:  # handed to the reader, who raises it in its own thread
-            self.received.put(error)
-        else:
-            self.received.put(_STREAM_END)
-
-    def cancel(self) -> None:
-        """End the stream; safe before it is open and after it has ended."""
-        with self._lock:
-            self._cancelled = True
-            call = self._call
-        if call is not None:
-            call.cancel()
-
-    def close(self, timeout: float = PUMP_CLOSE_SECONDS) -> None:
-        """End the stream and wait (at most `timeout`) until the reading thread is out of
-        gRPC, so the channel is not closed, nor the interpreter ended, under a read."""
-        self.cancel()
-        self._thread.join(timeout)
