@@ -25,7 +25,9 @@ Check = Callable[[Any], Any]
 """Takes a request (or a stream's message) and returns it, or raises to refuse it."""
 StatusTable = Sequence[tuple[type[Exception], grpc.StatusCode]]
 """Exception classes and the status code of each, the first that matches wins."""
-StatusFor = Callable[[Exception], tuple[grpc.StatusCode, str]]
+StatusFor = Callable[[Exception], tuple[grpc.StatusCode, str] | None]
+"""The status code and message of a call that raised an exception; None leaves the
+exception as it is (grpc ends the call with UNKNOWN)."""
 
 
 def status_from(
@@ -70,12 +72,13 @@ def guard_handler(
     on_error: OnError | None = None,
     check: Check | None = None,
     check_streamed: Check | None = None,
+    tolerant_decoding: bool = True,
 ) -> grpc.RpcMethodHandler:
     """A handler that runs ``before(context)`` then the original behaviour; an exception
     other than an abort goes to ``on_error``, which is expected to abort the call. With
-    ``on_error``, requests are decoded tolerantly and each passes ``check`` (a single
-    request) or ``check_streamed`` (each message of a request stream; ``check`` when not
-    given) before the handler sees it."""
+    ``on_error``, requests are decoded tolerantly (unless ``tolerant_decoding`` is off)
+    and each passes ``check`` (a single request) or ``check_streamed`` (each message of
+    a request stream; ``check`` when not given) before the handler sees it."""
     streamed = check_streamed or check
 
     async def checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -123,15 +126,16 @@ def guard_handler(
         handler,
         unary(handler.unary_unary or handler.stream_unary),
         streaming(handler.unary_stream or handler.stream_stream),
-        tolerant(deserializer) if on_error is not None else deserializer,
+        tolerant(deserializer) if on_error is not None and tolerant_decoding else deserializer,
     )
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Ends every call whose handler raised with the status code `status_for` gives
     (an INTERNAL one logged with its traceback on `log`). `check(method)` makes the
-    request check of a method, refusing an `Undecodable` among others; `prefix`, when
-    given, limits the interceptor to the methods whose full name starts with it."""
+    request check of a method, refusing an `Undecodable` among others (without
+    `tolerant_decoding`, grpc itself refuses undecodable bytes); `prefix`, when given,
+    limits the interceptor to the methods whose full name starts with it."""
 
     def __init__(
         self,
@@ -140,12 +144,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         check: Callable[[str], Check] | None = None,
         check_streamed: Callable[[str], Check] | None = None,
         prefix: str = "",
+        tolerant_decoding: bool = True,
     ) -> None:
         self._status_for = status_for
         self._log = log
         self._check = check
         self._check_streamed = check_streamed
         self._prefix = prefix
+        self._tolerant_decoding = tolerant_decoding
 
     async def intercept_service(
         self,
@@ -158,7 +164,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method = details.method
 
         async def on_error(exc: Exception, context: grpc.aio.ServicerContext) -> None:
-            code, message = self._status_for(exc)
+            status = self._status_for(exc)
+            if status is None:
+                return  # not one to map: it surfaces as it is
+            code, message = status
             self.note(method, exc, code, message)
             await context.abort(code, message)
 
@@ -167,6 +176,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             on_error=on_error,
             check=self._check(method) if self._check is not None else None,
             check_streamed=self._check_streamed(method) if self._check_streamed else None,
+            tolerant_decoding=self._tolerant_decoding,
         )
 
     def note(self, method: str, exc: Exception, code: grpc.StatusCode, message: str) -> None:
