@@ -25,7 +25,9 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from pitstop.agent import rankerrors as errors
 from pitstop.agent.gpu.base import FaultNotSupported, GpuBackend
+from pitstop.agent.rankerrors import RankErrorInterceptor
 from pitstop.agent.steps import StepSummarizer
 from pitstop.agent.supervisor import RankSupervisor
 from pitstop.common.rpcguard import refusing
@@ -98,7 +100,8 @@ class LocalEndpoint:
             )
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         _remove_stale_socket(path)
-        server = grpc.aio.server(interceptors=[_StartedHere(self.supervisor.started)])
+        interceptors = [_StartedHere(self.supervisor.started), RankErrorInterceptor()]
+        server = grpc.aio.server(interceptors=interceptors)
         rank_pb2_grpc.add_RankControlServicer_to_server(_RankControlServicer(self), server)
         server.add_insecure_port(f"unix:{path}")
         await server.start()
@@ -306,22 +309,22 @@ class LocalEndpoint:
 
 
 class _RankControlServicer:
-    """Decodes RankControl calls, checks them, and hands them to the endpoint."""
+    """Decodes RankControl calls, checks them, and hands them to the endpoint. A call it
+    refuses raises a RankCallError (pitstop.agent.rankerrors); the interceptor there
+    ends the call with its status code."""
 
     def __init__(self, endpoint: LocalEndpoint) -> None:
         self._endpoint = endpoint
 
     async def _gpu(self, job_id: str, rank: int, context: Any) -> int:
         if not job_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is empty")
+            raise errors.InvalidArgument("job_id is empty")
         gpu = self._endpoint._gpu_of(job_id, rank)
         if gpu is None:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
+            raise errors.NotFound(
                 f"rank {rank} of job {job_id!r} does not run on this node; "
-                "only ranks the agent started (or handed to a standby) may call",
+                "only ranks the agent started (or handed to a standby) may call"
             )
-        assert gpu is not None  # abort raised otherwise
         return gpu
 
     async def Attach(  # noqa: N802 (gRPC method names)
@@ -392,12 +395,11 @@ class _RankControlServicer:
         self, request: rank_pb2.StandbyRequest, context: Any
     ) -> rank_pb2.StandbyAssignment:
         if not request.job_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_id is empty")
+            raise errors.InvalidArgument("job_id is empty")
         try:
             return await self._endpoint._wait_for_assignment(request, context)
         except _Stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the agent is stopping; retry")
-            raise
+            raise errors.Unavailable("the agent is stopping; retry") from None
 
     async def ReportResult(  # noqa: N802
         self, request: rank_pb2.RankResult, context: Any
@@ -419,7 +421,7 @@ class _RankControlServicer:
         await self._gpu(request.job_id, request.rank, context)
         problem = _unstorable_text(request)
         if problem:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+            raise errors.InvalidArgument(problem)
         self._endpoint.on_run_record(request)
         return rank_pb2.RunRecordResponse()
 
@@ -428,19 +430,17 @@ class _RankControlServicer:
     ) -> rank_pb2.LocalFaultResponse:
         backend = self._endpoint.backend
         if not self._endpoint.allow_fault_injection:
-            await context.abort(
-                grpc.StatusCode.PERMISSION_DENIED,
-                "fault injection is disabled on this agent; enable it for drills and tests only",
+            raise errors.PermissionDenied(
+                "fault injection is disabled on this agent; enable it for drills and tests only"
             )
         try:
             backend.inject_fault(request.fault)
         except FaultNotSupported as exc:
-            await context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"the {backend.name} GPU backend cannot inject this fault: {exc}",
-            )
+            raise errors.FailedPrecondition(
+                f"the {backend.name} GPU backend cannot inject this fault: {exc}"
+            ) from exc
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise errors.InvalidArgument(str(exc)) from exc
         return rank_pb2.LocalFaultResponse()
 
 
