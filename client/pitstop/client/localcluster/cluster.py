@@ -264,6 +264,7 @@ class LocalCluster:
         return self.record.rank_pids(node_id)
 
     def _save(self) -> None:
+        """Write cluster.json now (the record's own `_save`)."""
         self.record._save()
 
     def list_nodes(self, timeout: float = 5.0) -> list[nodes_pb2.Node]:

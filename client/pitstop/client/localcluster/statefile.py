@@ -242,7 +242,8 @@ def wipe_state_dir(state_dir: Path) -> bool:
 class ClusterState:
     """What a local cluster is, as cluster.json records it (its state dir, scheduler
     address, nodes, processes, network), with what this process holds of it; the
-    looking up and the writing of that record. `LocalCluster` adds the doing."""
+    looking up and the writing of that record. A `LocalCluster` holds one as its
+    `record` and shares it with its parts, which do the starting and stopping."""
 
     state_dir: Path
     scheduler_address: str
