@@ -53,7 +53,9 @@ def module_name(path: str) -> str | None:
     return dotted.removesuffix(".__init__")
 
 
-def imported(tree: ast.AST, module: str, is_package: bool) -> Iterator[str]:
+def imported(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> Iterator[str]:
+    """The modules `tree` imports. ``from a import b`` imports ``a.b`` where that is a
+    module, else ``a`` (the name b is defined there), as import-linter counts it."""
     package = module if is_package else module.rpartition(".")[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -65,9 +67,8 @@ def imported(tree: ast.AST, module: str, is_package: bool) -> Iterator[str]:
                 parts = package.split(".")
                 parent = ".".join(parts[: len(parts) - node.level + 1])
                 base = f"{parent}.{base}" if base else parent
-            yield base
             for alias in node.names:
-                yield f"{base}.{alias.name}"
+                yield f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -142,7 +143,7 @@ def main() -> int:
             trees[name] = (tree, path.endswith("__init__.py"))
     graph: dict[str, set[str]] = {name: set() for name in trees}
     for name, (module_tree, is_package) in trees.items():
-        for target in imported(module_tree, name, is_package):
+        for target in imported(module_tree, name, is_package, set(trees)):
             if target in trees and target != name:
                 graph[name].add(target)
     for cycle in find_cycles(graph):
