@@ -1,5 +1,5 @@
-"""The durable truth (docs/architecture.md, "Processes and wires"): nodes, GPUs, jobs, rank maps, the
-checkpoint catalog, the append-only event log, Xid history, leases and
+"""The durable truth (docs/architecture.md, "Processes and wires"): nodes, GPUs, jobs,
+rank maps, the checkpoint catalog, the append-only event log, Xid history, leases and
 torchrun rendezvous state.
 
 Never edit a released migration: change these models, then add a migration.
