@@ -1,0 +1,105 @@
+"""The fault matrix, the checkpoint daemons' faults: a shard corrupted in shared memory,
+a durable store with no byte free."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from kit.faultcluster import (
+    STEP_SECONDS,
+    STEPS,
+    Cluster,
+    check_result,
+    killpg,
+    restored_steps,
+    steps_never_run,
+    wait_until,
+)
+from pitstop.agent.identity import identity_for
+from pitstop.checkpointd.slots import segment_prefix
+from pitstop.common.tls import open_channel
+from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+
+# Every scenario is a `cluster` test (the second pass of `make test`); the fixtures are
+# in tests/cluster/conftest.py, the harness in tests/kit/faultcluster.py.
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(360)]
+
+
+def test_a_corrupted_in_memory_shard_is_caught_and_restored_from_the_buddy(
+    cluster: Cluster, standalone_hash: str
+) -> None:
+    """Every shared-memory segment of a node's checkpoint daemon is overwritten, then the
+    rank there is killed. Its restart finds the local copy failing its checksum, drops
+    it and restores the buddy's replica: the job ends bitwise equal, never training on
+    the corrupted bytes."""
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS), standby=False)
+    rank = random.randrange(4)
+    victim = cluster.node_of(job, rank)
+    cluster.wait_for_step(job, rank, random.randint(8, STEPS // 2))
+    (pid,) = cluster.rank_pids(victim.node_id)
+    os.kill(pid, signal.SIGSTOP)  # it writes no newer snapshot while we corrupt
+    # The daemon takes calls from its own node only (mutual TLS with the node's identity).
+    identity = identity_for(victim.root / "agent", victim.node_id) if victim.tls else None
+    daemon = checkpoint_pb2_grpc.CheckpointServiceStub(
+        open_channel(victim.checkpointd_address, identity)
+    )
+
+    def newest_local() -> int:
+        held = daemon.ListShards(checkpoint_pb2.ListShardsRequest(job_id=job.id)).shards
+        return max(
+            s.header.key.step
+            for s in held
+            if s.header.key.rank == rank and s.tier == checkpoint_pb2.SHARD_TIER_LOCAL
+        )
+
+    # Its newest snapshot is replicated (committed) before the local copies go bad.
+    wait_until(lambda: cluster.get(job.id).committed_step >= newest_local(), "commit")
+    segments = [
+        p for p in Path("/dev/shm").iterdir() if p.name.startswith(segment_prefix(victim.node_id))
+    ]
+    assert segments
+    for path in segments:
+        with path.open("r+b") as segment:
+            head = segment.read(4096)
+            segment.seek(0)
+            segment.write(bytes(b ^ 0xFF for b in head))
+    killpg(pid, signal.SIGKILL)  # a stopped process dies of SIGKILL too
+    done = cluster.finish(job.id)
+    check_result(done, standalone_hash)
+    assert victim.node_id in {a.node_id for a in done.rank_map.ranks}  # restarted in place
+    log = victim.rank_log(job.id, rank).read_text()
+    restores = re.findall(rf"rank {rank} restored step (\d+) from (\w+)", log)
+    assert restores, cluster.logs(job.id)
+    assert restores[0][1] == "replica", restores
+    said = (victim.root / "checkpointd.log").read_text(errors="replace").splitlines()
+    assert any("fails its checksum" in line for line in said), said  # caught, not missing
+    for each in range(4):
+        assert steps_never_run(cluster, done, each) == set()
+
+
+@pytest.mark.parametrize("full_durable_store", [True])
+def test_a_full_durable_store_is_reported_and_training_goes_on(
+    cluster: Cluster, standalone_hash: str
+) -> None:
+    """Every node flushes every 5 steps to a store with no byte free. The flushes fail
+    and are reported as events naming the error; no rank waits on them, the in-memory
+    copies stay, so a node lost mid-run is still recovered from memory."""
+    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    failed = cluster.wait(lambda e: e.kind == "checkpoint.flush_failed", "a flush_failed event")
+    assert "No space left on device" in failed.reason, failed
+    assert f"job {job.id}" in failed.reason, failed
+    victim = cluster.node_of(job, 2)
+    cluster.wait_for_step(job, 2, random.randint(12, STEPS // 2))
+    cluster.kill_node(victim.node_id)
+    done = cluster.finish(job.id)
+    check_result(done, standalone_hash)
+    assert done.durable_step == 0  # nothing ever landed
+    restored = restored_steps(cluster, done)
+    assert restored, cluster.logs(job.id)
+    assert min(restored) > 0, restored
