@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-from pydantic import ValidationError
 
 # gRPC core logs at INFO when a rank process forks; only its errors belong in the
 # agent's output. Set before grpc is first imported.
@@ -29,13 +28,12 @@ from pitstop.agent.metrics import AgentMetrics, MetricsServer
 from pitstop.agent.preflight import Preflight
 from pitstop.agent.steps import StepSummarizer
 from pitstop.agent.supervisor import RankSupervisor
-from pitstop.common.settings import one_line
+from pitstop.common.settings import EXIT_BAD_CONFIG, configure_logging, settings_or_exit
 from pitstop.v1 import agent_pb2
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="The pitstop node agent.")
 log = logging.getLogger("pitstop.agent")
 
-EXIT_BAD_CONFIG = 2
 EXIT_CANNOT_START = 1
 
 
@@ -247,8 +245,9 @@ def run(
     ] = None,
 ) -> None:
     """Run the agent until SIGTERM or SIGINT; then stop its ranks and exit."""
-    try:
-        settings = load_settings(
+    settings = settings_or_exit(
+        "pitstop-agent",
+        lambda: load_settings(
             config,
             node_id=node_id,
             scheduler=scheduler,
@@ -270,15 +269,9 @@ def run(
             join_token=join_token,
             ca_file=ca_file,
             fork_server=fork_server,
-        )
-    except ValidationError as exc:
-        _fail(f"invalid configuration: {one_line(exc)}", EXIT_BAD_CONFIG)
-    except (FileNotFoundError, ValueError) as exc:
-        _fail(f"invalid configuration: {exc}", EXIT_BAD_CONFIG)
-    logging.basicConfig(
-        level=settings.log_level_number,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        ),
     )
+    configure_logging(settings.log_level_number)
     try:
         backend = open_backend(settings.gpus, settings.node_id)
     except ValueError as exc:

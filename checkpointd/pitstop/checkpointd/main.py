@@ -12,28 +12,19 @@ from typing import Annotated, NoReturn
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import typer
-from pydantic import ValidationError
 
 from pitstop.checkpointd.config import CheckpointdSettings, load_settings
 from pitstop.checkpointd.daemon import CheckpointDaemon
 from pitstop.checkpointd.instances import remove_stale_segments, segment_prefix
 from pitstop.common.enrollment import EnrollmentError, enroll
+from pitstop.common.settings import configure_logging, settings_or_exit
 from pitstop.common.tls import NodeIdentity
 from pitstop.rankside.shm import SHM_DIR
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="The pitstop checkpoint daemon.")
 log = logging.getLogger("pitstop.checkpointd")
 
-EXIT_BAD_CONFIG = 2
 EXIT_CANNOT_START = 1
-
-
-def _one_line(exc: ValidationError) -> str:
-    parts = []
-    for error in exc.errors():
-        where = ".".join(str(part) for part in error["loc"]) or "config"
-        parts.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
-    return "; ".join(parts)
 
 
 @app.command()
@@ -73,8 +64,9 @@ def run(
     ] = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT; then unlink every shared-memory segment and exit."""
-    try:
-        settings = load_settings(
+    settings = settings_or_exit(
+        "pitstop-checkpointd",
+        lambda: load_settings(
             config,
             node_id=node_id,
             scheduler=scheduler,
@@ -91,15 +83,9 @@ def run(
             tls_dir=tls_dir,
             join_token=join_token,
             ca_file=ca_file,
-        )
-    except ValidationError as exc:
-        _fail(f"invalid configuration: {_one_line(exc)}", EXIT_BAD_CONFIG)
-    except (FileNotFoundError, ValueError) as exc:
-        _fail(f"invalid configuration: {exc}", EXIT_BAD_CONFIG)
-    logging.basicConfig(
-        level=settings.log_level_number,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        ),
     )
+    configure_logging(settings.log_level_number)
     try:
         asyncio.run(_serve(settings))
     except (OSError, RuntimeError, ValueError) as exc:

@@ -4,15 +4,18 @@
 A daemon's settings class derives from `LayeredSettings` (which reads the flags given
 and the environment, and never a .env file or secrets directory) and loads with
 `load_layered`, which adds the config file under both. `check_log_level` and
-`one_line` are the validation and the error wording the daemons share.
+`one_line` are the validation and the error wording the daemons share; `settings_or_exit`
+and `configure_logging` are how each daemon's command starts.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import typer
 from pydantic import ValidationError
 from pydantic_settings import (
     BaseSettings,
@@ -24,6 +27,7 @@ from pydantic_settings import (
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 S = TypeVar("S", bound="LayeredSettings")
+T = TypeVar("T")
 
 
 class LayeredSettings(BaseSettings):
@@ -90,3 +94,29 @@ def one_line(exc: ValidationError) -> str:
         where = ".".join(str(part) for part in error["loc"]) or "config"
         parts.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
     return "; ".join(parts)
+
+
+EXIT_BAD_CONFIG = 2
+"""A daemon's exit status when its settings are refused."""
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""Every daemon's log line: time, level, logger, message."""
+
+
+def settings_or_exit(program: str, build: Callable[[], T], *, full_errors: bool = False) -> T:
+    """`build()`, the daemon's settings; or, when they are refused (a bad value, a missing
+    or unreadable config file), ``<program>: invalid configuration: <why>`` on stderr and
+    exit status 2. The why is `one_line` unless `full_errors` (pydantic's own text)."""
+    try:
+        return build()
+    except ValidationError as exc:
+        why = str(exc) if full_errors else one_line(exc)
+    except (FileNotFoundError, ValueError) as exc:
+        why = str(exc)
+    typer.echo(f"{program}: invalid configuration: {why}", err=True)
+    raise typer.Exit(EXIT_BAD_CONFIG)
+
+
+def configure_logging(level: int | str) -> None:
+    """The daemon's logging: `level`, in `LOG_FORMAT`, on stderr."""
+    logging.basicConfig(level=level, format=LOG_FORMAT)

@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from pitstop.common.settings import LayeredSettings, load_layered
+from pitstop.common.settings import LayeredSettings, check_log_level, load_layered
 from pitstop.scheduler.domain import Role
 from pitstop.scheduler.errors import InvalidArgument
 from pitstop.scheduler.jobspec import check_project
@@ -165,6 +165,11 @@ class SchedulerSettings(LayeredSettings):
         default="pitstop-replace", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
     )
     slurm_command_timeout_seconds: float = Field(default=15.0, gt=0)
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level(cls, value: str) -> str:
+        return check_log_level(value)
 
     @field_validator("slurm_replacement_command")
     @classmethod

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pydantic import ValidationError
 
 # gRPC core logs at INFO when a child process forks (pgserver's pg_ctl); only its
 # errors belong in the scheduler's output. Set before grpc is first imported.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
+from pitstop.common.settings import configure_logging, settings_or_exit
 from pitstop.common.tls import TlsError
 from pitstop.scheduler.config import SchedulerSettings, load_settings
 from pitstop.scheduler.embedded import EmbeddedUnavailable
@@ -50,8 +50,9 @@ def serve(
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING [INFO]")] = None,
 ) -> None:
     """Serve the pitstop API until SIGTERM or SIGINT."""
-    try:
-        settings = load_settings(
+    settings = settings_or_exit(
+        "pitstop-scheduler",
+        lambda: load_settings(
             config,
             host=host,
             port=port,
@@ -61,14 +62,10 @@ def serve(
             metrics_port=metrics_port,
             dashboard_port=dashboard_port,
             log_level=log_level,
-        )
-    except (ValidationError, FileNotFoundError, ValueError) as exc:
-        typer.echo(f"pitstop-scheduler: invalid configuration: {exc}", err=True)
-        raise typer.Exit(2) from None
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        ),
+        full_errors=True,
     )
+    configure_logging(settings.log_level.upper())
     try:
         asyncio.run(_serve(settings))
     except EmbeddedUnavailable as exc:
