@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from kit.processes import line_with
 from pitstop.checkpointd.config import CheckpointdSettings
 from pitstop.checkpointd.daemon import CheckpointDaemon
 from pitstop.checkpointd.instances import MARKER_SUFFIX, SHM_DIR, segment_prefix
@@ -177,14 +178,8 @@ class DaemonProcess:
             self.lines.put(line.rstrip())
 
     def wait_for_line(self, text: str, timeout: float = TIMEOUT) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"{self.node_id} never printed {text!r}") from None
-            if text in line:
-                return line
+        never = f"{self.node_id} never printed {text!r}"
+        return line_with(self.lines, text, time.monotonic() + timeout, never)
 
     def kill(self) -> None:
         self.process.send_signal(signal.SIGKILL)

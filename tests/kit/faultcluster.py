@@ -24,6 +24,7 @@ import grpc
 from kit import waits
 from kit.events import follow_events
 from kit.forking import ForkClient, ForkedChild
+from kit.processes import line_with
 from kit.schedulers import SchedulerProcess, SchedulerThread
 from kit.stores import PostgresProcess, unique
 from pitstop.agent.config import SOCKET_NAME
@@ -200,13 +201,8 @@ class Node:
                 time.sleep(0.02)
             said = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
             raise AssertionError(f"checkpointd of {self.node_id} never said {text!r}:\n{said}")
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"checkpointd of {self.node_id} never said {text!r}") from None
-            if text in line:
-                return line
+        never = f"checkpointd of {self.node_id} never said {text!r}"
+        return line_with(self.lines, text, deadline, never)
 
     def rank_log(self, job_id: str, rank: int) -> Path:
         return self.root / "agent" / "ranks" / job_id / f"rank-{rank}.log"

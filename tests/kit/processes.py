@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +44,15 @@ def processes_under(root: Path) -> list[int]:
         if any(str(root).encode() in arg for arg in argv) and running(int(entry.name)):
             found.append(int(entry.name))
     return found
+
+
+def line_with(lines: queue.Queue[str], text: str, deadline: float, never: str) -> str:
+    """The next line from `lines` (a reader thread fills it from a process's output) that
+    holds `text`; AssertionError `never` once the monotonic `deadline` passes."""
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(never) from None
+        if text in line:
+            return line
