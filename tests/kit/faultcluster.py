@@ -50,6 +50,8 @@ from pitstop.v1 import (
 # A scenario waits up to WAIT_TIMEOUT for each event and then fails with the cluster's
 # logs; pytest's own timeout (only the test's stacks) is the backstop for a hang elsewhere.
 WAIT_TIMEOUT = 150.0
+JOB_ENDS = ("job.succeeded", "job.failed", "job.cancelled")
+"""The kinds of event that end a job."""
 
 
 STEPS = 30
@@ -245,6 +247,9 @@ class Cluster:
         self.ca: Path | None = getattr(scheduler, "ca", None)
         self.events = self.follow(0, 4 * TIMEOUT)
         self.last_event_id = 0
+        self.ends: dict[str, Any] = {}
+        """The end event (succeeded, failed, cancelled) of each job, from every event a
+        wait has read: a wait for one event reads past another job's end."""
         self.jobs = jobs_pb2_grpc.JobServiceStub(scheduler.channel())
         self.node_api = nodes_pb2_grpc.NodeServiceStub(scheduler.channel())
         self.event_api = nodes_pb2_grpc.EventServiceStub(scheduler.channel())
@@ -353,6 +358,8 @@ class Cluster:
                 try:
                     for event in self.events:
                         self.last_event_id = event.id
+                        if event.kind in JOB_ENDS:
+                            self.ends[event.job_id] = event
                         if match(event):
                             return event
                     raise AssertionError(f"the event stream ended before {what}")
@@ -631,17 +638,14 @@ def reference_hash(
 
 
 def finish_all(cluster: Cluster, job_ids: list[str]) -> list[jobs_pb2.Job]:
-    """The jobs once every one succeeded, in whichever order they end (each event is
-    read once: waiting for one job after another would pass over an earlier end)."""
-    ended: set[str] = set()
-    while len(ended) < len(job_ids):
-        end = cluster.wait(
-            lambda e: (
-                e.job_id in set(job_ids) - ended
-                and e.kind in ("job.succeeded", "job.failed", "job.cancelled")
-            ),
-            f"the end of {sorted(set(job_ids) - ended)}",
+    """The jobs once every one succeeded, in whichever order they end, an end an earlier
+    wait read past included (`Cluster.ends`)."""
+    while waiting := set(job_ids) - set(cluster.ends):
+        cluster.wait(
+            lambda e, waiting=waiting: e.job_id in waiting and e.kind in JOB_ENDS,
+            f"the end of {sorted(waiting)}",
         )
-        assert end.kind == "job.succeeded", (end, cluster.logs(end.job_id))
-        ended.add(end.job_id)
+    for job_id in job_ids:
+        end = cluster.ends[job_id]
+        assert end.kind == "job.succeeded", (end, cluster.logs(job_id))
     return [cluster.get(job_id) for job_id in job_ids]

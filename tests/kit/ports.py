@@ -6,12 +6,9 @@ from __future__ import annotations
 import random
 import socket
 
+from pitstop.client.localcluster import free_port
 
-def free_port() -> int:
-    """A TCP port free on loopback now (bound once and let go)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+__all__ = ["LISTEN_PORTS", "free_listen_port", "free_port"]
 
 
 LISTEN_PORTS = range(20_000, 32_000)

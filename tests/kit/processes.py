@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pitstop.client.localcluster import pid_alive
+
 
 def terminate(proc: subprocess.Popen[Any]) -> None:
     """SIGTERM, and SIGKILL after 30 s: a process that will not stop is not left running
@@ -24,11 +26,7 @@ def terminate(proc: subprocess.Popen[Any]) -> None:
 
 def running(pid: int) -> bool:
     """Whether `pid` runs; a zombie (reaped late by a container's init) does not."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
+    return pid_alive(pid)
 
 
 def processes_under(root: Path) -> list[int]:

@@ -31,7 +31,8 @@ T = TypeVar("T")
 
 
 class LayeredSettings(BaseSettings):
-    """Settings read from the flags given (init arguments), then the environment."""
+    """Settings read from the flags given (init arguments), then the environment, then
+    the YAML file its model_config names (`load_layered` sets it)."""
 
     @classmethod
     def settings_customise_sources(
@@ -42,7 +43,9 @@ class LayeredSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings)
+        if settings_cls.model_config.get("yaml_file") is None:
+            return (init_settings, env_settings)
+        return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
 
 
 def load_layered(settings_cls: type[S], config_file: Path | None, flags: dict[str, Any]) -> S:
@@ -58,17 +61,6 @@ def load_layered(settings_cls: type[S], config_file: Path | None, flags: dict[st
 
     class FileSettings(settings_cls):  # type: ignore[valid-type, misc]
         model_config = SettingsConfigDict(yaml_file=config_file)
-
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (init_settings, env_settings, YamlConfigSettingsSource(settings_cls))
 
     settings: S = FileSettings(**given, config_file=config_file)
     return settings
