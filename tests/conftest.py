@@ -56,7 +56,7 @@ def _a_failed_set_up(report: pytest.CollectReport | pytest.TestReport) -> None:
     report.longrepr = (
         f"skipped on a machine that sets up everything the tests need (root on Debian): "
         f"{reason}. `make test` should have installed it (scripts/system_packages.sh, "
-        "scripts/install_helm.sh, pip install -e '.[dev]'); see what it printed."
+        "scripts/install.sh, scripts/install_helm.sh); see what it printed."
     )
 
 
