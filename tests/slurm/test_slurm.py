@@ -99,7 +99,24 @@ def cli_processes() -> str:
         with contextlib.suppress(OSError):
             waits = [(t / "wchan").read_text() for t in sorted(tasks.iterdir())]
             lines.append(f"{proc.pid} {proc.info['status']} {cmdline!r} threads waiting in {waits}")
+            lines.append(stacks_of(proc.pid))
     return "pitstop CLI processes:\n" + ("\n".join(lines) or "none")
+
+
+def stacks_of(pid: int) -> str:
+    """Every thread's Python and native stack (py-spy, installed with the agent), so a
+    hang says where it is."""
+    py_spy = Path(sys.executable).parent / "py-spy"
+    try:
+        done = subprocess.run(
+            [str(py_spy), "dump", "--native", "--pid", str(pid)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"  (no stacks: {exc})"
+    return done.stdout + done.stderr
 
 
 @pytest.mark.usefixtures("nodes_back")

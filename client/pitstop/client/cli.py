@@ -3,6 +3,9 @@ errors become a single line on stderr and an exit code."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -117,5 +120,30 @@ def _global_options(
 
 
 def main() -> None:
-    """Entry point of the ``pitstop`` console script."""
-    app(prog_name="pitstop")
+    """Entry point of the ``pitstop`` console script.
+
+    Once the command is done and its output flushed, the process ends with `os._exit`,
+    skipping the interpreter's teardown and with it gRPC's: its C core can hang there
+    after a cancelled stream (a `pitstop job watch` in the Slurm recipe printed the job's
+    end and then never exited, one thread left in a futex wait, in about one run in four
+    under load; grpc/grpc#39258 is one such shutdown hang). A command has nothing left to
+    tear down: its calls and channel are closed by then."""
+    try:
+        app(prog_name="pitstop")
+        code: int | str | None = 0
+    except SystemExit as done:
+        code = done.code
+    end_process(code)
+
+
+def end_process(code: int | str | None) -> None:
+    """Flush what the command printed and end the process with `code` (SystemExit's
+    meaning: None is 0, text is printed and means 1), without the interpreter's teardown."""
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = EXIT_FAILED
+    for stream in (sys.stdout, sys.stderr):
+        # A closed pipe or stream: nothing more can be said.
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code or 0)
