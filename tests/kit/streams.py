@@ -25,6 +25,7 @@ class AgentStream:
         block: str = "b1",
         rack: str = "r1",
         role: str = "worker",
+        checkpointd_address: str = "",
     ) -> None:
         self._outbox: queue.Queue[agent_pb2.AgentMessage | None] = queue.Queue()
         self.seq = 0
@@ -35,6 +36,7 @@ class AgentStream:
                 hostname=node_id,
                 driver_version="sim",
                 gpu_backend="sim",
+                checkpointd_address=checkpointd_address,
                 gpus=[
                     common_pb2.GpuInfo(
                         index=i,

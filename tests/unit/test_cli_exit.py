@@ -39,4 +39,3 @@ def test_a_usage_error_keeps_its_exit_code() -> None:
     done = run("job", "show")
     assert done.returncode == 2
     assert "Missing argument" in done.stderr
-

@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from pitstop.common.settings import LayeredSettings, check_log_level, load_layered
+from pitstop.health.massloss import MassLossPolicy
 from pitstop.scheduler.domain import Role
 from pitstop.scheduler.errors import InvalidArgument
 from pitstop.scheduler.jobspec import check_project
@@ -111,6 +112,24 @@ class SchedulerSettings(LayeredSettings):
     keepalive_seconds: float = Field(default=1.0, gt=0)
     keepalive_timeout_seconds: float = Field(default=1.0, gt=0)
     liveness_tick_seconds: float = Field(default=0.1, gt=0)
+    # When a node's stream ends, its host is asked (a TCP connect to its checkpoint
+    # daemon's port) for at most this long. An answer, even a refusal, means the host is
+    # up and its agent gone: a failure, replaced at once. No answer means the host or its
+    # network is silent: counted toward a mass loss. It is at least one keepalive
+    # interval, so that when many nodes are cut at once every one of them (their
+    # keepalive pings fire up to an interval apart) is suspect before the first is judged.
+    loss_probe_seconds: float = Field(default=1.0, gt=0)
+    # A mass loss (pitstop.health.massloss): mass_loss_nodes nodes silent within
+    # mass_loss_window_seconds fleet-wide, or more than mass_loss_job_share of one job's
+    # nodes (and two or more), is a partition or this scheduler's own overload, not that
+    # many failures: every job touched is held (ranks stay, nothing replaced) until its
+    # nodes are back; a node still away mass_loss_replace_after_seconds after it was
+    # lost is replaced, at most mass_loss_replace_batch per window fleet-wide.
+    mass_loss_nodes: int = Field(default=16, ge=2)
+    mass_loss_job_share: float = Field(default=0.5, gt=0, le=1)
+    mass_loss_window_seconds: float = Field(default=10.0, gt=0)
+    mass_loss_replace_after_seconds: float = Field(default=60.0, gt=0)
+    mass_loss_replace_batch: int = Field(default=16, ge=1)
     # After a (re)start, agents get this long to reconnect before deadlines count: they
     # back off up to 2 s between attempts, and a fleet registering at once on a busy
     # machine takes seconds more (5 s declared live nodes lost beside a CPU load).
@@ -196,6 +215,16 @@ class SchedulerSettings(LayeredSettings):
         """The longest an agent goes without a heartbeat: the refresh interval, never
         shorter than the heartbeat interval."""
         return max(self.refresh_interval_seconds, self.heartbeat_interval_seconds)
+
+    @property
+    def mass_loss_policy(self) -> MassLossPolicy:
+        return MassLossPolicy(
+            nodes=self.mass_loss_nodes,
+            job_share=self.mass_loss_job_share,
+            window_seconds=self.mass_loss_window_seconds,
+            replace_after_seconds=self.mass_loss_replace_after_seconds,
+            replace_batch=self.mass_loss_replace_batch,
+        )
 
     @property
     def liveness_timeout_seconds(self) -> float:

@@ -22,6 +22,17 @@ class NodeState(enum.StrEnum):
     LOST = "lost"
 
 
+class LossCause(enum.StrEnum):
+    """How a node was lost, as the process that held its stream found it."""
+
+    NONE = ""
+    STREAM = "stream"
+    """The stream ended and the host still answered: its agent is gone, the host is up."""
+    SILENT = "silent"
+    """Neither the stream nor the host answers: a dead host, a cut network; many of them
+    at once is a partition (a mass loss), not many failures."""
+
+
 class JobState(enum.StrEnum):
     PENDING = "pending"
     PLACED = "placed"

@@ -55,6 +55,7 @@ class HotState:
         self.deadlines_key = f"{prefix}liveness"
         self.stream_holders_key = f"{prefix}stream-holders"
         """Hash: node id -> the scheduler process holding its agent stream."""
+        self.suspects = Suspects(client, f"{prefix}suspects")
         # Heartbeats waiting for the next write (node id -> deadline, live health, expiry),
         # the future their callers await, and the task writing them.
         self._beats: dict[str, tuple[float, str, int]] = {}
@@ -324,6 +325,32 @@ class HotState:
             pipe.zrem(self.deadlines_key, node_id)
             pipe.delete(self.node_health_key(node_id))
             await pipe.execute()
+
+
+
+class Suspects:
+    """Nodes whose stream ended while whether their host answers is not known yet (a
+    sorted set: node id -> when the stream ended): the leader counts them toward a mass
+    loss meanwhile (pitstop.health.massloss)."""
+
+    def __init__(self, client: aioredis.Redis, key: str) -> None:
+        self.redis = client
+        self.key = key
+
+    async def add(self, node_id: str, at: float) -> None:
+        await self.redis.zadd(self.key, {node_id: at})
+
+    async def discard(self, node_id: str) -> None:
+        await self.redis.zrem(self.key, node_id)
+
+    async def since(self, since: float) -> dict[str, float]:
+        """The suspects whose stream ended at `since` or later (node id -> when); older
+        ones, left by a process that died while asking, are dropped."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zremrangebyscore(self.key, "-inf", f"({since}")
+            pipe.zrange(self.key, 0, -1, withscores=True)
+            _, found = await pipe.execute()
+        return {_text(node): float(at) for node, at in found}
 
 
 def _retrieved(future: asyncio.Future[None]) -> None:

@@ -20,7 +20,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.db import models
-from pitstop.scheduler.domain import JobState, NodeState
+from pitstop.scheduler.domain import TERMINAL_JOB_STATES, JobState, NodeState
 from pitstop.scheduler.jobmetrics import JobMetrics
 
 LOOP_LAG_INTERVAL = 0.05
@@ -48,6 +48,23 @@ class SchedulerMetrics:
             "pitstop_scheduler_recoveries_total",
             "Recoveries decided, by cause (node, rank_exit).",
             ["cause"],
+            registry=self.registry,
+        )
+        self.jobs_held = Gauge(
+            "pitstop_scheduler_jobs_held",
+            "Jobs held through a mass loss (many nodes silent at once: a partition or the "
+            "scheduler's own overload): nothing of them is replaced until their nodes are "
+            "back or the replace deadline passes.",
+            registry=self.registry,
+        )
+        self.mass_losses = Counter(
+            "pitstop_scheduler_mass_losses_total",
+            "Holds begun: a job touched by a mass loss.",
+            registry=self.registry,
+        )
+        self.held_replacements = Counter(
+            "pitstop_scheduler_held_replacements_total",
+            "Nodes of held jobs replaced because they stayed away past the replace deadline.",
             registry=self.registry,
         )
         self.decision_seconds = Histogram(
@@ -143,6 +160,13 @@ class SchedulerMetrics:
         )
         for job_state in JobState:
             self.jobs.labels(job_state.value).set(jobs.get(job_state, 0))
+        held = await session.scalar(
+            select(func.count())
+            .select_from(models.Job)
+            .where(models.Job.held_since.is_not(None))
+            .where(models.Job.state.not_in(TERMINAL_JOB_STATES))
+        )
+        self.jobs_held.set(held or 0)
         counted: dict[tuple[str, str], int] = {
             (state.value, role.value): int(count)
             for state, role, count in (

@@ -209,6 +209,7 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
             metrics,
             accept=settings.agent_streams,
             send=router.send,
+            loss_probe_seconds=settings.loss_probe_seconds,
         )
         agent_pb2_grpc.add_AgentServiceServicer_to_server(agent_servicer, server)
         liveness = LivenessMonitor(
@@ -304,6 +305,7 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         election,
         metrics,
         timeouts=Timeouts(settings.recovery_timeout_seconds, settings.restart_timeout_seconds),
+        mass_loss=settings.mass_loss_policy,
     )
     scheduler.election = election
     slurm = (

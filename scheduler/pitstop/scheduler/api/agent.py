@@ -8,6 +8,7 @@ when something changes: a new verdict, an Xid, an exit, a lost stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import logging
 import re
@@ -15,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+from redis.exceptions import RedisError
 
 from pitstop.scheduler.api.agent_input import check_agent_message
 from pitstop.scheduler.api.agent_messages import HEALTH_PATH, StreamLink, handle
@@ -30,6 +32,7 @@ from pitstop.scheduler.convert import (
 )
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from pitstop.scheduler.gateway import AgentGateway, CloseStream
+from pitstop.scheduler.hostprobe import loss_cause
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.liveness import DEADLINE_REASON, STALL_SECONDS
 from pitstop.scheduler.metrics import SchedulerMetrics
@@ -59,8 +62,11 @@ class AgentServicer:
         *,
         accept: bool = True,
         send: Callable[[str, agent_pb2.SchedulerMessage], Awaitable[object]] | None = None,
+        loss_probe_seconds: float = 1.0,
     ) -> None:
         self.accept = accept
+        self.loss_probe_seconds = loss_probe_seconds
+        """How long a lost stream's host is asked whether it is up (hostprobe)."""
         self.send = send if send is not None else gateway.forward
         """How a command reaches a node's agent (the command router, which finds the
         process holding its stream)."""
@@ -142,7 +148,7 @@ class AgentServicer:
             # waited for the liveness deadline while it was awaited here).
             recording = None
             if self.gateway.detach(state.node_id, queue) and not self.stopping:
-                recording = asyncio.create_task(self._lost(state.node_id, reason, state.heard_at))
+                recording = asyncio.create_task(self._lost(state, reason))
                 self._recording.add(recording)
                 recording.add_done_callback(self._recording.discard)
             if pending:
@@ -193,13 +199,32 @@ class AgentServicer:
         if self._recording:
             await asyncio.wait(set(self._recording))
 
-    async def _lost(self, node_id: str, reason: str, last_seen_at: float) -> None:
+    async def _lost(self, state: StreamState, reason: str) -> None:
+        """Record a node whose stream ended as LOST, once its host said whether it is up
+        (hostprobe): meanwhile it is a suspect, which the leader counts toward a mass
+        loss. A node that registered again meanwhile is not lost."""
+        node_id, ended = state.node_id, dt.datetime.now(dt.UTC)
         try:
-            async with self.store.write() as session:
-                await health_service.mark_lost(
-                    session, node_id, reason=reason, last_seen_at=last_seen_at
+            with contextlib.suppress(RedisError):
+                # The leader's scan must not judge it meanwhile (if this process dies
+                # while asking, the scan still does, a probe and a timeout later).
+                await self.hot.keep_deadlines(
+                    [node_id], time.time() + self.loss_probe_seconds + self.liveness_timeout
                 )
-            await self.hot.forget_node(node_id)
+                await self.hot.suspects.add(node_id, ended.timestamp())
+            cause = await loss_cause(state.probe_address, self.loss_probe_seconds)
+            async with self.store.write() as session:
+                lost = await health_service.mark_lost(
+                    session,
+                    node_id,
+                    reason=reason,
+                    last_seen_at=state.heard_at,
+                    cause=cause,
+                    unless_back_since=ended,
+                )
+            if lost:
+                await self.hot.forget_node(node_id)
+            await self.hot.suspects.discard(node_id)
         except Exception:
             # The liveness deadline still catches it; never let cleanup kill the server.
             log.exception("node %s: could not record the lost stream", node_id)
@@ -244,7 +269,9 @@ class AgentServicer:
                 connected_elsewhere=self.gateway.connected(reg.node_id),
             )
         await self.hot.record_heartbeat(node.id, self.liveness_timeout)
-        return StreamState(node_id=node.id, seq=message.seq)
+        return StreamState(
+            node_id=node.id, seq=message.seq, probe_address=reg.inventory.checkpointd_address
+        )
 
     async def _registered(self, node_id: str) -> agent_pb2.Registered:
         async with self.store.read() as session:

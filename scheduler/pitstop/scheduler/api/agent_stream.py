@@ -16,6 +16,9 @@ class StreamState:
 
     node_id: str
     seq: int
+    probe_address: str = ""
+    """Where the node's host is asked whether it is up when the stream ends (its
+    checkpoint daemon's address, as registered)."""
     verdict: int = common_pb2.HEALTH_VERDICT_UNSPECIFIED
     reasons: tuple[str, ...] = ()
     # Commands sent down this stream and not yet acknowledged: id -> what an ack means.

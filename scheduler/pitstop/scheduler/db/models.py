@@ -101,6 +101,10 @@ class Node(Base):
     # Certificates issued to the node before this time are refused (`node revoke`);
     # re-joining with a new token issues one after it.
     revoked_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
+    # When the node entered its state, and for a LOST one how it went (migration 0012):
+    # LOSS_STREAM, its host still answered; LOSS_SILENT, neither it nor its network did.
+    state_since: Mapped[dt.datetime] = mapped_column(server_default=func.now())
+    loss_cause: Mapped[str] = mapped_column(String(16), default="", server_default="")
 
     gpus: Mapped[list[Gpu]] = relationship(
         back_populates="node", order_by="Gpu.index", cascade="all, delete-orphan"
@@ -165,6 +169,9 @@ class Job(Base):
     submitted_code: Mapped[dict[str, Any]] = mapped_column(
         default=dict, server_default=text("'{}'::jsonb")
     )
+    # Since when the job is held through a mass loss (nodes lost all at once: a
+    # partition): nothing of it is replaced or restarted meanwhile (migration 0012).
+    held_since: Mapped[dt.datetime | None] = mapped_column(nullable=True)
     # Idempotency key of the Submit that created the job.
     request_id: Mapped[str | None] = mapped_column(String(128), unique=True, nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(server_default=func.now())

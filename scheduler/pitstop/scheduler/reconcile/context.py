@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from pitstop.health.massloss import MassLossPolicy
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState, NodeState
 from pitstop.scheduler.gateway import CommandRouter
@@ -95,6 +96,7 @@ class Leader:
     metrics: SchedulerMetrics
     timeouts: Timeouts = field(default_factory=Timeouts)
     clock: Callable[[], float] = time.monotonic
+    mass_loss: MassLossPolicy = field(default_factory=MassLossPolicy)
     rank_maps: RankMaps = field(default_factory=RankMaps)
 
 

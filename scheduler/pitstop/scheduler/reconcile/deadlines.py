@@ -33,6 +33,8 @@ async def deadlines_due(leader: Leader, accounts_due: set[str]) -> set[str]:
                 .where(models.Job.state.in_((JobState.STARTING, JobState.RECOVERING)))
                 .where(models.Job.deadline.is_not(None))
                 .where(models.Job.deadline < func.now())
+                # A held job's deadline waits for its release (holds.py).
+                .where(models.Job.held_since.is_(None))
             )
         ).all()
     decided = set()

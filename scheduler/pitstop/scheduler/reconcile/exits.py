@@ -48,20 +48,30 @@ class ExitFollower:
                 )
             ).all()
         decided = set()
+        deferred = False
         for event in exits:
-            if await self._handle(event):
+            outcome = await self._handle(event)
+            if outcome is None:
+                deferred = True  # its job is held: read again at every tick until released
+                continue
+            if outcome:
                 decided.add(event.job_id or "")
             # Only once it is handled: a decision that failed (the store gone, a
             # refused fencing check) is taken again at the next tick.
-            self.cursor = max(self.cursor, event.id)
+            if not deferred:
+                self.cursor = max(self.cursor, event.id)
         return decided
 
-    async def _handle(self, event: models.Event) -> bool:
+    async def _handle(self, event: models.Event) -> bool | None:
+        """True when a decision was committed; None when the job is held through a mass
+        loss (its exits wait: a partition's timeouts are not failures to restart)."""
         job_id = event.job_id or ""
         async with self.leader.store.read() as session:
             job = await session.get(models.Job, job_id)
             if job is None or job.state.terminal:
                 return False
+            if job.held_since is not None:
+                return None
             generation = job.generation
             world = (await self.leader.rank_maps.of(session, job)).world_size
             finished = await _clean_exits(session, job_id, generation)

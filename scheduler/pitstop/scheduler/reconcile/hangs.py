@@ -82,7 +82,8 @@ class HangWatch:
         self.declared = {key for key in self.declared if key[0] in live}
         jobs = []
         for job in live.values():
-            if job.state is JobState.RUNNING:
+            # A job held through a mass loss is not hung: its peers are away.
+            if job.state is JobState.RUNNING and job.held_since is None:
                 jobs.append(job)
             else:
                 self.held_at[job.id] = now

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from pitstop.health.massloss import MassLossPolicy
 from pitstop.scheduler.cancelling import reraise_if_cancelling
 from pitstop.scheduler.gateway import CommandRouter
 from pitstop.scheduler.hotstate import HotState
@@ -45,9 +46,17 @@ class Reconciler:
         *,
         timeouts: Timeouts | None = None,
         clock: Callable[[], float] = time.monotonic,
+        mass_loss: MassLossPolicy | None = None,
     ) -> None:
         self.leader = Leader(
-            store, hot, router, election, metrics, timeouts or Timeouts(), clock=clock
+            store,
+            hot,
+            router,
+            election,
+            metrics,
+            timeouts or Timeouts(),
+            clock=clock,
+            mass_loss=mass_loss or MassLossPolicy(),
         )
         self.steps = StepFollower(self.leader)
         self.recovery = Recovery(self.leader, self.steps.step_seconds)

@@ -27,6 +27,7 @@ from pitstop.scheduler.reconcile.context import (
     locked_job,
     set_deadline,
 )
+from pitstop.scheduler.reconcile.holds import Holds, lost_nodes
 from pitstop.scheduler.reconcile.outcomes import fail_job, recovering
 from pitstop.scheduler.services import catalog, goodput, lifecycle
 from pitstop.scheduler.services import node_commands as plan
@@ -94,12 +95,14 @@ class Recovery:
         self.standby_nodes: dict[str, set[str]] = {}
         # Nodes a straggler finding asked to swap out (StepFollower fills it).
         self.swap_nodes: dict[str, set[str]] = {}
+        self.holds = Holds(leader, self.replace)
 
     # Node failures ---------------------------------------------------------------------
 
     async def repair_failed_nodes(self) -> set[str]:
         """Decide a recovery for every job with a rank on a failed (or draining, or
-        straggling) node; the ids of the jobs decided."""
+        straggling) node, unless a mass loss holds it (holds.py); the ids of the jobs
+        decided."""
         swapping = set().union(*self.swap_nodes.values())
         async with self.leader.store.read() as session:
             jobs = await lifecycle.live_jobs(session, (*RUNNABLE, JobState.PAUSED))
@@ -118,12 +121,22 @@ class Recovery:
                     )
                 ).all()
             )
-            if not states and not swapping:
+            lost = await lost_nodes(self.leader, session)
+            held = any(job.held_since is not None for job in jobs)
+            if not states and not swapping and not lost.silent and not held:
                 return set()
             maps = {job.id: await self.leader.rank_maps.of(session, job) for job in jobs}
         decided = set()
         for job in jobs:
             placement, swap = maps[job.id], self.swap_nodes.get(job.id, set())
+            if job.held_since is not None:
+                if await self.holds.carry_on(job, placement, lost, states):
+                    decided.add(job.id)
+                continue
+            silent = self.holds.touched(placement, lost)
+            if silent:
+                await self.holds.hold(job.id, silent, len(lost.silent))
+                continue
             failed = sorted(
                 (
                     n

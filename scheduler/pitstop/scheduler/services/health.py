@@ -21,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.health.xid import XidClass, classify_xid
 from pitstop.scheduler.db import models
-from pitstop.scheduler.domain import HealthReport, HealthVerdict, NodeState, XidReport
+from pitstop.scheduler.domain import HealthReport, HealthVerdict, LossCause, NodeState, XidReport
 from pitstop.scheduler.services import catalog
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.nodes import move_node
@@ -157,13 +157,32 @@ where the process that held its stream knew: the failure began there, not when i
 noticed (a silent host is noticed a liveness timeout later)."""
 
 
+LOSS_CAUSE = "cause"
+"""A node.lost event's attribute: how it was lost (LossCause: "stream" or "silent")."""
+
+
 async def mark_lost(
-    session: AsyncSession, node_id: str, *, reason: str, last_seen_at: float | None = None
+    session: AsyncSession,
+    node_id: str,
+    *,
+    reason: str,
+    last_seen_at: float | None = None,
+    cause: LossCause = LossCause.STREAM,
+    unless_back_since: dt.datetime | None = None,
 ) -> bool:
-    """LOST with its event, unless already lost. An unhealthy node stays unhealthy (the
-    worse news) but is recorded as disconnected. True if the state changed."""
+    """LOST with its event, unless already lost, or registered again since
+    `unless_back_since` (its agent reconnected while its loss was being judged). An
+    unhealthy node stays unhealthy (the worse news) but is recorded as disconnected.
+    True if the state changed."""
+    if unless_back_since is not None:
+        back = await session.scalar(
+            select(models.Node.last_seen_at).where(models.Node.id == node_id)
+        )
+        if back is not None and back > unless_back_since:
+            return False
     last_seen = {node_id: last_seen_at} if last_seen_at is not None else None
-    return bool(await mark_all_lost(session, [node_id], reason=reason, last_seen=last_seen))
+    lost = await mark_all_lost(session, [node_id], reason=reason, last_seen=last_seen, cause=cause)
+    return bool(lost)
 
 
 async def mark_all_lost(
@@ -172,12 +191,14 @@ async def mark_all_lost(
     *,
     reason: str,
     last_seen: Mapping[str, float] | None = None,
+    cause: LossCause = LossCause.SILENT,
 ) -> list[str]:
     """``mark_lost`` for any number of nodes in the session's one transaction: one
     statement locks their rows (in id order, so two callers never deadlock on each
     other), one forgets the shards their daemons held; the state changes and events go
     out in the flush's batches. Returns the nodes that became LOST. `last_seen`: when
-    each node's agent was last heard from, kept on its event (LAST_SEEN_AT)."""
+    each node's agent was last heard from, kept on its event (LAST_SEEN_AT); `cause`:
+    how they were lost (a missed deadline is silence: nothing answered)."""
     nodes = (
         await session.scalars(
             select(models.Node)
@@ -191,6 +212,9 @@ async def mark_all_lost(
         node.connected = False
         if node.state in _LIVE:
             heard = (last_seen or {}).get(node.id)
+            attributes = {LOSS_CAUSE: cause.value}
+            if heard is not None:
+                attributes[LAST_SEEN_AT] = f"{heard:.6f}"
             move_node(
                 session,
                 node,
@@ -198,8 +222,9 @@ async def mark_all_lost(
                 kind="node.lost",
                 reason=reason,
                 actor="scheduler",
-                attributes=None if heard is None else {LAST_SEEN_AT: f"{heard:.6f}"},
+                attributes=attributes,
             )
+            node.loss_cause = cause
             lost.append(node.id)
         else:
             record_event(

@@ -13,6 +13,7 @@ from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import (
     TERMINAL_JOB_STATES,
     HealthVerdict,
+    LossCause,
     NodeRole,
     NodeState,
     Registration,
@@ -88,10 +89,14 @@ def move_node(
     actor: str,
     attributes: dict[str, str] | None = None,
 ) -> None:
-    """One node state change with its reason, and its event."""
+    """One node state change with its reason, and its event; when the state changes, the
+    time it did (LOST says how: `health.mark_all_lost` names a silent loss)."""
     previous = node.state
     node.state = target
     node.reason = reason
+    if target is not previous:
+        node.state_since = func.now()
+        node.loss_cause = LossCause.STREAM if target is NodeState.LOST else LossCause.NONE
     record_event(
         session,
         kind,

@@ -1,0 +1,40 @@
+"""mass loss: when each node entered its state and how a lost one was lost; held jobs
+
+A node records when it entered its state and, when LOST, whether its host still answered
+(``loss_cause`` "stream": the agent went away from a live host) or not ("silent": the host
+or its network is gone, which many nodes at once is a partition). A job held through a
+mass loss records since when.
+
+Revision ID: 0012
+Revises: 0011
+Create Date: 2026-12-06 09:00:00
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0012"
+down_revision = "0011"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.add_column(
+        "nodes",
+        sa.Column(
+            "state_since", sa.DateTime(timezone=True), nullable=False, server_default=sa.func.now()
+        ),
+    )
+    op.add_column(
+        "nodes", sa.Column("loss_cause", sa.String(16), nullable=False, server_default="")
+    )
+    op.add_column("jobs", sa.Column("held_since", sa.DateTime(timezone=True), nullable=True))
+
+
+def downgrade() -> None:
+    op.drop_column("jobs", "held_since")
+    op.drop_column("nodes", "loss_cause")
+    op.drop_column("nodes", "state_since")
