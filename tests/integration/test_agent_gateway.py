@@ -20,6 +20,7 @@ from google.protobuf import timestamp_pb2
 
 from kit.schedulers import SchedulerThread, scheduler_settings
 from kit.stores import StoreUrls, unique
+from kit.waits import wait_until
 from pitstop.scheduler.services.health import LAST_SEEN_AT
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2, nodes_pb2, nodes_pb2_grpc
 
@@ -437,15 +438,15 @@ def test_step_summaries_land_in_the_jobs_redis_stream_under_the_streams_node(
         newest_step=7,
         windows=[agent_pb2.RankWindow(rank=r, window=0, steps=20, timed=20) for r in range(4)],
     )
+    client = redis.Redis.from_url(stores.redis_url)
+    key = f"{stores.redis_prefix}fast:steps:{job_id}"
     with fast.agent_stream(node_id) as agent:
         agent.send(step_summary=summary)
-        agent.send(xid=common_pb2.XidEvent(gpu_index=0, xid=13))  # a marker after the batch
-        wait_for_event(fast, node_id, "node.xid")
-    client = redis.Redis.from_url(stores.redis_url)
-    entries = client.xrange(f"{stores.redis_prefix}fast:steps:{job_id}")
+        # Written beside the stream's reader, batched with any other stream's of the job.
+        entries = wait_until(lambda: client.xrange(key), "the summary in the job's stream", 15)
     client.close()
     assert len(entries) == 1
-    stored = agent_pb2.StepSummary.FromString(entries[0][1][b"batch"])
+    (stored,) = agent_pb2.StepSummaries.FromString(entries[0][1][b"summaries"]).summaries
     summary.node_id = node_id
     assert stored == summary
 

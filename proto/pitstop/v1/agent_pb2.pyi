@@ -132,6 +132,12 @@ class StepSummary(_message.Message):
     grad_norm: float
     def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., node_id: _Optional[str] = ..., ranks: _Optional[int] = ..., slowest_step: _Optional[int] = ..., newest_step: _Optional[int] = ..., samples: _Optional[int] = ..., tokens: _Optional[int] = ..., model_flops: _Optional[float] = ..., peak_flops: _Optional[float] = ..., loss_step: _Optional[int] = ..., loss: _Optional[float] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., windows: _Optional[_Iterable[_Union[RankWindow, _Mapping]]] = ..., restored: _Optional[_Iterable[_Union[RankRestored, _Mapping]]] = ..., grad_norm: _Optional[float] = ...) -> None: ...
 
+class StepSummaries(_message.Message):
+    __slots__ = ("summaries",)
+    SUMMARIES_FIELD_NUMBER: _ClassVar[int]
+    summaries: _containers.RepeatedCompositeFieldContainer[StepSummary]
+    def __init__(self, summaries: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ...) -> None: ...
+
 class RankWindow(_message.Message):
     __slots__ = ("rank", "window", "steps", "timed", "median_seconds", "max_seconds", "first_step")
     RANK_FIELD_NUMBER: _ClassVar[int]

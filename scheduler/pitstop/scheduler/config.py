@@ -119,6 +119,10 @@ class SchedulerSettings(LayeredSettings):
     # interval, so that when many nodes are cut at once every one of them (their
     # keepalive pings fire up to an interval apart) is suspect before the first is judged.
     loss_probe_seconds: float = Field(default=1.0, gt=0)
+    # A process holding agent streams whose event loop lags this much sheds telemetry
+    # (step summaries, unchanged heartbeats) until it has caught up for a second: never
+    # an acknowledgement, an Xid, an exit or a changed health (api/shedding.py).
+    shed_lag_seconds: float = Field(default=0.25, gt=0)
     # A mass loss (pitstop.health.massloss): mass_loss_nodes nodes silent within
     # mass_loss_window_seconds fleet-wide, or more than mass_loss_job_share of one job's
     # nodes (and two or more), is a partition or this scheduler's own overload, not that

@@ -219,27 +219,42 @@ class HotState:
     def windows_key(self, job_id: str) -> str:
         return f"{self.prefix}step-windows:{job_id}"
 
-    async def record_step_summary(
-        self, summary: agent_pb2.StepSummary, keep: int = 100_000
+    async def record_step_summaries(
+        self, by_job: dict[str, list[agent_pb2.StepSummary]], keep: int = 100_000
     ) -> None:
-        """Append a node's step summary to the job's capped stream (one entry a summary)
-        and, when it closed straggler windows, those to the job's window stream too: one
-        summary in about a window's steps carries any, and a page that opens the job
-        reads back that far for its heatmap."""
-        if not summary.job_id:
-            return
-        entries = [(self.steps_key(summary.job_id), summary)]
-        if summary.windows:
-            only = agent_pb2.StepSummary(
-                job_id=summary.job_id,
-                generation=summary.generation,
-                node_id=summary.node_id,
-                windows=summary.windows,
-            )
-            entries.append((self.windows_key(summary.job_id), only))
+        """Append each job's step summaries (of any number of nodes) to the job's capped
+        stream as one entry, and those that closed straggler windows to the job's window
+        stream as another: one summary in about a window's steps carries any, and a page
+        that opens the job reads back that far for its heatmap. One round trip."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            for key, entry in entries:
-                pipe.xadd(key, {"batch": entry.SerializeToString()}, maxlen=keep, approximate=True)
+            for job_id, summaries in by_job.items():
+                if not job_id or not summaries:
+                    continue
+                batch = agent_pb2.StepSummaries(summaries=summaries)
+                pipe.xadd(
+                    self.steps_key(job_id),
+                    {SUMMARIES: batch.SerializeToString()},
+                    maxlen=keep,
+                    approximate=True,
+                )
+                windows = [
+                    agent_pb2.StepSummary(
+                        job_id=s.job_id,
+                        generation=s.generation,
+                        node_id=s.node_id,
+                        windows=s.windows,
+                    )
+                    for s in summaries
+                    if s.windows
+                ]
+                if windows:
+                    only = agent_pb2.StepSummaries(summaries=windows)
+                    pipe.xadd(
+                        self.windows_key(job_id),
+                        {SUMMARIES: only.SerializeToString()},
+                        maxlen=keep,
+                        approximate=True,
+                    )
             await pipe.execute()
 
     async def step_summaries_after(
@@ -257,7 +272,7 @@ class HotState:
         summaries = []
         for entry_id, fields in entries or []:
             cursor = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-            summaries.append(agent_pb2.StepSummary.FromString(fields[b"batch"]))
+            summaries += _summaries(fields)
         return summaries, cursor
 
     async def read_step_summaries(
@@ -272,9 +287,7 @@ class HotState:
         for key, entries in replies or []:
             job_id = _text(key).rsplit(":", 1)[1]
             for entry_id, fields in entries:
-                batches.append(
-                    (job_id, _text(entry_id), agent_pb2.StepSummary.FromString(fields[b"batch"]))
-                )
+                batches += [(job_id, _text(entry_id), s) for s in _summaries(fields)]
         return batches
 
     async def expired_nodes(self, now: float, limit: int = 1000) -> list[str]:
@@ -327,7 +340,6 @@ class HotState:
             await pipe.execute()
 
 
-
 class Suspects:
     """Nodes whose stream ended while whether their host answers is not known yet (a
     sorted set: node id -> when the stream ended): the leader counts them toward a mass
@@ -351,6 +363,18 @@ class Suspects:
             pipe.zrange(self.key, 0, -1, withscores=True)
             _, found = await pipe.execute()
         return {_text(node): float(at) for node, at in found}
+
+
+SUMMARIES = "summaries"
+"""A step-stream entry's field: a StepSummaries of several nodes (its one summary under
+the field "batch" in entries written before)."""
+
+
+def _summaries(fields: dict[bytes, bytes]) -> list[agent_pb2.StepSummary]:
+    """The step summaries of one stream entry, in either form."""
+    if b"summaries" in fields:
+        return list(agent_pb2.StepSummaries.FromString(fields[b"summaries"]).summaries)
+    return [agent_pb2.StepSummary.FromString(fields[b"batch"])]
 
 
 def _retrieved(future: asyncio.Future[None]) -> None:

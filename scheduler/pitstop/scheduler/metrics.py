@@ -13,6 +13,7 @@ import collections
 import functools
 import threading
 import time
+from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -105,7 +106,16 @@ class SchedulerMetrics:
             ["q"],  # not `quantile`: that label belongs to summaries (promtool check metrics)
             registry=self.registry,
         )
+        self.telemetry_shed = Counter(
+            "pitstop_scheduler_telemetry_shed_total",
+            "Agent telemetry a process holding streams dropped while its event loop lagged "
+            "(step summaries, unchanged heartbeats, stale-process checks), by kind.",
+            ["kind"],
+            registry=self.registry,
+        )
         self.job = JobMetrics(self.registry)
+        self.lag_listeners: list[Callable[[float, float], None]] = []
+        """Called with (now, lag) on every loop-lag sample (the load shedder)."""
         self._lags: collections.deque[tuple[float, float]] = collections.deque()
         for quantile in (0.5, 0.99):
             self.loop_lag_quantile.labels(str(quantile)).set_function(
@@ -125,6 +135,8 @@ class SchedulerMetrics:
 
     def observe_loop_lag(self, now: float, lag: float) -> None:
         self.loop_lag_seconds.observe(lag)
+        for listener in self.lag_listeners:
+            listener(now, lag)
         self._lags.append((now, lag))
         while self._lags and self._lags[0][0] < now - LOOP_LAG_WINDOW:
             self._lags.popleft()

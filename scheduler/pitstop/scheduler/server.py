@@ -132,6 +132,7 @@ class Scheduler:
         for stop in self._stoppers:
             await _bounded("stop the command router", stop(), STEP_SECONDS)
         await _bounded("stop the acknowledgement writer", self.agents.acks.stop(), STEP_SECONDS)
+        await _bounded("stop the step summary writer", self.agents.steps.stop(), STEP_SECONDS)
         await _bounded("record the lost agent streams", self.agents.drain(), STEP_SECONDS)
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop)
@@ -210,6 +211,7 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
             accept=settings.agent_streams,
             send=router.send,
             loss_probe_seconds=settings.loss_probe_seconds,
+            shed_lag_seconds=settings.shed_lag_seconds,
         )
         agent_pb2_grpc.add_AgentServiceServicer_to_server(agent_servicer, server)
         liveness = LivenessMonitor(

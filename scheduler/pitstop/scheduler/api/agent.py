@@ -21,7 +21,8 @@ from redis.exceptions import RedisError
 from pitstop.scheduler.api.agent_input import check_agent_message
 from pitstop.scheduler.api.agent_messages import HEALTH_PATH, StreamLink, handle
 from pitstop.scheduler.api.agent_stream import Beats, StreamState, tracked
-from pitstop.scheduler.api.agent_writes import AckWriter, JobGenerations
+from pitstop.scheduler.api.agent_writes import AckWriter, JobGenerations, StepWriter
+from pitstop.scheduler.api.shedding import LoadShedder
 from pitstop.scheduler.auth import current_caller
 from pitstop.scheduler.cancelling import reraise_if_cancelling
 from pitstop.scheduler.convert import (
@@ -63,6 +64,7 @@ class AgentServicer:
         accept: bool = True,
         send: Callable[[str, agent_pb2.SchedulerMessage], Awaitable[object]] | None = None,
         loss_probe_seconds: float = 1.0,
+        shed_lag_seconds: float = 0.25,
     ) -> None:
         self.accept = accept
         self.loss_probe_seconds = loss_probe_seconds
@@ -85,6 +87,9 @@ class AgentServicer:
         # The streams this process holds, by node: judged here (judge_streams).
         self._streams: dict[str, StreamState] = {}
         self.generations = JobGenerations(store)
+        self.steps = StepWriter(hot)
+        self.shedder = LoadShedder(shed_lag_seconds, metrics.telemetry_shed)
+        metrics.lag_listeners.append(self.shedder.observe)
         self.link = StreamLink(
             store,
             hot,
@@ -94,6 +99,8 @@ class AgentServicer:
             self.acks,
             self.generations,
             beats.liveness_timeout,
+            self.steps,
+            self.shedder,
         )
 
     async def Connect(  # noqa: N802 (gRPC method name)

@@ -19,7 +19,8 @@ from google.protobuf import json_format
 from pitstop.scheduler.admission import PREEMPT_GRACE_SECONDS
 from pitstop.scheduler.api.agent_input import check_agent_message
 from pitstop.scheduler.api.agent_stream import StreamState
-from pitstop.scheduler.api.agent_writes import AckWriter, JobGenerations
+from pitstop.scheduler.api.agent_writes import AckWriter, JobGenerations, StepWriter
+from pitstop.scheduler.api.shedding import LoadShedder
 from pitstop.scheduler.convert import health_from_pb, xid_from_pb
 from pitstop.scheduler.db import models
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument
@@ -55,6 +56,9 @@ class StreamLink:
     acks: AckWriter
     generations: JobGenerations
     liveness_timeout: float
+    steps: StepWriter
+    shedder: LoadShedder
+    """Drops telemetry while this process's event loop lags (shedding.py)."""
 
 
 Handler = Callable[[StreamLink, StreamState, agent_pb2.AgentMessage], Awaitable[None]]
@@ -85,9 +89,11 @@ async def _xid(link: StreamLink, state: StreamState, message: agent_pb2.AgentMes
 async def _step_summary(
     link: StreamLink, state: StreamState, message: agent_pb2.AgentMessage
 ) -> None:
+    if link.shedder.drop("step_summary"):
+        return
     summary = message.step_summary
     summary.node_id = state.node_id  # the stream's node, whatever the agent wrote
-    await link.hot.record_step_summary(summary)
+    link.steps.add(summary)
 
 
 async def _rank_exited(
@@ -179,6 +185,8 @@ async def _heartbeat(link: StreamLink, state: StreamState, message: agent_pb2.Ag
         beat.health.SerializeToString(deterministic=True),
         tuple(sorted({r.job_id for r in beat.running_ranks if r.standby and r.ready})),
     )
+    if sent == state.health_sent and link.shedder.drop("heartbeat"):
+        return  # nothing new, and the node's deadline is this process's to keep
     if sent != state.health_sent:
         if state.health_sent is None or sent[0] != state.health_sent[0]:
             check_agent_message(beat.health, path=HEALTH_PATH)
@@ -202,6 +210,8 @@ def _check_stale_soon(link: StreamLink, state: StreamState, beat: agent_pb2.Hear
         return
     if state.stale_check is not None and not state.stale_check.done():
         return
+    if link.shedder.drop("stale_check"):
+        return  # a few seconds later: the processes it would stop are idle meanwhile
     state.ended_check_at = now + ENDED_CHECK_SECONDS
     running = [(r.job_id, r.generation, r.rank, r.standby) for r in beat.running_ranks]
     state.stale_check = asyncio.create_task(_stop_stale_logged(link, state, running))

@@ -26,9 +26,11 @@ from sqlalchemy import select
 
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState
+from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.services import node_commands as node_command_service
 from pitstop.scheduler.services.jobs import LEFT_BEHIND_IN
 from pitstop.scheduler.store import Store
+from pitstop.v1 import agent_pb2
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,45 @@ class AckWriter:
             except Exception:
                 # The leader re-sends what is not acknowledged; the agents ack again.
                 log.warning("could not record %d acknowledgements", len(batch), exc_info=True)
+
+    async def stop(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+
+
+class StepWriter:
+    """Step summaries of every stream of this process, written to Redis per job: one
+    write in flight, and what arrives meanwhile goes in the next, one entry per job
+    (hotstate.record_step_summaries). Idle, a summary is written at once; under load,
+    the nodes' summaries of a job merge into one entry a write, so what the leader reads
+    grows with the writes of the processes holding streams, not with the nodes."""
+
+    def __init__(self, hot: HotState) -> None:
+        self.hot = hot
+        self._pending: dict[str, list[agent_pb2.StepSummary]] = {}
+        self._writer: asyncio.Task[None] | None = None
+
+    def add(self, summary: agent_pb2.StepSummary) -> None:
+        """Queue the summary (its node_id set); returns at once."""
+        if not summary.job_id:
+            return
+        self._pending.setdefault(summary.job_id, []).append(summary)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write(), name="step-writer")
+
+    async def _write(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, {}
+            try:
+                await self.hot.record_step_summaries(batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # Telemetry: the next summaries of each node say as much again.
+                count = sum(len(s) for s in batch.values())
+                log.warning("could not record %d step summaries", count, exc_info=True)
 
     async def stop(self) -> None:
         if self._writer is not None:

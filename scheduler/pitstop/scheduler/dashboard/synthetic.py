@@ -19,7 +19,6 @@ Node ids start with the job id, so several fleets can share a database.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any, NamedTuple, Protocol
 
@@ -200,11 +199,8 @@ async def seed_fleet(
                 )
             summaries.append(summary)
         for first in range(0, len(summaries), IN_FLIGHT):
-            await asyncio.gather(
-                *(
-                    scheduler.hot.record_step_summary(s)
-                    for s in summaries[first : first + IN_FLIGHT]
-                )
+            await scheduler.hot.record_step_summaries(
+                {job_id: summaries[first : first + IN_FLIGHT]}
             )
     await scheduler.hot.set_rank_stats(
         job_id,
