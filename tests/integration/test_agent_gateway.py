@@ -136,6 +136,22 @@ def test_a_fatal_heartbeat_verdict_marks_unhealthy_once_and_uncordon_needs_a_rep
     assert [e.kind for e in log.events].count("node.unhealthy") == 1
 
 
+def test_a_heartbeat_carried_by_an_ack_is_a_heartbeat(fast: SchedulerThread, nodes: Any) -> None:
+    """A recovery's one message per node: the ack carries what the heartbeat after the
+    command would say, and the scheduler acts on it as on a heartbeat."""
+    node_id = unique("ackbeat")
+    fatal = common_pb2.NodeHealth(
+        verdict=common_pb2.HEALTH_VERDICT_FATAL, reasons=["GPU 1: fell off the bus"]
+    )
+    with fast.agent_stream(node_id) as agent:
+        beat = agent_pb2.Heartbeat(health=fatal)
+        agent.send(ack=agent_pb2.CommandAck(command_id=12345, ok=True, heartbeat=beat))
+        event = wait_for_event(fast, node_id, "node.unhealthy")
+        assert event.reason == "GPU 1: fell off the bus"
+        node = nodes.Get(nodes_pb2.GetNodeRequest(node_id=node_id))
+        assert node.state == common_pb2.NODE_STATE_UNHEALTHY
+
+
 def test_a_closed_stream_is_lost_and_a_reconnect_is_ready_again(
     fast: SchedulerThread, nodes: Any
 ) -> None:

@@ -4,7 +4,7 @@ generation command carried out once, an unknown kind acked with an error."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.executor import CommandExecutor
@@ -76,7 +76,10 @@ class FakeChannel:
         return False
 
 
-def executor(supervisor: FakeSupervisor) -> tuple[CommandExecutor, list[agent_pb2.CommandAck]]:
+def executor(
+    supervisor: FakeSupervisor,
+    heartbeat: Callable[[], Awaitable[agent_pb2.Heartbeat]] | None = None,
+) -> tuple[CommandExecutor, list[agent_pb2.CommandAck]]:
     acks: list[agent_pb2.CommandAck] = []
 
     def send(*, ack: agent_pb2.CommandAck) -> None:
@@ -90,6 +93,7 @@ def executor(supervisor: FakeSupervisor) -> tuple[CommandExecutor, list[agent_pb
         AgentMetrics(NODE),
         send=send,
         beat_soon=lambda: None,
+        heartbeat=heartbeat,
     )
     return commands, acks
 
@@ -128,3 +132,27 @@ async def test_a_command_without_a_handler_is_acked_with_an_error() -> None:
     [ack] = acks
     assert (ack.command_id, ack.ok) == (7, False)
     assert ack.error == f"command 'empty' is unknown to the agent on node {NODE}; upgrade the agent"
+
+
+async def test_the_ack_of_a_generation_command_carries_the_heartbeat_after_it() -> None:
+    """One message per node per recovery: the ack says what the next heartbeat would."""
+    looks: list[int] = []
+
+    async def heartbeat() -> agent_pb2.Heartbeat:
+        looks.append(1)
+        running = agent_pb2.RunningRank(job_id="job-1", generation=len(looks) + 1, rank=0)
+        return agent_pb2.Heartbeat(running_ranks=[running])
+
+    commands, acks = executor(FakeSupervisor(), heartbeat)
+    reconfigure = agent_pb2.Reconfigure(job_id="job-1", generation=2)
+    pause = agent_pb2.PauseJob(job_id="job-1", generation=2)
+    await carry_out(
+        commands,
+        agent_pb2.SchedulerMessage(command_id=1, reconfigure=reconfigure),
+        agent_pb2.SchedulerMessage(command_id=2, pause=pause),
+    )
+    by_id = {a.command_id: a for a in acks}
+    assert by_id[1].ok
+    assert [r.generation for r in by_id[1].heartbeat.running_ranks] == [2]
+    assert not by_id[2].HasField("heartbeat")  # a pause changes no generation
+    assert len(looks) == 1

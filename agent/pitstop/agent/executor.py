@@ -67,6 +67,7 @@ class CommandExecutor:
         *,
         send: Callable[..., None],
         beat_soon: Callable[[], None],
+        heartbeat: Callable[[], Awaitable[agent_pb2.Heartbeat]] | None = None,
     ) -> None:
         self._settings = settings
         self._backend = backend
@@ -75,6 +76,9 @@ class CommandExecutor:
         self._metrics = metrics
         self._send = send
         self._beat_soon = beat_soon
+        self._heartbeat = heartbeat
+        """The node's heartbeat now, sent with the ack of a generation command (so a
+        recovery costs one message per node, not an ack and then a heartbeat)."""
         # The dispatch table: SchedulerMessage oneof field -> its handler.
         self._handlers: dict[str, CommandHandler] = {
             "start_ranks": self._start_ranks,
@@ -116,6 +120,7 @@ class CommandExecutor:
     async def _carry_out(self, message: agent_pb2.SchedulerMessage, kind: str) -> None:
         job_id = getattr(getattr(message, kind), "job_id", "") if kind != "empty" else ""
         lock = self._job_locks[job_id] if job_id else contextlib.nullcontext()
+        key: tuple[int, str] | None = None
         async with lock:
             try:
                 key = _generation_command(message, kind)
@@ -134,6 +139,11 @@ class CommandExecutor:
         if error:
             log.warning("command %d (%s) not carried out: %s", message.command_id, kind, error)
         ack = agent_pb2.CommandAck(command_id=message.command_id, ok=not error, error=error)
+        if key is not None and self._heartbeat is not None:
+            try:
+                ack.heartbeat.CopyFrom(await self._heartbeat())
+            except Exception:  # the ack goes without: the next look sends the heartbeat
+                log.exception("command %d: no heartbeat for its ack", message.command_id)
         self._send(ack=ack)
         result = "error" if error else "ok"
         self._metrics.commands.labels(self._settings.node_id, kind, result).inc()

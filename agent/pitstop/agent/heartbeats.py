@@ -112,6 +112,10 @@ class Heartbeats:
         self.latest: common_pb2.NodeHealth | None = None
         """The node's health as the last heartbeat judged it; None before the first.
         What the Kubernetes publisher reads."""
+        # What the last heartbeat sent said (_gist), and when (loop time): the loop sends
+        # again when that changes, and an ack that carried a heartbeat counts as one.
+        self._sent: tuple[object, ...] | None = None
+        self._sent_at = -math.inf
 
     # Heartbeats and step times
 
@@ -122,17 +126,16 @@ class Heartbeats:
         and between looks once enough wait."""
         loop = asyncio.get_running_loop()
         refresh = max(refresh or interval, interval)
-        sent: tuple[object, ...] | None = None
-        sent_at = -math.inf
+        self._sent, self._sent_at = None, -math.inf  # a new stream hears everything anew
         while True:
             self._beat_now.clear()
             try:
                 beat = await self._look()
                 gist, now = _gist(beat), loop.time()
                 # Half a look early: a refresh equal to the interval sends every look.
-                if gist != sent or now - sent_at >= refresh - interval / 2:
+                if gist != self._sent or now - self._sent_at >= refresh - interval / 2:
                     self._send(heartbeat=beat)
-                    sent, sent_at = gist, now
+                    self._sent, self._sent_at = gist, now
                 self.flush_steps()
             except Exception:  # a bad beat must not end the heartbeats: liveness hangs on them
                 log.exception("building a heartbeat failed")
@@ -173,6 +176,14 @@ class Heartbeats:
         return agent_pb2.Heartbeat(
             time=timestamp(self._clock()), health=health, running_ranks=running
         )
+
+    async def carried(self) -> agent_pb2.Heartbeat:
+        """A heartbeat of the node now, to go with a command's ack instead of after it,
+        and counted as sent (the loop sends the next one only when something changes
+        again)."""
+        beat = await self._look()
+        self._sent, self._sent_at = _gist(beat), asyncio.get_running_loop().time()
+        return beat
 
     def beat_soon(self) -> None:
         """Send a heartbeat now rather than at the next interval (the node's health

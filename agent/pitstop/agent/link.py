@@ -115,6 +115,7 @@ class SchedulerLink:
             metrics,
             send=self._send,
             beat_soon=self._heartbeats.beat_soon,
+            heartbeat=self._heartbeats.carried,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None

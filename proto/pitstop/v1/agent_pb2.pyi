@@ -250,14 +250,16 @@ class RankStacks(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., incident: _Optional[int] = ..., method: _Optional[str] = ..., text: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class CommandAck(_message.Message):
-    __slots__ = ("command_id", "ok", "error")
+    __slots__ = ("command_id", "ok", "error", "heartbeat")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     ok: bool
     error: str
-    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    heartbeat: Heartbeat
+    def __init__(self, command_id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ...) -> None: ...
 
 class AgentMessage(_message.Message):
     __slots__ = ("seq", "register", "heartbeat", "xid", "step_summary", "rank_exited", "ack", "finding", "stacks", "run_record")

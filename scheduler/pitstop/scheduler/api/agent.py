@@ -309,9 +309,13 @@ class AgentServicer:
                 )
             state.seq = message.seq
             state.last_seen, state.heard_at = time.monotonic(), time.time()
-            if message.WhichOneof("body") == "heartbeat":
-                # Its health is checked by the heartbeat handler, when it changed.
+            kind = message.WhichOneof("body")
+            # A heartbeat's health, alone or with an ack, is checked by the heartbeat
+            # handler, when it changed.
+            if kind == "heartbeat":
                 check_agent_message(message.heartbeat, path="heartbeat", skip=HEALTH_PATH)
+            elif kind == "ack":
+                check_agent_message(message.ack, path="ack", skip="ack.heartbeat.health")
             else:
                 check_agent_message(message)
             await handle(self.link, state, message)

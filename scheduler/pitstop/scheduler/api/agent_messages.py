@@ -158,6 +158,8 @@ async def _stacks(link: StreamLink, state: StreamState, message: agent_pb2.Agent
 
 async def _ack(link: StreamLink, state: StreamState, message: agent_pb2.AgentMessage) -> None:
     ack = message.ack
+    if ack.HasField("heartbeat"):  # what the heartbeat after the command would say
+        await _beat(link, state, ack.heartbeat, path="ack.heartbeat.health")
     if ack.command_id not in state.commands:
         log.warning("node %s: ack for unknown command %d ignored", state.node_id, ack.command_id)
         return
@@ -177,7 +179,13 @@ async def _ack(link: StreamLink, state: StreamState, message: agent_pb2.AgentMes
 
 
 async def _heartbeat(link: StreamLink, state: StreamState, message: agent_pb2.AgentMessage) -> None:
-    beat = message.heartbeat
+    await _beat(link, state, message.heartbeat, path=HEALTH_PATH)
+
+
+async def _beat(
+    link: StreamLink, state: StreamState, beat: agent_pb2.Heartbeat, *, path: str
+) -> None:
+    """A heartbeat, on its own or carried by an ack (`path`: where its health sits)."""
     if beat.HasField("time"):
         lag = dt.datetime.now(dt.UTC) - beat.time.ToDatetime(dt.UTC)
         link.metrics.heartbeat_lag_seconds.observe(max(lag.total_seconds(), 0.0))
@@ -189,7 +197,7 @@ async def _heartbeat(link: StreamLink, state: StreamState, message: agent_pb2.Ag
         return  # nothing new, and the node's deadline is this process's to keep
     if sent != state.health_sent:
         if state.health_sent is None or sent[0] != state.health_sent[0]:
-            check_agent_message(beat.health, path=HEALTH_PATH)
+            check_agent_message(beat.health, path=path)
         live = json_format.MessageToDict(beat.health, preserving_proto_field_name=True)
         live[STANDBY_READY] = list(sent[1])
         state.health_sent, state.health_json = sent, json.dumps(live)
