@@ -171,3 +171,57 @@ def test_an_ack_for_a_command_the_node_no_longer_has_acknowledges_nothing(
             assert node_commands(database, job.id)["ka"][1] == 0
     finally:
         thread.stop()
+
+
+def next_generation(stream: AgentStream, job_id: str) -> agent_pb2.SchedulerMessage:
+    """The next command of `job_id` that moves the node's ranks to a generation."""
+    while True:
+        message = stream.next_command(timeout=30)
+        kind = message.WhichOneof("body") or ""
+        moves = kind in ("reconfigure", "reconfigure_kept", "start_ranks")
+        if moves and getattr(message, kind).job_id == job_id:
+            return message
+
+
+def test_survivors_get_one_shared_reconfigure_and_a_resend_names_their_ranks(
+    stores: StoreUrls, tmp_path: Path, database: str, prefix: str
+) -> None:
+    """A recovery's survivors keep their ranks: each gets the same reconfigure_kept (no
+    ranks, the new generation's digest), the spare its own start; a survivor that does
+    not ack gets its full Reconfigure, with its ranks, when the command goes again (its
+    agent may not know the kept kind)."""
+    thread = leader(stores, tmp_path, database, prefix)
+    try:
+        events = follow_events(thread.address)
+        a = thread.open_stream("ka", gpus=1, rack="r1")
+        b = thread.open_stream("kb", gpus=1, rack="r2")
+        c = thread.open_stream("kc", gpus=1, rack="r3")
+        spare = thread.open_stream("ks", gpus=1, rack="r4", role="spare")
+        jobs = jobs_pb2_grpc.JobServiceStub(thread.channel())
+        spec = jobs_pb2.JobSpec(name=unique("kept"), command=["train"], dp=3, gpus_per_node=1)
+        job = jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job
+        for stream in (a, b, c):
+            _, start = next_start(stream, job.id)
+            ack(stream, start)
+        for stream in (a, b, c):  # the ranks step: the job runs (a start is not under way)
+            summary = agent_pb2.StepSummary(
+                job_id=job.id, generation=1, ranks=1, slowest_step=1, newest_step=1
+            )
+            stream.send(step_summary=summary)
+        wait_for(events, lambda e: e.job_id == job.id and e.kind == "job.running")
+        c.close()  # its agent is gone (no host address: asked for a second)
+        wait_for(events, lambda e: e.job_id == job.id and e.kind == "job.recovering")
+        got_a, got_b = next_generation(a, job.id), next_generation(b, job.id)
+        assert got_a.WhichOneof("body") == got_b.WhichOneof("body") == "reconfigure_kept"
+        assert got_a.reconfigure_kept == got_b.reconfigure_kept
+        assert got_a.reconfigure_kept.generation == 2
+        assert not got_a.reconfigure_kept.rank_map.ranks
+        assert got_a.reconfigure_kept.rank_map.digest
+        assert next_generation(spare, job.id).WhichOneof("body") == "start_ranks"
+        ack(b, got_b)
+        again = next_generation(a, job.id)  # a never acked: its own, with its ranks
+        assert again.WhichOneof("body") == "reconfigure"
+        assert [r.node_id for r in again.reconfigure.rank_map.ranks] == ["ka"]
+        assert again.reconfigure.rank_map.digest == got_a.reconfigure_kept.rank_map.digest
+    finally:
+        thread.stop()

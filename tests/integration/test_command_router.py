@@ -210,3 +210,55 @@ async def test_a_fan_out_through_a_stale_holder_reaches_where_the_stream_went(
         got = await received(process.queues[node_id])
         assert got.start_ranks.job_id == f"j-{node_id}"
         assert process.queues[node_id].empty()
+
+
+async def test_one_message_for_many_nodes_crosses_redis_once_per_holder(
+    processes: Callable[[], Awaitable[Process]],
+) -> None:
+    """A recovery's survivors all get one message: it is serialized once and reaches
+    each holding process as one broadcast frame (its bytes, the nodes' ids), every node
+    getting it under a command id of its own; a node whose stream moved gets it from its
+    new holder, once; nodes with messages of their own get those."""
+    sender, left, right = await processes(), await processes(), await processes()
+    sender.take("h0")
+    on_left = [f"l{i}" for i in range(30)]
+    on_right = [f"r{i}" for i in range(30)]
+    for node_id in on_left:
+        await taken(left, node_id, sender)
+    for node_id in on_right:
+        await taken(right, node_id, sender)
+    sender.router.holders["r0"] = left.router.process_id  # a stale notice: r0 is right's
+    survivors = ["h0", *on_left[1:], *on_right]
+    kept = agent_pb2.SchedulerMessage()
+    kept.reconfigure_kept.job_id = "j-1"
+    kept.reconfigure_kept.generation = 7
+    frames = sender.hot.redis.pubsub()
+    await frames.psubscribe(f"{sender.router.channel}*")
+    try:
+        confirmed = await frames.get_message(timeout=DEADLINE)
+        assert confirmed is not None
+        assert confirmed["type"] == "psubscribe"
+        await sender.router.send_many(
+            [(n, kept) for n in survivors] + [(on_left[0], start_ranks("j-1"))]
+        )
+        seen = []
+        while (frame := await frames.get_message(timeout=0.5)) is not None:
+            if frame["type"] == "pmessage" and frame["data"][:1] in (b"B", b"R", b"M"):
+                seen.append(frame["data"][:1])
+    finally:
+        await frames.aclose()  # type: ignore[no-untyped-call]
+    # One broadcast frame per holder (and left's pass of r0 to everyone); one batch.
+    assert sorted(seen) == [b"B", b"R", b"R", b"R"], seen
+    ids = set()
+    for node_id, process in [
+        ("h0", sender),
+        *((n, left) for n in on_left[1:]),
+        *((n, right) for n in on_right),
+    ]:
+        got = await received(process.queues[node_id])
+        assert (got.reconfigure_kept.job_id, got.reconfigure_kept.generation) == ("j-1", 7)
+        assert process.queues[node_id].empty()
+        ids.add((id(process), got.command_id))
+    assert len(ids) == len(survivors)  # a command id of its own in its process
+    got = await received(left.queues[on_left[0]])
+    assert got.start_ranks.job_id == "j-1"

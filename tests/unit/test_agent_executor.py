@@ -156,3 +156,63 @@ async def test_the_ack_of_a_generation_command_carries_the_heartbeat_after_it() 
     assert [r.generation for r in by_id[1].heartbeat.running_ranks] == [2]
     assert not by_id[2].HasField("heartbeat")  # a pause changes no generation
     assert len(looks) == 1
+
+
+async def test_a_node_that_keeps_its_ranks_is_reconfigured_with_the_ranks_placed_there() -> None:
+    """reconfigure_kept carries no ranks: the agent fills in its own, as last placed,
+    and its running ranks are told the new generation with them."""
+
+    class Running(FakeSupervisor):
+        def running(self) -> list[agent_pb2.RunningRank]:
+            return [agent_pb2.RunningRank(job_id="job-1", generation=1, rank=5)]
+
+    class Recording(FakeChannel):
+        def __init__(self) -> None:
+            self.told: list[rank_pb2.RankCommand] = []
+
+        async def send_command(self, job_id: str, rank: int, command: rank_pb2.RankCommand) -> bool:
+            self.told.append(command)
+            return True
+
+    channel = Recording()
+    acks: list[agent_pb2.CommandAck] = []
+    commands = CommandExecutor(
+        AgentSettings(node_id=NODE),
+        SimulatedBackend(NODE, 1),
+        Running(),
+        channel,
+        AgentMetrics(NODE),
+        send=lambda *, ack: acks.append(ack),
+        beat_soon=lambda: None,
+    )
+    mine = common_pb2.RankAssignment(rank=5, node_id=NODE, gpu_index=1, dp=1, pp=0, tp=1)
+    start = agent_pb2.StartRanks(
+        job_id="job-1",
+        generation=1,
+        rank_map=common_pb2.RankMap(generation=1, ranks=[mine], node_local=True),
+    )
+    kept = agent_pb2.Reconfigure(
+        job_id="job-1",
+        generation=2,
+        rank_map=common_pb2.RankMap(generation=2, world_size=8, digest="d2"),
+    )
+    await carry_out(
+        commands,
+        agent_pb2.SchedulerMessage(command_id=1, start_ranks=start),
+        agent_pb2.SchedulerMessage(command_id=2, reconfigure_kept=kept),
+    )
+    assert [(a.command_id, a.ok) for a in acks] == [(1, True), (2, True)]
+    [told] = channel.told
+    full = told.reconfigure
+    assert (full.generation, full.rank_map.digest) == (2, "d2")
+    assert list(full.rank_map.ranks) == [mine]
+    assert full.rank_map.node_local
+
+
+async def test_a_node_with_nothing_placed_refuses_to_keep_and_asks_for_the_full_command() -> None:
+    commands, acks = executor(FakeSupervisor())
+    kept = agent_pb2.Reconfigure(job_id="job-9", generation=3)
+    await carry_out(commands, agent_pb2.SchedulerMessage(command_id=4, reconfigure_kept=kept))
+    [ack] = acks
+    assert not ack.ok
+    assert "send it the full Reconfigure" in ack.error

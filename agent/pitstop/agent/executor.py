@@ -32,7 +32,7 @@ from pitstop.agent.gpu import GpuBackend
 from pitstop.agent.handover import StandbyHandover
 from pitstop.agent.metrics import AgentMetrics
 from pitstop.agent.rankports import RankChannel, RankSupervision
-from pitstop.v1 import agent_pb2, rank_pb2
+from pitstop.v1 import agent_pb2, common_pb2, rank_pb2
 
 __all__ = ["CommandExecutor", "CommandHandler"]
 
@@ -50,6 +50,8 @@ def _generation_command(message: agent_pb2.SchedulerMessage, kind: str) -> tuple
     if kind == "reconfigure":
         adopting = bool(message.reconfigure.adopted_ranks)
         return message.reconfigure.generation, "adopt" if adopting else "reconfigure"
+    if kind == "reconfigure_kept":
+        return message.reconfigure_kept.generation, "reconfigure"
     return None
 
 
@@ -84,6 +86,7 @@ class CommandExecutor:
             "start_ranks": self._start_ranks,
             "stop_ranks": self._stop_ranks,
             "reconfigure": self._reconfigure,
+            "reconfigure_kept": self._reconfigure_kept,
             "pause": self._pause,
             "resume": self._resume,
             "drain": self._drain,
@@ -98,6 +101,9 @@ class CommandExecutor:
         self._carried_out: defaultdict[str, set[tuple[int, str]]] = defaultdict(set)
         self._newest: defaultdict[str, int] = defaultdict(int)
         self._rank_command_ids = itertools.count(1)
+        # Per job, this node's ranks (assignments) as its last generation command placed
+        # them: what a reconfigure_kept keeps.
+        self._placed: dict[str, list[common_pb2.RankAssignment]] = {}
         self._handover = StandbyHandover(settings.node_id, supervisor, local)
 
     @property
@@ -189,6 +195,7 @@ class CommandExecutor:
         )
         started = await self._supervisor.start_ranks(start)
         log.info("job %s generation %d: started ranks %s", start.job_id, start.generation, started)
+        self._place(start.job_id, start.rank_map)
         return ""
 
     async def _stop_ranks(self, message: agent_pb2.SchedulerMessage) -> str:
@@ -200,6 +207,8 @@ class CommandExecutor:
             if missed:
                 log.warning("%s", missed)
         stopped = await self._supervisor.stop_ranks(message.stop_ranks)
+        if not message.stop_ranks.ranks:  # the job's every rank here: nothing to keep
+            self._placed.pop(message.stop_ranks.job_id, None)
         log.info(
             "job %s: stopped ranks %s (%s)",
             message.stop_ranks.job_id,
@@ -224,7 +233,30 @@ class CommandExecutor:
         moved = self._supervisor.renumber(new.job_id, new.rank_map)
         if moved:
             log.info("job %s: ranks renumbered %s", new.job_id, moved)
+        self._place(new.job_id, new.rank_map)
         return "; ".join(error for error in (adopted, relayed) if error)
+
+    async def _reconfigure_kept(self, message: agent_pb2.SchedulerMessage) -> str:
+        """A new generation in which this node keeps its ranks: the Reconfigure the
+        node would get, with its ranks as they were placed here."""
+        kept = message.reconfigure_kept
+        placed = self._placed.get(kept.job_id)
+        if not placed:
+            return (
+                f"job {kept.job_id}: node {self._settings.node_id} has no ranks of it placed "
+                "to keep (its agent restarted?); send it the full Reconfigure"
+            )
+        full = agent_pb2.Reconfigure()
+        full.CopyFrom(kept)
+        full.rank_map.ranks.extend(placed)
+        full.rank_map.node_local = True
+        return await self._reconfigure(
+            agent_pb2.SchedulerMessage(command_id=message.command_id, reconfigure=full)
+        )
+
+    def _place(self, job_id: str, rank_map: common_pb2.RankMap) -> None:
+        node_id = self._settings.node_id
+        self._placed[job_id] = [a for a in rank_map.ranks if a.node_id == node_id]
 
     async def _pause(self, message: agent_pb2.SchedulerMessage) -> str:
         return await self._relay(message.pause.job_id, rank_pb2.RankCommand(pause=message.pause))

@@ -401,7 +401,7 @@ class DumpStacks(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., incident: _Optional[int] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
-    __slots__ = ("command_id", "registered", "start_ranks", "stop_ranks", "reconfigure", "pause", "resume", "drain", "inject_fault", "dump_stacks")
+    __slots__ = ("command_id", "registered", "start_ranks", "stop_ranks", "reconfigure", "pause", "resume", "drain", "inject_fault", "dump_stacks", "reconfigure_kept")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     START_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -412,6 +412,7 @@ class SchedulerMessage(_message.Message):
     DRAIN_FIELD_NUMBER: _ClassVar[int]
     INJECT_FAULT_FIELD_NUMBER: _ClassVar[int]
     DUMP_STACKS_FIELD_NUMBER: _ClassVar[int]
+    RECONFIGURE_KEPT_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     registered: Registered
     start_ranks: StartRanks
@@ -422,7 +423,8 @@ class SchedulerMessage(_message.Message):
     drain: DrainNode
     inject_fault: _common_pb2.Fault
     dump_stacks: DumpStacks
-    def __init__(self, command_id: _Optional[int] = ..., registered: _Optional[_Union[Registered, _Mapping]] = ..., start_ranks: _Optional[_Union[StartRanks, _Mapping]] = ..., stop_ranks: _Optional[_Union[StopRanks, _Mapping]] = ..., reconfigure: _Optional[_Union[Reconfigure, _Mapping]] = ..., pause: _Optional[_Union[PauseJob, _Mapping]] = ..., resume: _Optional[_Union[ResumeJob, _Mapping]] = ..., drain: _Optional[_Union[DrainNode, _Mapping]] = ..., inject_fault: _Optional[_Union[_common_pb2.Fault, _Mapping]] = ..., dump_stacks: _Optional[_Union[DumpStacks, _Mapping]] = ...) -> None: ...
+    reconfigure_kept: Reconfigure
+    def __init__(self, command_id: _Optional[int] = ..., registered: _Optional[_Union[Registered, _Mapping]] = ..., start_ranks: _Optional[_Union[StartRanks, _Mapping]] = ..., stop_ranks: _Optional[_Union[StopRanks, _Mapping]] = ..., reconfigure: _Optional[_Union[Reconfigure, _Mapping]] = ..., pause: _Optional[_Union[PauseJob, _Mapping]] = ..., resume: _Optional[_Union[ResumeJob, _Mapping]] = ..., drain: _Optional[_Union[DrainNode, _Mapping]] = ..., inject_fault: _Optional[_Union[_common_pb2.Fault, _Mapping]] = ..., dump_stacks: _Optional[_Union[DumpStacks, _Mapping]] = ..., reconfigure_kept: _Optional[_Union[Reconfigure, _Mapping]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("join_token", "node_id", "csr_pem")

@@ -8,6 +8,7 @@ import itertools
 import logging
 import struct
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -146,8 +147,14 @@ class CommandRouter:
         """`send` for a fan-out: the commands for streams held here go down them, all the
         others go to Redis in one pipelined round trip, batched per holding process (a
         frame of up to BATCH_COMMANDS commands to its channel), not one PUBLISH a node:
-        12,500 of them at full scale, each parsed again by Redis and by its receiver."""
+        12,500 of them at full scale, each parsed again by Redis and by its receiver. A
+        message given for many nodes (the same object: a recovery's survivors all get
+        one) is serialized once and goes to each holding process as one broadcast frame,
+        its bytes and the nodes' ids, which that process parses once."""
+        shared = Counter(id(message) for _, message in commands)
         remote: dict[str, list[tuple[str, bytes]]] = {}
+        broadcast: dict[tuple[int, str], list[str]] = {}
+        encoded: dict[int, bytes] = {}
         for node_id, message in commands:
             if self.gateway.connected(node_id):
                 await self.gateway.forward(node_id, message)
@@ -158,13 +165,23 @@ class CommandRouter:
                 if holder is not None and holder != self.process_id
                 else self.channel
             )
-            remote.setdefault(channel, []).append((node_id, message.SerializeToString()))
-        if not remote:
+            key = id(message)
+            if shared[key] > 1:
+                encoded.setdefault(key, message.SerializeToString())
+                broadcast.setdefault((key, channel), []).append(node_id)
+            else:
+                remote.setdefault(channel, []).append((node_id, message.SerializeToString()))
+        if not remote and not broadcast:
             return
         frames = [
             (channel, _batch_frame(entries[at : at + BATCH_COMMANDS]))
             for channel, entries in remote.items()
             for at in range(0, len(entries), BATCH_COMMANDS)
+        ]
+        frames += [
+            (channel, _broadcast_frame(encoded[key], nodes[at : at + BROADCAST_NODES]))
+            for (key, channel), nodes in broadcast.items()
+            for at in range(0, len(nodes), BROADCAST_NODES)
         ]
         try:
             heard = await self.hot.publish_all(frames)
@@ -241,14 +258,27 @@ class CommandRouter:
                 # now hears them on the shared channel; the sender learns the new
                 # holder from that process's notice.
                 await self.hot.publish(self.channel, _batch_frame(moved))
+        elif kind == BROADCAST:
+            encoded, nodes = _unbroadcast(body)
+            message = agent_pb2.SchedulerMessage.FromString(encoded)  # once, for all of them
+            away = []
+            for node in nodes:
+                if self.gateway.connected(node):
+                    await self.gateway.forward(node, message)
+                else:
+                    away.append(node)
+            if away and _text(channel) == self.own_channel:
+                await self.hot.publish(self.channel, _broadcast_frame(encoded, away))
 
 
-COMMAND, CLOSE, HOLDER, BATCH = b"M", b"C", b"H", b"B"
+COMMAND, CLOSE, HOLDER, BATCH, BROADCAST = b"M", b"C", b"H", b"B", b"R"
 """Kinds of router frames: a command for a node, a stream to close, a stream's holder,
-commands for several nodes."""
+commands for several nodes, one command for several nodes."""
 BATCH_COMMANDS = 1000
 """Commands per batch frame at most (about 330 kB: well under what Redis lets a
 subscriber's output buffer hold)."""
+BROADCAST_NODES = 5000
+"""Node ids per broadcast frame at most (about 50 kB of ids)."""
 _LENGTH = struct.Struct(">I")
 
 
@@ -275,6 +305,25 @@ def _batch_frame(entries: list[tuple[str, bytes]]) -> bytes:
     for node_id, body in entries:
         parts += (node_id.encode(), b"\0", _LENGTH.pack(len(body)), body)
     return b"".join(parts)
+
+
+def _broadcast_frame(encoded: bytes, node_ids: list[str]) -> bytes:
+    """A broadcast frame: its kind, an empty node id, NUL, the command's length (4 bytes,
+    big-endian) and its bytes, then the node ids, NUL between them."""
+    ids = b"\0".join(node.encode() for node in node_ids)
+    return b"".join((BROADCAST, b"\0", _LENGTH.pack(len(encoded)), encoded, ids))
+
+
+def _unbroadcast(body: bytes) -> tuple[bytes, list[str]]:
+    """The command bytes and the node ids of a broadcast frame's body."""
+    if len(body) < _LENGTH.size:
+        raise ValueError(f"a broadcast frame cut short: {len(body)} bytes")
+    (length,) = _LENGTH.unpack_from(body, 0)
+    end = _LENGTH.size + length
+    if end > len(body):
+        raise ValueError(f"a broadcast frame cut short at {len(body)} of {end} bytes")
+    ids = body[end:]
+    return body[_LENGTH.size : end], [n.decode() for n in ids.split(b"\0")] if ids else []
 
 
 def _unbatch(body: bytes) -> list[tuple[str, bytes]]:

@@ -59,6 +59,10 @@ def tracked(message: agent_pb2.SchedulerMessage) -> SentCommand | None:
         new = message.reconfigure
         actions = node_command_service.actions_of(kind, bool(new.adopted_ranks))
         return SentCommand(new.job_id, new.generation, actions)
+    if kind == "reconfigure_kept":
+        kept = message.reconfigure_kept
+        actions = node_command_service.actions_of("reconfigure", False)
+        return SentCommand(kept.job_id, kept.generation, actions)
     return None
 
 

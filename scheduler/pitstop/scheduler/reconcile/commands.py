@@ -24,7 +24,7 @@ from pitstop.scheduler.services import node_commands as plan
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.scheduler.services.node_commands import DueCommand, NodeAction
 from pitstop.scheduler.topology import Placement
-from pitstop.v1 import agent_pb2, jobs_pb2
+from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +60,29 @@ async def send_due(leader: Leader, job_ids: set[str] | None = None) -> int:
 class JobMessages:
     """Builds each node's message for one generation of a job: its own ranks, the job's
     sizes and the whole map's digest (convert.node_rank_map), so a message's size and
-    the time to build it do not grow with the job."""
+    the time to build it do not grow with the job. A node that keeps its ranks from the
+    previous generation (`previous`: that map, when at hand) gets, on a first send, the
+    one message every such node gets (`reconfigure_kept`, no ranks), built once; a
+    re-send is the node's own full Reconfigure (its agent may not know the kept kind)."""
 
     def __init__(
-        self, start: agent_pb2.StartRanks, placement: Placement, skipped: Sequence[int] = ()
+        self,
+        start: agent_pb2.StartRanks,
+        placement: Placement,
+        skipped: Sequence[int] = (),
+        previous: Placement | None = None,
     ) -> None:
         self.start = start  # everything but the rank map
         self.placement = placement
+        self.previous = previous
         self.skipped_steps = list(skipped)
         self.generation = start.generation
+        self._kept: agent_pb2.SchedulerMessage | None = None
 
     def message(self, command: DueCommand) -> agent_pb2.SchedulerMessage:
         start, node_id = self.start, command.node_id
+        if command.action is NodeAction.RECONFIGURE and command.sends == 1 and self.keeps(node_id):
+            return self.kept()
         rank_map = node_rank_map(self.generation, self.placement, node_id)
         if command.action is NodeAction.START:
             mine = agent_pb2.StartRanks()
@@ -91,6 +102,42 @@ class JobMessages:
             reconfigure.adopted_ranks.extend(a.rank for a in self.placement.ranks_on(node_id))
         return agent_pb2.SchedulerMessage(reconfigure=reconfigure)
 
+    def keeps(self, node_id: str) -> bool:
+        """Whether the node runs the same ranks, on the same GPUs, as in the previous
+        generation (known only with that map at hand)."""
+        previous = self.previous
+        return previous is not None and previous.ranks_on(node_id) == self.placement.ranks_on(
+            node_id
+        )
+
+    def kept(self) -> agent_pb2.SchedulerMessage:
+        """The message for every node that keeps its ranks: the same object each time,
+        so the fan-out serializes it once."""
+        if self._kept is None:
+            start = self.start
+            dp, pp, tp = self.placement.shape
+            rank_map = common_pb2.RankMap(
+                generation=self.generation,
+                world_size=self.placement.world_size,
+                dp_size=dp,
+                pp_size=pp,
+                tp_size=tp,
+                node_local=True,
+                digest=self.placement.digest,
+            )
+            self._kept = agent_pb2.SchedulerMessage(
+                reconfigure_kept=agent_pb2.Reconfigure(
+                    job_id=start.job_id,
+                    generation=start.generation,
+                    rank_map=rank_map,
+                    rendezvous_address=start.rendezvous_address,
+                    restore_step=start.restore_step,
+                    step_windows=start.step_windows,
+                    skipped_steps=self.skipped_steps,
+                )
+            )
+        return self._kept
+
 
 async def _job_messages(leader: Leader, session: AsyncSession, job_id: str) -> JobMessages | None:
     job = await session.get(models.Job, job_id)
@@ -99,7 +146,8 @@ async def _job_messages(leader: Leader, session: AsyncSession, job_id: str) -> J
     placement = await leader.rank_maps.of(session, job)
     hosts = await node_hosts(session, placement.nodes()[:1])
     start = start_command(job, placement, hosts, job.restore_step)
-    return JobMessages(start, placement, skipped_steps(job))
+    previous = leader.rank_maps.cached(job.id, job.generation - 1)
+    return JobMessages(start, placement, skipped_steps(job), previous)
 
 
 async def node_hosts(session: AsyncSession, node_ids: Sequence[str]) -> dict[str, str]:

@@ -78,6 +78,11 @@ class RankMaps:
         while len(self._maps) > self.KEEP:
             self._maps.popitem(last=False)
 
+    def cached(self, job_id: str, generation: int) -> Placement | None:
+        """The job's map of `generation` if this leader has it at hand (it read or wrote
+        it); None otherwise, never a read."""
+        return self._maps.get((job_id, generation))
+
     def forget(self, job_id: str, generation: int) -> None:
         self._maps.pop((job_id, generation), None)
 
