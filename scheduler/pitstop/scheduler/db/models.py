@@ -169,6 +169,9 @@ class Job(Base):
     submitted_code: Mapped[dict[str, Any]] = mapped_column(
         default=dict, server_default=text("'{}'::jsonb")
     )
+    # When the decision that wrote the current generation's commands committed (its
+    # nodes that keep their place have no row of that generation: see node_commands).
+    decided_at: Mapped[dt.datetime | None] = mapped_column(nullable=True)
     # Since when the job is held through a mass loss (nodes lost all at once: a
     # partition): nothing of it is replaced or restarted meanwhile (migration 0012).
     held_since: Mapped[dt.datetime | None] = mapped_column(nullable=True)

@@ -190,7 +190,7 @@ async def _shrink(leader: Leader, job_id: str, drop: int, by: str) -> bool:
         row.restore_step = restore
         row.commands_after = None
         set_deadline(row, leader.timeouts.recovery_seconds)
-        await plan.replace_plan(session, row, actions)
+        await plan.change_plan(session, row, actions)
         lifecycle.transition(
             session,
             row,

@@ -62,7 +62,7 @@ async def node_actions(
     Every other node of `after` reconfigures in place; nodes of `before` left out leave
     (their ranks find themselves absent and leave at the boundary every rank agrees
     on, so the survivors reach it at once instead of stepping on)."""
-    starting_before = await plan.starting_nodes(session, job.id)
+    starting_before = await plan.starting_nodes(session, job)
     in_flight = job.state in (JobState.STARTING, JobState.RECOVERING)
     actions: dict[str, NodeAction] = {}
     for node_id in after.nodes():
@@ -218,7 +218,7 @@ class Recovery:
             job.restore_step = restore
             job.commands_after = None
             set_deadline(job, leader.timeouts.recovery_seconds)
-            await plan.replace_plan(session, job, actions)
+            await plan.change_plan(session, job, actions)
             recovering(
                 session,
                 job,
@@ -304,7 +304,7 @@ class Recovery:
                     None if backoff == 0 else func.now() + dt.timedelta(seconds=backoff)
                 )
                 set_deadline(job, leader.timeouts.recovery_seconds, after=backoff)
-                await plan.replace_plan(session, job, actions)
+                await plan.change_plan(session, job, actions)
                 recovering(
                     session,
                     job,
@@ -332,14 +332,14 @@ class Recovery:
             job = await locked_job(leader, session, job_id, IN_FLIGHT)
             if job is None or not node_id:
                 return False
-            row = await plan.command(session, job_id, node_id)
+            row = await plan.command(session, job, node_id)
             # An exit recorded well before the decision was known to it (a new leader
             # reads every exit again); one close to it may have committed unseen by it,
             # and restarting a node that only had to reconfigure costs a fresh start,
             # while waiting on a rank that is gone costs the whole deadline.
             if row is None or exited.time < row.decided_at - UNSEEN_EXIT_WINDOW:
                 return False
-            if not await plan.restart_node(session, job_id, node_id):
+            if not await plan.restart_node(session, job, node_id):
                 return False
             record_event(
                 session,

@@ -1,6 +1,12 @@
 """Desired state per node of a job (``node_commands``): written by the decision that
 makes a generation, acknowledged by the node's agent, re-sent by whichever process
-leads until acknowledged. Level-triggered, in the sense of docs/architecture.md, "Invariants"."""
+leads until acknowledged. Level-triggered, in the sense of docs/architecture.md, "Invariants".
+
+A row whose generation is older than its job's is a node that keeps its place: its
+command for the job's generation is to reconfigure. A recovery's decision so writes only
+the nodes whose command is something else (a start, an adoption, a leave): a few rows,
+whatever the job's size. The first claim of such a row writes it out in full
+(`claim_due`), in the fan-out's statement, which marks every command sent anyway."""
 
 from __future__ import annotations
 
@@ -17,7 +23,6 @@ from sqlalchemy import (
     cast,
     delete,
     func,
-    or_,
     select,
     text,
     tuple_,
@@ -65,6 +70,7 @@ async def replace_plan(
     PostgreSQL's.)"""
     c = models.NodeCommand
     nodes = sorted(actions)
+    job.decided_at = func.now()
     await session.execute(
         select(func.count()).select_from(_locked_in_node_order(c.job_id == job.id).subquery())
     )
@@ -73,13 +79,48 @@ async def replace_plan(
         .where(c.job_id == job.id)
         .where(c.node_id.not_in(select(func.unnest(cast(nodes, ARRAY(String))))))
     )
+    await _upsert(session, job, nodes, [actions[n] for n in nodes])
+
+
+async def change_plan(
+    session: AsyncSession, job: models.Job, actions: Mapping[str, NodeAction]
+) -> None:
+    """A recovery's commands for the job's new generation (`actions`: every node of it,
+    and those leaving it), writing only what is not a reconfigure: the nodes that keep
+    their place are rows of an older generation, which is what a reconfigure is. The
+    nodes that left in an earlier generation are deleted. Locks and writes the changed
+    rows only (in node order): the decision's cost does not grow with the job."""
+    c = models.NodeCommand
+    changed = sorted(n for n, a in actions.items() if a is not NodeAction.RECONFIGURE)
+    job.decided_at = func.now()
+    stale_leave = (
+        (c.job_id == job.id)
+        & (c.action == NodeAction.LEAVE.value)
+        & (c.generation < job.generation)
+    )
+    await session.execute(
+        select(func.count()).select_from(
+            _locked_in_node_order(
+                stale_leave | ((c.job_id == job.id) & c.node_id.in_(changed))
+            ).subquery()
+        )
+    )
+    await session.execute(delete(c).where(stale_leave))
+    await _upsert(session, job, changed, [actions[n] for n in changed])
+
+
+async def _upsert(
+    session: AsyncSession, job: models.Job, nodes: list[str], actions: list[NodeAction]
+) -> None:
+    if not nodes:
+        return
     await session.execute(
         _UPSERT_PLAN,
         {
             "job_id": job.id,
             "generation": job.generation,
             "nodes": nodes,
-            "actions": [actions[n].value for n in nodes],
+            "actions": [a.value for a in actions],
         },
     )
 
@@ -115,65 +156,103 @@ def _locked(*where: ColumnElement[bool]) -> ColumnElement[bool]:
     return tuple_(c.job_id, c.node_id).in_(_locked_in_node_order(*where))
 
 
-async def starting_nodes(session: AsyncSession, job_id: str) -> set[str]:
-    """The job's nodes whose current command starts (or adopts) their ranks."""
+async def starting_nodes(session: AsyncSession, job: models.Job) -> set[str]:
+    """The job's nodes whose command for its current generation starts (or adopts)
+    their ranks (the others keep their place: older rows reconfigure)."""
     c = models.NodeCommand
     rows = await session.scalars(
         select(c.node_id)
-        .where(c.job_id == job_id)
+        .where(c.job_id == job.id)
+        .where(c.generation == job.generation)
         .where(c.action.in_((NodeAction.START.value, NodeAction.ADOPT.value)))
     )
     return set(rows)
 
 
-async def command(session: AsyncSession, job_id: str, node_id: str) -> models.NodeCommand | None:
-    """The node's current command of the job, if it has one."""
-    return await session.get(models.NodeCommand, (job_id, node_id))
+@dataclass(frozen=True)
+class NodeCommandState:
+    """A node's command for its job's current generation, as it stands."""
+
+    action: NodeAction
+    decided_at: dt.datetime
+    """When the decision that made it committed."""
 
 
-async def restart_node(session: AsyncSession, job_id: str, node_id: str) -> bool:
-    """Make a node that was to reconfigure start its ranks afresh instead (a rank of it
-    died before joining); True if its command changed."""
+async def command(session: AsyncSession, job: models.Job, node_id: str) -> NodeCommandState | None:
+    """The node's command for the job's current generation, if it has one: its row's,
+    or reconfigure for a row of an older generation (decided with the job's)."""
+    row = await session.get(models.NodeCommand, (job.id, node_id))
+    if row is None:
+        return None
+    if row.generation < job.generation:
+        return NodeCommandState(NodeAction.RECONFIGURE, job.decided_at or row.decided_at)
+    return NodeCommandState(NodeAction(row.action), row.decided_at)
+
+
+async def restart_node(session: AsyncSession, job: models.Job, node_id: str) -> bool:
+    """Make a node that was to reconfigure (or adopt) start its ranks afresh instead (a
+    rank of it died before joining); True if its command changed."""
+    current = await command(session, job, node_id)
+    if current is None or current.action not in (NodeAction.RECONFIGURE, NodeAction.ADOPT):
+        return False
     c = models.NodeCommand
-    result = await session.execute(
+    await session.execute(
         update(c)
-        .where(c.job_id == job_id)
+        .where(c.job_id == job.id)
         .where(c.node_id == node_id)
-        .where(c.action.in_((NodeAction.RECONFIGURE, NodeAction.ADOPT)))
-        .values(action=NodeAction.START.value, acked_generation=0, sent_at=None)
+        .values(
+            generation=job.generation,
+            action=NodeAction.START.value,
+            acked_generation=0,
+            sends=0,
+            sent_at=None,
+        )
     )
-    return bool(getattr(result, "rowcount", 0))
+    return True
 
 
 async def claim_due(session: AsyncSession, job_ids: set[str] | None = None) -> list[DueCommand]:
     """Mark as sent, and return, every command not acknowledged whose job is starting or
-    recovering, whose backoff passed, and that was never sent or not for a while. The
+    recovering, whose backoff passed, and that was never sent or not for a while: a row
+    of an older generation is its node's reconfigure for the job's current one, written
+    out in full as it is claimed. The rows are locked in (job, node) order first. The
     caller sends them after the commit (no network call inside a transaction)."""
-    c = models.NodeCommand
-    now = func.now()
-    due_jobs = (
-        select(models.Job.id)
-        .where(models.Job.state.in_(IN_FLIGHT))
-        .where(or_(models.Job.commands_after.is_(None), models.Job.commands_after <= now))
-    )
+    only = "" if job_ids is None else "AND j.id = ANY(CAST(:job_ids AS text[]))"
+    params: dict[str, object] = {
+        "states": [state.value for state in IN_FLIGHT],
+        "resend": dt.timedelta(seconds=RESEND_SECONDS),
+    }
     if job_ids is not None:
-        due_jobs = due_jobs.where(models.Job.id.in_(sorted(job_ids)))
-    rows = await session.execute(
-        update(c)
-        .where(
-            _locked(
-                c.job_id.in_(due_jobs),
-                c.acked_generation < c.generation,
-                or_(c.sent_at.is_(None), c.sent_at < now - dt.timedelta(seconds=RESEND_SECONDS)),
-            )
-        )
-        .values(sent_at=now, sends=c.sends + 1)
-        .returning(c.job_id, c.node_id, c.generation, c.action, c.sends)
-    )
+        params["job_ids"] = sorted(job_ids)
+    rows = await session.execute(text(_CLAIM_DUE.format(only=only)), params)
     return [
         DueCommand(job_id, node_id, int(generation), NodeAction(action), int(sends))
         for job_id, node_id, generation, action, sends in rows.all()
     ]
+
+
+_CLAIM_DUE = """
+    WITH due AS (
+        SELECT c.job_id, c.node_id
+        FROM node_commands c JOIN jobs j ON j.id = c.job_id
+        WHERE j.state = ANY(CAST(:states AS text[]))
+          AND (j.commands_after IS NULL OR j.commands_after <= now())
+          {only}
+          AND c.acked_generation < j.generation
+          AND (c.generation < j.generation OR c.sent_at IS NULL
+               OR c.sent_at < now() - CAST(:resend AS interval))
+        ORDER BY c.job_id, c.node_id
+        FOR UPDATE OF c
+    )
+    UPDATE node_commands c SET
+        generation = j.generation,
+        action = CASE WHEN c.generation < j.generation THEN 'reconfigure' ELSE c.action END,
+        sends = CASE WHEN c.generation < j.generation THEN 1 ELSE c.sends + 1 END,
+        sent_at = now()
+    FROM due, jobs j
+    WHERE c.job_id = due.job_id AND c.node_id = due.node_id AND j.id = c.job_id
+    RETURNING c.job_id, c.node_id, c.generation, c.action, c.sends
+"""
 
 
 def actions_of(message_kind: str, adopting: bool) -> tuple[NodeAction, ...]:
@@ -228,15 +307,12 @@ async def acknowledge_nodes(
     for all of them; an ack of an action a node no longer has (it was changed meanwhile)
     acknowledges nothing."""
     c = models.NodeCommand
+    # A row of an older generation is a reconfigure for this one (see claim_due).
+    carried = (c.generation == generation) & c.action.in_([a.value for a in actions])
+    if NodeAction.RECONFIGURE in actions:
+        carried = carried | (c.generation < generation)
     await session.execute(
         update(c)
-        .where(
-            _locked(
-                c.job_id == job_id,
-                c.node_id.in_(node_ids),
-                c.generation <= generation,
-                c.action.in_([a.value for a in actions]),
-            )
-        )
+        .where(_locked(c.job_id == job_id, c.node_id.in_(node_ids), carried))
         .values(acked_generation=func.greatest(c.acked_generation, generation))
     )
