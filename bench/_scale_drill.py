@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import random
 import time
 from typing import Any
 
 from bench._scale_fleet import NodeView
-from bench._scale_procs import wait_for
 from bench._scale_run import Run
 from bench._scale_sim import DECISIONS
 
 SETTLE_SECONDS = 90.0
 """After a heal, how long the job has to be running again with every cut node back."""
+RETURN_SECONDS = 3.0
 END_SECONDS = 120.0
 HOLD_EVENTS = ("job.held", "job.released")
 ENDS = ("job.succeeded", "job.failed", "job.cancelled")
@@ -47,8 +46,11 @@ def usable(run: Run) -> list[NodeView]:
     ]
 
 
-async def before_cut(run: Run, cut: list[NodeView], out: dict[str, Any]) -> int:
-    """What the job was before the cut, into `out`; the newest event's id."""
+async def before_cut(
+    run: Run, cut: list[NodeView], out: dict[str, Any]
+) -> tuple[int, dict[str, int]]:
+    """What the job was before the cut, into `out`; the newest event's id and how often
+    each node to cut had registered."""
     assert run.fleet is not None
     assert run.events is not None
     await run.fleet.refresh()
@@ -60,21 +62,42 @@ async def before_cut(run: Run, cut: list[NodeView], out: dict[str, Any]) -> int:
         committed_step_before=state.get("committed_step"),
     )
     run.victims.update(v.node_id for v in cut)
-    return await asyncio.to_thread(run.events.newest)
+    first = await asyncio.to_thread(run.events.newest)
+    return first, {v.node_id: v.registrations for v in cut}
 
 
-async def settle(run: Run, cut: list[NodeView], first: int, timeout: float) -> bool:
-    """Until every cut node is registered again and the job runs (released first, if it
-    was held) or ended; False when `timeout` passed first."""
+async def placed(run: Run) -> set[str]:
+    """The nodes of the job's current generation, as the scheduler placed it."""
+    assert run.events is not None
+    return await asyncio.to_thread(run.events.job_nodes, run.job_id)
+
+
+async def settle(
+    run: Run, cut: list[NodeView], first: int, registrations: dict[str, int], timeout: float
+) -> bool:
+    """Until every cut node is back and the job runs (released first, if it was held) or
+    ended; False when `timeout` passed first. Back: registered again since the cut if
+    the scheduler declared it lost; else registered still RETURN_SECONDS after the heal
+    (a stream the scheduler closed during the cut ends at the node as soon as the close
+    gets through, well within that)."""
     assert run.fleet is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        held = await events_since(run, first, HOLD_EVENTS)
-        kinds = {e[1] for e in held}
+    began = time.monotonic()
+    while time.monotonic() - began < timeout:
+        events = await events_since(run, first, (*HOLD_EVENTS, "node.lost"))
+        kinds = {e[1] for e in events}
+        lost = {e[2] for e in events if e[1] == "node.lost"}
         state = (await job_state(run)).get("state", "")
-        back = all(v.registered for v in cut)
         if state in ("succeeded", "failed", "cancelled"):
             return True
+        back = all(
+            v.registered
+            and (
+                v.registrations > registrations[v.node_id]
+                if v.node_id in lost
+                else time.monotonic() - began >= RETURN_SECONDS
+            )
+            for v in cut
+        )
         if back and state == "running" and ("job.held" not in kinds or "job.released" in kinds):
             return True
         await asyncio.sleep(0.25)
@@ -82,12 +105,18 @@ async def settle(run: Run, cut: list[NodeView], first: int, timeout: float) -> b
 
 
 async def after_heal(
-    run: Run, cut: list[NodeView], first: int, t_cut: float, t_heal: float, out: dict[str, Any]
+    run: Run,
+    cut: list[NodeView],
+    since: tuple[int, dict[str, int]],
+    t_cut: float,
+    t_heal: float,
+    out: dict[str, Any],
 ) -> None:
-    """What the drill did to the job, from the events since `first`, into `out`."""
+    """What the drill did to the job, from the events since the cut, into `out`."""
     assert run.fleet is not None
     began = time.monotonic()
-    out["settled"] = await settle(run, cut, first, SETTLE_SECONDS)
+    first, registrations = since
+    out["settled"] = await settle(run, cut, first, registrations, SETTLE_SECONDS)
     out["settle_seconds"] = round(time.monotonic() - began, 1)
     events = await events_since(run, first, (*HOLD_EVENTS, "node.lost", *DECISIONS))
     held = [e for e in events if e[1] == "job.held"]
@@ -105,7 +134,7 @@ async def after_heal(
         seconds_to_release=round(released[0][4] - t_heal, 3) if released else None,
         seconds_cut_to_release=round(released[0][4] - t_cut, 3) if released else None,
         nodes_lost=len(lost & cut_ids),
-        nodes_replaced=len(cut_ids - run.job_nodes()),
+        nodes_replaced=len(cut_ids - await placed(run)),
         decisions=sum(e[1] in DECISIONS for e in events),
         generation_after=generation_after,
         state_after=state.get("state"),
@@ -142,12 +171,12 @@ async def mass_loss(run: Run, fraction: float, seconds: float, out: dict[str, An
         out["error"] = f"{len(members)} usable nodes in the job, {count} to cut"
         return
     cut = random.sample(members, count)
-    first = await before_cut(run, cut, out)
+    since = await before_cut(run, cut, out)
     t_cut = await run.fleet.network("cut", cut)
     await asyncio.sleep(seconds)
     t_heal = await run.fleet.network("heal", cut)
     out["cut_for_seconds"] = round(t_heal - t_cut, 2)
-    await after_heal(run, cut, first, t_cut, t_heal, out)
+    await after_heal(run, cut, since, t_cut, t_heal, out)
 
 
 async def mass_loss_replace(run: Run, args: argparse.Namespace, out: dict[str, Any]) -> None:
@@ -168,16 +197,19 @@ async def mass_loss_replace(run: Run, args: argparse.Namespace, out: dict[str, A
         out["error"] = f"{len(free)} free spares, {len(members)} usable job nodes: {least} needed"
         return
     cut = random.sample(members, count)
-    first = await before_cut(run, cut, out)
+    since = await before_cut(run, cut, out)
     t_cut = await run.fleet.network("cut", cut)
     cut_ids = {v.node_id for v in cut}
-    with contextlib.suppress(RuntimeError):  # not all replaced: said below
-        await wait_for(lambda: not cut_ids & run.job_nodes(), after + 60, "the replacements")
-    left = cut_ids & run.job_nodes()
+    deadline = time.monotonic() + after + 60
+    while True:
+        left = cut_ids & await placed(run)
+        if not left or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.25)
     out["seconds_to_replaced"] = None if left else round(time.time() - t_cut, 2)
     t_heal = await run.fleet.network("heal", cut)
     out["cut_for_seconds"] = round(t_heal - t_cut, 2)
-    await after_heal(run, cut, first, t_cut, t_heal, out)
+    await after_heal(run, cut, since, t_cut, t_heal, out)
     # Replaced in how many decisions: the generations the job went through meanwhile.
     out["replace_decisions"] = out["generation_after"] - out["generation_before"]
 

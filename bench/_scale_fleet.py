@@ -90,8 +90,14 @@ class Child:
             elif self._first is not None and not self._first.done():
                 self._first.set_result(message)
             else:
-                self.on_message(self, message)
-        gone = RuntimeError(f"{self.name} exited (see {self.log})")
+                try:
+                    self.on_message(self, message)
+                except (KeyError, ValueError, IndexError, TypeError) as exc:
+                    # A report this side cannot read must not stop it reading the next.
+                    with self.log.open("a") as log:
+                        log.write(f"benchmark: unreadable {message!r}: {exc!r}\n")
+        tail = self.log.read_text(errors="replace")[-1500:] if self.log.exists() else ""
+        gone = RuntimeError(f"{self.name} exited; the end of its log:\n{tail}")
         for waiter in [self._first, *self._waiting.values()]:
             if waiter is not None and not waiter.done():
                 waiter.set_exception(gone)
@@ -196,6 +202,7 @@ class Fleet:
         self.sources: dict[str, Source] = {}
         self.sent_by: dict[str, dict[str, int]] = {}
         self.steps_by: dict[str, dict[str, int]] = {}
+        self.registrations_by: dict[str, int] = {}
         # generation -> node id -> when its command for it arrived
         self.received: dict[int, dict[str, float]] = {}
         self.command_bytes: dict[int, int] = {}
@@ -259,6 +266,7 @@ class Fleet:
         if "sent" in report:
             self.sent_by[child.name] = report["sent"]
             self.steps_by[child.name] = report["steps"]
+            self.registrations_by[child.name] = report.get("registrations", 0)
 
     def _note(self, note: list[Any]) -> None:
         kind, node = note[0], self._by_id[note[1] if note[0] != "cmd" else note[2]]
@@ -332,7 +340,7 @@ class Fleet:
                 sent[key] = sent.get(key, 0) + value
         return {
             "sent": sent,
-            "registrations": sum(v.registrations for v in self.nodes),
+            "registrations": sum(self.registrations_by.values()),
             "sim_cpu": sum(s.cpu for n, s in self.sources.items() if "worker" in n),
             "relay_cpu": sum(s.cpu for n, s in self.sources.items() if "relay" in n),
         }

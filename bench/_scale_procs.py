@@ -184,6 +184,17 @@ def stop_schedulers(schedulers: list[Scheduler], grace: float) -> None:
         s.kill()
 
 
+def decision_totals(schedulers: list[Scheduler]) -> tuple[float, float]:
+    """Recovery decisions made so far by every live scheduler, and their seconds."""
+    count = total = 0.0
+    for s in schedulers:
+        if s.alive():
+            with contextlib.suppress(OSError):
+                m = s.metrics()
+                count, total = count + m["decisions"], total + m["decision_seconds"]
+    return count, total
+
+
 def reap_children(grace: float) -> list[str]:
     """Every process under this one (its children's children too), ended: SIGTERM, then
     after `grace` seconds SIGCONT and SIGKILL for any still there (a stopped process dies
@@ -420,6 +431,16 @@ class Events:
             (first, list(kinds)),
         ).fetchall()
         return [(int(r[0]), r[1], r[2], r[3], float(r[4]), r[5] or {}) for r in rows]
+
+    def job_nodes(self, job_id: str) -> set[str]:
+        """The nodes of the job's current generation, as the scheduler placed it (a node
+        cut off holds no command of it, so the simulator cannot tell)."""
+        rows = self.conn.execute(
+            "SELECT DISTINCT node_id FROM rank_assignments"
+            " WHERE job_id = %s AND until_generation IS NULL",
+            (job_id,),
+        ).fetchall()
+        return {str(r[0]) for r in rows}
 
     def newest(self) -> int:
         row = self.conn.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()

@@ -20,6 +20,7 @@ from bench._scale_procs import (
     Scheduler,
     Stores,
     Window,
+    decision_totals,
     job_spec,
     stop_schedulers,
     wait_for,
@@ -32,6 +33,17 @@ DETECTED_BY = {"xid": "node.unhealthy", "exit": "rank.exited"}
 """The event that says a failure was seen: node.lost for the others."""
 TIMEOUT = 60.0
 """A failure not detected, not decided or not fanned out to every node by then failed."""
+
+
+def relayed(args: argparse.Namespace, n: int, total: int) -> set[int]:
+    """The nodes whose network can be cut: every one for a mass-loss drill, else a few
+    workers for the silent deaths (every worker runs the job)."""
+    if args.mass_loss:
+        return set(range(total))
+    if "silent" not in args.kinds:
+        return set()
+    count = args.trials + 4  # a few may hold no rank of the job
+    return set(random.sample(range(1, n), min(count, n - 1)))
 
 
 class Run:
@@ -114,7 +126,7 @@ class Run:
             tls_dir,
             procs,
         )
-        self.fleet.add_nodes(total, self.n, self.k, self.relayed(total))
+        self.fleet.add_nodes(total, self.n, self.k, relayed(self.args, self.n, total))
         await self.fleet.start()
         say(
             f"N={self.n}: {total} nodes ({self.spares} spares) in {procs} simulator "
@@ -126,16 +138,6 @@ class Run:
         self.events = Events(pg.url)
         self.first_event = self.events.last
 
-    def relayed(self, total: int) -> set[int]:
-        """The nodes whose network can be cut: every one for a mass-loss drill, else a few
-        workers for the silent deaths (every worker runs the job)."""
-        if self.args.mass_loss:
-            return set(range(total))
-        if "silent" not in self.args.kinds:
-            return set()
-        count = self.args.trials + 4  # a few may hold no rank of the job
-        return set(random.sample(range(1, self.n), min(count, self.n - 1)))
-
     def false_losses(self) -> list[str]:
         """Nodes declared lost (node.lost) that no failure was injected on."""
         assert self.events is not None
@@ -146,6 +148,9 @@ class Run:
         return sorted(r[0] for r in rows if r[0] not in self.victims)
 
     async def __aexit__(self, *exc: object) -> None:
+        began = time.monotonic()
+        for s in self.schedulers:  # beside the fleet's stop, not after it: a signal's
+            s.terminate()  # 10 s hold every stop
         try:
             if self.fleet is not None:
                 await self.fleet.close()
@@ -153,6 +158,8 @@ class Run:
             if self.events is not None:
                 self.events.close()
             self.stack.close()
+            took = time.monotonic() - began
+            say(f"N={self.n}: schedulers, stores and simulators stopped in {took:.1f} s")
 
     def window(self) -> Window:
         assert self.fleet is not None
@@ -214,16 +221,6 @@ class Run:
             "start_ranks_bytes": fleet.command_bytes.get(1),
         }
 
-    def decision_totals(self) -> tuple[float, float]:
-        """Recovery decisions made so far by every live scheduler, and their seconds."""
-        count = total = 0.0
-        for s in self.schedulers:
-            if s.alive():
-                with contextlib.suppress(OSError):
-                    m = s.metrics()
-                    count, total = count + m["decisions"], total + m["decision_seconds"]
-        return count, total
-
     def candidates(self, kind: str, on_scheduler: int | None) -> list[NodeView]:
         """Nodes of the job a failure of `kind` may hit: a silent death needs a relay;
         the others leave the relayed nodes to it where they can."""
@@ -270,25 +267,25 @@ class Run:
         node = random.choice(candidates[1:] or candidates)  # not the first: rank 0's host
         self.victims.add(node.node_id)
         await asyncio.to_thread(self.events.skip)  # what happened before is not this one's
-        before = await asyncio.to_thread(self.decision_totals)
+        before = await asyncio.to_thread(decision_totals, self.schedulers)
         t0 = await self.inject(kind, node)
         seen = DETECTED_BY.get(kind, "node.lost")
         detected = await self.events.wait(lambda e: e[1] == seen and e[2] == node.node_id, TIMEOUT)
         row: dict[str, Any] = {"kind": kind, "node": node.node_id}
         if detected is None:
             row.update(error="no detection", failed=["detect", "decide", "fanout"])
-            return await self.flag_lag(row, t0, time.time())
+            return await flag_lag(self.fleet, row, t0, time.time())
         row["detect_seconds"] = round(detected[4] - t0, 4)
         decided = await self.events.wait(
             lambda e: e[1] in DECISIONS and e[3] == self.job_id, TIMEOUT
         )
         if decided is None:
             row.update(error="no decision", failed=["decide", "fanout"])
-            return await self.flag_lag(row, t0, time.time())
+            return await flag_lag(self.fleet, row, t0, time.time())
         row["decide_seconds"] = round(decided[4] - detected[4], 4)
-        await self.fan_out(row, node, decided, before)
+        await self.fan_out(row, decided, before)
         got = self.fleet.received.get(row["generation"], {})
-        await self.flag_lag(row, t0, max(got.values()) if got else time.time())
+        await flag_lag(self.fleet, row, t0, max(got.values()) if got else time.time())
         recovered = await self.events.wait(
             lambda e: e[1] in ("job.recovered", "job.running") and e[3] == self.job_id, TIMEOUT
         )
@@ -299,24 +296,29 @@ class Run:
         return row
 
     async def fan_out(
-        self, row: dict[str, Any], node: NodeView, decided: tuple[Any, ...], before: Any
+        self, row: dict[str, Any], decided: tuple[Any, ...], before: tuple[float, float]
     ) -> None:
-        """The decision's commands reaching every node of its generation, into `row`."""
+        """The decision's commands reaching every node of its generation (as the scheduler
+        placed it: a job that shrank has fewer), into `row`."""
         assert self.fleet is not None
         assert self.events is not None
-        fleet = self.fleet
-        generation = await asyncio.to_thread(self.events.generation, self.job_id)
-        expected = (self.job_nodes() - {node.node_id}) | set(fleet.received.get(generation, {}))
-        told = self.dp * 16  # every node of the new generation
+        fleet, events = self.fleet, self.events
+        generation = await asyncio.to_thread(events.generation, self.job_id)
+        members = await asyncio.to_thread(events.job_nodes, self.job_id)
         with contextlib.suppress(RuntimeError):
-            await wait_for(lambda: len(fleet.received.get(generation, {})) >= told, TIMEOUT, "")
-        got = fleet.received.get(generation, {})
-        if len(got) < told:
+            await wait_for(
+                lambda: members <= fleet.received.get(generation, {}).keys(), TIMEOUT, ""
+            )
+        received = fleet.received.get(generation, {})
+        got = {n: t for n, t in received.items() if n in members}
+        if len(got) < len(members) or not members:
             # A failed fan-out, never the time to the last node that did get it.
-            row["error"] = f"fan-out incomplete after {TIMEOUT:.0f} s: {len(got)} of {told} nodes"
+            row["error"] = (
+                f"fan-out incomplete after {TIMEOUT:.0f} s: {len(got)} of {len(members)} nodes"
+            )
             row["failed"] = ["fanout"]
             got = {}
-        after = await asyncio.to_thread(self.decision_totals)
+        after = await asyncio.to_thread(decision_totals, self.schedulers)
         made = after[0] - before[0]
         if made > 0:
             # The recovery decisions' own time, start to commit (the scheduler's histogram):
@@ -325,8 +327,8 @@ class Run:
         row.update(
             decision=decided[1],
             generation=generation,
-            nodes_told=len(got),
-            nodes_expected=len(expected),
+            nodes_told=len(received),
+            nodes_expected=len(members),
             fanout_seconds=round(max(got.values()) - decided[4], 4) if got else None,
             fanout_first_to_last_seconds=(
                 round(max(got.values()) - min(got.values()), 4) if got else None
@@ -339,11 +341,11 @@ class Run:
             if row["fanout_seconds"] is not None:
                 row["fanout_after_commit_seconds"] = round(max(row["fanout_seconds"] - tx, 0), 4)
 
-    async def flag_lag(self, row: dict[str, Any], since: float, until: float) -> dict[str, Any]:
-        """Mark `row` sim_lagged when a worker or relay lagged past LAG_LIMIT within
-        [since, until]: its times are the benchmark's as much as the scheduler's."""
-        assert self.fleet is not None
-        await self.fleet.refresh()
-        lag = self.fleet.lagged(since, until)
-        row.update(sim_lagged=lag > 0, sim_lag_max_seconds=round(lag, 3))
-        return row
+
+async def flag_lag(fleet: Fleet, row: dict[str, Any], since: float, until: float) -> dict[str, Any]:
+    """Mark `row` sim_lagged when a worker or relay lagged past LAG_LIMIT within [since,
+    until]: its times are the benchmark's as much as the scheduler's."""
+    await fleet.refresh()
+    lag = fleet.lagged(since, until)
+    row.update(sim_lagged=lag > 0, sim_lag_max_seconds=round(lag, 3))
+    return row

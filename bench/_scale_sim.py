@@ -135,6 +135,7 @@ class SimFleet:
         self.sent = {"heartbeat": 0, "step_summaries": 0, "ack": 0, "samples": 0, "windows": 0}
         self.steps: dict[str, int] = {}
         """Job id -> the newest step any node of this worker reported."""
+        self.registrations = 0
         self.notes: list[list[Any]] = []
         self.noted = asyncio.Event()
         # (job, generation) -> node id -> ranks, worked out once per rank map.
@@ -194,6 +195,59 @@ def retarget(index: int, target: int, alive: set[int]) -> int:
     """The scheduler a node reconnects to once `target` is gone (the relay picks the same)."""
     live = sorted(alive)
     return target if target in live or not live else live[index % len(live)]
+
+
+def node_health(gpu_uuids: list[str], unhealthy_gpu: int | None) -> common_pb2.NodeHealth:
+    """A node's health as its agent reports it: 8 healthy GPUs, or one FATAL (Xid 79)."""
+    gpus = []
+    for g, uuid in enumerate(gpu_uuids):
+        fatal = g == unhealthy_gpu
+        gpus.append(
+            common_pb2.GpuHealth(
+                index=g,
+                uuid=uuid,
+                temperature_c=45.0,
+                power_w=300.0,
+                pcie_link_gen=5,
+                pcie_link_gen_max=5,
+                pcie_link_width=16,
+                pcie_link_width_max=16,
+                verdict=(
+                    common_pb2.HEALTH_VERDICT_FATAL if fatal else common_pb2.HEALTH_VERDICT_HEALTHY
+                ),
+                reasons=["Xid 79 (GPU has fallen off the bus)"] if fatal else [],
+            )
+        )
+    if unhealthy_gpu is None:
+        return common_pb2.NodeHealth(verdict=common_pb2.HEALTH_VERDICT_HEALTHY, gpus=gpus)
+    return common_pb2.NodeHealth(
+        verdict=common_pb2.HEALTH_VERDICT_FATAL,
+        reasons=[f"GPU {unhealthy_gpu}: Xid 79 (GPU has fallen off the bus)"],
+        gpus=gpus,
+    )
+
+
+def add_windows(
+    summary: agent_pb2.StepSummary, job: Assignment, last: int, step: int, seconds: float
+) -> None:
+    """A window summary per rank for every straggler window its steps completed between
+    `last` and `step`, as the agent folds them into its step summary."""
+    size = job.windows.window_steps
+    counted = job.restore_step + 1 + job.windows.warmup_steps
+    for s in range(last + 1, step + 1):
+        if s < counted or (s - counted + 1) % size:
+            continue
+        window = (s - counted) // size
+        for r, _ in job.ranks:
+            summary.windows.add(
+                rank=r,
+                window=window,
+                steps=size,
+                timed=size,
+                median_seconds=seconds * random.uniform(0.99, 1.01),
+                max_seconds=seconds * 1.02,
+                first_step=s - size + 1,
+            )
 
 
 class SimNode:
@@ -281,6 +335,7 @@ class SimNode:
                     kind = reply.WhichOneof("body")
                     if kind == "registered":
                         self.registered.set()
+                        fleet.registrations += 1
                         fleet.note("reg", self.node_id, self.target)
                         beats = asyncio.create_task(self.beat(reply.registered))
                     else:
@@ -315,36 +370,6 @@ class SimNode:
             )
         return out
 
-    def health(self) -> common_pb2.NodeHealth:
-        gpus = []
-        for g, uuid in enumerate(self.gpu_uuids):
-            fatal = g == self.unhealthy_gpu
-            gpus.append(
-                common_pb2.GpuHealth(
-                    index=g,
-                    uuid=uuid,
-                    temperature_c=45.0,
-                    power_w=300.0,
-                    pcie_link_gen=5,
-                    pcie_link_gen_max=5,
-                    pcie_link_width=16,
-                    pcie_link_width_max=16,
-                    verdict=(
-                        common_pb2.HEALTH_VERDICT_FATAL
-                        if fatal
-                        else common_pb2.HEALTH_VERDICT_HEALTHY
-                    ),
-                    reasons=["Xid 79 (GPU has fallen off the bus)"] if fatal else [],
-                )
-            )
-        if self.unhealthy_gpu is None:
-            return common_pb2.NodeHealth(verdict=common_pb2.HEALTH_VERDICT_HEALTHY, gpus=gpus)
-        return common_pb2.NodeHealth(
-            verdict=common_pb2.HEALTH_VERDICT_FATAL,
-            reasons=[f"GPU {self.unhealthy_gpu}: Xid 79 (GPU has fallen off the bus)"],
-            gpus=gpus,
-        )
-
     async def beat(self, registered: agent_pb2.Registered) -> None:
         """As the agent: look every interval; a heartbeat when what it says changed and
         at least every refresh interval; the ranks' new steps at each look."""
@@ -371,7 +396,9 @@ class SimNode:
     def heartbeat(self) -> None:
         self.send(
             heartbeat=agent_pb2.Heartbeat(
-                time=stamp(time.time()), health=self.health(), running_ranks=self.running()
+                time=stamp(time.time()),
+                health=node_health(self.gpu_uuids, self.unhealthy_gpu),
+                running_ranks=self.running(),
             )
         )
         self.fleet.sent["heartbeat"] += 1
@@ -399,22 +426,7 @@ class SimNode:
                 loss=2.0,
                 time=stamp(now),
             )
-            size = job.windows.window_steps
-            counted = job.restore_step + 1 + job.windows.warmup_steps
-            for s in range(last + 1, step + 1):
-                if s < counted or (s - counted + 1) % size:
-                    continue
-                window = (s - counted) // size
-                for r, _ in job.ranks:
-                    summary.windows.add(
-                        rank=r,
-                        window=window,
-                        steps=size,
-                        timed=size,
-                        median_seconds=seconds * random.uniform(0.99, 1.01),
-                        max_seconds=seconds * 1.02,
-                        first_step=s - size + 1,
-                    )
+            add_windows(summary, job, last, step, seconds)
             self.reported_step[job_id] = step
             self.fleet.steps[job_id] = max(self.fleet.steps.get(job_id, 0), step)
             self.send(step_summary=summary)

@@ -20,9 +20,10 @@ The first line in is the configuration: {"targets": [...], "interval": s,
 Out, unasked: {"t": "notes", "notes": [...]} within about 50 ms of what happened (["cmd",
 generation, node, time, bytes, ranks, restore_step]: a StartRanks or Reconfigure
 arrived; ["reg", node, target]; ["down", node]; ["left", node]), and every 0.5 s
-{"t": "report", "since", "at", "lag_max", "spikes", "cpu", "sent", "steps"}: the
-event-loop lag (sampled every 50 ms, the largest since the last report, and each one over
-100 ms with when it ended), this process's CPU seconds, the messages sent so far.
+{"t": "report", "since", "at", "lag_max", "spikes", "cpu", "sent", "registrations",
+"steps"}: the event-loop lag (sampled every 50 ms, the largest since the last report,
+and each one over 100 ms with when it ended), this process's CPU seconds, the messages
+sent and registrations so far, the newest step reported per job.
 
 It dies with the benchmark (started through dying_with_parent), and exits when its stdin
 closes."""
@@ -78,6 +79,7 @@ class Worker:
             **self.lag.take(),
             "cpu": round(cpu_seconds(), 3),
             "sent": self.fleet.sent,
+            "registrations": self.fleet.registrations,
             "steps": self.fleet.steps,
         }
         self.since = now

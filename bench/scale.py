@@ -263,7 +263,9 @@ class Stop:
         say(f"{name}: stopping every process; the JSON follows")
         threading.Thread(target=self._deadline, name="stop deadline", daemon=True).start()
         if self.loop is not None and self.task is not None:
-            self.loop.call_soon_threadsafe(self.task.cancel)
+            # The loop may be closing or closed (the run over): then nothing to cancel.
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self.task.cancel)
 
     @property
     def error(self) -> BaseException:
