@@ -197,7 +197,7 @@ class Fleet:
         self.procs = procs
         self.nodes: list[NodeView] = []
         self._by_id: dict[str, NodeView] = {}
-        self.workers: list[Child] = []
+        self.workers: dict[int, Child] = {}
         self.relays: dict[int, Child] = {}
         self.sources: dict[str, Source] = {}
         self.sent_by: dict[str, dict[str, int]] = {}
@@ -241,7 +241,7 @@ class Fleet:
         worker = Child(
             f"worker-{w}", "bench._scale_worker", self.root / f"worker-{w}.log", self._message
         )
-        self.workers.append(worker)
+        self.workers[w] = worker
         self.sources[worker.name] = Source()
         await worker.start(
             {
@@ -291,7 +291,7 @@ class Fleet:
         until every one has."""
         began = time.monotonic()
         wave = max(25, 200 // self.procs)
-        await asyncio.gather(*(w.request("start", wave=wave) for w in self.workers))
+        await asyncio.gather(*(w.request("start", wave=wave) for w in self.workers.values()))
         while not all(v.registered for v in self.nodes):
             if time.monotonic() - began > timeout:
                 left = sum(not v.registered for v in self.nodes)
@@ -312,7 +312,7 @@ class Fleet:
                 source.spikes.append((time.time(), REQUEST_SECONDS))
                 source.lag_max = max(source.lag_max, REQUEST_SECONDS)
 
-        await asyncio.gather(*(ask(c) for c in [*self.workers, *self.relays.values()]))
+        await asyncio.gather(*(ask(c) for c in [*self.workers.values(), *self.relays.values()]))
 
     def lagged(self, since: float, until: float) -> float:
         """The largest event-loop lag over LAG_LIMIT of any worker or relay that overlapped
@@ -354,7 +354,8 @@ class Fleet:
         event-loop lag over the run."""
 
         def of(kind: str) -> dict[str, list[float]]:
-            chosen = [s for n, s in sorted(self.sources.items()) if n.startswith(kind)]
+            named = [(int(n.rsplit("-", 1)[1]), s) for n, s in self.sources.items() if kind in n]
+            chosen = [s for _, s in sorted(named, key=lambda pair: pair[0])]
             return {
                 "cpu_cores_max": [round(s.cpu_cores_max, 3) for s in chosen],
                 "lag_max_s": [round(s.lag_max_all, 3) for s in chosen],
@@ -383,22 +384,22 @@ class Fleet:
     async def set_alive(self, targets: set[int]) -> None:
         """Only `targets` are up: nodes of the others reconnect to them (and the relays
         dial them)."""
-        children = [*self.workers, *self.relays.values()]
+        children = [*self.workers.values(), *self.relays.values()]
         await asyncio.gather(*(c.request("alive", targets=sorted(targets)) for c in children))
 
     async def finish(self, job_id: str, generation: int) -> int:
         """Every rank of the job's `generation` exits 0; how many did."""
         answers = await asyncio.gather(
-            *(w.request("finish", job=job_id, generation=generation) for w in self.workers)
+            *(w.request("finish", job=job_id, generation=generation) for w in self.workers.values())
         )
         return sum(int(a["ranks"]) for a in answers)
 
     def pids(self) -> list[int]:
-        children = [*self.workers, *self.relays.values()]
+        children = [*self.workers.values(), *self.relays.values()]
         return [c.pid for c in children if c.pid is not None]
 
     async def close(self, grace: float = 2.0) -> None:
-        children = [*self.workers, *self.relays.values()]
+        children = [*self.workers.values(), *self.relays.values()]
         await asyncio.gather(*(c.close(grace) for c in children), return_exceptions=True)
 
 
