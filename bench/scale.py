@@ -10,19 +10,20 @@ run it: the run's CA signs each simulated node's certificate (what enrollment wo
 hand it; each simulator process signs its own nodes'); --insecure turns TLS off.
 
 The simulated fleet: N 8-GPU nodes in zones, blocks and racks (8 nodes a rack, 49 racks
-a block, 8 blocks a zone) plus 2% hot spares (at least 8, and one more for each failure
-to come), no torch, in --sim-procs worker processes (bench/_scale_worker.py; default
-one per 400 nodes, node i in process i mod P), each an asyncio loop, driven by this
-process over pipes. Each node has its own channel and `AgentService.Connect` stream, as
-an agent has: Register (inventory, labels, role); a look every heartbeat interval the
-scheduler gives (1 s), sending a heartbeat (node health with 8 GPUs, the running ranks)
-when what it says changed and at least every refresh interval (5 s), and its ranks' new
-steps summarized per node (and a window summary per rank every 20 steps); a CommandAck
-for every command; gRPC's keepalive pings answered in its core. The nodes whose network
-can be cut (a few for the silent deaths; with --mass-loss every one) connect through a
-relay process of their worker (bench/_scale_relay.py: a port per node, so it knows
-whose bytes it carries), which cuts any set of them on request: no byte passes either
-way and nothing is closed, as a cut cable; a heal lets through what waited.
+a block, 8 blocks a zone) plus 2% hot spares (at least 8, one more for each failure to
+come, and with --mass-loss-replace as many as it may cut), no torch, in --sim-procs
+worker processes (bench/_scale_worker.py; default one per 400 nodes, node i in process i
+mod P), each an asyncio loop, driven by this process over pipes. Each node has its own
+channel and `AgentService.Connect` stream, as an agent has: Register (inventory, labels,
+role); a look every heartbeat interval the scheduler gives (1 s), sending a heartbeat
+(node health with 8 GPUs, the running ranks) when what it says changed and at least
+every refresh interval (5 s), and its ranks' new steps summarized per node (and a window
+summary per rank every 20 steps); a CommandAck for every command; gRPC's keepalive pings
+answered in its core. The nodes whose network can be cut (a few for the silent deaths;
+with --mass-loss every one) connect through a relay process of their worker
+(bench/_scale_relay.py: a port per node, so it knows whose bytes it carries), which cuts
+any set of them on request: no byte passes either way and nothing is closed, as a cut
+cable; a heal lets through what waited.
 
 Each worker and relay samples its event-loop lag every 50 ms and reports it (the largest
 since its last report, and every lag over 100 ms with when it ended) with its CPU
@@ -55,10 +56,11 @@ Phases, each measured over --window seconds of wall time:
   clock) -> node.lost, node.unhealthy (xid) or rank.exited (exit) of that node; decide =
   that event -> its decision committed (job.recovering, job.restarting or
   job.reconfigured plus the decision's transaction); fan-out = the commit -> the last
-  node of the new generation has its Reconfigure or StartRanks (the simulator's clock;
-  same host); resume = -> job.recovered. A failure not detected, not decided or not
-  fanned out to every node within 60 s is a failed sample: +inf in every percentile it
-  belongs to. A false loss is a node.lost of a node no failure was injected on.
+  node of the new generation (the nodes the scheduler placed it on: rank_assignments)
+  has its Reconfigure or StartRanks (the simulator's clock; same host); resume = ->
+  job.recovered. A failure not detected, not decided or not fanned out to every node
+  within 60 s is a failed sample: +inf in every percentile it belongs to. A false loss
+  is a node.lost of a node no failure was injected on.
 * with --mass-loss FRACTION, after the failures: that share of the job's nodes cut at
   once for --mass-loss-seconds (20), then healed. Reported as `mass_loss`: nodes_cut,
   held / released (a job.held / job.released event came), seconds_to_release (the heal
