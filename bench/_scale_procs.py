@@ -1,6 +1,6 @@
 """bench/scale.py's processes, stores and measurements: the pitstop-scheduler processes,
-their PostgreSQL and Redis, the windows a phase is measured over and the events it
-waits for."""
+their PostgreSQL and Redis, the windows a phase is measured over, the events it waits
+for, and the end of every process it started, whatever ends the run."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import psycopg
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis as SyncRedis
 
-from bench._scale_sim import GPUS, Fleet, load
+from bench._scale_fleet import Fleet
+from bench._scale_sim import GPUS, load
 from pitstop.client.launch import clean_env, scheduler_command
 from pitstop.client.localcluster.spawning import free_port
 from pitstop.client.localcluster.stores import OwnPostgres, OwnRedis
@@ -49,7 +50,9 @@ class Scheduler:
         tls_dir: Path | None,
         role: str = "both",
         keepalive: tuple[float, float] | None = None,
+        settings: dict[str, str] | None = None,
     ) -> None:
+        """`settings`: more of the scheduler's environment (PITSTOP_*), as given."""
         self.name = name
         self.role = role  # "both"; "decider": no agent streams; "ingest": no leader loops
         self.port = free_port()
@@ -72,6 +75,7 @@ class Scheduler:
         if keepalive is not None:  # else the scheduler's defaults, as users run it
             env["PITSTOP_KEEPALIVE_SECONDS"] = str(keepalive[0])
             env["PITSTOP_KEEPALIVE_TIMEOUT_SECONDS"] = str(keepalive[1])
+        env.update(settings or {})
         if role == "decider":
             env["PITSTOP_AGENT_STREAMS"] = "false"
         elif role == "ingest":
@@ -104,13 +108,13 @@ class Scheduler:
         """Where agents connect (the mutual-TLS port with TLS)."""
         return f"127.0.0.1:{self.node_port}"
 
-    def wait_listening(self, timeout: float = 60.0) -> None:
+    async def wait_listening(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while b"listening on" not in self.log.read_bytes():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 tail = self.log.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"{self.name} did not start:\n{tail}")
-            time.sleep(0.05)
+            await asyncio.sleep(0.05)
         # The process that serves: the wrapper execs it, so the pid is the scheduler's.
         self.ps = psutil.Process(self.proc.pid)
 
@@ -163,14 +167,54 @@ class Scheduler:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
         if self.alive():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
+
+
+def stop_schedulers(schedulers: list[Scheduler], grace: float) -> None:
+    """SIGTERM to every one at once, SIGKILL to those still up `grace` seconds on."""
+    for s in schedulers:
+        s.terminate()
+    deadline = time.monotonic() + grace
+    while any(s.alive() for s in schedulers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for s in schedulers:
+        s.kill()
+
+
+def decision_totals(schedulers: list[Scheduler]) -> tuple[float, float]:
+    """Recovery decisions made so far by every live scheduler, and their seconds."""
+    count = total = 0.0
+    for s in schedulers:
+        if s.alive():
+            with contextlib.suppress(OSError):
+                m = s.metrics()
+                count, total = count + m["decisions"], total + m["decision_seconds"]
+    return count, total
+
+
+def reap_children(grace: float) -> list[str]:
+    """Every process under this one (its children's children too), ended: SIGTERM, then
+    after `grace` seconds SIGCONT and SIGKILL for any still there (a stopped process dies
+    of SIGTERM only once continued). What was still there to kill."""
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    for proc in children:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(children, timeout=grace)
+    killed = []
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            killed.append(f"{proc.pid} {proc.name()}")
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+    psutil.wait_procs(alive, timeout=1.0)
+    return killed
 
 
 def tree_cpu(pid: int | None) -> float:
@@ -242,29 +286,34 @@ class Window:
         self.stores, self.schedulers, self.fleet = stores, schedulers, fleet
 
     def read(self) -> dict[str, Any]:
+        """The stores' and schedulers' counters (in a thread: they block)."""
         return {
             "t": time.monotonic(),
             "redis": self.stores.redis_calls(),
             "pg": self.stores.pg_stats(),
             "sched_cpu": [s.cpu() for s in self.schedulers],
-            "sim_cpu": own_cpu(),
+            "bench_cpu": own_cpu(),
             "pg_cpu": tree_cpu(self.stores.postgres.pid),
             "redis_cpu": tree_cpu(self.stores.redis.pid),
             "metrics": [s.metrics() if s.alive() else None for s in self.schedulers],
-            "sent": dict(self.fleet.sent),
-            "registrations": sum(n.registrations for n in self.fleet.nodes),
         }
 
+    async def counters(self) -> dict[str, Any]:
+        await self.fleet.refresh()
+        return {**await asyncio.to_thread(self.read), **self.fleet.counters()}
+
     async def measure(self, seconds: float) -> dict[str, Any]:
-        a = await asyncio.to_thread(self.read)
+        a = await self.counters()
         self.fleet.take_lag()
         await asyncio.sleep(seconds)
-        b = await asyncio.to_thread(self.read)
+        b = await self.counters()
+        sim_lag, relay_lag = self.fleet.take_lag()
         span = b["t"] - a["t"]
         redis_delta = {k: v - a["redis"].get(k, 0) for k, v in b["redis"].items()}
         redis_delta = {k: v for k, v in redis_delta.items() if v}
         pg_delta = {k: v - a["pg"][k] - (1 if k == "xacts" else 0) for k, v in b["pg"].items()}
-        sent = {k: v - a["sent"][k] for k, v in b["sent"].items()}
+        sent = {k: v - a["sent"].get(k, 0) for k, v in b["sent"].items()}
+        sent = {"heartbeat": 0, "step_summaries": 0, "samples": 0, "windows": 0, **sent}
         # Heartbeats the scheduler processes handled: their heartbeat-lag observations.
         ingested = sum(
             mb["beats"] - ma["beats"]
@@ -294,12 +343,15 @@ class Window:
             "scheduler_cpu_pct_total": round(100 * sum(cpus) / span, 1),
             "scheduler_cpu_ms_per_1k_heartbeats": round(1e6 * sum(cpus) / beats, 1),
             "simulator_cpu_pct": round(100 * (b["sim_cpu"] - a["sim_cpu"]) / span, 1),
+            "relay_cpu_pct": round(100 * (b["relay_cpu"] - a["relay_cpu"]) / span, 1),
+            "bench_cpu_pct": round(100 * (b["bench_cpu"] - a["bench_cpu"]) / span, 1),
             "postgres_cpu_pct": round(100 * (b["pg_cpu"] - a["pg_cpu"]) / span, 1),
             "redis_cpu_pct": round(100 * (b["redis_cpu"] - a["redis_cpu"]) / span, 1),
             "loop_lag_p99_seconds": lags,
             "loop_lag_p99_gauge_1min": gauges,
             "heartbeat_lag_p99_seconds": beat_lags,
-            "simulator_loop_lag_max_seconds": round(self.fleet.take_lag(), 3),
+            "simulator_loop_lag_max_seconds": round(sim_lag, 3),
+            "relay_loop_lag_max_seconds": round(relay_lag, 3),
             "redis_calls": redis_delta,
             "redis_calls_per_heartbeat": round(sum(redis_delta.values()) / beats, 3),
             "pg": pg_delta,
@@ -356,6 +408,44 @@ class Events:
         row = self.conn.execute("SELECT generation FROM jobs WHERE id = %s", (job_id,)).fetchone()
         return int(row[0]) if row else 0
 
+    def job(self, job_id: str) -> dict[str, Any]:
+        """The job's state, generation and steps as the scheduler stored them."""
+        row = self.conn.execute(
+            "SELECT state, generation, current_step, committed_step, restore_step"
+            " FROM jobs WHERE id = %s",
+            (job_id,),
+        ).fetchone()
+        if row is None:
+            return {}
+        names = ("state", "generation", "current_step", "committed_step", "restore_step")
+        return dict(zip(names, [str(row[0]), *(int(x) for x in row[1:])], strict=True))
+
+    def between(
+        self, first: int, kinds: tuple[str, ...]
+    ) -> list[tuple[int, str, str | None, str | None, float, dict[str, str]]]:
+        """The events of `kinds` after id `first`, oldest first (without moving the
+        cursor that `wait` reads from)."""
+        rows = self.conn.execute(
+            "SELECT id, kind, node_id, job_id, extract(epoch from time), attributes"
+            " FROM events WHERE id > %s AND kind = ANY(%s) ORDER BY id",
+            (first, list(kinds)),
+        ).fetchall()
+        return [(int(r[0]), r[1], r[2], r[3], float(r[4]), r[5] or {}) for r in rows]
+
+    def job_nodes(self, job_id: str) -> set[str]:
+        """The nodes of the job's current generation, as the scheduler placed it (a node
+        cut off holds no command of it, so the simulator cannot tell)."""
+        rows = self.conn.execute(
+            "SELECT DISTINCT node_id FROM rank_assignments"
+            " WHERE job_id = %s AND until_generation IS NULL",
+            (job_id,),
+        ).fetchall()
+        return {str(r[0]) for r in rows}
+
+    def newest(self) -> int:
+        row = self.conn.execute("SELECT coalesce(max(id), 0) FROM events").fetchone()
+        return int(row[0]) if row else 0
+
     def close(self) -> None:
         self.conn.close()
 
@@ -373,18 +463,6 @@ def job_spec(dp: int, spares: int) -> jobs_pb2.JobSpec:
         standby_processes=False,
         max_restarts=1000,
     )
-
-
-async def connect_fleet(fleet: Fleet, timeout: float) -> float:
-    """Start every node, at most 200 registering at once; seconds until all are."""
-    began = time.monotonic()
-    for start in range(0, len(fleet.nodes), 200):
-        wave = fleet.nodes[start : start + 200]
-        for node in wave:
-            node.start()
-        async with asyncio.timeout(timeout):
-            await asyncio.gather(*(n.registered.wait() for n in wave))
-    return time.monotonic() - began
 
 
 async def wait_for(predicate: Any, timeout: float, what: str) -> float:

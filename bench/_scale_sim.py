@@ -1,6 +1,8 @@
-"""bench/scale.py's simulated fleet: nodes that speak the agent protocol over their own
-streams (through a relay process that can be cut), the job's ranks on them, and the
-benchmark's constants."""
+"""bench/scale.py's simulated nodes: agents that speak the agent protocol over their own
+streams (straight to a scheduler, or through a relay process that can cut them), the
+job's ranks on them, and the benchmark's constants. A worker process
+(bench/_scale_worker.py) runs a share of them; what they do that the benchmark measures
+(a command arrived, a registration, a stream closed) goes into its `SimFleet`'s notes."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import asyncio
 import math
 import os
 import random
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -19,7 +20,6 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from pitstop.client.signals import dying_with_parent
 from pitstop.common.tls import (
     CertificateAuthority,
     cert_pem,
@@ -43,7 +43,13 @@ TARGETS = {
     "ingest_cpu_cores": 1.0,
 }
 DECISIONS = ("job.recovering", "job.reconfigured", "job.restarting")
-JOB_ID_ANY = ""
+LAG_LIMIT = 0.1
+"""A simulator or relay whose event loop ran this late (seconds) may have sent a heartbeat
+or answered a ping late: what was measured meanwhile is the benchmark's, not only the
+scheduler's."""
+LAG_TICK = 0.05
+"""How often a simulator or relay process samples its own event-loop lag."""
+FINAL_RESULT = {"final_weights_sha256": "sim"}
 
 
 def say(message: str) -> None:
@@ -60,7 +66,38 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-# The simulated fleet
+class LagMeter:
+    """This process's event-loop lag, sampled every LAG_TICK: the largest since the last
+    take, and each lag over LAG_LIMIT with the wall-clock time it ended (so the benchmark
+    can tell which of its samples it overlapped)."""
+
+    def __init__(self) -> None:
+        self.lag_max = 0.0
+        self.spikes: list[tuple[float, float]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(LAG_TICK)
+            lag = time.monotonic() - before - LAG_TICK
+            self.lag_max = max(self.lag_max, lag)
+            if lag > LAG_LIMIT and len(self.spikes) < 1000:
+                self.spikes.append((round(time.time(), 3), round(lag, 3)))
+
+    def take(self) -> dict[str, Any]:
+        out = {"lag_max": round(self.lag_max, 4), "spikes": self.spikes}
+        self.lag_max, self.spikes = 0.0, []
+        return out
+
+
+def cpu_seconds() -> float:
+    """This process's CPU, every thread (gRPC's core threads too)."""
+    times = os.times()
+    return times.user + times.system
 
 
 @dataclass
@@ -75,8 +112,10 @@ class Assignment:
     """How the node cuts the job's straggler windows (its command says)."""
 
 
-class Fleet:
-    """Every simulated node, and what the benchmark reads of them."""
+class SimFleet:
+    """One worker's simulated nodes, and what they did that the benchmark reads: `notes`
+    (commands arrived, registrations, closed streams) go to the parent as they happen;
+    `sent` and `steps` with each report."""
 
     def __init__(
         self,
@@ -87,35 +126,24 @@ class Fleet:
     ) -> None:
         self.targets = targets
         self.tls = tls
-        self.cabled: set[int] = set()
-        """Indexes of the nodes whose stream runs through a Cable (a network to cut)."""
+        self.relay_ports: dict[str, int] = {}
+        """Node id -> the port of this worker's relay its stream goes through."""
         self.alive_targets = set(range(len(targets)))
         self.interval = interval
         self.step_seconds = step_seconds
-        self.nodes: list[SimNode] = []
+        self.nodes: dict[str, SimNode] = {}
         self.sent = {"heartbeat": 0, "step_summaries": 0, "ack": 0, "samples": 0, "windows": 0}
+        self.steps: dict[str, int] = {}
+        """Job id -> the newest step any node of this worker reported."""
+        self.registrations = 0
+        self.notes: list[list[Any]] = []
+        self.noted = asyncio.Event()
         # (job, generation) -> node id -> ranks, worked out once per rank map.
         self._maps: dict[tuple[str, int], dict[str, list[tuple[int, int]]]] = {}
-        # generation -> node id -> when its command for it arrived
-        self.received: dict[int, dict[str, float]] = {}
-        self.command_bytes: dict[int, int] = {}
-        # The simulator's own event-loop lag (sampled every 50 ms), largest since read:
-        # a late simulator sends late heartbeats, which is not the scheduler's fault.
-        self.lag_max = 0.0
-        self._lag_task: asyncio.Task[None] | None = None
 
-    def watch_lag(self) -> None:
-        async def watch() -> None:
-            while True:
-                before = time.monotonic()
-                await asyncio.sleep(0.05)
-                self.lag_max = max(self.lag_max, time.monotonic() - before - 0.05)
-
-        self._lag_task = asyncio.create_task(watch())
-
-    def take_lag(self) -> float:
-        lag, self.lag_max = self.lag_max, 0.0
-        return lag
+    def note(self, *entry: Any) -> None:
+        self.notes.append(list(entry))
+        self.noted.set()
 
     def ranks_of(
         self, job_id: str, rank_map: common_pb2.RankMap
@@ -128,16 +156,12 @@ class Fleet:
             self._maps = {key: by_node}  # only the newest map is kept
         return self._maps[key]
 
-    def by_id(self, node_id: str) -> SimNode:
-        return next(n for n in self.nodes if n.node_id == node_id)
-
     async def close(self) -> None:
-        if self._lag_task is not None:
-            self._lag_task.cancel()
-        for node in self.nodes:
+        for node in self.nodes.values():
             node.dead = True
             node.cancel()
-        await asyncio.gather(*(n.task for n in self.nodes if n.task), return_exceptions=True)
+        tasks = [n.task for n in self.nodes.values() if n.task]
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def labels_of(index: int) -> common_pb2.TopologyLabels:
@@ -163,20 +187,81 @@ def inventory_of(node_id: str, gpu_uuids: list[str]) -> common_pb2.Inventory:
     )
 
 
+def node_id_of(index: int) -> str:
+    return f"n{index:05d}"
+
+
+def retarget(index: int, target: int, alive: set[int]) -> int:
+    """The scheduler a node reconnects to once `target` is gone (the relay picks the same)."""
+    live = sorted(alive)
+    return target if target in live or not live else live[index % len(live)]
+
+
+def node_health(gpu_uuids: list[str], unhealthy_gpu: int | None) -> common_pb2.NodeHealth:
+    """A node's health as its agent reports it: 8 healthy GPUs, or one FATAL (Xid 79)."""
+    gpus = []
+    for g, uuid in enumerate(gpu_uuids):
+        fatal = g == unhealthy_gpu
+        gpus.append(
+            common_pb2.GpuHealth(
+                index=g,
+                uuid=uuid,
+                temperature_c=45.0,
+                power_w=300.0,
+                pcie_link_gen=5,
+                pcie_link_gen_max=5,
+                pcie_link_width=16,
+                pcie_link_width_max=16,
+                verdict=(
+                    common_pb2.HEALTH_VERDICT_FATAL if fatal else common_pb2.HEALTH_VERDICT_HEALTHY
+                ),
+                reasons=["Xid 79 (GPU has fallen off the bus)"] if fatal else [],
+            )
+        )
+    if unhealthy_gpu is None:
+        return common_pb2.NodeHealth(verdict=common_pb2.HEALTH_VERDICT_HEALTHY, gpus=gpus)
+    return common_pb2.NodeHealth(
+        verdict=common_pb2.HEALTH_VERDICT_FATAL,
+        reasons=[f"GPU {unhealthy_gpu}: Xid 79 (GPU has fallen off the bus)"],
+        gpus=gpus,
+    )
+
+
+def add_windows(
+    summary: agent_pb2.StepSummary, job: Assignment, last: int, step: int, seconds: float
+) -> None:
+    """A window summary per rank for every straggler window its steps completed between
+    `last` and `step`, as the agent folds them into its step summary."""
+    size = job.windows.window_steps
+    counted = job.restore_step + 1 + job.windows.warmup_steps
+    for s in range(last + 1, step + 1):
+        if s < counted or (s - counted + 1) % size:
+            continue
+        window = (s - counted) // size
+        for r, _ in job.ranks:
+            summary.windows.add(
+                rank=r,
+                window=window,
+                steps=size,
+                timed=size,
+                median_seconds=seconds * random.uniform(0.99, 1.01),
+                max_seconds=seconds * 1.02,
+                first_step=s - size + 1,
+            )
+
+
 class SimNode:
     """One node's agent as the scheduler sees it: a stream, heartbeats, step summaries, acks."""
 
-    def __init__(self, fleet: Fleet, index: int, spare: bool, target: int) -> None:
+    def __init__(self, fleet: SimFleet, index: int, spare: bool, target: int) -> None:
         self.fleet = fleet
         self.index = index
-        self.node_id = f"n{index:05d}"
+        self.node_id = node_id_of(index)
         self.spare = spare
         self.target = target
         self.dead = False  # no more reconnects
         self.hung = False  # no heartbeats, stream open (an agent hung in Python)
-        self.cable: Cable | None = None
         self.registered = asyncio.Event()
-        self.registrations = 0
         self.jobs: dict[str, Assignment] = {}
         self.reported_step: dict[str, int] = {}
         self.unhealthy_gpu: int | None = None
@@ -221,20 +306,19 @@ class SimNode:
                 raise
             except Exception:  # a broken stream: reconnect, as the agent does
                 pass
+            if self.registered.is_set():
+                self.fleet.note("down", self.node_id)
             self.registered.clear()
             if self.dead or self.hung:
                 return
             await asyncio.sleep(random.uniform(0.05, 1.0))
-            alive = sorted(self.fleet.alive_targets)
-            if self.target not in alive and alive:
-                self.target = alive[self.index % len(alive)]
+            self.target = retarget(self.index, self.target, self.fleet.alive_targets)
 
     async def session(self) -> None:
         fleet = self.fleet
-        target = fleet.targets[self.target]
-        if self.index in fleet.cabled:
-            self.cable = Cable(target)
-            target = await self.cable.start()
+        port = fleet.relay_ports.get(self.node_id)
+        # Through the relay, which dials this node's scheduler (it knows which) for it.
+        target = fleet.targets[self.target] if port is None else f"127.0.0.1:{port}"
         if fleet.tls is None:
             channel = grpc.aio.insecure_channel(target)
         else:
@@ -250,8 +334,9 @@ class SimNode:
                 async for reply in self.call:
                     kind = reply.WhichOneof("body")
                     if kind == "registered":
-                        self.registrations += 1
                         self.registered.set()
+                        fleet.registrations += 1
+                        fleet.note("reg", self.node_id, self.target)
                         beats = asyncio.create_task(self.beat(reply.registered))
                     else:
                         self.command(reply, kind)
@@ -261,8 +346,6 @@ class SimNode:
                 self.outbox.put_nowait(None)
         finally:
             await channel.close(grace=None)
-            if self.cable is not None and not self.cable.is_cut:
-                self.cable.close()
 
     async def requests(
         self, first: agent_pb2.AgentMessage
@@ -286,36 +369,6 @@ class SimNode:
                 for r, g in job.ranks
             )
         return out
-
-    def health(self) -> common_pb2.NodeHealth:
-        gpus = []
-        for g, uuid in enumerate(self.gpu_uuids):
-            fatal = g == self.unhealthy_gpu
-            gpus.append(
-                common_pb2.GpuHealth(
-                    index=g,
-                    uuid=uuid,
-                    temperature_c=45.0,
-                    power_w=300.0,
-                    pcie_link_gen=5,
-                    pcie_link_gen_max=5,
-                    pcie_link_width=16,
-                    pcie_link_width_max=16,
-                    verdict=(
-                        common_pb2.HEALTH_VERDICT_FATAL
-                        if fatal
-                        else common_pb2.HEALTH_VERDICT_HEALTHY
-                    ),
-                    reasons=["Xid 79 (GPU has fallen off the bus)"] if fatal else [],
-                )
-            )
-        if self.unhealthy_gpu is None:
-            return common_pb2.NodeHealth(verdict=common_pb2.HEALTH_VERDICT_HEALTHY, gpus=gpus)
-        return common_pb2.NodeHealth(
-            verdict=common_pb2.HEALTH_VERDICT_FATAL,
-            reasons=[f"GPU {self.unhealthy_gpu}: Xid 79 (GPU has fallen off the bus)"],
-            gpus=gpus,
-        )
 
     async def beat(self, registered: agent_pb2.Registered) -> None:
         """As the agent: look every interval; a heartbeat when what it says changed and
@@ -343,7 +396,9 @@ class SimNode:
     def heartbeat(self) -> None:
         self.send(
             heartbeat=agent_pb2.Heartbeat(
-                time=stamp(time.time()), health=self.health(), running_ranks=self.running()
+                time=stamp(time.time()),
+                health=node_health(self.gpu_uuids, self.unhealthy_gpu),
+                running_ranks=self.running(),
             )
         )
         self.fleet.sent["heartbeat"] += 1
@@ -371,23 +426,9 @@ class SimNode:
                 loss=2.0,
                 time=stamp(now),
             )
-            size = job.windows.window_steps
-            counted = job.restore_step + 1 + job.windows.warmup_steps
-            for s in range(last + 1, step + 1):
-                if s < counted or (s - counted + 1) % size:
-                    continue
-                window = (s - counted) // size
-                for r, _ in job.ranks:
-                    summary.windows.add(
-                        rank=r,
-                        window=window,
-                        steps=size,
-                        timed=size,
-                        median_seconds=seconds * random.uniform(0.99, 1.01),
-                        max_seconds=seconds * 1.02,
-                        first_step=s - size + 1,
-                    )
+            add_windows(summary, job, last, step, seconds)
             self.reported_step[job_id] = step
+            self.fleet.steps[job_id] = max(self.fleet.steps.get(job_id, 0), step)
             self.send(step_summary=summary)
             sent["step_summaries"] += 1
             sent["samples"] += summary.samples
@@ -397,16 +438,22 @@ class SimNode:
         now = time.time()
         if kind in ("start_ranks", "reconfigure"):
             body = reply.start_ranks if kind == "start_ranks" else reply.reconfigure
-            if kind == "start_ranks" and reply.start_ranks.standby_gpus:
-                pass
-            else:
-                self.fleet.received.setdefault(body.generation, {}).setdefault(self.node_id, now)
-                sizes = self.fleet.command_bytes
-                sizes[body.generation] = max(sizes.get(body.generation, 0), reply.ByteSize())
+            if not (kind == "start_ranks" and reply.start_ranks.standby_gpus):
                 if body.rank_map.node_local:  # this node's share of the map
                     ranks = [(a.rank, a.gpu_index) for a in body.rank_map.ranks]
                 else:
                     ranks = self.fleet.ranks_of(body.job_id, body.rank_map).get(self.node_id, [])
+                # What the benchmark times: when this node's command for the generation
+                # came, its size, and whether the node holds ranks in it.
+                self.fleet.note(
+                    "cmd",
+                    body.generation,
+                    self.node_id,
+                    round(now, 4),
+                    reply.ByteSize(),
+                    len(ranks),
+                    body.restore_step,
+                )
                 if ranks:
                     self.jobs[body.job_id] = Assignment(
                         body.generation,
@@ -425,6 +472,7 @@ class SimNode:
                 job.ranks = [(r, g) for r, g in job.ranks if stop.ranks and r not in stop.ranks]
                 if not job.ranks:
                     del self.jobs[stop.job_id]
+                    self.fleet.note("left", self.node_id)
         self.send(ack=agent_pb2.CommandAck(command_id=reply.command_id, ok=True))
         self.fleet.sent["ack"] += 1
 
@@ -455,67 +503,45 @@ class SimNode:
         )
         self.heartbeat()
 
-
-RELAY = """
-import asyncio, sys
-
-async def pump(reader, writer):
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    except OSError:
-        pass
-    finally:
-        writer.close()
-
-async def main(host, port):
-    async def relay(reader, writer):
-        up_reader, up_writer = await asyncio.open_connection(host, port)
-        tasks.update(
-            asyncio.create_task(pump(*ends)) for ends in ((reader, up_writer), (up_reader, writer))
+    def exit_rank(self) -> None:
+        """A rank of the node's job exits with code 1 (its training crashed): the agent
+        reports the exit at once, then a heartbeat without that rank."""
+        job_id, job = next(iter(self.jobs.items()))
+        rank, _ = job.ranks[-1]
+        job.ranks = job.ranks[:-1]
+        self.send(
+            rank_exited=agent_pb2.RankExited(
+                job_id=job_id,
+                generation=job.generation,
+                rank=rank,
+                exit_code=1,
+                time=stamp(time.time()),
+                stderr_tail="RuntimeError: simulated crash",
+            )
         )
-    tasks = set()
-    server = await asyncio.start_server(relay, "127.0.0.1", 0)
-    print(server.sockets[0].getsockname()[1], flush=True)
-    await asyncio.Event().wait()
+        self.heartbeat()
 
-host, port = sys.argv[1].rsplit(":", 1)
-asyncio.run(main(host, int(port)))
-"""
-"""A TCP relay, run as a process of its own: in the simulator's busy event loop it
-delayed every keepalive ping of its node (all 11 false losses of a 2,568-node run were
-nodes behind one, none of the 2,544 others)."""
-
-
-class Cable:
-    """A TCP relay between one simulated node and its scheduler, in a process of its own:
-    `cut` stops it (SIGSTOP), so every byte stops both ways and nothing is closed, as a
-    cut network or a host that lost power (no FIN, no reset): only the stream's
-    keepalive pings can tell."""
-
-    def __init__(self, target: str) -> None:
-        self.target = target
-        self.is_cut = False
-        self._process: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> str:
-        self._process = await asyncio.create_subprocess_exec(
-            *dying_with_parent([sys.executable, "-c", RELAY, self.target]),  # killed with us
-            stdout=asyncio.subprocess.PIPE,
-        )
-        assert self._process.stdout is not None
-        port = int(await self._process.stdout.readline())
-        return f"127.0.0.1:{port}"
-
-    def cut(self) -> None:
-        assert self._process is not None
-        self.is_cut = True
-        os.kill(self._process.pid, signal.SIGSTOP)
-
-    def close(self) -> None:
-        if self._process is not None and self._process.returncode is None:
-            self._process.kill()  # a stopped process dies of SIGKILL too
+    def finish(self, job_id: str, generation: int) -> int:
+        """Every rank of `job_id`'s `generation` on this node exits 0 with its result, as
+        a job's last step ends; then a heartbeat without them. The ranks that exited."""
+        job = self.jobs.get(job_id)
+        if job is None or job.generation != generation:
+            return 0
+        now = stamp(time.time())
+        for rank, _ in job.ranks:
+            self.send(
+                rank_exited=agent_pb2.RankExited(
+                    job_id=job_id,
+                    generation=generation,
+                    rank=rank,
+                    exit_code=0,
+                    time=now,
+                    result=FINAL_RESULT,
+                )
+            )
+        del self.jobs[job_id]
+        self.heartbeat()
+        return len(job.ranks)
 
 
 class NodeCertificates:
