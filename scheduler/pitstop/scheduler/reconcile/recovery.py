@@ -53,30 +53,29 @@ async def node_actions(
     fresh: AbstractSet[str] = frozenset(),
     adopting: AbstractSet[str] = frozenset(),
 ) -> dict[str, NodeAction]:
-    """What each node does to reach `after` from `before`. Nodes new to the map start
-    (or adopt, where a standby of the job waits); so do nodes in `fresh` (a rank there
-    died: those in `adopting` hand it to the standby beside their ranks, the others
-    start their ranks afresh) and nodes whose start of the previous generation may still
-    be under way (its ranks may not have opened their command streams, so a Reconfigure
-    would miss them).
-    Every other node of `after` reconfigures in place; nodes of `before` left out leave
-    (their ranks find themselves absent and leave at the boundary every rank agrees
-    on, so the survivors reach it at once instead of stepping on)."""
-    starting_before = await plan.starting_nodes(session, job)
+    """What each node whose command is not a reconfigure does to reach `after` from
+    `before` (the others of `after` reconfigure in place: node_commands.change_plan).
+    Nodes new to the map start (or adopt, where a standby of the job waits); so do nodes
+    in `fresh` (a rank there died: those in `adopting` hand it to the standby beside
+    their ranks, the others start their ranks afresh) and nodes whose start of the
+    previous generation may still be under way (its ranks may not have opened their
+    command streams, so a Reconfigure would miss them). Nodes of `before` left out
+    leave (their ranks find themselves absent and leave at the boundary every rank
+    agrees on, so the survivors reach it at once instead of stepping on). Set
+    arithmetic over the maps' node tuples, no loop over the job's every node."""
     in_flight = job.state in (JobState.STARTING, JobState.RECOVERING)
+    starting_before = await plan.starting_nodes(session, job) if in_flight else set()
+    was, now = set(before.nodes()), set(after.nodes())
     actions: dict[str, NodeAction] = {}
-    for node_id in after.nodes():
-        if not before.hosts(node_id):
-            actions[node_id] = NodeAction.ADOPT if node_id in adopting else NodeAction.START
-            continue
-        starting = in_flight and node_id in starting_before
+    for node_id in now - was:
+        actions[node_id] = NodeAction.ADOPT if node_id in adopting else NodeAction.START
+    for node_id in (fresh | starting_before) & (now & was):
+        starting = node_id in starting_before
         if node_id in fresh and node_id in adopting and not starting:
             actions[node_id] = NodeAction.ADOPT  # its standby takes the dead ranks over
-        elif node_id in fresh or starting:
-            actions[node_id] = NodeAction.START
         else:
-            actions[node_id] = NodeAction.RECONFIGURE
-    for node_id in set(before.nodes()) - set(after.nodes()):
+            actions[node_id] = NodeAction.START
+    for node_id in was - now:
         actions[node_id] = NodeAction.LEAVE
     return actions
 
