@@ -230,6 +230,7 @@ class Fleet:
         mine = [v for v in self.nodes if v.worker == w]
         relayed = {v.node_id: [v.index, v.target] for v in mine if v.relayed}
         ports: dict[str, int] = {}
+        hosts: dict[str, int] = {}
         if relayed:
             relay = Child(
                 f"relay-{w}", "bench._scale_relay", self.root / f"relay-{w}.log", self._message
@@ -237,7 +238,7 @@ class Fleet:
             self.relays[w] = relay
             self.sources[relay.name] = Source()
             first = await relay.start({"targets": self.targets, "nodes": relayed})
-            ports = first["ports"]
+            ports, hosts = first["ports"], first["probe_ports"]
         worker = Child(
             f"worker-{w}", "bench._scale_worker", self.root / f"worker-{w}.log", self._message
         )
@@ -251,6 +252,7 @@ class Fleet:
                 "tls_dir": None if self.tls_dir is None else str(self.tls_dir),
                 "nodes": [[v.index, v.spare, v.target] for v in mine],
                 "relay_ports": ports,
+                "host_ports": hosts,
             }
         )
 

@@ -10,11 +10,17 @@ while cut is accepted by the kernel and goes nowhere. A heal lets through what w
 a close included: a stream the scheduler closed meanwhile ends at the node then, which
 reconnects as an agent does.
 
+Each node also gets a port that stands in for its host, where the scheduler asks whether
+a node whose stream ended is up (its checkpoint daemon's port, as the node registers it):
+it accepts and closes while the line is up, and while the line is cut its accept queue
+is kept full, so a connection gets no answer at all, as a cut-off host gives none.
+
 Driven as bench/_scale_worker.py is, one JSON object a line: the first line in is
 {"targets": [...], "nodes": {node id: [index, target]}}, answered {"t": "ports",
-"ports": {node id: port}}; then requests {"id": k, "op": ...} answered {"t": "done",
-"id": k, "at": time}: cut {nodes}, heal {nodes}, alive {targets}, report, stop; and a
-report every 0.5 s: its event-loop lag (as the workers'), CPU seconds, connections."""
+"ports": {node id: port}, "probe_ports": {node id: port}}; then requests {"id": k,
+"op": ...} answered {"t": "done", "id": k, "at": time}: cut {nodes}, heal {nodes},
+alive {targets}, report, stop; and a report every 0.5 s: its event-loop lag (as the
+workers'), CPU seconds, connections."""
 
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import contextlib
 import functools
 import json
 import resource
+import socket
 import sys
 import time
 from pathlib import Path
@@ -48,6 +55,45 @@ class Line:
         self.flowing = asyncio.Event()
         self.flowing.set()
         self.connections = 0
+        self.host: HostPort | None = None
+        """Where the scheduler asks whether the node's host is up."""
+
+
+class HostPort:
+    """The node's host as a TCP port: a connection is accepted (and closed) while its
+    line is up; cut, the port's accept queue is filled and left unread, so the kernel
+    drops every further handshake and a connection gets no answer."""
+
+    FILL = 3  # one may be taken before the cut shows; the queue holds backlog + 1
+
+    def __init__(self, line: Line) -> None:
+        self.line = line
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(0)
+        self.listener.setblocking(False)
+        self.port = int(self.listener.getsockname()[1])
+        self.fillers: list[socket.socket] = []
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.line.flowing.wait()
+            conn, _ = await loop.sock_accept(self.listener)
+            conn.close()
+
+    def cut(self) -> None:
+        for _ in range(self.FILL):
+            filler = socket.socket()
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError, OSError):
+                filler.connect(("127.0.0.1", self.port))
+            self.fillers.append(filler)
+
+    def heal(self) -> None:
+        for filler in self.fillers:
+            filler.close()
+        self.fillers = []
 
 
 async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, line: Line) -> None:
@@ -76,15 +122,19 @@ class Relay:
         self.lag = LagMeter()
         self.since = time.time()
 
-    async def listen(self) -> dict[str, int]:
-        ports = {}
+    async def listen(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Each node's stream port and host port."""
+        ports, hosts = {}, {}
         for node, line in self.lines.items():
             server = await asyncio.start_server(
                 functools.partial(self.connect, line), "127.0.0.1", 0
             )
             self.servers.append(server)
             ports[node] = server.sockets[0].getsockname()[1]
-        return ports
+            line.host = HostPort(line)
+            self.tasks.add(asyncio.create_task(line.host.serve()))
+            hosts[node] = line.host.port
+        return ports, hosts
 
     async def connect(
         self, line: Line, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -125,11 +175,15 @@ class Relay:
         op = request["op"]
         if op in ("cut", "heal"):
             for node in request["nodes"]:
-                flowing = self.lines[node].flowing
+                line = self.lines[node]
                 if op == "cut":
-                    flowing.clear()
+                    line.flowing.clear()
+                    if line.host is not None:
+                        line.host.cut()
                 else:
-                    flowing.set()
+                    if line.host is not None:
+                        line.host.heal()
+                    line.flowing.set()
         elif op == "alive":
             self.alive = set(request["targets"])
         elif op == "report":
@@ -150,7 +204,8 @@ async def main() -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(requests), sys.stdin)
     relay = Relay(json.loads(await requests.readline()))
     relay.lag.start()
-    emit({"t": "ports", "ports": await relay.listen()})
+    ports, hosts = await relay.listen()
+    emit({"t": "ports", "ports": ports, "probe_ports": hosts})
     reports = asyncio.create_task(relay.reports())
     while line := await requests.readline():
         request = json.loads(line)

@@ -110,6 +110,8 @@ class Assignment:
     restore_step: int
     windows: StragglerPolicy = field(default_factory=StragglerPolicy)
     """How the node cuts the job's straggler windows (its command says)."""
+    told: bool = False
+    """A step of this generation was reported: later ones wait for the periodic report."""
 
 
 class SimFleet:
@@ -128,6 +130,11 @@ class SimFleet:
         self.tls = tls
         self.relay_ports: dict[str, int] = {}
         """Node id -> the port of this worker's relay its stream goes through."""
+        self.host_ports: dict[str, int] = {}
+        """Node id -> its host's port at the relay (silent while its line is cut)."""
+        self.host_port = 0
+        """The port that stands in for the host of every node not behind the relay
+        (HostListener): it accepts and closes, as a live host's daemon port does."""
         self.alive_targets = set(range(len(targets)))
         self.interval = interval
         self.step_seconds = step_seconds
@@ -173,13 +180,15 @@ def labels_of(index: int) -> common_pb2.TopologyLabels:
     )
 
 
-def inventory_of(node_id: str, gpu_uuids: list[str]) -> common_pb2.Inventory:
-    """What a simulated node's agent registers with: 8 simulated GPUs of 80 GiB."""
+def inventory_of(node_id: str, gpu_uuids: list[str], host: str = "") -> common_pb2.Inventory:
+    """What a simulated node's agent registers with: 8 simulated GPUs of 80 GiB, and the
+    address where the scheduler asks whether its host is up (its checkpoint daemon's)."""
     return common_pb2.Inventory(
         hostname=node_id,
         driver_version="sim",
         gpu_backend="sim",
         agent_version="bench",
+        checkpointd_address=host,
         gpus=[
             common_pb2.GpuInfo(index=g, uuid=u, name="sim", memory_bytes=80 << 30)
             for g, u in enumerate(gpu_uuids)
@@ -270,6 +279,9 @@ class SimNode:
         self.task: asyncio.Task[None] | None = None
         self.started_at = stamp(time.time())
         self.gpu_uuids = [f"GPU-{index:05d}-{g}" for g in range(GPUS)]
+        # What the last heartbeat said (gist) and when: an ack that carries one counts.
+        self.beat_sent: tuple[object, ...] | None = None
+        self.beat_sent_at = -math.inf
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.run(), name=self.node_id)
@@ -286,7 +298,7 @@ class SimNode:
             seq=1,
             register=agent_pb2.Register(
                 node_id=self.node_id,
-                inventory=inventory_of(self.node_id, self.gpu_uuids),
+                inventory=inventory_of(self.node_id, self.gpu_uuids, self.host_address()),
                 labels=labels_of(self.index),
                 requested_role=(
                     common_pb2.NODE_ROLE_SPARE if self.spare else common_pb2.NODE_ROLE_WORKER
@@ -295,6 +307,12 @@ class SimNode:
                 agent_started_at=self.started_at,
             ),
         )
+
+    def host_address(self) -> str:
+        """Where the scheduler asks whether this node's host is up: at the relay for a
+        node behind it (silent while cut), else the worker's listener."""
+        port = self.fleet.host_ports.get(self.node_id, self.fleet.host_port)
+        return f"127.0.0.1:{port}" if port else ""
 
     async def run(self) -> None:
         """Keep a registered stream, reconnecting (to the next live scheduler, jittered)
@@ -375,17 +393,21 @@ class SimNode:
         at least every refresh interval; the ranks' new steps at each look."""
         interval = registered.heartbeat_interval_seconds or self.fleet.interval
         refresh = max(registered.refresh_interval_seconds, interval)
+        report = max(registered.step_report_seconds, interval)
+        reported_at = -math.inf
         await asyncio.sleep(random.uniform(0, interval))  # agents are not in phase
-        sent: tuple[object, ...] | None = None
-        sent_at = -math.inf
+        self.beat_sent, self.beat_sent_at = None, -math.inf
         while True:
             if not self.hung:
                 now = time.monotonic()
                 gist = self.gist()
-                if gist != sent or now - sent_at >= refresh - interval / 2:
+                if gist != self.beat_sent or now - self.beat_sent_at >= refresh - interval / 2:
                     self.heartbeat()
-                    sent, sent_at = gist, now
-                self.send_steps()
+                    self.beat_sent, self.beat_sent_at = gist, now
+                due = now - reported_at >= report - interval / 2
+                self.send_steps(due)
+                if due:
+                    reported_at = now
             await asyncio.sleep(interval)
 
     def gist(self) -> tuple[object, ...]:
@@ -394,23 +416,27 @@ class SimNode:
         return (self.unhealthy_gpu, jobs)
 
     def heartbeat(self) -> None:
-        self.send(
-            heartbeat=agent_pb2.Heartbeat(
-                time=stamp(time.time()),
-                health=node_health(self.gpu_uuids, self.unhealthy_gpu),
-                running_ranks=self.running(),
-            )
-        )
+        self.send(heartbeat=self.beat_now())
         self.fleet.sent["heartbeat"] += 1
 
-    def send_steps(self) -> None:
+    def beat_now(self) -> agent_pb2.Heartbeat:
+        return agent_pb2.Heartbeat(
+            time=stamp(time.time()),
+            health=node_health(self.gpu_uuids, self.unhealthy_gpu),
+            running_ranks=self.running(),
+        )
+
+    def send_steps(self, due: bool = True) -> None:
+        """As the agent reports steps: every report interval (`due`), and a generation's
+        first steps at the look after them."""
         now = time.time()
         sent = self.fleet.sent
         for job_id, job in self.jobs.items():
             step = job.restore_step + int((now - job.started) / self.fleet.step_seconds)
             last = self.reported_step.get(job_id, job.restore_step)
-            if step <= last:
+            if step <= last or (job.told and not due):
                 continue
+            job.told = True
             # What the agent sends: its ranks' steps since the last summary, folded,
             # with a window summary per rank for every straggler window they completed.
             seconds = self.fleet.step_seconds
@@ -435,11 +461,22 @@ class SimNode:
             sent["windows"] += len(summary.windows)
 
     def command(self, reply: agent_pb2.SchedulerMessage, kind: str | None) -> None:
+        """Carry out a command and ack it, as the agent does: the ack of one that moves
+        the node's ranks to a generation carries the heartbeat the node would send next
+        (one message per node per recovery)."""
         now = time.time()
-        if kind in ("start_ranks", "reconfigure"):
-            body = reply.start_ranks if kind == "start_ranks" else reply.reconfigure
+        error = ""
+        moved = False
+        if kind in ("start_ranks", "reconfigure", "reconfigure_kept"):
+            body = getattr(reply, kind)
             if not (kind == "start_ranks" and reply.start_ranks.standby_gpus):
-                if body.rank_map.node_local:  # this node's share of the map
+                moved = True
+                kept = self.jobs.get(body.job_id)
+                if kind == "reconfigure_kept":  # the ranks it runs, as placed here
+                    ranks = list(kept.ranks) if kept is not None else []
+                    if not ranks:
+                        error = "no ranks of the job placed here to keep"
+                elif body.rank_map.node_local:  # this node's share of the map
                     ranks = [(a.rank, a.gpu_index) for a in body.rank_map.ranks]
                 else:
                     ranks = self.fleet.ranks_of(body.job_id, body.rank_map).get(self.node_id, [])
@@ -473,7 +510,11 @@ class SimNode:
                 if not job.ranks:
                     del self.jobs[stop.job_id]
                     self.fleet.note("left", self.node_id)
-        self.send(ack=agent_pb2.CommandAck(command_id=reply.command_id, ok=True))
+        ack = agent_pb2.CommandAck(command_id=reply.command_id, ok=not error, error=error)
+        if moved:
+            ack.heartbeat.CopyFrom(self.beat_now())
+            self.beat_sent, self.beat_sent_at = self.gist(), time.monotonic()
+        self.send(ack=ack)
         self.fleet.sent["ack"] += 1
 
     def inject_xid(self) -> None:

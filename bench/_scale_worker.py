@@ -3,7 +3,10 @@ driven by the benchmark over this process's stdin and stdout, one JSON object a 
 
 The first line in is the configuration: {"targets": [...], "interval": s,
 "step_seconds": s, "tls_dir": path or null, "nodes": [[index, spare, target], ...],
-"relay_ports": {node id: port}}. Then requests, each {"id": k, "op": ...}, answered
+"relay_ports": {node id: port}, "host_ports": {node id: port}}: the relay's ports of the
+nodes behind it, for their streams and for their hosts (where the scheduler asks whether
+a node whose stream ended is up); the other nodes' host is a listener of this process.
+Then requests, each {"id": k, "op": ...}, answered
 {"t": "done", "id": k, "at": wall-clock time it was done, ...}:
 
   start {wave}          start every node, at most `wave` registering at once
@@ -63,6 +66,7 @@ class Worker:
             None if tls_dir is None else NodeCertificates(Path(tls_dir)),
         )
         self.fleet.relay_ports = {k: int(v) for k, v in config.get("relay_ports", {}).items()}
+        self.fleet.host_ports = {k: int(v) for k, v in config.get("host_ports", {}).items()}
         for index, spare, target in config["nodes"]:
             node = SimNode(self.fleet, index, spare, target)
             self.fleet.nodes[node.node_id] = node
@@ -163,6 +167,9 @@ async def main() -> None:
     requests = asyncio.StreamReader(limit=1 << 24)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(requests), sys.stdin)
     worker = Worker(json.loads(await requests.readline()))
+    # The host of every node not behind the relay: its daemon's port answers.
+    host = await asyncio.start_server(lambda _reader, writer: writer.close(), "127.0.0.1", 0)
+    worker.fleet.host_port = int(host.sockets[0].getsockname()[1])
     worker.lag.start()
     background = [asyncio.create_task(worker.reports()), asyncio.create_task(worker.notes())]
     emit({"t": "ready", "nodes": len(worker.fleet.nodes)})
@@ -173,6 +180,7 @@ async def main() -> None:
             task.cancel()
         if worker.starting is not None:
             worker.starting.cancel()
+        host.close()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(3):
                 await worker.fleet.close()

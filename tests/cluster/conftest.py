@@ -174,6 +174,7 @@ def cluster(
                     redis_prefix=prefix,
                     leader_loops=True,
                     heartbeat_interval_seconds=0.5,
+                    step_report_interval_seconds=0.5,
                     liveness_timeout_intervals=LIVENESS_INTERVALS,
                     liveness_startup_grace_seconds=0.0,
                     host="0.0.0.0" if network else "127.0.0.1",
@@ -187,6 +188,7 @@ def cluster(
                 "PITSTOP_REDIS_URL": stores.redis_url,
                 "PITSTOP_REDIS_PREFIX": prefix,
                 "PITSTOP_HEARTBEAT_INTERVAL_SECONDS": "0.5",
+                "PITSTOP_STEP_REPORT_INTERVAL_SECONDS": "0.5",
                 "PITSTOP_LIVENESS_TIMEOUT_INTERVALS": str(LIVENESS_INTERVALS),
                 "PITSTOP_LIVENESS_STARTUP_GRACE_SECONDS": "0",
                 # Reachable from a node in a network namespace too.
@@ -250,6 +252,7 @@ def process_cluster(
             "PITSTOP_REDIS_PREFIX": f"{stores.redis_prefix}{unique('proc')}:",
             "PITSTOP_LEADER_LEASE_SECONDS": "1",
             "PITSTOP_HEARTBEAT_INTERVAL_SECONDS": "0.5",
+            "PITSTOP_STEP_REPORT_INTERVAL_SECONDS": "0.5",
             "PITSTOP_LIVENESS_TIMEOUT_INTERVALS": str(LIVENESS_INTERVALS),
             "GRPC_VERBOSITY": "ERROR",
             # Secure, one CA for every scheduler process; each keeps its node port across

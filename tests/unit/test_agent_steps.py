@@ -139,3 +139,27 @@ def test_the_gradient_norm_is_the_mean_of_the_ranks_that_state_one() -> None:
         steps.add("a", 1, sample(rank, 5, loss=2.0))
     (quiet,) = steps.drain()
     assert quiet.grad_norm == 0.0  # nobody stated one at the slowest step
+
+
+def test_between_reports_only_a_generations_first_steps_go_out() -> None:
+    """Step summaries go out with the periodic report; between two, only what the
+    scheduler acts on at once: a generation getting going, rank by rank."""
+    steps = StepSummarizer()
+    steps.expect("a", 1, 0, agent_pb2.StepWindows(window_steps=2, warmup_steps=0))
+    steps.add("a", 1, sample(0, 1))
+    (first,) = steps.drain(due=False)  # the generation's first step: at once
+    assert (first.generation, first.ranks, first.newest_step) == (1, 1, 1)
+    steps.add("a", 1, sample(0, 2))  # rank 0 closes window 0 (steps 1-2)
+    assert steps.drain(due=False) == []  # progress and windows wait for the report
+    steps.add("a", 1, sample(1, 1))  # a second rank reported its first step
+    (more,) = steps.drain(due=False)
+    assert (more.ranks, more.slowest_step) == (2, 1)
+    assert [(w.rank, w.window) for w in more.windows] == [(0, 0)]  # rides along
+    steps.add("a", 1, sample(1, 2))
+    assert steps.drain(due=False) == []
+    (report,) = steps.drain(due=True)
+    assert (report.ranks, report.slowest_step, report.newest_step) == (2, 2, 2)
+    assert [(w.rank, w.window) for w in report.windows] == [(1, 0)]
+    steps.add("a", 2, sample(0, 3))  # a new generation: news again
+    (news,) = steps.drain(due=False)
+    assert (news.generation, news.ranks) == (2, 1)

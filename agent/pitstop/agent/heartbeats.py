@@ -41,7 +41,7 @@ STEP_POLL_SECONDS = 0.1
 class StepSource(Protocol):
     """What the heartbeats need of the step summarizer."""
 
-    def drain(self) -> list[agent_pb2.StepSummary]: ...
+    def drain(self, due: bool = True) -> list[agent_pb2.StepSummary]: ...
     @property
     def pending(self) -> int: ...
     @property
@@ -119,14 +119,19 @@ class Heartbeats:
 
     # Heartbeats and step times
 
-    async def run(self, interval: float, refresh: float | None = None) -> None:
+    async def run(
+        self, interval: float, refresh: float | None = None, steps_every: float = 0.0
+    ) -> None:
         """Look at the node every `interval` seconds (sooner after `beat_soon`) until
         cancelled: send a heartbeat when what it says changed (`_gist`), and at least
-        every `refresh` seconds (default: every look); flush step times at each look,
-        and between looks once enough wait."""
+        every `refresh` seconds (default: every look); report step times every
+        `steps_every` seconds (default: every look), a generation's first steps at the
+        look after them, and between looks once enough wait."""
         loop = asyncio.get_running_loop()
         refresh = max(refresh or interval, interval)
+        steps_every = max(steps_every, interval)
         self._sent, self._sent_at = None, -math.inf  # a new stream hears everything anew
+        steps_at = -math.inf
         while True:
             self._beat_now.clear()
             try:
@@ -136,7 +141,10 @@ class Heartbeats:
                 if gist != self._sent or now - self._sent_at >= refresh - interval / 2:
                     self._send(heartbeat=beat)
                     self._sent, self._sent_at = gist, now
-                self.flush_steps()
+                due = now - steps_at >= steps_every - interval / 2
+                self.flush_steps(due=due)
+                if due:
+                    steps_at = now
             except Exception:  # a bad beat must not end the heartbeats: liveness hangs on them
                 log.exception("building a heartbeat failed")
             deadline = loop.time() + interval
@@ -190,16 +198,17 @@ class Heartbeats:
         changed); a no-op while no stream is registered."""
         self._beat_now.set()
 
-    def flush_steps(self) -> None:
-        """Send the step summaries of what the ranks reported since the last flush, and
-        count the window summaries dropped."""
+    def flush_steps(self, due: bool = True) -> None:
+        """Send the step summaries of what the ranks reported since the last flush (with
+        `due` False, only the news the scheduler acts on at once: StepSummarizer.drain),
+        and count the window summaries dropped."""
         dropped = self._steps.dropped
         if dropped > self._dropped_seen:
             self._metrics.samples_dropped.labels(self._settings.node_id).inc(
                 dropped - self._dropped_seen
             )
             self._dropped_seen = dropped
-        for summary in self._steps.drain():
+        for summary in self._steps.drain(due):
             self._send(step_summary=summary)
             self._metrics.steps_reported.labels(self._settings.node_id, summary.job_id).inc(
                 summary.samples

@@ -333,7 +333,9 @@ class SchedulerLink:
             max(registered.refresh_interval_seconds, interval),
         )
         refresh = max(registered.refresh_interval_seconds, interval)
-        self._heartbeat_task = asyncio.create_task(self._heartbeats.run(interval, refresh))
+        self._heartbeat_task = asyncio.create_task(
+            self._heartbeats.run(interval, refresh, registered.step_report_seconds)
+        )
         if first:
             self._spawn(self._heartbeats.send_kernel_log_xids())
         self._registered_event.set()

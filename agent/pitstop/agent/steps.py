@@ -46,6 +46,9 @@ class _Generation:
     restored: list[agent_pb2.RankRestored] = field(default_factory=list)
     told: bool = False
     """A summary of this generation went out (its ranks count stays news until then)."""
+    told_ranks: int = 0
+    """How many of its ranks had reported when the last summary went out: a rank
+    reporting its first step of the generation is news (the scheduler counts them)."""
 
 
 class StepSummarizer:
@@ -126,25 +129,40 @@ class StepSummarizer:
                 self._dropped += 1
         return news
 
-    def drain(self) -> list[agent_pb2.StepSummary]:
-        """A summary of each job with news since the last drain (steps, or a generation
-        not told yet); the news is cleared."""
+    def drain(self, due: bool = True) -> list[agent_pb2.StepSummary]:
+        """A summary of each job with news since the last drain; the news is cleared.
+        `due`: the periodic report, where steps and straggler windows are news; between
+        two, only what the scheduler acts on at once is: a generation's first steps,
+        until every rank of it here has reported (it got going: a recovery resumed)."""
+        urgent = {
+            job_id
+            for job_id, current in self._jobs.items()
+            if not current.told or len(current.newest) != current.told_ranks
+        }
         windows: dict[str, list[RankWindowSummary]] = {}
+        kept: deque[tuple[str, int, RankWindowSummary]] = deque()
         for job_id, generation, window in self._windows:
             current = self._jobs.get(job_id)
-            if current is not None and current.generation == generation:
+            if current is None or current.generation != generation:
+                continue
+            if due or job_id in urgent:
                 windows.setdefault(job_id, []).append(window)
-        self._windows.clear()
-        self._pending = 0
+            else:
+                kept.append((job_id, generation, window))
+        self._windows = kept
+        if due:
+            self._pending = 0
         summaries = []
         for job_id, current in self._jobs.items():
             done = windows.get(job_id, [])
-            if not current.samples and not done and current.told:
+            if not due and job_id not in urgent:
+                continue
+            if not current.samples and not done and job_id not in urgent:
                 continue
             summaries.append(_summary(job_id, current, done))
             current.samples, current.tokens, current.model_flops = 0, 0, 0.0
             current.restored = []
-            current.told = True
+            current.told, current.told_ranks = True, len(current.newest)
         return summaries
 
     @property

@@ -286,18 +286,20 @@ class AgentMessage(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., xid: _Optional[_Union[_common_pb2.XidEvent, _Mapping]] = ..., step_summary: _Optional[_Union[StepSummary, _Mapping]] = ..., rank_exited: _Optional[_Union[RankExited, _Mapping]] = ..., ack: _Optional[_Union[CommandAck, _Mapping]] = ..., finding: _Optional[_Union[IntegrityFinding, _Mapping]] = ..., stacks: _Optional[_Union[RankStacks, _Mapping]] = ..., run_record: _Optional[_Union[RunRecord, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("node_id", "heartbeat_interval_seconds", "role", "state", "refresh_interval_seconds")
+    __slots__ = ("node_id", "heartbeat_interval_seconds", "role", "state", "refresh_interval_seconds", "step_report_seconds")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     REFRESH_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_REPORT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     heartbeat_interval_seconds: float
     role: _common_pb2.NodeRole
     state: _common_pb2.NodeState
     refresh_interval_seconds: float
-    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., role: _Optional[_Union[_common_pb2.NodeRole, str]] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., refresh_interval_seconds: _Optional[float] = ...) -> None: ...
+    step_report_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., role: _Optional[_Union[_common_pb2.NodeRole, str]] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., refresh_interval_seconds: _Optional[float] = ..., step_report_seconds: _Optional[float] = ...) -> None: ...
 
 class StartRanks(_message.Message):
     __slots__ = ("job_id", "generation", "command", "env", "working_dir", "rank_map", "rendezvous_address", "restore_step", "standby_gpus", "beside_ranks", "step_windows")

@@ -100,6 +100,11 @@ class SchedulerSettings(LayeredSettings):
     # less often than heartbeat_interval_seconds).
     heartbeat_interval_seconds: float = Field(default=1.0, gt=0)
     refresh_interval_seconds: float = Field(default=5.0, gt=0)
+    # How often an agent reports its ranks' step summaries (never more often than it
+    # looks): a generation's first steps go out at the next look whatever this says
+    # (a start or a recovery is seen at once); progress and straggler windows wait for
+    # the report. Telemetry per node per second is what a process holding streams pays.
+    step_report_interval_seconds: float = Field(default=5.0, gt=0)
     # A node is LOST after this many refresh intervals without a heartbeat; the scan runs
     # every liveness_tick_seconds, so detection takes at most (intervals * refresh +
     # tick). Only a hung agent whose process still answers keepalive pings waits for it.
@@ -229,6 +234,11 @@ class SchedulerSettings(LayeredSettings):
             replace_after_seconds=self.mass_loss_replace_after_seconds,
             replace_batch=self.mass_loss_replace_batch,
         )
+
+    @property
+    def step_report_seconds(self) -> float:
+        """How often agents report step summaries: never more often than they look."""
+        return max(self.step_report_interval_seconds, self.heartbeat_interval_seconds)
 
     @property
     def liveness_timeout_seconds(self) -> float:

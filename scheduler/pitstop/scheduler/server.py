@@ -206,6 +206,7 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
                 settings.heartbeat_interval_seconds,
                 settings.refresh_seconds,
                 settings.liveness_timeout_seconds,
+                settings.step_report_seconds,
             ),
             metrics,
             accept=settings.agent_streams,
@@ -308,6 +309,7 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         metrics,
         timeouts=Timeouts(settings.recovery_timeout_seconds, settings.restart_timeout_seconds),
         mass_loss=settings.mass_loss_policy,
+        step_report_seconds=settings.step_report_seconds + settings.heartbeat_interval_seconds,
     )
     scheduler.election = election
     slurm = (

@@ -66,6 +66,8 @@ SCHEDULER_ENV = {
     KEEPALIVE_ENV: f"{KEEPALIVE_SECONDS:g}",
     KEEPALIVE_TIMEOUT_ENV: f"{KEEPALIVE_SECONDS:g}",
     "PITSTOP_LIVENESS_STARTUP_GRACE_SECONDS": "0",
+    # Steps reported at every look too: a handful of nodes, a dashboard to watch.
+    "PITSTOP_STEP_REPORT_INTERVAL_SECONDS": f"{HEARTBEAT_INTERVAL:g}",
 }
 MIN_LIVENESS_INTERVALS = 1.5  # the scheduler's own floor
 SCHEDULER_REFRESH_DEFAULT = "5"  # the scheduler's refresh_interval_seconds, unset

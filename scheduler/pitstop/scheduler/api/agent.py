@@ -287,6 +287,7 @@ class AgentServicer:
             node_id=node.id,
             heartbeat_interval_seconds=self.beats.interval,
             refresh_interval_seconds=self.beats.refresh,
+            step_report_seconds=self.beats.steps,
             role=NODE_ROLE_TO_PB[node.role],
             state=NODE_STATE_TO_PB[node.state],
         )

@@ -76,3 +76,5 @@ class Beats:
     """The longest an agent goes without a heartbeat."""
     liveness_timeout: float
     """No heartbeat for this long: the liveness scan declares the node LOST."""
+    steps: float = 0.0
+    """How often an agent reports step summaries (0: every interval)."""

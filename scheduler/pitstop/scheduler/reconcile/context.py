@@ -102,6 +102,9 @@ class Leader:
     timeouts: Timeouts = field(default_factory=Timeouts)
     clock: Callable[[], float] = time.monotonic
     mass_loss: MassLossPolicy = field(default_factory=MassLossPolicy)
+    window_hold_seconds: float = 5.0
+    """Longest a straggler window waits for the job's other ranks before the detector sees
+    it: longer than the agents' step report interval (steps.WindowOrder)."""
     rank_maps: RankMaps = field(default_factory=RankMaps)
 
 

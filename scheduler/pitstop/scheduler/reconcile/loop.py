@@ -24,7 +24,7 @@ from pitstop.scheduler.reconcile.hangs import HangWatch
 from pitstop.scheduler.reconcile.placing import place_pending_jobs
 from pitstop.scheduler.reconcile.recovery import Recovery
 from pitstop.scheduler.reconcile.standbys import StandbyKeeper
-from pitstop.scheduler.reconcile.steps import StepFollower
+from pitstop.scheduler.reconcile.steps import WINDOW_HOLD_SECONDS, StepFollower
 from pitstop.scheduler.store import Store
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ class Reconciler:
         timeouts: Timeouts | None = None,
         clock: Callable[[], float] = time.monotonic,
         mass_loss: MassLossPolicy | None = None,
+        step_report_seconds: float = 0.0,
     ) -> None:
         self.leader = Leader(
             store,
@@ -57,6 +58,8 @@ class Reconciler:
             timeouts or Timeouts(),
             clock=clock,
             mass_loss=mass_loss or MassLossPolicy(),
+            # A window's last rank may report a whole report interval after its first.
+            window_hold_seconds=max(WINDOW_HOLD_SECONDS, step_report_seconds + 1.0),
         )
         self.steps = StepFollower(self.leader)
         self.recovery = Recovery(self.leader, self.steps.step_seconds)

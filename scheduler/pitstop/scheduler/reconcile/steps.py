@@ -37,7 +37,7 @@ from pitstop.v1 import agent_pb2
 GOODPUT_REFRESH_SECONDS = 1.0
 WINDOW_HOLD_SECONDS = 5.0
 """Longest a straggler window waits for the job's other ranks before the detector sees
-it."""
+it, at least (a window arrives with its node's step report: see Leader.window_hold_seconds)."""
 RANK_STATS_SECONDS = 2.0
 """Per-rank statistics are published (and the typical step time worked out) at most this
 often, and at once when a straggler is flagged or cleared: every rank's windows are
@@ -263,7 +263,7 @@ class StepFollower:
                 (w for s in summaries for w in s.windows),
                 placement.world_size,
                 leader.clock(),
-                WINDOW_HOLD_SECONDS,
+                leader.window_hold_seconds,
             )
             watch.findings += detector.observe_windows(windows)
             findings = list(watch.findings)
