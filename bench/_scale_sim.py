@@ -517,72 +517,78 @@ class SimNode:
         self.send(ack=ack)
         self.fleet.sent["ack"] += 1
 
-    def inject_xid(self) -> None:
-        """What the agent sends on a fatal Xid: the Xid, the exit of the rank on that GPU
-        (the agent ends it), and a heartbeat at once saying FATAL."""
-        gpu = 0
-        job_id, job = next(iter(self.jobs.items()))
-        rank = next(r for r, g in job.ranks if g == gpu)
-        self.unhealthy_gpu = gpu
-        now = time.time()
-        self.send(
-            xid=common_pb2.XidEvent(
-                gpu_index=gpu,
-                gpu_uuid=self.gpu_uuids[gpu],
-                xid=79,
-                message="GPU has fallen off the bus",
-                time=stamp(now),
-                source=common_pb2.XID_SOURCE_SIMULATED,
-                verdict=common_pb2.HEALTH_VERDICT_FATAL,
-            )
-        )
-        job.ranks = [(r, g) for r, g in job.ranks if g != gpu]
-        self.send(
-            rank_exited=agent_pb2.RankExited(
-                job_id=job_id, generation=job.generation, rank=rank, signal=9, time=stamp(now)
-            )
-        )
-        self.heartbeat()
 
-    def exit_rank(self) -> None:
-        """A rank of the node's job exits with code 1 (its training crashed): the agent
-        reports the exit at once, then a heartbeat without that rank."""
-        job_id, job = next(iter(self.jobs.items()))
-        rank, _ = job.ranks[-1]
-        job.ranks = job.ranks[:-1]
-        self.send(
+# What an agent sends when its node fails, or its job ends
+
+
+def inject_xid(node: SimNode) -> None:
+    """What the agent sends on a fatal Xid: the Xid, the exit of the rank on that GPU
+    (the agent ends it), and a heartbeat at once saying FATAL."""
+    gpu = 0
+    job_id, job = next(iter(node.jobs.items()))
+    rank = next(r for r, g in job.ranks if g == gpu)
+    node.unhealthy_gpu = gpu
+    now = time.time()
+    node.send(
+        xid=common_pb2.XidEvent(
+            gpu_index=gpu,
+            gpu_uuid=node.gpu_uuids[gpu],
+            xid=79,
+            message="GPU has fallen off the bus",
+            time=stamp(now),
+            source=common_pb2.XID_SOURCE_SIMULATED,
+            verdict=common_pb2.HEALTH_VERDICT_FATAL,
+        )
+    )
+    job.ranks = [(r, g) for r, g in job.ranks if g != gpu]
+    node.send(
+        rank_exited=agent_pb2.RankExited(
+            job_id=job_id, generation=job.generation, rank=rank, signal=9, time=stamp(now)
+        )
+    )
+    node.heartbeat()
+
+
+def exit_rank(node: SimNode) -> None:
+    """A rank of the node's job exits with code 1 (its training crashed): the agent
+    reports the exit at once, then a heartbeat without that rank."""
+    job_id, job = next(iter(node.jobs.items()))
+    rank, _ = job.ranks[-1]
+    job.ranks = job.ranks[:-1]
+    node.send(
+        rank_exited=agent_pb2.RankExited(
+            job_id=job_id,
+            generation=job.generation,
+            rank=rank,
+            exit_code=1,
+            time=stamp(time.time()),
+            stderr_tail="RuntimeError: simulated crash",
+        )
+    )
+    node.heartbeat()
+
+
+def finish(node: SimNode, job_id: str, generation: int) -> int:
+    """Every rank of `job_id`'s `generation` on this node exits 0 with its result, as
+    a job's last step ends; then a heartbeat without them. The ranks that exited."""
+    job = node.jobs.get(job_id)
+    if job is None or job.generation != generation:
+        return 0
+    now = stamp(time.time())
+    for rank, _ in job.ranks:
+        node.send(
             rank_exited=agent_pb2.RankExited(
                 job_id=job_id,
-                generation=job.generation,
+                generation=generation,
                 rank=rank,
-                exit_code=1,
-                time=stamp(time.time()),
-                stderr_tail="RuntimeError: simulated crash",
+                exit_code=0,
+                time=now,
+                result=FINAL_RESULT,
             )
         )
-        self.heartbeat()
-
-    def finish(self, job_id: str, generation: int) -> int:
-        """Every rank of `job_id`'s `generation` on this node exits 0 with its result, as
-        a job's last step ends; then a heartbeat without them. The ranks that exited."""
-        job = self.jobs.get(job_id)
-        if job is None or job.generation != generation:
-            return 0
-        now = stamp(time.time())
-        for rank, _ in job.ranks:
-            self.send(
-                rank_exited=agent_pb2.RankExited(
-                    job_id=job_id,
-                    generation=generation,
-                    rank=rank,
-                    exit_code=0,
-                    time=now,
-                    result=FINAL_RESULT,
-                )
-            )
-        del self.jobs[job_id]
-        self.heartbeat()
-        return len(job.ranks)
+    del node.jobs[job_id]
+    node.heartbeat()
+    return len(job.ranks)
 
 
 class NodeCertificates:

@@ -43,7 +43,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run by path: bench.* from the root
-from bench._scale_sim import LagMeter, NodeCertificates, SimFleet, SimNode, cpu_seconds
+from bench._scale_sim import (
+    LagMeter,
+    NodeCertificates,
+    SimFleet,
+    SimNode,
+    cpu_seconds,
+    exit_rank,
+    finish,
+    inject_xid,
+)
 
 REPORT_SECONDS = 0.5
 NOTES_SECONDS = 0.05
@@ -129,7 +138,7 @@ class Worker:
             self.fleet.alive_targets = set(request["targets"])
         elif op == "finish":
             ranks = sum(
-                n.finish(request["job"], int(request["generation"]))
+                finish(n, request["job"], int(request["generation"]))
                 for n in self.fleet.nodes.values()
             )
             return {"ranks": ranks}
@@ -140,9 +149,9 @@ class Worker:
             if op == "break":
                 node.cancel()
         elif op == "xid":
-            node.inject_xid()
+            inject_xid(node)
         elif op == "exit":
-            node.exit_rank()
+            exit_rank(node)
         elif op == "hang":
             node.hung = True
         else:

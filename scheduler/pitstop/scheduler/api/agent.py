@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 from redis.exceptions import RedisError
 
-from pitstop.scheduler.api.agent_input import check_agent_message
+from pitstop.scheduler.api.agent_input import check_agent_message, check_step_summary
 from pitstop.scheduler.api.agent_messages import HEALTH_PATH, StreamLink, handle
 from pitstop.scheduler.api.agent_stream import Beats, StreamState, tracked
 from pitstop.scheduler.api.agent_writes import AckWriter, JobGenerations, StepWriter
@@ -317,6 +317,8 @@ class AgentServicer:
                 check_agent_message(message.heartbeat, path="heartbeat", skip=HEALTH_PATH)
             elif kind == "ack":
                 check_agent_message(message.ack, path="ack", skip="ack.heartbeat.health")
+            elif kind == "step_summary":
+                check_step_summary(message.step_summary)
             else:
                 check_agent_message(message)
             await handle(self.link, state, message)

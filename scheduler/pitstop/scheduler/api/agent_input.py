@@ -162,3 +162,23 @@ def _value(field: _Field, value: Any, name: str) -> None:
     elif kind == "msg":
         assert field.descriptor is not None
         _walk(value, _plan(field.descriptor, field.key), name)
+
+
+def check_step_summary(summary: Message) -> None:
+    """The few fields of a StepSummary that can reach PostgreSQL or a key: its job id
+    (a Redis key, a lookup) and where a rank restored from (an event's words). A summary
+    goes to Redis as its bytes and its numbers are only compared and summed, so the walk
+    over every window and time (most of what ingest spent per summary) is left out."""
+    job_id = getattr(summary, "job_id", "")
+    if "\x00" in job_id or len(job_id) > MAX_LENGTH["rank_exited.job_id"]:
+        raise InvalidArgument(
+            "step_summary.job_id", job_id, "send the job's id (32 characters at most)"
+        )
+    for index, told in enumerate(getattr(summary, "restored", ())):
+        source = told.restored_from
+        if "\x00" in source or len(source) > 64:
+            raise InvalidArgument(
+                f"step_summary.restored[{index}].restored_from",
+                source,
+                "name where the rank restored from in 64 characters, without NUL",
+            )
