@@ -475,14 +475,14 @@ def test_live_health_follows_every_change_and_a_changed_health_is_checked_again(
     refused though the health before it passed."""
     node_id = unique("live")
     client = redis.Redis.from_url(stores.redis_url)
-    key = f"{stores.redis_prefix}node:{node_id}:health"
+    key = f"{stores.redis_prefix}live-health"
 
     def stored_after(**beat: Any) -> dict[str, Any]:
         agent.send(heartbeat=agent_pb2.Heartbeat(**beat))
         agent.send(xid=common_pb2.XidEvent(gpu_index=0, xid=13))  # a marker after the beat
         marker = wait_for_event(scheduler, node_id, "node.xid", after=seen[-1])
         seen.append(marker.id)
-        return dict(json.loads(client.get(key)))
+        return dict(json.loads(client.hget(key, node_id)))
 
     seen = [0]
     warm = healthy(2)
