@@ -7,6 +7,7 @@ job's ranks on them, and the benchmark's constants. A worker process
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import os
 import random
@@ -98,6 +99,21 @@ def cpu_seconds() -> float:
     """This process's CPU, every thread (gRPC's core threads too)."""
     times = os.times()
     return times.user + times.system
+
+
+@functools.lru_cache(maxsize=16)
+def _policy(window_steps: int, warmup_steps: int | None) -> StragglerPolicy:
+    windows = agent_pb2.StepWindows(window_steps=window_steps)
+    if warmup_steps is not None:
+        windows.warmup_steps = warmup_steps
+    return StragglerPolicy.from_step_windows(windows)
+
+
+def policy_of(windows: agent_pb2.StepWindows) -> StragglerPolicy:
+    """The job's straggler windows, built once per kind of command (a fan-out brings the
+    same to every node: built for each, it was a tenth of a worker's time)."""
+    warmup = windows.warmup_steps if windows.HasField("warmup_steps") else None
+    return _policy(windows.window_steps, warmup)
 
 
 @dataclass
@@ -497,7 +513,7 @@ class SimNode:
                         ranks,
                         now,
                         body.restore_step,
-                        StragglerPolicy.from_step_windows(body.step_windows),
+                        policy_of(body.step_windows),
                     )
                     self.reported_step[body.job_id] = body.restore_step
                 else:

@@ -48,6 +48,8 @@ __all__ = ["NODE_ID_RE", "AgentServicer", "Beats"]
 log = logging.getLogger(__name__)
 
 NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+READER_DONE = object()
+"""Put on a stream's command queue when its reader ends."""
 JUDGE_TICK_SECONDS = 1.0
 """How often a process judges the streams it holds (a quarter of a shorter timeout)."""
 
@@ -120,21 +122,23 @@ class AgentServicer:
         queue = self.gateway.attach(state.node_id)
         self._streams[state.node_id] = state
         reader = asyncio.create_task(self._read(state, requests), name=state.node_id)
+        # The reader's end comes down the same queue as the commands: one await a command,
+        # not a task and a wait (a recovery's fan-out is a command for every stream).
+        reader.add_done_callback(lambda _: queue.put_nowait(READER_DONE))
         reason = "agent stream closed"
-        getter: asyncio.Task[object] | None = None
         try:
             yield agent_pb2.SchedulerMessage(registered=await self._registered(state.node_id))
             while True:
-                getter = asyncio.create_task(queue.get())
-                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
+                item = await queue.get()
+                if item is READER_DONE:
                     try:
                         reader.result()  # re-raise a protocol error; else the agent hung up
+                    except asyncio.CancelledError:
+                        return
                     except Exception as exc:
                         reason = f"agent stream broken: {exc}"
                         raise
                     return
-                item = getter.result()
                 if isinstance(item, CloseStream):
                     reason = item.reason
                     return
@@ -142,9 +146,7 @@ class AgentServicer:
                 state.commands[item.command_id] = tracked(item)
                 yield item
         finally:
-            pending = [
-                t for t in (getter, reader, state.stale_check) if t is not None and not t.done()
-            ]
+            pending = [t for t in (reader, state.stale_check) if t is not None and not t.done()]
             for task in pending:
                 task.cancel()
             if self._streams.get(state.node_id) is state:
