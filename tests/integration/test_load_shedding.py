@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from kit.ports import free_port
 from kit.schedulers import SchedulerThread, scheduler_settings
 from kit.stores import StoreUrls, unique
 from kit.waits import wait_until
@@ -76,3 +77,28 @@ def test_a_lagging_process_sheds_step_summaries_but_not_an_xid(
             assert steps_written(client, key) == [1, 3]
     finally:
         client.close()
+
+
+def test_a_stream_lost_while_the_process_is_behind_counts_as_silent(
+    scheduler: SchedulerThread,
+) -> None:
+    """A keepalive ping missed while the process holding the stream was starved may be
+    the process's fault: the loss counts toward a mass loss whatever the host says."""
+    node_id = unique("behind")
+    refused = f"127.0.0.1:{free_port()}"  # the host answers (a refusal)
+    shedder = scheduler.scheduler.agents.shedder
+    events = nodes_pb2_grpc.EventServiceStub(scheduler.channel())
+    stream = scheduler.open_stream(node_id, checkpointd_address=refused)
+    scheduler.loop.call_soon_threadsafe(time.sleep, 0.6)
+    wait_until(lambda: shedder.shedding, "the process to shed", 15)
+    stream.close()
+    lost = wait_until(
+        lambda: [
+            e
+            for e in events.List(nodes_pb2.ListEventsRequest(node_id=node_id)).events
+            if e.kind == "node.lost"
+        ],
+        "the node lost",
+        15,
+    )
+    assert lost[0].attributes["cause"] == "silent"

@@ -31,6 +31,7 @@ from pitstop.scheduler.convert import (
     node_roles_from_pb,
     registration_from_pb,
 )
+from pitstop.scheduler.domain import LossCause
 from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from pitstop.scheduler.gateway import AgentGateway, CloseStream
 from pitstop.scheduler.hostprobe import loss_cause
@@ -211,8 +212,12 @@ class AgentServicer:
     async def _lost(self, state: StreamState, reason: str) -> None:
         """Record a node whose stream ended as LOST, once its host said whether it is up
         (hostprobe): meanwhile it is a suspect, which the leader counts toward a mass
-        loss. A node that registered again meanwhile is not lost."""
+        loss. A node that registered again meanwhile is not lost. A stream that ended
+        while this process was behind (shedding) counts as silent whatever its host
+        says: the keepalive ping it missed may have waited on this process, and its own
+        lag must not turn into lost nodes (many at once are a mass loss, and held)."""
         node_id, ended = state.node_id, dt.datetime.now(dt.UTC)
+        behind = self.shedder.shedding
         try:
             with contextlib.suppress(RedisError):
                 # The leader's scan must not judge it meanwhile (if this process dies
@@ -222,6 +227,8 @@ class AgentServicer:
                 )
                 await self.hot.suspects.add(node_id, ended.timestamp())
             cause = await loss_cause(state.probe_address, self.loss_probe_seconds)
+            if behind or self.shedder.shedding:
+                cause = LossCause.SILENT
             async with self.store.write() as session:
                 lost = await health_service.mark_lost(
                     session,
