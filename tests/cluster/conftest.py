@@ -119,8 +119,15 @@ def durable_every() -> int:
 
 @pytest.fixture
 def netns_node() -> str:
-    """The node that runs in a network namespace of its own; "" for none."""
+    """The node that runs in a network namespace of its own, or several, comma-separated;
+    "" for none."""
     return ""
+
+
+@pytest.fixture
+def scheduler_env() -> dict[str, str]:
+    """Settings of the scheduler beyond the matrix's (a scenario's own thresholds)."""
+    return {}
 
 
 @pytest.fixture
@@ -141,6 +148,7 @@ def cluster(
     tls: bool,
     fork_server: Path,
     daemon_forks: ForkClient,
+    scheduler_env: dict[str, str],
 ) -> Iterator[Cluster]:
     if full_durable_store and os.geteuid() != 0:
         pytest.skip("a full durable store is a tiny tmpfs: mounting it needs root")
@@ -194,6 +202,7 @@ def cluster(
                 # Reachable from a node in a network namespace too.
                 "PITSTOP_HOST": "0.0.0.0" if network else "127.0.0.1",
                 "GRPC_VERBOSITY": "ERROR",
+                **scheduler_env,
             }
             if tls:
                 env |= {"PITSTOP_TLS": "true", "PITSTOP_NODE_PORT": "0"}

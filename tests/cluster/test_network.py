@@ -1,4 +1,4 @@
-"""The fault matrix, the network: a node in a network namespace of its own is cut off
+"""The fault matrix, the network: nodes in network namespaces of their own are cut off
 mid-run (needs root and iproute2)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import random
 import pytest
 
 from kit.faultcluster import (
+    HANDOVER_STEP_SECONDS,
     SPARE,
     STEP_SECONDS,
     STEPS,
@@ -60,3 +61,45 @@ def test_a_node_cut_off_by_its_network_namespace_is_replaced(
     # scheduler's stop for its whole grace (10 s of the suite).
     cluster.kill_node(cut.node_id)
     network.heal(cut.node_id)
+
+
+@pytest.mark.parametrize("netns_node", ["n2,n3"])
+# Two of four nodes silent at once is more than this share of the job's: a mass loss
+# (the fleet-wide count, 16 nodes by default, is beyond a five-node cluster).
+@pytest.mark.parametrize("scheduler_env", [{"PITSTOP_MASS_LOSS_JOB_SHARE": "0.4"}])
+def test_half_the_nodes_cut_off_at_once_hold_the_job_until_they_are_back(
+    cluster: Cluster, standalone_hash: str
+) -> None:
+    """Nodes n2 and n3 lose their links at once, mid-run: a partition, not two
+    failures. The scheduler finds both silent (no heartbeat, no answer from their hosts)
+    and holds the job instead of moving half of it to spares it does not have: its ranks
+    stay where they are, waiting in their gradient exchange. The links come back, the
+    agents register again, the job is released and runs on, no rank moved and no step
+    lost; it ends bitwise equal to the fault-free run."""
+    network = cluster.network
+    assert network is not None
+    cut = sorted(link.node_id for link in network.links)
+    assert cut == ["n2", "n3"], cut
+    # Steps long enough that the job is still mid-run once the silence is judged.
+    job = cluster.submit("--step-seconds", str(HANDOVER_STEP_SECONDS))
+    ranks = {a.node_id: a.rank for a in job.rank_map.ranks}
+    assert 0 not in {ranks[n] for n in cut}  # rank 0's host is the rendezvous
+    cluster.wait_for_step(job, ranks[cut[0]], random.randint(3, 8))
+    for node_id in cut:
+        network.cut(node_id)
+    held = cluster.job_event(job.id, "job.held", "job.recovering")
+    assert held.kind == "job.held", f"{held.kind}: {held.reason}"
+    assert held.attributes["nodes"] == ",".join(cut), dict(held.attributes)
+    for node_id in cut:
+        network.heal(node_id)
+    released = cluster.job_event(job.id, "job.released", "job.recovering")
+    assert released.kind == "job.released", f"{released.kind}: {released.reason}"
+    assert released.attributes["replacements"] == "0", dict(released.attributes)
+    done = cluster.finish(job.id)
+    check_result(done, standalone_hash)
+    placed = {a.node_id: a.rank for a in done.rank_map.ranks}
+    assert placed == ranks, placed  # nothing moved: the spare never took a rank
+    lost = node_lost_events(cluster)
+    assert sorted(each.split(":", 1)[0] for each in lost) == cut, lost
+    for each in range(4):
+        assert steps_never_run(cluster, done, each) == set()

@@ -136,7 +136,8 @@ def test_a_postgresql_restart_mid_run_loses_nothing(
 
 def dropping_first_sends(generation: int) -> tuple[Any, list[str]]:
     """A CommandRouter.send_many (the fan-out of every decision) that loses the first
-    StartRanks or Reconfigure of `generation` to each node, as if the leader died (or
+    StartRanks or Reconfigure (a survivor's is the shared `reconfigure_kept`) of
+    `generation` to each node, as if the leader died (or
     its send failed) right after committing the decision; the dropped commands' nodes
     are listed."""
     from pitstop.scheduler.gateway import CommandRouter
@@ -148,7 +149,7 @@ def dropping_first_sends(generation: int) -> tuple[Any, list[str]]:
         kind = message.WhichOneof("body")
         body = getattr(message, kind)
         if (
-            kind in ("start_ranks", "reconfigure")
+            kind in ("start_ranks", "reconfigure", "reconfigure_kept")
             and body.generation == generation
             and not (kind == "start_ranks" and body.standby_gpus)
             and node_id not in dropped

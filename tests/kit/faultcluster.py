@@ -536,9 +536,10 @@ def full_filesystem(path: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def network_namespace(node: str) -> Iterator[Network]:
-    """Node `node` in a network namespace of its own, behind a bridge here."""
-    network = create_network([node])
+def network_namespace(nodes: str) -> Iterator[Network]:
+    """Each of `nodes` (comma-separated) in a network namespace of its own, behind a
+    bridge here."""
+    network = create_network(nodes.split(","))
     try:
         yield network
     finally:
