@@ -50,10 +50,9 @@ def leader(stores: StoreUrls, tmp_path: Path, **mass_loss: Any) -> SchedulerThre
 
 
 def cut(streams: list[AgentStream]) -> None:
-    """End the streams all at once, as a partition does (each close waits for the
-    scheduler to end its side, which records the loss first)."""
+    """End the streams all at once, as a partition does (the calls reset)."""
     with ThreadPoolExecutor(len(streams)) as pool:
-        list(pool.map(AgentStream.close, streams))
+        list(pool.map(AgentStream.cut, streams))
 
 
 def start_job(thread: SchedulerThread, streams: list[AgentStream], dp: int) -> jobs_pb2.Job:
@@ -112,6 +111,7 @@ def test_a_mass_loss_holds_the_job_and_it_goes_on_when_its_nodes_are_back(
             cut(workers[1:])  # three hosts cut off at once: nothing answers for them
             held = log.until("job.held")
             assert held.attributes["lost_nodes"] == "3", dict(held.attributes)
+            log.until("node.lost", count=3)  # their hosts asked, and silent
             # A survivor's rank gives up its collective meanwhile: not restarted while held.
             workers[0].send(
                 rank_exited=agent_pb2.RankExited(job_id=job.id, generation=1, rank=0, exit_code=1)
@@ -190,11 +190,11 @@ def test_a_single_silent_node_is_replaced_at_once_and_an_answering_host_sooner(
         job = start_job(thread, workers, dp=3)
         log = Log(thread.address, job.id)
         try:
-            workers[1].close()  # its agent died on a live host
+            workers[1].cut()  # its agent died on a live host
             lost = log.until("node.lost")
             assert (lost.node_id, lost.attributes["cause"]) == ("w1", "stream")
             log.until("job.recovering")
-            workers[2].close()  # a host gone silent, alone
+            workers[2].cut()  # a host gone silent, alone
             lost = log.until("node.lost", count=2)
             assert (lost.node_id, lost.attributes["cause"]) == ("w2", "silent")
             log.until("job.reconfigured")

@@ -74,7 +74,15 @@ class AgentStream:
         threading.Thread(target=pull, daemon=True).start()
         return result.result(timeout)
 
+    def cut(self) -> None:
+        """End the stream as a dead agent or a cut network does: the call reset, no end
+        of stream sent by the agent, so the scheduler asks the node's host why."""
+        self.responses.cancel()
+        self._outbox.put(None)
+
     def close(self) -> None:
+        """End the stream as an agent does (its end of stream), and wait for the
+        scheduler's end of it."""
         self._outbox.put(None)
         with contextlib.suppress(grpc.RpcError, StopIteration):
             for _ in self.responses:

@@ -32,7 +32,12 @@ from pitstop.scheduler.convert import (
     registration_from_pb,
 )
 from pitstop.scheduler.domain import LossCause
-from pitstop.scheduler.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from pitstop.scheduler.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    PitstopError,
+)
 from pitstop.scheduler.gateway import AgentGateway, CloseStream
 from pitstop.scheduler.hostprobe import loss_cause
 from pitstop.scheduler.hotstate import HotState
@@ -127,6 +132,9 @@ class AgentServicer:
         # not a task and a wait (a recovery's fan-out is a command for every stream).
         reader.add_done_callback(lambda _: queue.put_nowait(READER_DONE))
         reason = "agent stream closed"
+        # The agent ended its stream itself (its end of stream, or a message refused):
+        # what ended it came from its host, so the host is up and not asked.
+        agent_ended = False
         try:
             yield agent_pb2.SchedulerMessage(registered=await self._registered(state.node_id))
             while True:
@@ -138,7 +146,9 @@ class AgentServicer:
                         return
                     except Exception as exc:
                         reason = f"agent stream broken: {exc}"
+                        agent_ended = isinstance(exc, PitstopError)
                         raise
+                    agent_ended = True
                     return
                 if isinstance(item, CloseStream):
                     reason = item.reason
@@ -158,7 +168,7 @@ class AgentServicer:
             # waited for the liveness deadline while it was awaited here).
             recording = None
             if self.gateway.detach(state.node_id, queue) and not self.stopping:
-                recording = asyncio.create_task(self._lost(state, reason))
+                recording = asyncio.create_task(self._lost(state, reason, agent_ended))
                 self._recording.add(recording)
                 recording.add_done_callback(self._recording.discard)
             if pending:
@@ -209,10 +219,12 @@ class AgentServicer:
         if self._recording:
             await asyncio.wait(set(self._recording))
 
-    async def _lost(self, state: StreamState, reason: str) -> None:
+    async def _lost(self, state: StreamState, reason: str, agent_ended: bool = False) -> None:
         """Record a node whose stream ended as LOST, once its host said whether it is up
         (hostprobe): meanwhile it is a suspect, which the leader counts toward a mass
-        loss. A node that registered again meanwhile is not lost. A stream that ended
+        loss. A stream its agent ended (`agent_ended`: its end of stream, or a message
+        refused, arrived, as no dead host or cut network sends them) is lost at once,
+        unasked. A node that registered again meanwhile is not lost. A stream that ended
         while this process was behind (shedding) counts as silent whatever its host
         says: the keepalive ping it missed may have waited on this process, and its own
         lag must not turn into lost nodes (many at once are a mass loss, and held)."""
@@ -226,7 +238,10 @@ class AgentServicer:
                     [node_id], time.time() + self.loss_probe_seconds + self.liveness_timeout
                 )
                 await self.hot.suspects.add(node_id, ended.timestamp())
-            cause = await loss_cause(state.probe_address, self.loss_probe_seconds)
+            if agent_ended:
+                cause = LossCause.STREAM
+            else:
+                cause = await loss_cause(state.probe_address, self.loss_probe_seconds)
             if behind or self.shedder.shedding:
                 cause = LossCause.SILENT
             async with self.store.write() as session:
