@@ -100,6 +100,7 @@ async def _rank_exited(
     link: StreamLink, state: StreamState, message: agent_pb2.AgentMessage
 ) -> None:
     exited, node_id = message.rank_exited, state.node_id
+    await link.steps.settle()  # its last steps first, as its agent sent them
     how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
     async with link.store.write() as session:
         record_event(
@@ -120,6 +121,7 @@ async def _rank_exited(
 
 
 async def _finding(link: StreamLink, state: StreamState, message: agent_pb2.AgentMessage) -> None:
+    await link.steps.settle()  # the steps its agent sent before it first
     async with link.store.write() as session:
         paused = await integrity_service.record_finding(session, state.node_id, message.finding)
         nodes = await job_service.job_nodes(session, paused) if paused is not None else []

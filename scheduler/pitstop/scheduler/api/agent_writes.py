@@ -88,18 +88,32 @@ class StepWriter:
         self.hot = hot
         self._pending: dict[str, list[agent_pb2.StepSummary]] = {}
         self._writer: asyncio.Task[None] | None = None
+        self._queued = 0  # summaries queued so far
+        self._written = 0  # of which those whose write has ended
+        self._progress = asyncio.Event()
 
     def add(self, summary: agent_pb2.StepSummary) -> None:
         """Queue the summary (its node_id set); returns at once."""
         if not summary.job_id:
             return
         self._pending.setdefault(summary.job_id, []).append(summary)
+        self._queued += 1
         if self._writer is None or self._writer.done():
             self._writer = asyncio.create_task(self._write(), name="step-writer")
+
+    async def settle(self) -> None:
+        """Wait until the summaries queued so far are written (or failed to be): a
+        rank's exit or finding is handled after the last steps its agent sent before it,
+        as the agent sent them."""
+        target = self._queued
+        while self._written < target and self._writer is not None and not self._writer.done():
+            progress = self._progress
+            await progress.wait()
 
     async def _write(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, {}
+            taken = self._queued
             try:
                 await self.hot.record_step_summaries(batch)
             except asyncio.CancelledError:
@@ -108,6 +122,10 @@ class StepWriter:
                 # Telemetry: the next summaries of each node say as much again.
                 count = sum(len(s) for s in batch.values())
                 log.warning("could not record %d step summaries", count, exc_info=True)
+            finally:
+                self._written = taken
+                self._progress.set()
+                self._progress = asyncio.Event()
 
     async def stop(self) -> None:
         if self._writer is not None:
