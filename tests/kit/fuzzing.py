@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from kit.schedulers import SchedulerProcess, tls_scheduler
 from kit.stores import StoreUrls, unique
+from kit.streams import LIVE_HOST
 from pitstop.agent.identity import enroll, identity_for
 from pitstop.client.client import PitstopClient
 from pitstop.common.tls import channel_options, node_credentials
@@ -243,10 +244,12 @@ def enrolled_node(stores: StoreUrls, root: Path, admin_token: str) -> Iterator[E
 
 
 def register(node_id: str) -> agent_pb2.AgentMessage:
-    """A valid Register of `node_id` with one GPU."""
+    """A valid Register of `node_id` with one GPU, its host up (LIVE_HOST)."""
     started = timestamp_pb2.Timestamp(seconds=1_700_000_000)
     inventory = common_pb2.Inventory(
-        hostname=node_id, gpus=[common_pb2.GpuInfo(index=0, uuid=f"G-{node_id}")]
+        hostname=node_id,
+        checkpointd_address=LIVE_HOST,
+        gpus=[common_pb2.GpuInfo(index=0, uuid=f"G-{node_id}")],
     )
     return agent_pb2.AgentMessage(
         seq=1,

@@ -109,6 +109,10 @@ def scheduler_settings(stores: StoreUrls, state_dir: Path, **overrides: Any) -> 
         "redis_url": stores.redis_url,
         "redis_prefix": stores.redis_prefix,
         "shutdown_grace_seconds": 1.0,
+        # A host on this machine answers the probe of an ended stream within a
+        # millisecond; the fleet default (1 s, a keepalive interval) would hold every
+        # stream a test ends, and a node with no address to ask, that long.
+        "loss_probe_seconds": 0.2,
         # Deciding loops only where a test asks for them, on a database of its own.
         "leader_loops": False,
         "metrics_port": None,

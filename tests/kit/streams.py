@@ -10,11 +10,17 @@ from typing import Any
 
 import grpc
 
+from kit.ports import free_port
 from pitstop.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+LIVE_HOST = f"127.0.0.1:{free_port()}"
+"""A checkpoint daemon address where nothing listens: the node's host answers at once,
+refusing, as a live host does (a stream that ends is judged without the probe's wait)."""
 
 
 class AgentStream:
-    """A hand-driven agent stream: Register on open, then whatever the test sends."""
+    """A hand-driven agent stream: Register on open, then whatever the test sends. Its
+    host is up (LIVE_HOST) unless `checkpointd_address` says otherwise."""
 
     def __init__(
         self,
@@ -25,7 +31,7 @@ class AgentStream:
         block: str = "b1",
         rack: str = "r1",
         role: str = "worker",
-        checkpointd_address: str = "",
+        checkpointd_address: str = LIVE_HOST,
     ) -> None:
         self._outbox: queue.Queue[agent_pb2.AgentMessage | None] = queue.Queue()
         self.seq = 0

@@ -132,8 +132,10 @@ class AgentServicer:
         # not a task and a wait (a recovery's fan-out is a command for every stream).
         reader.add_done_callback(lambda _: queue.put_nowait(READER_DONE))
         reason = "agent stream closed"
-        # The agent ended its stream itself (its end of stream, or a message refused):
-        # what ended it came from its host, so the host is up and not asked.
+        # A message of the agent's refused ended the stream: its bytes came from its
+        # host, so the host is up and not asked. (A stream whose requests merely end is
+        # asked: gRPC ends them alike when the agent hung up and when keepalive closed
+        # the connection to a host cut off.)
         agent_ended = False
         try:
             yield agent_pb2.SchedulerMessage(registered=await self._registered(state.node_id))
@@ -148,7 +150,6 @@ class AgentServicer:
                         reason = f"agent stream broken: {exc}"
                         agent_ended = isinstance(exc, PitstopError)
                         raise
-                    agent_ended = True
                     return
                 if isinstance(item, CloseStream):
                     reason = item.reason
@@ -222,12 +223,12 @@ class AgentServicer:
     async def _lost(self, state: StreamState, reason: str, agent_ended: bool = False) -> None:
         """Record a node whose stream ended as LOST, once its host said whether it is up
         (hostprobe): meanwhile it is a suspect, which the leader counts toward a mass
-        loss. A stream its agent ended (`agent_ended`: its end of stream, or a message
-        refused, arrived, as no dead host or cut network sends them) is lost at once,
-        unasked. A node that registered again meanwhile is not lost. A stream that ended
-        while this process was behind (shedding) counts as silent whatever its host
-        says: the keepalive ping it missed may have waited on this process, and its own
-        lag must not turn into lost nodes (many at once are a mass loss, and held)."""
+        loss. A stream that ended on a message of its agent's refused (`agent_ended`: its
+        bytes arrived) is lost at once, unasked. A node that registered again meanwhile
+        is not lost. A stream that ended while this process was behind (shedding) counts
+        as silent whatever its host says: the keepalive ping it missed may have waited
+        on this process, and its own lag must not turn into lost nodes (many at once are
+        a mass loss, and held)."""
         node_id, ended = state.node_id, dt.datetime.now(dt.UTC)
         behind = self.shedder.shedding
         try:
