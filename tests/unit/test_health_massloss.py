@@ -11,6 +11,7 @@ from pitstop.health.massloss import (
     MassLossPolicy,
     batch_left,
     due_replacements,
+    settling,
     touches_job,
 )
 
@@ -63,6 +64,14 @@ def test_only_nodes_past_the_deadline_are_replaced_the_longest_away_first() -> N
     assert due_replacements(POLICY, {"n2": 59.9}, budget=10) == []
 
 
+def test_a_silent_loss_waits_to_settle_before_it_is_replaced() -> None:
+    """The first node of a partition seen must not be replaced before the rest of it
+    count: a silent loss younger than settle_seconds waits."""
+    policy = MassLossPolicy(settle_seconds=2.0)
+    assert settling(policy, {"n1": 0.1, "n2": 1.99, "n3": 2.0, "n4": 9.0}) == {"n1", "n2"}
+    assert settling(MassLossPolicy(settle_seconds=0), {"n1": 0.0}) == set()
+
+
 def test_the_batch_is_what_the_window_has_left() -> None:
     policy = MassLossPolicy(replace_batch=16)
     assert batch_left(policy, 0) == 16
@@ -78,6 +87,8 @@ def test_the_batch_is_what_the_window_has_left() -> None:
         ({"job_share": 1.5}, "mass_loss_job_share=1.5"),
         ({"window_seconds": 0}, "mass_loss_window_seconds"),
         ({"replace_batch": 0}, "mass_loss_replace_batch=0"),
+        ({"settle_seconds": -1}, "mass_loss_settle_seconds=-1"),
+        ({"settle_seconds": 10, "window_seconds": 10}, "mass_loss_settle_seconds=10"),
     ],
 )
 def test_a_policy_that_cannot_work_is_refused_by_name(fields: dict[str, float], named: str) -> None:

@@ -139,6 +139,9 @@ class SchedulerSettings(LayeredSettings):
     mass_loss_window_seconds: float = Field(default=10.0, gt=0)
     mass_loss_replace_after_seconds: float = Field(default=60.0, gt=0)
     mass_loss_replace_batch: int = Field(default=16, ge=1)
+    # A node lost silently is replaced once it has been lost this long (the rest of a
+    # partition may still be on its way); less than mass_loss_window_seconds.
+    mass_loss_settle_seconds: float = Field(default=2.0, ge=0)
     # After a (re)start, agents get this long to reconnect before deadlines count: they
     # back off up to 2 s between attempts, and a fleet registering at once on a busy
     # machine takes seconds more (5 s declared live nodes lost beside a CPU load).
@@ -233,6 +236,7 @@ class SchedulerSettings(LayeredSettings):
             window_seconds=self.mass_loss_window_seconds,
             replace_after_seconds=self.mass_loss_replace_after_seconds,
             replace_batch=self.mass_loss_replace_batch,
+            settle_seconds=self.mass_loss_settle_seconds,
         )
 
     @property

@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from pitstop.health.massloss import batch_left, due_replacements, touches_job
+from pitstop.health.massloss import batch_left, due_replacements, settling, touches_job
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import LossCause, NodeState
 from pitstop.scheduler.reconcile.context import Leader, locked_job
@@ -43,6 +43,8 @@ class LostNodes:
     """Nodes whose stream ended and whose host is still being asked."""
     silent: set[str]
     """Nodes counted toward a mass loss: lost silently within the window, or suspect."""
+    settling: set[str]
+    """Nodes lost silently too recently to replace (MassLossPolicy.settle_seconds)."""
 
 
 async def lost_nodes(leader: Leader, session: AsyncSession) -> LostNodes:
@@ -55,17 +57,19 @@ async def lost_nodes(leader: Leader, session: AsyncSession) -> LostNodes:
             node.id, node.loss_cause, func.extract("epoch", func.now() - node.state_since)
         ).where(node.state == NodeState.LOST)
     )
-    away, silent = {}, set()
+    away: dict[str, float] = {}
+    silent_away: dict[str, float] = {}
     for node_id, cause, seconds in rows.all():
         away[node_id] = float(seconds)
         if cause == LossCause.SILENT and float(seconds) <= window:
-            silent.add(node_id)
+            silent_away[node_id] = float(seconds)
+    silent = set(silent_away)
     try:
         suspects = set(await leader.hot.suspects.since(time.time() - window))
     except RedisError:  # judged without the suspects: the silent losses still count
         log.warning("mass loss: suspects unreadable (Redis); counting silent losses only")
         suspects = set()
-    return LostNodes(away, suspects, silent | suspects)
+    return LostNodes(away, suspects, silent | suspects, settling(leader.mass_loss, silent_away))
 
 
 class Holds:

@@ -141,6 +141,7 @@ class Recovery:
                     n
                     for n in {*states, *swap}
                     if placement.hosts(n)
+                    and n not in lost.settling  # a partition's first? replaced when settled
                     and (
                         states.get(n) in FAILED_NODE_STATES
                         or n in swap
