@@ -75,8 +75,9 @@ Phases, each measured over --window seconds of wall time:
 * with --mass-loss-replace (and --mass-loss): as many job nodes as the free spares
   cover (at least the mass-loss threshold, --mass-loss-nodes or 16) cut until each is
   out of the job's newest generation (or the replace deadline, --mass-loss-replace-after,
-  20 s for this run, is a minute past), then healed: `mass_loss_replace` says how many
-  were replaced in how many decisions (generations). Then the job ends (as --end-job).
+  --mass-loss-seconds + 20 s for this run, is a minute past), then healed:
+  `mass_loss_replace` says how many were replaced in how many decisions (generations).
+  Then the job ends (as --end-job).
 * with --end-job, last: every rank of the job's newest generation exits 0 with its
   result; `job_end` is the job's state (SUCCEEDED expected) and the time to job.succeeded.
 
@@ -362,7 +363,8 @@ def parse() -> argparse.Namespace:
     add(
         "--mass-loss-replace-after",
         type=float,
-        help="PITSTOP_MASS_LOSS_REPLACE_AFTER_SECONDS (20 with --mass-loss-replace)",
+        help="PITSTOP_MASS_LOSS_REPLACE_AFTER_SECONDS (with --mass-loss-replace: "
+        "--mass-loss-seconds + 20)",
     )
     add("--mass-loss-replace-batch", type=int, help="PITSTOP_MASS_LOSS_REPLACE_BATCH")
     add("--scaleout-nodes", type=int, default=300)
@@ -382,7 +384,18 @@ def parse() -> argparse.Namespace:
     if args.mass_loss_replace and not args.mass_loss:
         parser.error("--mass-loss-replace: give --mass-loss FRACTION too")
     if args.mass_loss_replace and args.mass_loss_replace_after is None:
-        args.mass_loss_replace_after = 20.0
+        # Past the hold drill's cut, or its nodes would be replaced before they return.
+        args.mass_loss_replace_after = args.mass_loss_seconds + 20.0
+    if (
+        args.mass_loss
+        and args.mass_loss_replace_after is not None
+        and args.mass_loss_replace_after <= args.mass_loss_seconds + 10
+    ):
+        parser.error(
+            f"--mass-loss-replace-after {args.mass_loss_replace_after:g}: the hold drill cuts "
+            f"its nodes for --mass-loss-seconds {args.mass_loss_seconds:g}, and they would be "
+            "replaced before they return; give a deadline at least 10 s past the cut"
+        )
     settings = {
         "PITSTOP_MASS_LOSS_NODES": args.mass_loss_nodes,
         "PITSTOP_MASS_LOSS_JOB_SHARE": args.mass_loss_job_share,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench.* as scale.py imports it
+from bench._scale_fits import at_12500
 from bench._scale_stats import block, percentile, sample_blocks, size_summary
 
 
@@ -72,6 +73,29 @@ def test_samples_a_lagging_simulator_touched_are_reported_apart() -> None:
     assert blocks["detect_pushed"]["p50"] == 0.01
     apart = blocks["sim_lagged"]
     assert (apart["count"], apart["lag_max_s"], apart["detect_pushed"]) == (1, 0.4, [0.9])
+
+
+def test_every_sample_has_its_own_block_and_the_fit_says_when_it_used_it() -> None:
+    """Where the simulator lagged in every failure, the unlagged p99 has no samples; the
+    fit to 12,500 nodes then stands on every sample, lagged ones included, and says so."""
+
+    def size(nodes: int, fanout: float) -> dict[str, Any]:
+        rows = [
+            row("xid", 0.01, fanout_seconds=fanout + i / 100, sim_lagged=True) for i in range(30)
+        ]
+        load = {"scheduler_cpu_pct": [10.0, 20.0]}
+        return size_summary(
+            {"nodes": nodes, "failures": rows, "load": load, "roles": ["decider", "ingest"]}
+        )
+
+    small, large = size(500, 0.2), size(1000, 0.4)
+    assert large["fanout_p99_s"] is None  # no unlagged sample
+    assert large["every_sample"]["fanout"]["n"] == 30
+    assert large["fanout_p99_every_sample_s"] == pytest.approx(0.4 + 0.29 * 0.99 + 0.0029, 0.01)
+    projected = at_12500([small, large])
+    assert projected is not None
+    assert projected["decide_fanout_from"] == "every sample, simulator-lagged ones included"
+    assert projected["fanout_s"] == pytest.approx(0.2 + 0.2 * 12500 / 500, rel=0.05)
 
 
 def test_rows_of_an_older_run_fail_by_their_error() -> None:
