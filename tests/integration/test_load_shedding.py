@@ -27,6 +27,7 @@ def scheduler(stores: StoreUrls, tmp_path: Path) -> Iterator[SchedulerThread]:
             database_url=stores.fresh_database(),
             redis_prefix=f"{stores.redis_prefix}{unique('shed')}:",
             heartbeat_interval_seconds=60.0,
+            shed_lag_seconds=0.25,  # the default, which the tests' schedulers raise
         )
     )
     yield thread

@@ -113,6 +113,9 @@ def scheduler_settings(stores: StoreUrls, state_dir: Path, **overrides: Any) -> 
         # millisecond; the fleet default (1 s, a keepalive interval) would hold every
         # stream a test ends, and a node with no address to ask, that long.
         "loss_probe_seconds": 0.2,
+        # Exact counts of telemetry are asserted: a test machine this busy must not have
+        # the process shed it (test_load_shedding sets its own).
+        "shed_lag_seconds": 5.0,
         # Deciding loops only where a test asks for them, on a database of its own.
         "leader_loops": False,
         "metrics_port": None,

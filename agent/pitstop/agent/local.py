@@ -360,6 +360,11 @@ class _RankControlServicer:
         sample.rank = request.rank
         if not sample.HasField("time"):
             sample.time.CopyFrom(_now())
+        elif not 0 <= sample.time.nanos <= 999_999_999:
+            raise errors.InvalidArgument(
+                f"sample.time.nanos={sample.time.nanos}: a Timestamp's nanos are in "
+                "[0, 999999999]; send the step's end time as protobuf writes it, or none"
+            )
         if self._endpoint.steps.add(request.job_id, request.generation, sample):
             self._endpoint.report_soon()  # the first step of a generation: it resumed
         supervisor = self._endpoint.supervisor
