@@ -64,6 +64,33 @@ def test_only_nodes_past_the_deadline_are_replaced_the_longest_away_first() -> N
     assert due_replacements(POLICY, {"n2": 59.9}, budget=10) == []
 
 
+def test_a_partition_confirmed_lost_over_a_moment_is_replaced_in_one_decision() -> None:
+    """Nodes of one partition are confirmed lost a few hundred ms apart: once the first
+    is due, those lost within settle_seconds after it go with it, the rest wait."""
+    policy = MassLossPolicy(replace_after_seconds=1.0, settle_seconds=2.0)
+    away = {"n1": 1.02, "n2": 0.98, "n3": 0.70}
+    assert due_replacements(policy, away, budget=2) == ["n1", "n2"]
+    assert due_replacements(policy, away, budget=10) == ["n1", "n2", "n3"]
+    assert due_replacements(policy, {"n2": 0.98, "n3": 0.70}, budget=10) == []
+    late = {"n1": 5.0, "n2": 1.5, "n3": 0.9}  # n3 lost long after the first: waits
+    assert due_replacements(policy, late, budget=10) == ["n1", "n2"]
+
+
+@given(
+    away=st.dictionaries(st.sampled_from("abcdefgh"), st.floats(0, 200), max_size=8),
+    budget=st.integers(0, 10),
+)
+def test_no_node_is_replaced_before_the_deadline_less_the_settle(
+    away: dict[str, float], budget: int
+) -> None:
+    due = due_replacements(POLICY, away, budget)
+    assert len(due) <= budget
+    reach = POLICY.replace_after_seconds - POLICY.settle_seconds
+    assert all(away[n] >= reach for n in due)
+    if due:
+        assert max(away.values()) >= POLICY.replace_after_seconds
+
+
 def test_a_silent_loss_waits_to_settle_before_it_is_replaced() -> None:
     """The first node of a partition seen must not be replaced before the rest of it
     count: a silent loss younger than settle_seconds waits."""

@@ -37,7 +37,8 @@ class MassLossPolicy:
     window_seconds: float = 10.0
     """How far back a silent loss counts."""
     replace_after_seconds: float = 60.0
-    """A held job's node still away this long after it was lost is replaced."""
+    """A held job's node still away this long after it was lost is replaced (with the
+    nodes lost within `settle_seconds` after it)."""
     replace_batch: int = 16
     """At most this many such nodes are replaced per window, fleet-wide."""
     settle_seconds: float = 2.0
@@ -85,9 +86,17 @@ def due_replacements(
     policy: MassLossPolicy, away_seconds: Mapping[str, float], budget: int
 ) -> list[str]:
     """The held job's nodes to replace now: those away for `replace_after_seconds` or
-    longer, the longest away first, at most `budget` (what the window's batch has left).
-    Ties go by node id, so every leader picks the same."""
-    due = [n for n, away in away_seconds.items() if away >= policy.replace_after_seconds]
+    longer, and with them those lost within `settle_seconds` of the longest away (the
+    same partition, confirmed lost a moment later: replaced in the same decision, not
+    one reconfiguration each); the longest away first, at most `budget` (what the
+    window's batch has left). Ties go by node id, so every leader picks the same."""
+    if not away_seconds:
+        return []
+    longest = max(away_seconds.values())
+    if longest < policy.replace_after_seconds:
+        return []
+    reach = min(policy.replace_after_seconds, longest - policy.settle_seconds)
+    due = [n for n, away in away_seconds.items() if away >= reach]
     due.sort(key=lambda n: (-away_seconds[n], n))
     return due[: max(budget, 0)]
 
