@@ -179,6 +179,14 @@ async def test_a_new_command_stream_replaces_the_old_and_gets_what_is_unacked(
     assert ack is not None
     assert ack.step == 5
     assert not (await agent.stub.ReportStep(step)).command_pending
+    for seconds, nanos in ((2**40, 0), (0, -1), (0, 10**9)):
+        wrong = rank_pb2.StepReport()
+        wrong.CopyFrom(step)
+        wrong.sample.time.seconds, wrong.sample.time.nanos = seconds, nanos
+        error = await rpc_error(agent.stub.ReportStep(wrong))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"sample.time={seconds}s {nanos}ns" in error.details()
+        assert "years 1 and 9999" in error.details()
     assert await agent.endpoint.wait_ack(99, 0.01) is None
     with pytest.raises(ValueError, match="command_id 0"):
         await agent.endpoint.send_command("job-cmd", 0, rank_pb2.RankCommand())

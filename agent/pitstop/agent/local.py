@@ -30,6 +30,7 @@ from pitstop.agent.gpu.base import FaultNotSupported, GpuBackend
 from pitstop.agent.rankerrors import RankErrorInterceptor
 from pitstop.agent.steps import StepSummarizer
 from pitstop.agent.supervisor import RankSupervisor
+from pitstop.common import timestamps
 from pitstop.common.rpcguard import refusing
 from pitstop.rankside.rankclient import RANK_KEY_ENV, RANK_KEY_METADATA
 from pitstop.v1 import agent_pb2, rank_pb2, rank_pb2_grpc
@@ -360,10 +361,9 @@ class _RankControlServicer:
         sample.rank = request.rank
         if not sample.HasField("time"):
             sample.time.CopyFrom(_now())
-        elif not 0 <= sample.time.nanos <= 999_999_999:
+        elif (wrong := timestamps.out_of_range(sample.time)) is not None:
             raise errors.InvalidArgument(
-                f"sample.time.nanos={sample.time.nanos}: a Timestamp's nanos are in "
-                "[0, 999999999]; send the step's end time as protobuf writes it, or none"
+                f"sample.time={wrong}: {timestamps.FIX}; or none (the agent stamps it)"
             )
         if self._endpoint.steps.add(request.job_id, request.generation, sample):
             self._endpoint.report_soon()  # the first step of a generation: it resumed

@@ -12,12 +12,11 @@ from google.protobuf import timestamp_pb2
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
+from pitstop.common import timestamps
 from pitstop.scheduler.errors import InvalidArgument
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-_SECONDS = (-62_135_596_800, 253_402_300_799)
-"""0001-01-01T00:00:00Z and 9999-12-31T23:59:59Z, the range protobuf's Timestamp allows."""
 _TIMESTAMP = timestamp_pb2.Timestamp.DESCRIPTOR.full_name
 
 MAX_LENGTH = {
@@ -154,11 +153,8 @@ def _value(field: _Field, value: Any, name: str) -> None:
         if field.limit is not None and value > field.limit:
             raise InvalidArgument(name, value, f"must be at most {field.limit}")
     elif kind == "time":
-        seconds, nanos = value.seconds, value.nanos
-        if not _SECONDS[0] <= seconds <= _SECONDS[1] or not 0 <= nanos < 10**9:
-            raise InvalidArgument(
-                name, f"{seconds}s {nanos}ns", "send a time between years 1 and 9999 (UTC)"
-            )
+        if (wrong := timestamps.out_of_range(value)) is not None:
+            raise InvalidArgument(name, wrong, timestamps.FIX)
     elif kind == "msg":
         assert field.descriptor is not None
         _walk(value, _plan(field.descriptor, field.key), name)
