@@ -80,6 +80,21 @@ async def node_actions(
     return actions
 
 
+DRAIN_WAIT_SECONDS = 30.0
+"""How long a draining node waits for a moment when its job's newest step is committed;
+past this its ranks move from the committed step, giving up the steps since."""
+
+
+def drain_due(job: models.Job, draining_seconds: float) -> bool:
+    """Whether the job's ranks on a node draining for `draining_seconds` move now: at a
+    moment when the job's newest step is committed (moving from it gives up no step),
+    or past DRAIN_WAIT_SECONDS from any committed step. A job with nothing committed yet
+    trains on where it is (the node's fault is a warning)."""
+    if job.committed_step <= 0:
+        return False
+    return job.committed_step >= job.current_step or draining_seconds >= DRAIN_WAIT_SECONDS
+
+
 class Recovery:
     """Node failures and rank exits, each turned into a committed decision (a missed
     deadline is deadlines.py's)."""
@@ -110,16 +125,24 @@ class Recovery:
             # The nodes that could need replacing, not the fleet: a healthy fleet is an
             # empty answer, five times a second.
             node = models.Node
-            states = dict(
-                (
-                    await session.execute(
-                        select(node.id, node.state).where(
-                            node.state.in_((*FAILED_NODE_STATES, NodeState.DRAINING))
-                            | node.id.in_(sorted(swapping))
-                        )
+            rows = (
+                await session.execute(
+                    select(
+                        node.id,
+                        node.state,
+                        func.extract("epoch", func.now() - node.state_since),
+                    ).where(
+                        node.state.in_((*FAILED_NODE_STATES, NodeState.DRAINING))
+                        | node.id.in_(sorted(swapping))
                     )
-                ).all()
-            )
+                )
+            ).all()
+            states = {node_id: state for node_id, state, _ in rows}
+            draining = {
+                node_id: float(since or 0)
+                for node_id, state, since in rows
+                if state is NodeState.DRAINING
+            }
             lost = await lost_nodes(self.leader, session)
             held = any(job.held_since is not None for job in jobs)
             if not states and not swapping and not lost.silent and not held:
@@ -145,7 +168,7 @@ class Recovery:
                     and (
                         states.get(n) in FAILED_NODE_STATES
                         or n in swap
-                        or (states.get(n) is NodeState.DRAINING and job.committed_step > 0)
+                        or (n in draining and drain_due(job, draining[n]))
                     )
                 ),
                 key=placement.first_rank,
