@@ -37,7 +37,7 @@ test: system-packages helm check pytest
 # and the unit tests, so a dependency's new release breaks this on purpose, not a
 # newcomer's make test. Not part of make test. It lists what differs from the lock first.
 LATEST ?= .venv-latest
-test-latest:
+test-latest: system-packages
 	@bash scripts/install.sh --latest $(LATEST) $(PYTHON)
 	@touch $(LATEST)/.installed-stamp
 	@bash scripts/install_helm.sh $(LATEST)/bin
