@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -15,7 +16,10 @@ from typing import Any
 import grpc
 import pytest
 
+from kit.dirs import short_tempdir
+from kit.forking import ForkServerProcess
 from kit.ranks import NODE, TIMEOUT, ExitLog, RankNotices, start_command
+from pitstop.agent.forkserver import ForkServerClient
 from pitstop.agent.gpu import FaultNotSupported, SimulatedBackend, open_backend
 from pitstop.agent.local import LocalEndpoint
 from pitstop.agent.steps import StepSummarizer
@@ -34,12 +38,16 @@ class Agent:
     socket_path: Path
 
 
-@pytest.fixture
-async def agent(short_dir: Path, tmp_path: Path) -> AsyncIterator[Agent]:
+@contextlib.asynccontextmanager
+async def open_agent(
+    short_dir: Path, tmp_path: Path, fork_server: ForkServerClient | None = None
+) -> AsyncIterator[Agent]:
     socket_path = short_dir / "agent.sock"
     backend = open_backend("sim:2", NODE)
     exits = ExitLog()
-    supervisor = RankSupervisor(NODE, socket_path, tmp_path / "logs", exits, "127.0.0.1:7070")
+    supervisor = RankSupervisor(
+        NODE, socket_path, tmp_path / "logs", exits, "127.0.0.1:7070", fork_server=fork_server
+    )
     steps = StepSummarizer()
     # The test's own calls stand in for a process the agent started: they carry a key
     # the supervisor takes besides those of the processes it really started.
@@ -49,11 +57,21 @@ async def agent(short_dir: Path, tmp_path: Path) -> AsyncIterator[Agent]:
     await endpoint.start()
     channel = grpc.aio.insecure_channel(f"unix:{socket_path}")
     stub = Keyed(rank_pb2_grpc.RankControlStub(channel), TEST_KEY)
-    yield Agent(endpoint, supervisor, steps, exits, stub, socket_path)
-    await supervisor.shutdown(grace_seconds=1.0)
-    await channel.close()
-    await endpoint.stop()
-    backend.close()
+    try:
+        yield Agent(endpoint, supervisor, steps, exits, stub, socket_path)
+    finally:
+        await supervisor.shutdown(grace_seconds=1.0)
+        await channel.close()
+        await endpoint.stop()
+        backend.close()
+        if fork_server is not None:
+            await fork_server.close()
+
+
+@pytest.fixture
+async def agent(short_dir: Path, tmp_path: Path) -> AsyncIterator[Agent]:
+    async with open_agent(short_dir, tmp_path) as agent:
+        yield agent
 
 
 TEST_KEY = "the-test-is-a-process-the-agent-started"
@@ -148,6 +166,31 @@ async def test_a_rank_attaches_reports_steps_and_obeys_commands(
     exited = await agent.exits.next()
     assert (exited.exit_code, exited.signal) == (0, 0)
     assert dict(exited.result) == {"final_weights_sha256": "abc"}
+
+
+async def test_a_forked_rank_that_calls_at_once_is_known_200_times_of_200(
+    short_dir: Path, tmp_path: Path, notices: RankNotices
+) -> None:
+    """A rank forked from a warm fork server runs at once and may call Attach before the
+    supervisor has its pid: the agent knows it as its rank from before its process
+    exists. 200 ranks, 20 at a time, each attaching the moment it starts (its client
+    preloaded): every one attaches and exits 0, none is refused (it would exit 1)."""
+    preload = "pitstop.rankside.rankclient"
+    with (
+        short_tempdir("ps-fork-") as folder,
+        ForkServerProcess(folder / "fork.sock", preload, dict(os.environ)) as server,
+    ):
+        async with open_agent(short_dir, tmp_path, ForkServerClient(server.socket_path)) as agent:
+            for batch in range(10):
+                job_id = f"job-race-{batch}"
+                ranks = tuple((rank, NODE, rank % 2) for rank in range(20))
+                command = start_command(job_id, notices, "--attach", ranks=ranks)
+                assert len(await agent.supervisor.start_ranks(command)) == 20
+                exited = [await agent.exits.next() for _ in ranks]
+                failed = [(e.rank, e.exit_code, e.stderr_tail) for e in exited if e.exit_code]
+                assert not failed, failed
+                assert sorted(e.rank for e in exited) == list(range(20))
+                assert {e.job_id for e in exited} == {job_id}
 
 
 async def test_a_new_command_stream_replaces_the_old_and_gets_what_is_unacked(

@@ -75,6 +75,9 @@ class RankTable:
         self.ranks: dict[tuple[str, int], RankEntry] = {}
         self.standbys: dict[tuple[str, int], RankEntry] = {}
         self.standby_commands: dict[str, agent_pb2.StartRanks] = {}
+        self.launching: dict[tuple[str, int], int] = {}
+        """(job id, rank) -> GPU of each rank whose process is being started: a forked
+        rank runs at once and may call the agent before its entry is recorded."""
         self.standby_waits: Callable[[str, int], bool] = lambda job_id, pid: False
         """Whether process `pid` of job `job_id` waits for a rank now (the local
         endpoint knows; the heartbeat reports such a standby ready)."""
@@ -138,9 +141,10 @@ class RankTable:
         ]
 
     def gpu_index(self, job_id: str, rank: int) -> int | None:
-        """The GPU a running rank uses; None when the rank does not run here."""
+        """The GPU a running (or starting) rank uses; None when the rank does not run
+        here."""
         entry = self.ranks.get((job_id, rank))
-        return None if entry is None else entry.gpu_index
+        return self.launching.get((job_id, rank)) if entry is None else entry.gpu_index
 
     def pid(self, job_id: str, rank: int) -> int | None:
         """The process id of a running rank; None when the rank does not run here."""
