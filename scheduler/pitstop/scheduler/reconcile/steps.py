@@ -278,7 +278,10 @@ class StepFollower:
                 await failed_nodes(session, placement)
             )
             if row.state in (JobState.STARTING, JobState.RECOVERING) and not waiting:
-                kind = "job.running" if row.state is JobState.STARTING else "job.recovered"
+                # A job that failed before it ever ran (or since it was placed again)
+                # runs now for the first time: job.running, which its users wait for.
+                first = row.state is JobState.STARTING or row.running_since is None
+                kind = "job.running" if first else "job.recovered"
                 lifecycle.transition(
                     session,
                     row,
