@@ -163,3 +163,28 @@ def test_between_reports_only_a_generations_first_steps_go_out() -> None:
     steps.add("a", 2, sample(0, 3))  # a new generation: news again
     (news,) = steps.drain(due=False)
     assert (news.generation, news.ranks) == (2, 1)
+
+
+def test_a_job_that_left_the_node_is_forgotten_once_idle_and_nothing_unsent_is_lost() -> None:
+    """An agent runs through thousands of jobs: what it keeps of one whose ranks left
+    goes after the idle time, never before its last steps were sent, and never while a
+    rank of it runs or a new generation was just announced."""
+    steps = StepSummarizer()
+    steps.expect("done", 1, 0)
+    steps.add("done", 1, sample(0, 1))
+    steps.add("runs", 1, sample(0, 1))
+    # Unsent steps keep a job however long ago it was active.
+    assert steps.forget_idle(active={"runs"}, now=0.0, after=10.0) == []
+    assert steps.forget_idle(active={"runs"}, now=100.0, after=10.0) == []
+    assert {s.job_id for s in steps.drain()} == {"done", "runs"}
+    assert steps.forget_idle(active={"runs"}, now=100.0, after=10.0) == []  # idle from now
+    assert steps.forget_idle(active={"runs"}, now=109.9, after=10.0) == []
+    assert steps.forget_idle(active={"runs"}, now=110.0, after=10.0) == ["done"]
+    assert steps.jobs == 1
+    # A job started again here (its command announced the generation) is kept.
+    steps.expect("runs", 2, 5)
+    assert steps.forget_idle(active=set(), now=200.0, after=10.0) == []
+    steps.expect("runs", 3, 5)  # told again: its idle time starts over
+    assert steps.forget_idle(active=set(), now=205.0, after=10.0) == []
+    assert steps.forget_idle(active=set(), now=215.0, after=10.0) == ["runs"]
+    assert steps.jobs == 0

@@ -42,6 +42,7 @@ class StepSource(Protocol):
     """What the heartbeats need of the step summarizer."""
 
     def drain(self, due: bool = True) -> list[agent_pb2.StepSummary]: ...
+    def forget_idle(self, active: Collection[str], now: float) -> list[str]: ...
     @property
     def pending(self) -> int: ...
     @property
@@ -213,6 +214,11 @@ class Heartbeats:
             self._metrics.steps_reported.labels(self._settings.node_id, summary.job_id).inc(
                 summary.samples
             )
+        if due:  # what the node keeps of a job that left it goes, its series too
+            active = {rank.job_id for rank in self._supervisor.running()}
+            for job_id in self._steps.forget_idle(active, self._clock()):
+                with contextlib.suppress(KeyError):
+                    self._metrics.steps_reported.remove(self._settings.node_id, job_id)
 
     # Xids
 

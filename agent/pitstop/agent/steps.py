@@ -17,12 +17,16 @@ down for long, the oldest go first and are counted.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from pitstop.health.straggler import RankWindowSummary, StragglerPolicy, WindowFold
 from pitstop.v1 import agent_pb2
 
 DEFAULT_MAX_WINDOWS = 65536
+IDLE_JOB_SECONDS = 300.0
+"""A job with no rank on the node and nothing left to send this long is forgotten: an
+agent runs for months, through thousands of jobs."""
 LOSSES_KEPT = 8
 """Recent (step, loss, gradient norm) triples kept per rank: enough to find every rank's loss at the
 node's slowest step while ranks are a step or two apart."""
@@ -67,6 +71,7 @@ class StepSummarizer:
         self._windows: deque[tuple[str, int, RankWindowSummary]] = deque()
         self._pending = 0
         self._dropped = 0
+        self._idle_since: dict[str, float] = {}
 
     def expect(
         self,
@@ -79,6 +84,7 @@ class StepSummarizer:
         `windows` says (unset fields: the policy's defaults)."""
         policy = StragglerPolicy.from_step_windows(windows)
         self._expected[job_id] = (generation, restore_step + 1, policy)
+        self._idle_since.pop(job_id, None)
 
     def add(self, job_id: str, generation: int, sample: agent_pb2.StepSample) -> bool:
         """Fold in one sample of `job_id` at `generation`; a sample of an older generation
@@ -164,6 +170,37 @@ class StepSummarizer:
             current.restored = []
             current.told, current.told_ranks = True, len(current.newest)
         return summaries
+
+    def forget_idle(
+        self, active: Collection[str], now: float, after: float = IDLE_JOB_SECONDS
+    ) -> list[str]:
+        """Forget the jobs not in `active` (no rank of theirs runs here) that have had
+        nothing left to send for `after` seconds by the clock `now`; call after a due
+        `drain`. A job told to start again (`expect`) or stepping is kept. The jobs
+        forgotten."""
+        unsent = {job_id for job_id, _, _ in self._windows}
+        unsent.update(
+            job_id
+            for job_id, current in self._jobs.items()
+            if current.samples or current.restored or not current.told
+        )
+        forgotten = []
+        for job_id in {*self._jobs, *self._expected}:
+            if job_id in active or job_id in unsent:
+                self._idle_since.pop(job_id, None)
+                continue
+            if now - self._idle_since.setdefault(job_id, now) < after:
+                continue
+            self._jobs.pop(job_id, None)
+            self._expected.pop(job_id, None)
+            del self._idle_since[job_id]
+            forgotten.append(job_id)
+        return sorted(forgotten)
+
+    @property
+    def jobs(self) -> int:
+        """Jobs the summarizer holds anything of."""
+        return len({*self._jobs, *self._expected})
 
     @property
     def pending(self) -> int:
