@@ -310,6 +310,7 @@ async def start_scheduler(settings: SchedulerSettings) -> Scheduler:
         timeouts=Timeouts(settings.recovery_timeout_seconds, settings.restart_timeout_seconds),
         mass_loss=settings.mass_loss_policy,
         step_report_seconds=settings.step_report_seconds + settings.heartbeat_interval_seconds,
+        ended_job_retention_seconds=settings.ended_job_retention_seconds,
     )
     scheduler.election = election
     slurm = (

@@ -23,6 +23,7 @@ from pitstop.scheduler.reconcile.exits import ExitFollower
 from pitstop.scheduler.reconcile.hangs import HangWatch
 from pitstop.scheduler.reconcile.placing import place_pending_jobs
 from pitstop.scheduler.reconcile.recovery import Recovery
+from pitstop.scheduler.reconcile.retention import Retention
 from pitstop.scheduler.reconcile.standbys import StandbyKeeper
 from pitstop.scheduler.reconcile.steps import WINDOW_HOLD_SECONDS, StepFollower
 from pitstop.scheduler.store import Store
@@ -48,6 +49,7 @@ class Reconciler:
         clock: Callable[[], float] = time.monotonic,
         mass_loss: MassLossPolicy | None = None,
         step_report_seconds: float = 0.0,
+        ended_job_retention_seconds: float = 86400.0,
     ) -> None:
         self.leader = Leader(
             store,
@@ -66,6 +68,7 @@ class Reconciler:
         self.exits = ExitFollower(self.leader, self.recovery, self.steps)
         self.standbys = StandbyKeeper(self.leader, self.recovery.standby_nodes)
         self.hangs = HangWatch(self.leader, self.steps)
+        self.retention = Retention(self.leader, ended_job_retention_seconds)
 
     async def run(self, tick_seconds: float) -> None:
         """The leader's two loops, for as long as this process leads. Deciding runs every
@@ -124,12 +127,14 @@ class Reconciler:
 
     async def follow(self) -> None:
         """One pass of the following loop: step times, stragglers and committed steps a
-        skipped report left behind, hangs, then standbys."""
+        skipped report left behind, hangs, then standbys; now and then, what ended jobs
+        left in Redis."""
         try:
             await self.steps.follow()
             await self.hangs.check()
         finally:
             await self.standbys.keep()
+        await self.retention.sweep()
 
     async def _place(self) -> None:
         await self._send(await place_pending_jobs(self.leader))

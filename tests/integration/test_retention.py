@@ -1,0 +1,96 @@
+"""What an ended job left in Redis goes after the retention (`ended_job_retention_seconds`):
+its step stream, straggler windows and rank statistics; a running job's stay, and so do
+keys of a job ended more recently than the retention; keys of a job PostgreSQL does not
+know go at once. A real scheduler with its deciding loops, real Redis and PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import redis
+
+from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.stores import StoreUrls, unique
+from kit.streams import AgentStream
+from kit.waits import wait_until
+from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, jobs_pb2_grpc
+
+RETENTION = 3.0
+
+
+def start(stream: AgentStream) -> agent_pb2.StartRanks:
+    while True:
+        message = stream.next_command(timeout=30)
+        if message.WhichOneof("body") == "start_ranks":
+            stream.send(ack=agent_pb2.CommandAck(command_id=message.command_id, ok=True))
+            return message.start_ranks
+
+
+def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay(
+    stores: StoreUrls, tmp_path: Path
+) -> None:
+    prefix = f"{stores.redis_prefix}{unique('retention')}:"
+    thread = SchedulerThread(
+        scheduler_settings(
+            stores,
+            tmp_path / unique("scheduler"),
+            database_url=stores.fresh_database(),
+            redis_prefix=prefix,
+            leader_loops=True,
+            heartbeat_interval_seconds=60.0,
+            liveness_startup_grace_seconds=60.0,
+            ended_job_retention_seconds=RETENTION,
+        )
+    )
+    client = redis.Redis.from_url(stores.redis_url)
+    try:
+        jobs = jobs_pb2_grpc.JobServiceStub(thread.channel())
+        streams, ids = [], []
+        for i in range(2):
+            stream = thread.open_stream(f"w{i}", gpus=1, rack=f"r{i}")
+            spec = jobs_pb2.JobSpec(name=unique("kept"), command=["train"], dp=1, gpus_per_node=1)
+            job = jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job
+            command = start(stream)
+            assert command.job_id == job.id
+            summary = agent_pb2.StepSummary(
+                job_id=job.id,
+                generation=command.generation,
+                ranks=1,
+                slowest_step=1,
+                newest_step=1,
+                samples=1,
+            )
+            stream.send(step_summary=summary)
+            streams.append(stream)
+            ids.append(job.id)
+        ended, running = ids
+        for job_id in ids:
+            wait_until(lambda j=job_id: client.exists(f"{prefix}steps:{j}"), f"{job_id} steps kept")
+        client.xadd(f"{prefix}steps:j-nobodyknows", {"summaries": b""})
+
+        jobs.Cancel(jobs_pb2.JobControlRequest(job_id=ended))
+        shown = jobs.Get(jobs_pb2.GetJobRequest(job_id=ended))
+        assert shown.state == common_pb2.JOB_STATE_CANCELLED
+        cancelled_at = time.monotonic()
+
+        wait_until(
+            lambda: not client.exists(f"{prefix}steps:j-nobodyknows"),
+            "the unknown job's stream deleted",
+            timeout=30,
+        )
+        wait_until(
+            lambda: not client.exists(f"{prefix}steps:{ended}"),
+            "the ended job's stream deleted",
+            timeout=30,
+        )
+        assert time.monotonic() - cancelled_at >= RETENTION - 0.5  # not before its time
+        assert client.exists(f"{prefix}steps:{running}")
+        assert jobs.Get(jobs_pb2.GetJobRequest(job_id=ended)).state == (
+            common_pb2.JOB_STATE_CANCELLED
+        )  # PostgreSQL keeps the job
+    finally:
+        thread.stop()
+        for key in client.scan_iter(match=f"{prefix}*"):
+            client.delete(key)
+        client.close()
