@@ -1,13 +1,15 @@
-"""What an ended job left in Redis goes after the retention (`ended_job_retention_seconds`):
-its step stream, straggler windows and rank statistics; a running job's stay, and so do
-keys of a job ended more recently than the retention; keys of a job PostgreSQL does not
-know go at once. A real scheduler with its deciding loops, real Redis and PostgreSQL."""
+"""What an ended job left behind goes after the retention (`ended_job_retention_seconds`):
+in Redis its step stream, straggler windows and rank statistics, in PostgreSQL its
+events and node commands; a running job's stay, and keys of a job PostgreSQL does not
+know go at once. What `pitstop job show` and `pitstop job record` print stays. A real
+scheduler with its deciding loops, real Redis and PostgreSQL."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import psycopg
 import redis
 
 from kit.schedulers import SchedulerThread, scheduler_settings
@@ -31,11 +33,12 @@ def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay
     stores: StoreUrls, tmp_path: Path
 ) -> None:
     prefix = f"{stores.redis_prefix}{unique('retention')}:"
+    database = stores.fresh_database()
     thread = SchedulerThread(
         scheduler_settings(
             stores,
             tmp_path / unique("scheduler"),
-            database_url=stores.fresh_database(),
+            database_url=database,
             redis_prefix=prefix,
             leader_loops=True,
             heartbeat_interval_seconds=60.0,
@@ -86,9 +89,21 @@ def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay
         )
         assert time.monotonic() - cancelled_at >= RETENTION - 0.5  # not before its time
         assert client.exists(f"{prefix}steps:{running}")
-        assert jobs.Get(jobs_pb2.GetJobRequest(job_id=ended)).state == (
-            common_pb2.JOB_STATE_CANCELLED
-        )  # PostgreSQL keeps the job
+
+        def rows(table: str, job_id: str) -> int:
+            with psycopg.connect(database) as db:
+                found = db.execute(f"SELECT count(*) FROM {table} WHERE job_id = %s", (job_id,))
+                return int(found.fetchone()[0])  # type: ignore[index]
+
+        # The rows went in the same sweep as the keys, or one sweep before.
+        wait_until(lambda: rows("events", ended) == 0, "the ended job's events deleted", 10)
+        assert rows("node_commands", ended) == 0
+        assert rows("events", running) > 0
+        assert rows("node_commands", running) > 0
+        shown = jobs.Get(jobs_pb2.GetJobRequest(job_id=ended))  # the job stays
+        assert shown.state == common_pb2.JOB_STATE_CANCELLED
+        record = jobs.Record(jobs_pb2.JobRecordRequest(job_id=ended))
+        assert record.state == common_pb2.JOB_STATE_CANCELLED
     finally:
         thread.stop()
         for key in client.scan_iter(match=f"{prefix}*"):

@@ -142,9 +142,10 @@ class SchedulerSettings(LayeredSettings):
     # A node lost silently is replaced once it has been lost this long (the rest of a
     # partition may still be on its way); less than mass_loss_window_seconds.
     mass_loss_settle_seconds: float = Field(default=2.0, ge=0)
-    # What an ended job keeps in Redis (its step streams, straggler windows and rank
-    # statistics: what its dashboard page draws) is deleted this long after it ended.
-    # PostgreSQL keeps its row, events and run record.
+    # What an ended job leaves behind is deleted this long after it ended: its Redis
+    # keys (step streams, straggler windows, rank statistics), and in PostgreSQL its
+    # events, node commands, hang stacks and non-durable checkpoints. Its row, rank maps,
+    # run records and durable checkpoints stay (reconcile/retention.py).
     ended_job_retention_seconds: float = Field(default=86400.0, gt=0)
     # After a (re)start, agents get this long to reconnect before deadlines count: they
     # back off up to 2 s between attempts, and a fleet registering at once on a busy

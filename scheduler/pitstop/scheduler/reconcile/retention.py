@@ -1,22 +1,33 @@
-"""What a job leaves in Redis goes some time after it ended: its step streams (up to
-100,000 entries each), its straggler windows and its rank statistics. A fleet runs
-through thousands of jobs a month; without this, Redis grows with every job it ever ran.
+"""What an ended job leaves behind goes `retention_seconds` after it ended. A fleet runs
+through thousands of jobs a month; without this, Redis and PostgreSQL grow with every
+job it ever ran.
+
+- Redis: its step stream (up to 100,000 entries), straggler windows and rank statistics
+  (and at once the keys of a job PostgreSQL does not know).
+- PostgreSQL: its events (but the preemptions and resumes its run record lists), its
+  node commands, its hang stacks, and its checkpoints but the durable ones.
+
+What stays is what `pitstop job show` and `pitstop job record` print: the job's row
+(state, result, goodput account with its incidents), rank maps, run records, durable
+checkpoints with their shards, preemptions.
 
 Level-triggered, from the leader's following loop: every sweep reads which jobs have
-keys (a SCAN of the job key patterns) and deletes those of jobs that ended
-`retention_seconds` ago or more, or that PostgreSQL does not know. What a finished job
-shows afterwards (`pitstop job show`, its events, its run record) is in PostgreSQL."""
+Redis keys (a SCAN of the job key patterns) and deletes those due, then deletes the
+rows due in one transaction (nothing to delete is a few index probes)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 
 from redis.exceptions import RedisError
-from sqlalchemy import func, select
+from sqlalchemy import delete, exists, func, select
 
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import TERMINAL_JOB_STATES
 from pitstop.scheduler.reconcile.context import Leader
+from pitstop.scheduler.services.catalog import DURABLE_NODE
+from pitstop.scheduler.services.records import PREEMPTED, RESUMING
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +45,50 @@ class Retention:
         self._next = 0.0
 
     async def sweep(self) -> list[str]:
-        """One sweep when one is due; the jobs whose keys were deleted."""
+        """One sweep when one is due; the jobs whose Redis keys were deleted."""
         now = self.leader.clock()
         if now < self._next:
             return []
         self._next = now + self.interval
+        await self.prune_rows()
+        return await self.forget_keys()
+
+    async def prune_rows(self) -> dict[str, int]:
+        """Delete the rows ended jobs no longer need; the rows deleted, by table."""
+        job = models.Job
+        ended = select(job.id).where(
+            job.state.in_(TERMINAL_JOB_STATES),
+            job.updated_at < func.now() - dt.timedelta(seconds=self.retention_seconds),
+        )
+        event, command, stack = models.Event, models.NodeCommand, models.RankStack
+        checkpoint, shard = models.Checkpoint, models.CheckpointShard
+        statements = {
+            "events": delete(event).where(
+                event.job_id.in_(ended), event.kind.not_in((PREEMPTED, RESUMING))
+            ),
+            "node_commands": delete(command).where(command.job_id.in_(ended)),
+            "rank_stacks": delete(stack).where(stack.job_id.in_(ended)),
+            "checkpoint_shards": delete(shard).where(
+                shard.job_id.in_(ended), shard.node_id != DURABLE_NODE
+            ),
+            "checkpoints": delete(checkpoint).where(
+                checkpoint.job_id.in_(ended),
+                ~exists().where(shard.job_id == checkpoint.job_id, shard.step == checkpoint.step),
+            ),
+        }
+        deleted: dict[str, int] = {}
+        async with self.leader.store.write() as session:
+            for table, statement in statements.items():
+                result = await session.execute(statement)
+                count = int(getattr(result, "rowcount", 0) or 0)
+                if count:
+                    deleted[table] = count
+        if deleted:
+            log.info("retention: deleted what ended jobs no longer need: %s", deleted)
+        return deleted
+
+    async def forget_keys(self) -> list[str]:
+        """Delete the Redis keys of jobs ended long enough ago (or unknown); their ids."""
         hot = self.leader.hot
         try:
             keyed = await hot.jobs_with_keys()
