@@ -146,6 +146,7 @@ class Cluster:
         index = self.node_ids.index(node_id)
         self.agents[node_id] = subprocess.Popen(
             agent_command(
+                fork_server="off",  # fake ranks or none: no zygote to import torch
                 node_id=node_id,
                 scheduler=self.address,
                 gpus="sim:8",

@@ -5,6 +5,11 @@ goes on. The summary shows each failure's detect -> resume time, the steps lost,
 goodput, and the final-weights hash next to the fault-free reference.
 
     .venv/bin/python scripts/demo.py [--steps 150] [--step-seconds 0.1] [--keep] [--load [2]]
+                                     [--json]
+
+With --json its last line is the summary as one JSON object: each failure's detect,
+decide, resume and total seconds and steps lost (`failures`), `bitwise_equal`, the job's
+state and goodput; also when it ends otherwise (`error` says why).
 
 It never hangs: a job that makes no step for --stall-seconds (90), or is not over by a
 deadline from its steps and pace, ends the demo with the job's recent events (what the
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -101,6 +107,11 @@ def parse_args() -> argparse.Namespace:
         default=DEFAULT_LIVENESS_TIMEOUT,
         help="a node silent this long is lost (a hung agent; a dead one is seen at once)",
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary as one JSON object, the last line",
+    )
     parser.add_argument("--state-dir", type=Path, default=STATE_DIR, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.workers < 2 or args.spares < 1 or args.steps < 6:
@@ -125,8 +136,10 @@ def summary(
     reference: str,
     seconds: float,
     record: jobs_pb2.JobRecord | None = None,
-) -> bool:
+) -> dict[str, object]:
+    """Print the summary; the same as a dict (what --json prints)."""
     goodput = run_job.goodput
+    failures: list[dict[str, object]] = []
     table = Table(title="what happened", show_lines=False)
     for column in (
         "failure",
@@ -144,6 +157,20 @@ def summary(
         # the node's last heartbeat or the Xid's report).
         detect = max(0.0, incident.failed_at + incident.detect_seconds - fault.at)
         total = detect + incident.decide_seconds + incident.resume_seconds
+        failures.append(
+            {
+                "kind": fault.fault.kind,
+                "node": fault.node_id,
+                "step": fault.step,
+                "detect_s": round(detect, 3),
+                "decide_s": round(incident.decide_seconds, 3),
+                "resume_s": round(incident.resume_seconds, 3),
+                "restore_s": round(incident.restore_seconds, 3),
+                "reform_s": round(incident.reform_seconds, 3),
+                "total_s": round(total, 3),
+                "lost_steps": incident.lost_steps,
+            }
+        )
         table.add_row(
             {"xid": "fatal Xid 79", "node_kill": "kill -9 of the node"}.get(
                 fault.fault.kind, fault.fault.kind
@@ -191,24 +218,45 @@ def summary(
             facts.add_row("data", first.data_digest or "(no digest stated)")
         facts.add_row("record", f"pitstop job record {run_job.id} (with --keep)")
     console.print(facts)
-    return same and run_job.state == common_pb2.JOB_STATE_SUCCEEDED
+    return {
+        "ok": same and run_job.state == common_pb2.JOB_STATE_SUCCEEDED,
+        "job": run_job.id,
+        "state": common_pb2.JobState.Name(run_job.state).removeprefix("JOB_STATE_"),
+        "steps": run_job.current_step,
+        "wall_s": round(seconds, 3),
+        "failures": failures,
+        "goodput": round(goodput.ratio, 4),
+        "final_weights_sha256": final,
+        "reference_sha256": reference,
+        "bitwise_equal": same,
+    }
 
 
 def main() -> int:
     args = parse_args()
-    with orderly_exit(notice=lambda line: console.print(f"[yellow]{line}[/yellow]")):
-        try:
-            return run_demo(args)
-        except (KeyboardInterrupt, Terminated) as stop:
-            what = "Ctrl-C" if isinstance(stop, KeyboardInterrupt) else str(stop)
-            console.print(f"[bold red]{what}: the demo stopped, and so did its cluster[/bold red]")
-            return exit_code(stop)
-        except (ClusterError, PitstopError, RuntimeError) as exc:
-            console.print(f"[bold red]error:[/bold red] {escape(str(exc))}")
-            return 1
+    result: dict[str, object] = {"ok": False, "error": "it did not finish"}
+    try:
+        with orderly_exit(notice=lambda line: console.print(f"[yellow]{line}[/yellow]")):
+            try:
+                return run_demo(args, result)
+            except (KeyboardInterrupt, Terminated) as stop:
+                what = "Ctrl-C" if isinstance(stop, KeyboardInterrupt) else str(stop)
+                console.print(
+                    f"[bold red]{what}: the demo stopped, and so did its cluster[/bold red]"
+                )
+                result["error"] = f"stopped: {what}"
+                return exit_code(stop)
+            except (ClusterError, PitstopError, RuntimeError) as exc:
+                console.print(f"[bold red]error:[/bold red] {escape(str(exc))}")
+                result["error"] = str(exc)
+                return 1
+    finally:
+        if args.json:
+            print(json.dumps(result), flush=True)
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def run_demo(args: argparse.Namespace, result: dict[str, object]) -> int:
+    """The demo; what --json prints is filled into `result`."""
     console.print(Rule("pitstop demo: training that survives failures"))
     third = args.steps // 3
     faults = [Fault(third, "xid"), Fault(2 * third, "node_kill")]
@@ -309,10 +357,15 @@ def run_demo(args: argparse.Namespace) -> int:
             console.print(Rule("[bold red]the job is stuck[/bold red]"))
             console.print(str(stuck), markup=False, highlight=False)
             console.print(f"daemon logs: {cluster.log_dir}; rank logs: {cluster.state_dir}/nodes")
+            result["error"] = f"the job is stuck: {stuck}"
         else:
             bar.stop()
             console.print(Rule("summary"))
-            ok = summary(run.job, run.injected, reference.final_hash(), run.seconds, run.record)
+            result.clear()
+            result.update(
+                summary(run.job, run.injected, reference.final_hash(), run.seconds, run.record)
+            )
+            ok = bool(result["ok"])
     if args.keep:
         console.print(f"cluster left running: pitstop cluster down --state-dir {args.state_dir}")
     else:

@@ -38,6 +38,7 @@ def nvml_agent(stores: StoreUrls, tmp_path: Path) -> Iterator[tuple[SchedulerThr
     log = tmp_path / "agent.log"
     env = clean_env()
     command = agent_command(
+        fork_server="off",  # fake ranks or none: no zygote to import torch
         node_id=node_id,
         scheduler=scheduler.address,
         gpus="nvml",

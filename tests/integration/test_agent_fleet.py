@@ -57,6 +57,7 @@ def agents(address: str, root: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
     procs = [
         subprocess.Popen(
             agent_command(
+                fork_server="off",  # fake ranks or none: no zygote to import torch
                 node_id=node,
                 scheduler=address,
                 gpus="sim:8",

@@ -470,6 +470,7 @@ async def test_the_binary_registers_and_stops_its_ranks_on_sigterm(
 ) -> None:
     node_id = unique("bin")
     command = agent_command(
+        fork_server="off",  # fake ranks or none: no zygote to import torch
         node_id=node_id,
         scheduler=scheduler.address,
         gpus="sim:2",

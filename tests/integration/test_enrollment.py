@@ -225,6 +225,7 @@ def test_the_agent_daemon_enrolls_with_a_token_and_registers(
     env = clean_env()
     agent = subprocess.Popen(
         agent_command(
+            fork_server="off",  # fake ranks or none: no zygote to import torch
             node_id=node_id,
             scheduler=secure.address,
             gpus="sim:1",

@@ -222,7 +222,7 @@ async def test_the_agent_gone_its_processes_and_what_they_started_are_killed(
     )
 
 
-async def test_the_server_gone_its_processes_die_and_later_ones_start_afresh(
+async def test_the_server_gone_its_processes_die_later_ones_start_afresh_until_it_serves(
     folder: Path, script: Path, tmp_path: Path
 ) -> None:
     with ForkServerProcess(folder / "doomed.sock", "", dict(os.environ)) as doomed:
@@ -242,6 +242,11 @@ async def test_the_server_gone_its_processes_die_and_later_ones_start_afresh(
             poll=0.02,
         )
         assert await client.launch([sys.executable, str(script)], env(), None, log) is None
+        # A server serving there again (an agent's zygote, restarted) forks again.
+        with ForkServerProcess(doomed.socket_path, "", dict(os.environ)):
+            process = await client.launch([sys.executable, str(script)], env(), None, log)
+            assert process is not None
+            assert await asyncio.wait_for(process.wait(), TIMEOUT) == 0
         await client.close()
 
 

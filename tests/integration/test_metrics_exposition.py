@@ -85,6 +85,7 @@ def agent(leading: SchedulerThread, short_dir: Path) -> Iterator[str]:
     with log.open("w") as errors:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(
             agent_command(
+                fork_server="off",  # fake ranks or none: no zygote to import torch
                 node_id="m0",
                 scheduler=leading.address,
                 gpus="sim:2",

@@ -40,6 +40,7 @@ def run_agents(
     procs = {
         spec.node_id: subprocess.Popen(
             agent_command(
+                fork_server="off",  # fake ranks or none: no zygote to import torch
                 node_id=spec.node_id,
                 scheduler=address,
                 gpus=f"sim:{spec.gpus}",
@@ -99,6 +100,7 @@ def agent_settings(address: str, state_dir: Path, **overrides: Any) -> AgentSett
         "block": "b1",
         "rack": "r7",
         "nvlink_domain": "nvl-1",
+        "fork_server": "off",  # fake ranks: no zygote to import torch
         **overrides,
     }
     return AgentSettings(**values)

@@ -160,7 +160,9 @@ class Node:
             advertise_host=self.host,
             log_level="WARNING",
             tls=True if self.tls else None,
-            extra=["--fork-server", str(self.fork_server)] if self.fork_server else [],
+            # The host's shared fork server; a node in a namespace of its own starts
+            # its ranks fresh (a server forks only into its own namespace).
+            fork_server=str(self.fork_server) if self.fork_server else "off",
         )
         # An idle node checks itself every second: a drilled preflight failure shows at once.
         env = clean_env(PITSTOP_AGENT_PREFLIGHT_INTERVAL_SECONDS="1")

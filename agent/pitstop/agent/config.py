@@ -111,10 +111,15 @@ class AgentSettings(LayeredSettings):
     preflight_interval_seconds: float = Field(default=300.0, gt=0)
     """A node that runs no ranks checks itself this often (and at the agent's start); a
     failed preflight keeps it from getting ranks (pitstop.agent.preflight)."""
-    fork_server: Path | None = None
-    """Unix socket of a fork server (`python -m pitstop.agent.forkserver`) that starts
-    this node's ranks and standby processes from a process with torch imported, where
-    several agents share a host. None: each starts as a fresh process."""
+    fork_server: Literal["auto", "off"] | Path = "auto"
+    """Where this node's ranks and standby processes are forked from. `auto`: the
+    agent's own fork server (its zygote, pitstop.agent.zygote), which imports
+    `fork_preload` once and is started again when it dies; `off` (or null): each starts
+    as a fresh interpreter; a path: the Unix socket of a fork server already running
+    (`python -m pitstop.agent.forkserver`), which the agents of one host may share."""
+    fork_preload: str = "torch,pitstop.trainer"
+    """Comma-separated modules the agent's own fork server imports before it serves:
+    what the node's training scripts import (a forked rank imports the rest itself)."""
     log_level: str = "INFO"
     allow_fault_injection: bool = False
     """Accept injected faults on the local socket; default true only for simulated GPUs."""
@@ -156,6 +161,8 @@ class AgentSettings(LayeredSettings):
         data = dict(data)
         if data.get("socket_path") in (None, ""):
             data["socket_path"] = Path(data.get("state_dir") or DEFAULT_STATE_DIR) / SOCKET_NAME
+        if "fork_server" in data and data["fork_server"] in (None, ""):
+            data["fork_server"] = "off"
         if data.get("allow_fault_injection") in (None, ""):
             data["allow_fault_injection"] = str(data.get("gpus", "nvml")).startswith("sim")
         return data

@@ -438,7 +438,9 @@ class ForkedProcess:
 class ForkServerClient:
     """An agent's connection to a fork server. `launch` returns None where the process
     must be started as usual: the server refused it (logged, with the reason) or is
-    unreachable (logged once; no later launch tries it again)."""
+    unreachable (not serving yet, or gone: logged once until it serves again). Each
+    launch while it is unreachable tries to connect again, so a server that starts late
+    or was restarted is used from then on."""
 
     def __init__(self, socket_path: Path) -> None:
         self.socket_path = socket_path
@@ -448,7 +450,7 @@ class ForkServerClient:
         self._pending: dict[int, asyncio.Future[ForkedProcess | dict[str, Any]]] = {}
         self._processes: dict[int, ForkedProcess] = {}
         self._ids = 0
-        self._broken = False
+        self._unreachable_logged = False
         self._closing = False
         self._refusals: set[str] = set()
         self._lock = asyncio.Lock()
@@ -498,23 +500,35 @@ class ForkServerClient:
         if self._task is not None:
             await self._task
 
+    @property
+    def connected(self) -> bool:
+        """Whether the last launch reached the server and it has not gone since."""
+        return self._writer is not None
+
     async def _connect(self) -> bool:
-        if self._broken:
+        if self._closing:
             return False
         if self._writer is not None:
             return True
+        if self._task is not None:  # the last connection's reader: done, or ending
+            await self._task
+            self._task = None
         try:
             self._reader, self._writer = await asyncio.open_unix_connection(
                 str(self.socket_path), limit=1 << 20
             )
         except OSError as exc:
-            self._broken = True
-            logger.warning(
-                "no fork server at %s (%s): ranks start as fresh processes",
-                self.socket_path,
-                exc.strerror or exc,
-            )
+            if not self._unreachable_logged:
+                self._unreachable_logged = True
+                logger.warning(
+                    "no fork server at %s (%s): ranks start as fresh processes until it serves",
+                    self.socket_path,
+                    exc.strerror or exc,
+                )
             return False
+        if self._unreachable_logged:
+            logger.info("the fork server at %s serves: ranks are forked again", self.socket_path)
+        self._unreachable_logged = False
         self._task = asyncio.create_task(self._read(), name="fork server replies")
         return True
 
@@ -545,9 +559,11 @@ class ForkServerClient:
         """The server is gone, and with it (PR_SET_PDEATHSIG) every child it started:
         each is killed again to be sure and reported killed; later launches start fresh
         processes."""
-        if not self._broken and not self._closing:
+        if self._writer is not None and not self._closing:
             logger.warning("the fork server at %s is gone (%s)", self.socket_path, why)
-        self._broken = True
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None  # the next launch connects again
         for reply in self._pending.values():
             if not reply.done():
                 reply.set_result({"refused": "the fork server is gone"})
@@ -575,7 +591,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="torch",
         help="Comma-separated modules to import before serving [torch]",
     )
+    parser.add_argument(
+        "--parent",
+        type=int,
+        default=0,
+        help="Die with this process (an agent's own fork server dies with its agent)",
+    )
     args = parser.parse_args(argv)
+    if args.parent:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != args.parent:  # it died before the line above
+            parser.exit(1, f"--parent {args.parent}: that process is gone\n")
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

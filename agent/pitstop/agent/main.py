@@ -28,6 +28,7 @@ from pitstop.agent.metrics import AgentMetrics, MetricsServer
 from pitstop.agent.preflight import Preflight
 from pitstop.agent.steps import StepSummarizer
 from pitstop.agent.supervisor import RankSupervisor
+from pitstop.agent.zygote import Zygote, zygote_socket
 from pitstop.common.settings import EXIT_BAD_CONFIG, configure_logging, settings_or_exit
 from pitstop.v1 import agent_pb2
 
@@ -56,10 +57,15 @@ class NodeAgent:
             checkpointd_address=settings.checkpointd_address,
             scheduler_address=settings.scheduler,
             tls_dir=self.identity.directory if self.identity is not None else None,
-            fork_server=(
-                ForkServerClient(settings.fork_server) if settings.fork_server is not None else None
-            ),
+            fork_server=_fork_client(settings),
         )
+        self.zygote: Zygote | None = None
+        if settings.fork_server == "auto":
+            self.zygote = Zygote(
+                zygote_socket(settings.socket_path),
+                settings.fork_preload,
+                settings.state_dir / "zygote.log",
+            )
         self.local = LocalEndpoint(
             settings.socket_path,
             backend,
@@ -172,6 +178,8 @@ class NodeAgent:
                 tasks.create_task(keep_renewed(self.identity, self.settings.scheduler, stop))
             if self.node_conditions is not None:
                 tasks.create_task(self.node_conditions.run(stop))
+            if self.zygote is not None:
+                tasks.create_task(self.zygote.run(stop))
             tasks.create_task(self.link.run(stop))
             tasks.create_task(self.preflight.run(stop))
 
@@ -183,12 +191,24 @@ class NodeAgent:
         finally:
             if self.supervisor.fork_server is not None:
                 await self.supervisor.fork_server.close()
+            if self.zygote is not None:
+                await self.zygote.close()
             if self.checkpointd is not None:
                 await self.checkpointd.close(grace_seconds)
             await self.local.stop()
             if self.metrics_server is not None:
                 await asyncio.to_thread(self.metrics_server.shutdown)
             self.backend.close()
+
+
+def _fork_client(settings: AgentSettings) -> ForkServerClient | None:
+    """The connection to the fork server the settings name (the agent's own with
+    `auto`); None with `off`."""
+    if settings.fork_server == "off":
+        return None
+    if settings.fork_server == "auto":
+        return ForkServerClient(zygote_socket(settings.socket_path))
+    return ForkServerClient(Path(settings.fork_server))
 
 
 class _StartFailed(Exception):
@@ -238,9 +258,10 @@ def run(
         Path | None, typer.Option(help="The cluster CA certificate, to enroll against")
     ] = None,
     fork_server: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
-            help="Socket of a fork server to start ranks from (python -m pitstop.agent.forkserver)"
+            help="Where ranks are forked from: auto (the agent's own fork server, the "
+            "default), off (fresh processes), or the socket of a running fork server"
         ),
     ] = None,
 ) -> None:

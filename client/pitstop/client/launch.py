@@ -134,6 +134,7 @@ def agent_command(
     tls: bool | None = None,
     config: Path | str | None = None,
     log_level: str | None = None,
+    fork_server: str | None = None,
     as_module: bool = False,
     extra: Iterable[str] = (),
 ) -> list[str]:
@@ -155,6 +156,7 @@ def agent_command(
         "checkpointd_command": checkpointd_command,
         "advertise_host": advertise_host,
         "log_level": log_level,
+        "fork_server": fork_server,
     }
     security = [] if tls is None else (["--tls"] if tls else ["--insecure"])
     return [
