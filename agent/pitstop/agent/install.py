@@ -145,12 +145,17 @@ EXAMPLE_CONFIG = """\
 # result. A failed preflight quarantines the node until it passes and is uncordoned.
 # preflight_interval_seconds: 300.0
 
-# Unix socket of a fork server (python -m pitstop.agent.forkserver --socket PATH
-# --preload torch) that forks this node's ranks and standby processes with torch
-# imported once, where several agents share a host (a local cluster, tests). It forks
-# only what starts the same as in a fresh interpreter; anything else (or with no
-# server there) starts as a fresh process, as when this is unset.
-# fork_server: null
+# Where this node's ranks and standby processes are forked from. auto: the agent's own
+# fork server (its zygote), which imports fork_preload once (never initialising CUDA)
+# and is started again when it dies; a rank forked from it starts in milliseconds, not
+# the seconds a fresh interpreter spends importing torch. off: every process starts as
+# a fresh interpreter (for scripts that cannot be forked). A path: the Unix socket of a
+# fork server already running (python -m pitstop.agent.forkserver --socket PATH
+# --preload torch), which the agents of one host may share. A server forks only what
+# starts the same as in a fresh interpreter; anything else (and anything while it is
+# not serving yet) starts as a fresh process.
+# fork_server: auto
+# fork_preload: torch,pitstop.trainer
 
 # DEBUG, INFO, WARNING, ERROR or CRITICAL.
 # log_level: INFO
