@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from pitstop.agent.config import ENV_PREFIX
 from pitstop.agent.liveness import RestartBackoff
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,9 @@ class Zygote:
         with self.log_path.open("ab") as output:
             process = await asyncio.create_subprocess_exec(
                 *self.argv(),
+                # A forked process's /proc/<pid>/environ is the server's: none of the
+                # agent's own settings (a join token) in it.
+                env={k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)},
                 stdin=subprocess.DEVNULL,
                 stdout=output,
                 stderr=subprocess.STDOUT,
