@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -81,6 +81,16 @@ class RankTable:
         self.standby_waits: Callable[[str, int], bool] = lambda job_id, pid: False
         """Whether process `pid` of job `job_id` waits for a rank now (the local
         endpoint knows; the heartbeat reports such a standby ready)."""
+
+    @contextlib.contextmanager
+    def starting(self, job_id: str, rank: int, gpu_index: int) -> Iterator[None]:
+        """The rank is known here (`gpu_index`) while its process is started: forked, it
+        runs at once and may call the agent before its entry is recorded."""
+        self.launching[(job_id, rank)] = gpu_index
+        try:
+            yield
+        finally:
+            self.launching.pop((job_id, rank), None)
 
     def entries(self) -> list[RankEntry]:
         """Every process here: the ranks, then the standby processes."""

@@ -313,15 +313,10 @@ class RankSupervisor:
     ) -> None:
         log_path = self.log_dir / command.job_id / f"rank-{assignment.rank}.log"
         what = f"generation {generation} rank {assignment.rank}"
-        # Known as this rank before its process exists: forked, it calls at once.
-        starting = (command.job_id, assignment.rank)
-        self.table.launching[starting] = assignment.gpu_index
-        try:
+        with self.table.starting(command.job_id, assignment.rank, assignment.gpu_index):
             process = await self.launcher.launch(
                 command.job_id, command.command, env, cwd, log_path, what
             )
-        finally:
-            self.table.launching.pop(starting, None)
         entry = RankEntry(
             command.job_id,
             generation,

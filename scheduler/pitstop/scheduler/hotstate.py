@@ -217,40 +217,6 @@ class HotState:
     async def set_rank_stats(self, job_id: str, stats: list[dict[str, Any]]) -> None:
         await self.redis.set(self.rank_stats_key(job_id), json.dumps(stats))
 
-    def _job_key_patterns(self) -> list[tuple[str, str, str]]:
-        """(pattern, head, tail) of each per-job key: the job id lies between."""
-        return [
-            (self.rank_stats_key("*"), f"{self.prefix}job:", ":rank-stats"),
-            (self.steps_key("*"), f"{self.prefix}steps:", ""),
-            (self.windows_key("*"), f"{self.prefix}step-windows:", ""),
-        ]
-
-    async def jobs_with_keys(self) -> set[str]:
-        """The ids of the jobs with any key here (a SCAN per key pattern)."""
-        jobs: set[str] = set()
-        for pattern, head, tail in self._job_key_patterns():
-            async for raw in self.redis.scan_iter(match=pattern, count=1000):
-                key = _text(raw)
-                if key.startswith(head) and key.endswith(tail):
-                    job_id = key[len(head) : len(key) - len(tail)]
-                    if job_id and ":" not in job_id:
-                        jobs.add(job_id)
-        return jobs
-
-    async def forget_jobs(self, job_ids: Collection[str]) -> None:
-        """Delete every key of these jobs."""
-        keys = [
-            key
-            for job_id in job_ids
-            for key in (
-                self.steps_key(job_id),
-                self.windows_key(job_id),
-                self.rank_stats_key(job_id),
-            )
-        ]
-        for start in range(0, len(keys), 512):
-            await self.redis.delete(*keys[start : start + 512])
-
     def steps_key(self, job_id: str) -> str:
         return f"{self.prefix}steps:{job_id}"
 

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Collection
 
 from redis.exceptions import RedisError
 from sqlalchemy import delete, exists, func, select
 
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import TERMINAL_JOB_STATES
+from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.reconcile.context import Leader
 from pitstop.scheduler.services.catalog import DURABLE_NODE
 from pitstop.scheduler.services.records import PREEMPTED, RESUMING
@@ -91,7 +93,7 @@ class Retention:
         """Delete the Redis keys of jobs ended long enough ago (or unknown); their ids."""
         hot = self.leader.hot
         try:
-            keyed = await hot.jobs_with_keys()
+            keyed = await jobs_with_keys(hot)
         except RedisError:
             log.warning("retention: Redis unreadable; the next sweep retries")
             return []
@@ -119,9 +121,42 @@ class Retention:
         )
         if gone:
             try:
-                await hot.forget_jobs(gone)
+                await forget_jobs(hot, gone)
             except RedisError:
                 log.warning("retention: Redis refused the delete; the next sweep retries")
                 return []
             log.info("retention: deleted the Redis keys of %d ended jobs", len(gone))
         return gone
+
+
+def _job_key_patterns(hot: HotState) -> list[tuple[str, str, str]]:
+    """(pattern, head, tail) of each per-job key: the job id lies between."""
+    return [
+        (hot.rank_stats_key("*"), f"{hot.prefix}job:", ":rank-stats"),
+        (hot.steps_key("*"), f"{hot.prefix}steps:", ""),
+        (hot.windows_key("*"), f"{hot.prefix}step-windows:", ""),
+    ]
+
+
+async def jobs_with_keys(hot: HotState) -> set[str]:
+    """The ids of the jobs with any key in Redis (a SCAN per key pattern)."""
+    jobs: set[str] = set()
+    for pattern, head, tail in _job_key_patterns(hot):
+        async for raw in hot.redis.scan_iter(match=pattern, count=1000):
+            key = raw.decode() if isinstance(raw, bytes) else raw
+            if key.startswith(head) and key.endswith(tail):
+                job_id = key[len(head) : len(key) - len(tail)]
+                if job_id and ":" not in job_id:
+                    jobs.add(job_id)
+    return jobs
+
+
+async def forget_jobs(hot: HotState, job_ids: Collection[str]) -> None:
+    """Delete every Redis key of these jobs."""
+    keys = [
+        key
+        for job_id in job_ids
+        for key in (hot.steps_key(job_id), hot.windows_key(job_id), hot.rank_stats_key(job_id))
+    ]
+    for start in range(0, len(keys), 512):
+        await hot.redis.delete(*keys[start : start + 512])
