@@ -1,8 +1,7 @@
-"""The agent's own fork server (pitstop.agent.zygote): started at the node's first
-launch, ranks start fresh until it serves and are forked from then on; killed, it is
-started again and forks again (what it had forked dies with it and is reported so);
-told to preload what cannot be imported, it is not started again; it dies with its
-agent."""
+"""The agent's own fork server (pitstop.agent.zygote): ranks start fresh until it serves
+and are forked from then on; killed, it is started again and forks again (what it had
+forked dies with it and is reported so); told to preload what cannot be imported, it is
+not started again; it dies with its agent."""
 
 from __future__ import annotations
 
@@ -65,12 +64,10 @@ async def test_ranks_are_forked_once_it_serves_and_again_after_it_was_killed(
         tmp_path / "zygote.log",
         backoff=RestartBackoff(first=0.1, longest=0.1),
     )
-    client = ForkServerClient(zygote.socket_path, on_launch=zygote.want)
+    client = ForkServerClient(zygote.socket_path)
     stop = asyncio.Event()
     keeper = asyncio.create_task(zygote.run(stop))
     try:
-        await asyncio.sleep(0)  # the keeper runs: it waits for work, nothing started
-        assert (zygote.starts, zygote.pid) == (0, None)
         held = await forked(client, script, tmp_path / "a.log", "hold")
         first = zygote.pid
         assert first is not None
@@ -94,7 +91,6 @@ async def test_a_preload_that_cannot_be_imported_is_not_started_again(
     folder: Path, tmp_path: Path
 ) -> None:
     zygote = Zygote(folder / "agent.zygote", "no_such_module_here", tmp_path / "zygote.log")
-    zygote.want()
     await asyncio.wait_for(zygote.run(asyncio.Event()), TIMEOUT)
     assert zygote.gave_up
     assert zygote.starts == 1
@@ -116,7 +112,6 @@ def test_it_dies_with_its_agent(tmp_path: Path) -> None:
                 "from pathlib import Path\n"
                 "from pitstop.agent.zygote import Zygote\n"
                 "z = Zygote(Path(sys.argv[1]), 'json', Path(sys.argv[2]))\n"
-                "z.want()\n"
                 "async def main():\n"
                 "    task = asyncio.create_task(z.run(asyncio.Event()))\n"
                 "    while z.pid is None:\n"

@@ -113,11 +113,10 @@ class AgentSettings(LayeredSettings):
     failed preflight keeps it from getting ranks (pitstop.agent.preflight)."""
     fork_server: Literal["auto", "off"] | Path = "auto"
     """Where this node's ranks and standby processes are forked from. `auto`: the
-    agent's own fork server (its zygote, pitstop.agent.zygote), started when the node
-    first gets work, which imports `fork_preload` once and is started again when it
-    dies; `off` (or null): each starts as a fresh interpreter; a path: the Unix socket
-    of a fork server already running (`python -m pitstop.agent.forkserver`), which the
-    agents of one host may share."""
+    agent's own fork server (its zygote, pitstop.agent.zygote), which imports
+    `fork_preload` once and is started again when it dies; `off` (or null): each starts
+    as a fresh interpreter; a path: the Unix socket of a fork server already running
+    (`python -m pitstop.agent.forkserver`), which the agents of one host may share."""
     fork_preload: str = "torch,pitstop.trainer"
     """Comma-separated modules the agent's own fork server imports before it serves:
     what the node's training scripts import (a forked rank imports the rest itself)."""

@@ -58,7 +58,7 @@ import tempfile
 import threading
 import traceback
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -442,10 +442,8 @@ class ForkServerClient:
     launch while it is unreachable tries to connect again, so a server that starts late
     or was restarted is used from then on."""
 
-    def __init__(self, socket_path: Path, on_launch: Callable[[], None] | None = None) -> None:
+    def __init__(self, socket_path: Path) -> None:
         self.socket_path = socket_path
-        self._on_launch = on_launch
-        """Called at every launch (an agent's own server starts on the first)."""
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
@@ -460,8 +458,6 @@ class ForkServerClient:
     async def launch(
         self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, log_path: Path
     ) -> ForkedProcess | None:
-        if self._on_launch is not None:
-            self._on_launch()
         async with self._lock:
             if not await self._connect():
                 return None

@@ -146,10 +146,9 @@ EXAMPLE_CONFIG = """\
 # preflight_interval_seconds: 300.0
 
 # Where this node's ranks and standby processes are forked from. auto: the agent's own
-# fork server (its zygote), started when the node first gets work, which imports
-# fork_preload once (never initialising CUDA) and is started again when it dies; a rank
-# forked from it starts in milliseconds, not the seconds a fresh interpreter spends
-# importing torch. off: every process starts as
+# fork server (its zygote), which imports fork_preload once (never initialising CUDA)
+# and is started again when it dies; a rank forked from it starts in milliseconds, not
+# the seconds a fresh interpreter spends importing torch. off: every process starts as
 # a fresh interpreter (for scripts that cannot be forked). A path: the Unix socket of a
 # fork server already running (python -m pitstop.agent.forkserver --socket PATH
 # --preload torch), which the agents of one host may share. A server forks only what

@@ -49,13 +49,6 @@ class NodeAgent:
         self.metrics = AgentMetrics(settings.node_id)
         self.steps = StepSummarizer()
         self.identity = identity_for(settings.state_dir, settings.node_id) if settings.tls else None
-        self.zygote: Zygote | None = None
-        if settings.fork_server == "auto":
-            self.zygote = Zygote(
-                zygote_socket(settings.socket_path),
-                settings.fork_preload,
-                settings.state_dir / "zygote.log",
-            )
         self.supervisor = RankSupervisor(
             settings.node_id,
             settings.socket_path,
@@ -64,8 +57,15 @@ class NodeAgent:
             checkpointd_address=settings.checkpointd_address,
             scheduler_address=settings.scheduler,
             tls_dir=self.identity.directory if self.identity is not None else None,
-            fork_server=_fork_client(settings, self.zygote),
+            fork_server=_fork_client(settings),
         )
+        self.zygote: Zygote | None = None
+        if settings.fork_server == "auto":
+            self.zygote = Zygote(
+                zygote_socket(settings.socket_path),
+                settings.fork_preload,
+                settings.state_dir / "zygote.log",
+            )
         self.local = LocalEndpoint(
             settings.socket_path,
             backend,
@@ -201,13 +201,13 @@ class NodeAgent:
             self.backend.close()
 
 
-def _fork_client(settings: AgentSettings, zygote: Zygote | None) -> ForkServerClient | None:
+def _fork_client(settings: AgentSettings) -> ForkServerClient | None:
     """The connection to the fork server the settings name (the agent's own with
-    `auto`, started at the first launch); None with `off`."""
-    if zygote is not None:
-        return ForkServerClient(zygote.socket_path, on_launch=zygote.want)
-    if settings.fork_server in ("off", "auto"):
+    `auto`); None with `off`."""
+    if settings.fork_server == "off":
         return None
+    if settings.fork_server == "auto":
+        return ForkServerClient(zygote_socket(settings.socket_path))
     return ForkServerClient(Path(settings.fork_server))
 
 

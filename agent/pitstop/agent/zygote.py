@@ -4,13 +4,11 @@ instead of starting as a fresh interpreter (2 to 5 CPU-seconds of imports each).
 
 With `fork_server: auto` (the default) the agent starts `python -m
 pitstop.agent.forkserver --preload <fork_preload> --parent <agent pid>` beside its
-socket when the node first gets work (ranks or standby processes to start: a node that
-never runs anything holds no torch process), and starts it again with backoff when it
-exits (what it forked dies with it: those ranks' exits are reported, and their job
-recovers as from any rank's death). Until it serves, and while it is down, ranks start
-as fresh processes: nothing waits for it. A zygote that cannot import what it was
-told to preload (exit status 2) is not started again: the agent says so once and starts
-its ranks fresh.
+socket, and starts it again with backoff when it exits (what it forked dies with it:
+those ranks' exits are reported, and their job recovers as from any rank's death).
+Until it serves, and while it is down, ranks start as fresh processes: nothing waits
+for it. A zygote that cannot import what it was told to preload (exit status 2) is not
+started again: the agent says so once and starts its ranks fresh.
 
 CUDA is never initialised in the zygote (pitstop.agent.forkserver); a forked rank
 initialises it as a fresh process would. A script that cannot be forked (it reads
@@ -64,11 +62,6 @@ class Zygote:
         self._process: asyncio.subprocess.Process | None = None
         self._closing = False
         self._gave_up = False
-        self._wanted = asyncio.Event()
-
-    def want(self) -> None:
-        """The node has work: start the fork server, if not yet started."""
-        self._wanted.set()
 
     @property
     def pid(self) -> int | None:
@@ -95,15 +88,7 @@ class Zygote:
         ]
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Once wanted, start the fork server, and again whenever it exits, until
-        `stop` is set."""
-        wanted = asyncio.ensure_future(self._wanted.wait())
-        stopping = asyncio.ensure_future(stop.wait())
-        try:
-            await asyncio.wait({wanted, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            wanted.cancel()
-            stopping.cancel()
+        """Start the fork server, and again whenever it exits, until `stop` is set."""
         while not stop.is_set() and not self._closing:
             started = time.monotonic()
             try:
