@@ -38,7 +38,7 @@ SWEEP_SECONDS_MAX = 60.0
 
 
 class Retention:
-    """Deletes the Redis keys of jobs ended `retention_seconds` ago."""
+    """Deletes what jobs ended `retention_seconds` ago left in Redis and PostgreSQL."""
 
     def __init__(self, leader: Leader, retention_seconds: float) -> None:
         self.leader = leader
