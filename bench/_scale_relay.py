@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import resource
 import socket
 import sys
@@ -212,11 +213,12 @@ async def main() -> None:
         if request["op"] == "stop":
             emit({"t": "done", "id": request["id"], "at": time.time()})
             break
+        at = math.floor(time.time() * 1e4) / 1e4  # before the act: see _scale_worker
         try:
             answer = relay.handle(request)
         except KeyError as exc:
             answer = {"error": repr(exc)}
-        emit({**answer, "t": "done", "id": request["id"], "at": round(time.time(), 4)})
+        emit({**answer, "t": "done", "id": request["id"], "at": at})
     reports.cancel()
     for server in relay.servers:
         server.close()

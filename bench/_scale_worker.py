@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import resource
 import sys
 import time
@@ -164,11 +165,15 @@ class Worker:
             if request["op"] == "stop":
                 emit({"t": "done", "id": request["id"], "at": time.time()})
                 return
+            # When it was done: read before the act, rounded down (a stream cancelled
+            # here can be seen closed by the scheduler before this process reads its
+            # clock again: a failure's detection must not precede the failure).
+            at = math.floor(time.time() * 1e4) / 1e4
             try:
                 answer = self.handle(request)
             except (KeyError, StopIteration, ValueError) as exc:
                 answer = {"error": repr(exc)}
-            emit({**answer, "t": "done", "id": request["id"], "at": round(time.time(), 4)})
+            emit({**answer, "t": "done", "id": request["id"], "at": at})
 
 
 async def main() -> None:
