@@ -10,17 +10,7 @@ from pathlib import Path
 from kit.events import follow_events
 from kit.schedulers import SchedulerThread, scheduler_settings
 from kit.stores import StoreUrls, unique
-from kit.streams import AgentStream
 from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, jobs_pb2_grpc
-
-
-def started(stream: AgentStream) -> agent_pb2.StartRanks:
-    """The next StartRanks the node gets, acknowledged."""
-    while True:
-        message = stream.next_command(timeout=30)
-        if message.WhichOneof("body") == "start_ranks":
-            stream.send(ack=agent_pb2.CommandAck(command_id=message.command_id, ok=True))
-            return message.start_ranks
 
 
 def test_a_job_restarted_before_its_first_step_says_job_running_when_it_trains(
@@ -45,13 +35,13 @@ def test_a_job_restarted_before_its_first_step_says_job_running_when_it_trains(
         job = jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job
         events = follow_events(thread.address, timeout=60)
         try:
-            first = started(worker)
+            first = worker.acked_start()
             worker.send(
                 rank_exited=agent_pb2.RankExited(
                     job_id=job.id, generation=first.generation, rank=0, exit_code=1
                 )
             )
-            again = started(worker)
+            again = worker.acked_start()
             assert again.generation > first.generation
             worker.send(
                 step_summary=agent_pb2.StepSummary(

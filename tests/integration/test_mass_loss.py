@@ -64,11 +64,7 @@ def start_job(thread: SchedulerThread, streams: list[AgentStream], dp: int) -> j
     spec = jobs_pb2.JobSpec(name=unique("held"), command=["train"], dp=dp, gpus_per_node=1)
     job = jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job
     for stream in streams:
-        while True:
-            message = stream.next_command(timeout=30)
-            if message.WhichOneof("body") == "start_ranks":
-                stream.send(ack=agent_pb2.CommandAck(command_id=message.command_id, ok=True))
-                break
+        stream.acked_start()
     return job
 
 

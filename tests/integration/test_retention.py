@@ -14,19 +14,10 @@ import redis
 
 from kit.schedulers import SchedulerThread, scheduler_settings
 from kit.stores import StoreUrls, unique
-from kit.streams import AgentStream
 from kit.waits import wait_until
 from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, jobs_pb2_grpc
 
 RETENTION = 3.0
-
-
-def start(stream: AgentStream) -> agent_pb2.StartRanks:
-    while True:
-        message = stream.next_command(timeout=30)
-        if message.WhichOneof("body") == "start_ranks":
-            stream.send(ack=agent_pb2.CommandAck(command_id=message.command_id, ok=True))
-            return message.start_ranks
 
 
 def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay(
@@ -54,7 +45,7 @@ def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay
             stream = thread.open_stream(f"w{i}", gpus=1, rack=f"r{i}")
             spec = jobs_pb2.JobSpec(name=unique("kept"), command=["train"], dp=1, gpus_per_node=1)
             job = jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job
-            command = start(stream)
+            command = stream.acked_start()
             assert command.job_id == job.id
             summary = agent_pb2.StepSummary(
                 job_id=job.id,

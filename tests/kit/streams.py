@@ -80,6 +80,15 @@ class AgentStream:
         threading.Thread(target=pull, daemon=True).start()
         return result.result(timeout)
 
+    def acked_start(self, timeout: float = 30.0) -> agent_pb2.StartRanks:
+        """The next StartRanks the node gets (other commands passed over), acknowledged
+        as an agent that started the ranks does."""
+        while True:
+            message = self.next_command(timeout=timeout)
+            if message.WhichOneof("body") == "start_ranks":
+                self.send(ack=agent_pb2.CommandAck(command_id=message.command_id, ok=True))
+                return message.start_ranks
+
     def cut(self) -> None:
         """End the stream as a dead agent or a cut network does: the call reset, no end
         of stream sent by the agent, so the scheduler asks the node's host why."""
