@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import psycopg
 import pytest
 
@@ -392,3 +393,32 @@ def test_a_report_naming_a_buddy_being_replaced_is_told_to_ask_again(
     assert buddy("ua") == "uc"
     assert not unfit("uc")
     assert unfit("nobody")  # a node the scheduler does not know holds nothing that counts
+
+
+def test_a_report_is_told_which_of_the_jobs_it_holds_ended(
+    scheduler: SchedulerThread, catalog: Any, job_id: str
+) -> None:
+    """Their snapshots restore nothing any more: the daemon frees that memory. A job
+    running, or one the scheduler does not know, is not named."""
+    jobs = jobs_pb2_grpc.JobServiceStub(scheduler.channel())
+    spec = jobs_pb2.JobSpec(name=unique("done"), command=["x"], dp=1)
+    done = str(jobs.Submit(jobs_pb2.SubmitJobRequest(spec=spec)).job.id)
+    jobs.Cancel(jobs_pb2.JobControlRequest(job_id=done))
+    asked = checkpoint_pb2.ReportShardsRequest(
+        node_id="a", held_jobs=[job_id, done, "j-nobodyknows"]
+    )
+    assert list(catalog.ReportShards(asked).ended_jobs) == [done]
+    with_shards = checkpoint_pb2.ReportShardsRequest(
+        node_id="a", added=[shard(job_id, 0, 5, L)], held_jobs=[job_id, done]
+    )
+    reply = catalog.ReportShards(with_shards)
+    assert list(reply.ended_jobs) == [done]
+    assert dict(reply.committed_steps) == {job_id: 0}
+
+    too_many = checkpoint_pb2.ReportShardsRequest(
+        node_id="a", held_jobs=[f"j-{i}" for i in range(1001)]
+    )
+    with pytest.raises(grpc.RpcError) as refused:
+        catalog.ReportShards(too_many)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "held_jobs" in refused.value.details()

@@ -596,3 +596,45 @@ def test_a_vanished_segment_costs_one_snapshot_and_no_restore(
         assert restored_bytes(writer, 3)[0] == as_bytes(make_state(0, 3))
     finally:
         writer.close()
+
+
+def test_the_memory_of_a_job_that_ended_goes_back_to_dev_shm(
+    daemons: Callable[..., DaemonThread], catalog: FakeCatalog
+) -> None:
+    """A fleet runs thousands of jobs: each one's last snapshots, replicas and leased
+    slots must not stay in every node's /dev/shm once it ended. An idle daemon asks."""
+    buddy = daemons("b", scheduler=catalog.address, idle_report_seconds=0.2)
+    node = daemons("a", scheduler=catalog.address, buddy=buddy.address, idle_report_seconds=0.2)
+    ended, running = SnapshotWriter(node.address, "job-ended", 0), None
+    try:
+        for step in (1, 2, 3):
+            ended.snapshot(step, make_state(0, step))
+        catalog.wait_for(added(buddy.daemon.node_id, "job-ended", 3, REPLICA, {0}))
+        running = SnapshotWriter(node.address, "job-running", 0)
+        running.snapshot(1, make_state(0, 1))
+        catalog.wait_for(added(node.daemon.node_id, "job-running", 1, LOCAL, {0}))
+        held = node_segments(node.daemon.node_id)
+        assert len(held) >= 4  # two snapshots, the slot leased for the next, the other job's
+
+        catalog.ended.add("job-ended")
+        for daemon in (node, buddy):
+            catalog.wait_for(
+                lambda reports, d=daemon: any(
+                    r.node_id == d.daemon.node_id
+                    and any(k.job_id == "job-ended" and k.step == 3 for k in r.removed)
+                    for r in reports
+                )
+            )
+        listed = stub(node.address).ListShards(checkpoint_pb2.ListShardsRequest())
+        assert {s.header.key.job_id for s in listed.shards} == {"job-running"}
+        replicas = stub(buddy.address).ListShards(checkpoint_pb2.ListShardsRequest()).shards
+        assert {s.header.key.job_id for s in replicas} == {"job-running"}
+        assert len(node_segments(node.daemon.node_id)) <= 2  # its snapshot, its leased slot
+        assert len(node_segments(buddy.daemon.node_id)) == 1  # its replica
+        got, restored = restored_bytes(running)  # the running job's memory untouched
+        assert got == as_bytes(make_state(0, 1))
+        assert restored.step == 1
+    finally:
+        ended.close()
+        if running is not None:
+            running.close()

@@ -43,6 +43,8 @@ class FakeCatalog(checkpoint_pb2_grpc.CheckpointCatalogServiceServicer):
         self.addresses: dict[str, str] = {}
         """node id -> checkpointd host:port, for GetRestorePoint's answers."""
         self.buddy = ("", "")
+        self.ended: set[str] = set()
+        """Jobs a report's answer names as ended, where the report holds them."""
         """(node id, host:port) GetBuddy answers: none until a test sets one."""
         self._changed = threading.Condition()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
@@ -54,7 +56,8 @@ class FakeCatalog(checkpoint_pb2_grpc.CheckpointCatalogServiceServicer):
         with self._changed:
             self.reports.append(request)
             self._changed.notify_all()
-        return checkpoint_pb2.ReportShardsResponse()
+            ended = sorted(self.ended & set(request.held_jobs))
+        return checkpoint_pb2.ReportShardsResponse(ended_jobs=ended)
 
     def GetBuddy(self, request: Any, context: Any) -> Any:  # noqa: N802
         return checkpoint_pb2.GetBuddyResponse(

@@ -1,10 +1,12 @@
 """The daemon's side of the scheduler's CheckpointCatalogService.
 
 Reports are batched: shards gained and dropped and failed flushes accumulate while a
-report is in flight and go in the next one. A scheduler that is down, or that does not
-serve the catalog yet, is an outage to wait out with backoff, never an error that stops
-the daemon: what was not reported stays queued. The buddy comes from the configuration
-when one is given, else from GetBuddy, cached and refreshed.
+report is in flight and go in the next one. Each names the jobs the daemon holds
+snapshots of, and the answer says which ended: their memory is freed. A scheduler that
+is down, or that does not serve the catalog yet, is an outage to wait out with backoff,
+never an error that stops the daemon: what was not reported stays queued. The buddy
+comes from the configuration when one is given, else from GetBuddy, cached and
+refreshed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import grpc
@@ -30,6 +33,10 @@ CALL_TIMEOUT_SECONDS = 10.0
 MAX_FLUSH_ERRORS = 100
 """Failed-flush messages kept for the next report; older ones are dropped."""
 _FIRST_RETRY_SECONDS = 0.1
+IDLE_REPORT_SECONDS = 30.0
+"""A daemon holding snapshots with nothing to report asks this often (by default)
+whether their jobs ended: one cheap read a node; a node stepping a job reports far more
+often anyway."""
 
 
 @dataclass(frozen=True)
@@ -53,8 +60,10 @@ class CatalogClient:
         retry_max_seconds: float = 30.0,
         buddy_refresh_seconds: float = 30.0,
         identity: NodeIdentity | None = None,
+        idle_report_seconds: float = IDLE_REPORT_SECONDS,
     ) -> None:
         self.node_id = node_id
+        self._idle_report = idle_report_seconds
         self._static_buddy = Buddy("", static_buddy) if static_buddy else None
         self._retry_max = retry_max_seconds
         self._buddy_refresh = buddy_refresh_seconds
@@ -76,6 +85,10 @@ class CatalogClient:
         self.committed_steps: dict[str, int] = {}
         """Newest committed step per job, as of the last report's answer."""
         self.reports_sent = 0
+        self.held_jobs: Callable[[], Collection[str]] = tuple
+        """The jobs the daemon holds snapshots of (each report asks which ended)."""
+        self.on_ended: Callable[[list[str]], None] = lambda _jobs: None
+        """Called with the held jobs a report's answer says ended."""
         # Until the first report lands, it tells the scheduler this daemon is new.
         self._fresh_start = True
         self._wake.set()
@@ -118,8 +131,12 @@ class CatalogClient:
                 await _wait(stop, delay * random.uniform(0.5, 1.0))
             elif not (self.pending or self._fresh_start):
                 self._wake.clear()
-                await _wait_any(stop, self._wake)
-            if stop.is_set() or not (self.pending or self._fresh_start):
+                # Asleep until there is something to report; with snapshots held, a
+                # report every idle_report_seconds asks whether their jobs ended.
+                idle = self._idle_report if self.held_jobs() else None
+                await _wait_any(stop, self._wake, timeout=idle)
+            held = sorted(self.held_jobs())
+            if stop.is_set() or not (self.pending or self._fresh_start or held):
                 continue
             added, self._added = self._added, {}
             removed, self._removed = self._removed, {}
@@ -133,6 +150,7 @@ class CatalogClient:
                 flush_errors=errors,
                 fresh_start=self._fresh_start,
                 buddy_node_id=self._buddy.node_id if self._buddy is not None else "",
+                held_jobs=held,
             )
             try:
                 response = await self._stub.ReportShards(
@@ -159,6 +177,10 @@ class CatalogClient:
             self._fresh_start = False
             self.reports_sent += 1
             self.committed_steps.update(response.committed_steps)
+            if response.ended_jobs:
+                for job_id in response.ended_jobs:
+                    self.committed_steps.pop(job_id, None)
+                self.on_ended(list(response.ended_jobs))
             if response.buddy_unfit and self._buddy is not None:
                 # Its node is lost or being replaced: replicas there would count for
                 # nothing. The next push asks for another buddy.
@@ -273,10 +295,10 @@ async def _wait(stop: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(stop.wait(), seconds)
 
 
-async def _wait_any(*events: asyncio.Event) -> None:
+async def _wait_any(*events: asyncio.Event, timeout: float | None = None) -> None:
     waiters = [asyncio.ensure_future(e.wait()) for e in events]
     try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for waiter in waiters:
             waiter.cancel()

@@ -70,6 +70,9 @@ class CheckpointdSettings(LayeredSettings):
     """Newest durable checkpoints kept per job (of those this node wrote)."""
     retry_max_seconds: float = Field(default=30.0, gt=0)
     """Longest wait between retries of a report, a push or a flush."""
+    idle_report_seconds: float = Field(default=30.0, gt=0)
+    """With snapshots held and nothing to report, how often the daemon asks the
+    scheduler which of their jobs ended (their memory is freed then)."""
     log_level: str = "INFO"
     fault_hold_flush_at_step: int = Field(default=0, ge=0)
     """Fault injection for tests: hold the durable flush of this step after its shards

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -70,6 +71,7 @@ class CheckpointDaemon:
             identity=self.identity,
             static_buddy=settings.buddy,
             retry_max_seconds=settings.retry_max_seconds,
+            idle_report_seconds=settings.idle_report_seconds,
         )
         self.replicator = Replicator(
             self.catalog,
@@ -99,6 +101,8 @@ class CheckpointDaemon:
             self.durable,
             self._keep_replica,
         )
+        self.catalog.held_jobs = lambda: {r.shard.job_id for r in self.store.records()}
+        self.catalog.on_ended = functools.partial(forget_jobs, self.store, self.pool, self.catalog)
         self.skipped_snapshots = 0
         self._members: dict[str, tuple[set[str], float]] = {}
         self.port = 0
@@ -338,3 +342,26 @@ class CheckpointDaemon:
             if old.checksum is not None:
                 self.catalog.shard_removed(old.shard, old.generation, old.tier)
             self.pool.unref(old.segment)
+
+
+def forget_jobs(
+    store: ShardStore, pool: SlotPool, catalog: CatalogClient, job_ids: list[str]
+) -> None:
+    """The jobs ended (the scheduler says so): their snapshots and replicas here
+    restore nothing any more, so their memory goes back to /dev/shm. Durable copies stay
+    (the durable store prunes its own)."""
+    for job_id in job_ids:
+        records = store.records(job_id)
+        for record in records:
+            if store.remove(record):
+                if record.checksum is not None:
+                    catalog.shard_removed(record.shard, record.generation, record.tier)
+                pool.unref(record.segment)
+        freed = pool.forget_job(job_id)
+        if records or freed:
+            log.info(
+                "job %s ended: dropped its %d snapshots and replicas, %d bytes freed",
+                job_id,
+                len(records),
+                freed,
+            )

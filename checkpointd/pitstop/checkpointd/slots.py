@@ -217,6 +217,25 @@ class SlotPool:
             if segment.refs == 0 and segment.name in self._segments:
                 self._free.append(segment)
 
+    def forget_job(self, job_id: str) -> int:
+        """The job ended: give up the slots its ranks took for their next snapshot, and
+        unlink every free segment last written for it (the next job's shards may be of
+        other sizes; a node between jobs holds none). A segment still pinned (a flush
+        or a transfer under way) goes to the free list when released. The bytes freed."""
+        with self._lock:
+            for owner in [o for o in self._writing if o[0] == job_id]:
+                segment, _ = self._writing.pop(owner)
+                segment.refs -= 1
+                if segment.refs == 0 and segment.name in self._segments:
+                    self._free.append(segment)
+            gone = [s for s in self._free if s.owner is not None and s.owner[0] == job_id]
+            for segment in gone:
+                self._free.remove(segment)
+                del self._segments[segment.name]
+        for segment in gone:
+            segment.destroy()
+        return sum(s.size for s in gone)
+
     @contextlib.contextmanager
     def pinned(self, segment: Segment) -> Iterator[Segment]:
         """`segment`, pinned for the duration of the block."""

@@ -151,7 +151,7 @@ class RestoreResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[ShardHeader, _Mapping]] = ..., shm_name: _Optional[str] = ..., source: _Optional[_Union[ShardTier, str]] = ...) -> None: ...
 
 class ReportShardsRequest(_message.Message):
-    __slots__ = ("node_id", "added", "removed", "flush_errors", "fresh_start", "removed_durable", "buddy_node_id")
+    __slots__ = ("node_id", "added", "removed", "flush_errors", "fresh_start", "removed_durable", "buddy_node_id", "held_jobs")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDED_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class ReportShardsRequest(_message.Message):
     FRESH_START_FIELD_NUMBER: _ClassVar[int]
     REMOVED_DURABLE_FIELD_NUMBER: _ClassVar[int]
     BUDDY_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HELD_JOBS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     added: _containers.RepeatedCompositeFieldContainer[ShardInfo]
     removed: _containers.RepeatedCompositeFieldContainer[ShardKey]
@@ -166,10 +167,11 @@ class ReportShardsRequest(_message.Message):
     fresh_start: bool
     removed_durable: _containers.RepeatedCompositeFieldContainer[ShardKey]
     buddy_node_id: str
-    def __init__(self, node_id: _Optional[str] = ..., added: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., removed: _Optional[_Iterable[_Union[ShardKey, _Mapping]]] = ..., flush_errors: _Optional[_Iterable[str]] = ..., fresh_start: _Optional[bool] = ..., removed_durable: _Optional[_Iterable[_Union[ShardKey, _Mapping]]] = ..., buddy_node_id: _Optional[str] = ...) -> None: ...
+    held_jobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., added: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., removed: _Optional[_Iterable[_Union[ShardKey, _Mapping]]] = ..., flush_errors: _Optional[_Iterable[str]] = ..., fresh_start: _Optional[bool] = ..., removed_durable: _Optional[_Iterable[_Union[ShardKey, _Mapping]]] = ..., buddy_node_id: _Optional[str] = ..., held_jobs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReportShardsResponse(_message.Message):
-    __slots__ = ("committed_steps", "buddy_unfit")
+    __slots__ = ("committed_steps", "buddy_unfit", "ended_jobs")
     class CommittedStepsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -179,9 +181,11 @@ class ReportShardsResponse(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     COMMITTED_STEPS_FIELD_NUMBER: _ClassVar[int]
     BUDDY_UNFIT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_JOBS_FIELD_NUMBER: _ClassVar[int]
     committed_steps: _containers.ScalarMap[str, int]
     buddy_unfit: bool
-    def __init__(self, committed_steps: _Optional[_Mapping[str, int]] = ..., buddy_unfit: _Optional[bool] = ...) -> None: ...
+    ended_jobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, committed_steps: _Optional[_Mapping[str, int]] = ..., buddy_unfit: _Optional[bool] = ..., ended_jobs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetBuddyRequest(_message.Message):
     __slots__ = ("node_id",)

@@ -17,7 +17,13 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.db import models
-from pitstop.scheduler.domain import JobState, NodeState, RestorePoint, ShardReport
+from pitstop.scheduler.domain import (
+    TERMINAL_JOB_STATES,
+    JobState,
+    NodeState,
+    RestorePoint,
+    ShardReport,
+)
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.jobs import spec_from_json
 from pitstop.scheduler.services.nodes import get_node
@@ -26,6 +32,24 @@ log = logging.getLogger(__name__)
 
 # Durable copies belong to no node; they are stored under this node id.
 DURABLE_NODE = ""
+
+
+MAX_HELD_JOBS = 1000
+"""The most jobs one report may ask about (a node runs a handful)."""
+
+
+async def ended_jobs(session: AsyncSession, job_ids: Sequence[str]) -> list[str]:
+    """Of `job_ids`, the jobs that ended: their snapshots in a daemon's memory restore
+    nothing any more. A job this scheduler does not know is not named (a daemon may
+    hold a test's or another cluster's shards; it keeps them)."""
+    if not job_ids:
+        return []
+    rows = await session.scalars(
+        select(models.Job.id)
+        .where(models.Job.id.in_(sorted(set(job_ids))))
+        .where(models.Job.state.in_(TERMINAL_JOB_STATES))
+    )
+    return sorted(rows)
 
 
 async def world_size(session: AsyncSession, job: models.Job, generation: int) -> int:
