@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -33,6 +34,10 @@ from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 << 20
+CHANNEL_IDLE_SECONDS = 600.0
+"""A peer's channel not handed out for this long is closed (see Replicator.stub)."""
+CHANNEL_CLOSE_GRACE = 60.0
+"""Seconds a closed channel's calls still in flight get to finish."""
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 16 << 20),
     ("grpc.max_receive_message_length", 16 << 20),
@@ -145,8 +150,10 @@ class Replicator:
         token: str = "",
         retry_max_seconds: float = 30.0,
         identity: NodeIdentity | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._catalog = catalog
+        self._clock = clock
         self._identity = identity
         self._pool = pool
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -155,6 +162,8 @@ class Replicator:
         self._in_flight: ShardRecord | None = None
         self._wake = asyncio.Event()
         self._channels: dict[str, tuple[grpc.aio.Channel, Any]] = {}
+        self._used: dict[str, float] = {}  # when each channel was last handed out
+        self._closing: set[asyncio.Future[None]] = set()
         self._warned_no_buddy = False
         self.pushed_bytes = 0
         self.pushed_shards = 0
@@ -170,11 +179,27 @@ class Replicator:
         self._wake.set()
 
     def stub(self, address: str) -> Any:
-        """A CheckpointService stub for the daemon at `address` (channels are kept)."""
+        """A CheckpointService stub for the daemon at `address`. Channels are kept, but
+        one unused for CHANNEL_IDLE_SECONDS is closed: a peer's daemon that restarted on
+        another port, or a buddy replaced long ago, leaves an address no one calls."""
+        now = self._clock()
+        for idle in [a for a, at in self._used.items() if now - at > CHANNEL_IDLE_SECONDS]:
+            if idle != address:
+                del self._used[idle]
+                channel, _ = self._channels.pop(idle)
+                closing = asyncio.ensure_future(channel.close(CHANNEL_CLOSE_GRACE))
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
         if address not in self._channels:
             channel = open_channel(address, self._identity, aio=True, options=CHANNEL_OPTIONS)
             self._channels[address] = (channel, checkpoint_pb2_grpc.CheckpointServiceStub(channel))
+        self._used[address] = now
         return self._channels[address][1]
+
+    @property
+    def peers(self) -> list[str]:
+        """The addresses a channel is open to."""
+        return sorted(self._channels)
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
@@ -266,3 +291,6 @@ class Replicator:
         for channel, _ in self._channels.values():
             await channel.close()
         self._channels.clear()
+        self._used.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
