@@ -1,8 +1,9 @@
 """What an ended job left behind goes after the retention (`ended_job_retention_seconds`):
 in Redis its step stream, straggler windows and rank statistics, in PostgreSQL its
 events and node commands; a running job's stay, and keys of a job PostgreSQL does not
-know go at once. What `pitstop job show` and `pitstop job record` print stays. A real
-scheduler with its deciding loops, real Redis and PostgreSQL."""
+know go at once. A running job's superseded checkpoint rows go too. What `pitstop job
+show` and `pitstop job record` print stays. A real scheduler with its deciding loops,
+real Redis and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -63,6 +64,22 @@ def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay
             wait_until(lambda j=job_id: client.exists(f"{prefix}steps:{j}"), f"{job_id} steps kept")
         client.xadd(f"{prefix}steps:j-nobodyknows", {"summaries": b""})
 
+        # The running job, weeks in: a checkpoint row a step, most long superseded.
+        with psycopg.connect(database) as db:
+            db.execute("UPDATE jobs SET committed_step = 10 WHERE id = %s", (running,))
+            for step, durable in [(3, False), (4, True), (5, False), (10, False), (12, False)]:
+                db.execute(  # 12: snapshotted, not committed yet
+                    "INSERT INTO checkpoints (job_id, step, generation, committed, durable,"
+                    " manifest_url, created_at) VALUES (%s, %s, 1, %s, %s, '',"
+                    " now() - interval '1 hour')",
+                    (running, step, step <= 10, durable),
+                )
+            db.execute(
+                "INSERT INTO checkpoint_shards (job_id, step, rank, node_id, tier, checksum,"
+                " size_bytes) VALUES (%s, 5, 0, 'w1', 'memory', 'x', 1)",
+                (running,),
+            )
+
         jobs.Cancel(jobs_pb2.JobControlRequest(job_id=ended))
         shown = jobs.Get(jobs_pb2.GetJobRequest(job_id=ended))
         assert shown.state == common_pb2.JOB_STATE_CANCELLED
@@ -89,6 +106,17 @@ def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay
         # The rows went in the same sweep as the keys, or one sweep before.
         wait_until(lambda: rows("events", ended) == 0, "the ended job's events deleted", 10)
         assert rows("node_commands", ended) == 0
+
+        def steps(job_id: str) -> list[int]:
+            with psycopg.connect(database) as db:
+                found = db.execute(
+                    "SELECT step FROM checkpoints WHERE job_id = %s ORDER BY step", (job_id,)
+                )
+                return [int(row[0]) for row in found]
+
+        # Superseded: below the committed step, on no node, not durable. The rest stays.
+        wait_until(lambda: 3 not in steps(running), "the superseded checkpoint deleted", 10)
+        assert steps(running) == [4, 5, 10, 12]
         assert rows("events", running) > 0
         assert rows("node_commands", running) > 0
         shown = jobs.Get(jobs_pb2.GetJobRequest(job_id=ended))  # the job stays

@@ -6,6 +6,8 @@ job it ever ran.
   (and at once the keys of a job PostgreSQL does not know).
 - PostgreSQL: its events (but the preemptions and resumes its run record lists), its
   node commands, its hang stacks, and its checkpoints but the durable ones.
+- And of a running job, which may run for weeks: its checkpoint rows superseded that
+  long ago (below its committed step, held by no node, not durable).
 
 What stays is what `pitstop job show` and `pitstop job record` print: the job's row
 (state, result, goodput account with its incidents), rank maps, run records, durable
@@ -20,9 +22,10 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from collections.abc import Collection
+from typing import Any
 
 from redis.exceptions import RedisError
-from sqlalchemy import delete, exists, func, select
+from sqlalchemy import delete, exists, func, select, tuple_
 
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import TERMINAL_JOB_STATES
@@ -35,6 +38,8 @@ log = logging.getLogger(__name__)
 
 SWEEP_SECONDS_MAX = 60.0
 """The longest between two sweeps (a short retention sweeps more often)."""
+SUPERSEDED_BATCH = 10_000
+"""The most superseded checkpoint rows of running jobs one sweep deletes."""
 
 
 class Retention:
@@ -85,9 +90,32 @@ class Retention:
                 count = int(getattr(result, "rowcount", 0) or 0)
                 if count:
                     deleted[table] = count
+            superseded = await session.execute(self.superseded_checkpoints())
+            if count := int(getattr(superseded, "rowcount", 0) or 0):
+                deleted["checkpoints"] = deleted.get("checkpoints", 0) + count
         if deleted:
             log.info("retention: deleted what ended jobs no longer need: %s", deleted)
         return deleted
+
+    def superseded_checkpoints(self) -> Any:
+        """A running job commits a checkpoint row a step, for weeks: its rows below the
+        committed step that no node holds any more, not durable, and older than the
+        retention, go (at most SUPERSEDED_BATCH a sweep). What a restore or a late report
+        could still use stays: the committed step and newer, every step with a shard."""
+        job, checkpoint, shard = models.Job, models.Checkpoint, models.CheckpointShard
+        due = (
+            select(checkpoint.job_id, checkpoint.step)
+            .join(job, job.id == checkpoint.job_id)
+            .where(
+                job.state.not_in(TERMINAL_JOB_STATES),
+                checkpoint.step < job.committed_step,
+                checkpoint.durable.is_(False),
+                checkpoint.created_at < func.now() - dt.timedelta(seconds=self.retention_seconds),
+                ~exists().where(shard.job_id == checkpoint.job_id, shard.step == checkpoint.step),
+            )
+            .limit(SUPERSEDED_BATCH)
+        )
+        return delete(checkpoint).where(tuple_(checkpoint.job_id, checkpoint.step).in_(due))
 
     async def forget_keys(self) -> list[str]:
         """Delete the Redis keys of jobs ended long enough ago (or unknown); their ids."""
