@@ -71,10 +71,16 @@ async def test_ranks_are_forked_once_it_serves_and_again_after_it_was_killed(
         held = await forked(client, script, tmp_path / "a.log", "hold")
         first = zygote.pid
         assert first is not None
+        # Its children's environments sit beside its socket, not in a folder of /tmp
+        # that a killed server would leave behind for ever.
+        envs = folder / "agent.zygote.env"
+        assert (envs / f"{held.pid}.env").exists()
         os.kill(first, signal.SIGKILL)
         # What it forked dies with it, and is reported killed.
         assert await asyncio.wait_for(held.wait(), TIMEOUT) == -signal.SIGKILL
         await until(lambda: zygote.pid not in (None, first), "started again", TIMEOUT)
+        # The next one on the socket takes the folder over, emptied.
+        await until(lambda: not (envs / f"{held.pid}.env").exists(), "emptied", TIMEOUT)
         again = await forked(client, script, tmp_path / "b.log")
         assert await asyncio.wait_for(again.wait(), TIMEOUT) == 0
         assert zygote.starts == 2

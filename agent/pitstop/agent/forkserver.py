@@ -54,7 +54,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import traceback
 import warnings
@@ -579,6 +578,11 @@ class ForkServerClient:
 # Command line
 
 
+def env_folder(socket_path: Path) -> Path:
+    """Where the server on `socket_path` keeps its children's environments."""
+    return socket_path.with_name(f"{socket_path.name}.env")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m pitstop.agent.forkserver",
@@ -608,7 +612,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if FORK_SERVER_DIR_ENV not in os.environ:
         # The children's /proc/<pid>/environ is this process's: name the folder of
         # their real environments there, by starting again with it (nothing imported yet).
-        folder = tempfile.mkdtemp(prefix="pitstop-forkserver-")
+        # Beside the socket, and emptied here: a server killed with its agent leaves its
+        # folder behind, and the one started after it on the same socket takes it over.
+        folder = env_folder(args.socket)
+        shutil.rmtree(folder, ignore_errors=True)
         os.execve(
             sys.executable,
             [
@@ -617,7 +624,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "pitstop.agent.forkserver",
                 *(sys.argv[1:] if argv is None else argv),
             ],
-            {**os.environ, FORK_SERVER_DIR_ENV: folder},
+            {**os.environ, FORK_SERVER_DIR_ENV: str(folder)},
         )
     warnings.filterwarnings("ignore", message=".*use of fork\\(\\) may lead to deadlocks")
     for name in filter(None, (n.strip() for n in args.preload.split(","))):
