@@ -82,7 +82,12 @@ from typing import Any
 
 from pitstop.client.cpuload import MAX_SECONDS, cpu_load
 from pitstop.client.errors import PitstopError
-from pitstop.client.localcluster import DEFAULT_LIVENESS_TIMEOUT, ClusterError, running_cluster
+from pitstop.client.localcluster import (
+    DEFAULT_LIVENESS_TIMEOUT,
+    ClusterError,
+    holding_a_rank,
+    running_cluster,
+)
 from pitstop.client.localcluster.statefile import Kind
 from pitstop.client.localcluster.stores import OwnPostgres, OwnRedis
 from pitstop.client.scenario import ReferenceRun, example_spec, format_event
@@ -195,9 +200,9 @@ class Chaos(ChaosWatch):
             self.high_jobs[high.id] = high
             fault.extra["high_job"] = high.id
         elif kind == "rank_kill":
-            pids = self.cluster.rank_pids(target)
+            pids = holding_a_rank(self.cluster.rank_pids(target))  # not a standby beside it
             if pids:
-                os.kill(min(pids), signal.SIGKILL)  # the rank, not what it forked
+                os.kill(min(pids), signal.SIGKILL)
             else:
                 self.problems.append(f"fault {fault.index}: {target} had no rank to kill")
         elif kind == "node_kill":

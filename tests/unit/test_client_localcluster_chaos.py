@@ -5,9 +5,11 @@ in cluster.json."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 from pitstop.client.localcluster import ClusterProcess, LocalCluster, TaggedProcess, wipe_state_dir
+from pitstop.client.localcluster.processes import holding_a_rank
 from pitstop.client.localcluster.statefile import NodeSpec
 
 
@@ -64,3 +66,30 @@ def test_wipe_removes_every_schedulers_state_dir(tmp_path: Path) -> None:
         (root / name).mkdir(parents=True)
     assert wipe_state_dir(root)
     assert not root.exists()
+
+
+def test_the_rank_is_told_from_the_standby_beside_it_by_the_log_it_writes(
+    tmp_path: Path,
+) -> None:
+    """A rank_kill must hit the rank: after a restart of every rank the standby beside
+    one may be the older process, so the lowest pid is not the rank."""
+    folder = tmp_path / "ranks" / "j-1"
+    folder.mkdir(parents=True)
+    started = []
+    try:
+        for log, own_session in [
+            ("standby-gpu0.log", True),  # started first: the lower pid
+            ("rank-0.log", True),
+            ("rank-0.log", False),  # what the rank forked: not a session of its own
+            ("rank-0.1.log", True),  # an earlier rank's log, kept under another name
+        ]:
+            with open(folder / log, "ab") as out:
+                started.append(
+                    subprocess.Popen(["sleep", "60"], stdout=out, start_new_session=own_session)
+                )
+        pids = [p.pid for p in started]
+        assert holding_a_rank(pids) == [pids[1]]
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()

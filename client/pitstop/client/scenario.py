@@ -43,6 +43,7 @@ from pitstop.client.localcluster import (
     ClusterError,
     LocalCluster,
     free_port,
+    holding_a_rank,
 )
 from pitstop.client.signals import dying_with_parent
 from pitstop.common.codeversion import code_version
@@ -465,7 +466,7 @@ class Driver:
         elif fault.kind == "node_freeze":
             self.cluster.kill_node(node_id, signal.SIGSTOP, wait=False)
         else:
-            pids = self.cluster.rank_pids(node_id)
+            pids = holding_a_rank(self.cluster.rank_pids(node_id))  # not a standby beside
             if pids:
                 os.kill(min(pids), signal.SIGKILL)
         if fault.kind not in ("rank_kill", "app_xid"):  # those leave the node as it was

@@ -39,6 +39,7 @@ from pitstop.client.localcluster.errors import (
 from pitstop.client.localcluster.nodecommands import binary
 from pitstop.client.localcluster.processes import (
     TaggedProcess,
+    holding_a_rank,
     pid_alive,
     rank_pids,
     start_ticks,
@@ -100,6 +101,7 @@ __all__ = [
     "TaggedProcess",
     "binary",
     "free_port",
+    "holding_a_rank",
     "log_tail",
     "node_layout",
     "pid_alive",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -138,6 +139,27 @@ class TaggedProcess:
         kind = self.daemon.split("-", 1)[0]
         script = f"pitstop-{kind}"
         return not self.rank and any(Path(arg).name == script for arg in self.argv[:8])
+
+
+RANK_LOG = re.compile(r"^rank-\d+\.log$")
+"""The log an agent gives a rank's output (a standby's is standby-gpuN.log until it is
+handed a rank: then the file is renamed to its rank's)."""
+
+
+def holding_a_rank(pids: Iterable[int]) -> list[int]:
+    """Of rank processes (see `rank_pids`), those that hold a rank now: each leads its own
+    session and writes to a rank's log. A standby waiting beside the ranks writes to its
+    own, and what a rank forked does not lead a session."""
+    found = []
+    for pid in pids:
+        try:
+            stdout = os.readlink(f"/proc/{pid}/fd/1")
+            leader = os.getsid(pid) == pid
+        except OSError:
+            continue
+        if leader and RANK_LOG.match(Path(stdout).name):
+            found.append(pid)
+    return found
 
 
 def tagged_processes(state_dir: Path) -> list[TaggedProcess]:
