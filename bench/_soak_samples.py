@@ -1,0 +1,213 @@
+"""bench/soak.py's measurements: what is sampled every minute (every pitstop process's
+RSS and open descriptors, Redis, PostgreSQL, /dev/shm) and the slopes read from it.
+
+A process is followed by its pid: one restarted by a fault (an agent killed, a
+scheduler failed over) is a new series with a warm-up of its own. A slope is a
+least-squares fit over a series' samples from the end of its warm-up on; a series
+shorter than `min_span` after its warm-up is listed but gets no slope (a few minutes of
+RSS say nothing about an hour)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import redis
+
+from pitstop.client.localcluster.processes import tagged_processes
+
+MB = 1024 * 1024
+SHM = Path("/dev/shm")
+
+
+@dataclass
+class Series:
+    """One quantity over time: (seconds since the run began, value) pairs."""
+
+    name: str
+    started: float = 0.0
+    """When what it measures started (a process: its first sample), run seconds."""
+    points: list[tuple[float, float]] = field(default_factory=list)
+
+    def after(self, warmup: float) -> list[tuple[float, float]]:
+        """The samples from `warmup` s after it started on."""
+        return [(t, v) for t, v in self.points if t >= self.started + warmup]
+
+
+def slope_per_hour(points: Sequence[tuple[float, float]]) -> float | None:
+    """The least-squares slope of value over time, per hour (None under 2 distinct times)."""
+    if len(points) < 2:
+        return None
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_v = sum(v for _, v in points) / n
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    if var == 0:
+        return None
+    cov = sum((t - mean_t) * (v - mean_v) for t, v in points)
+    return cov / var * 3600
+
+
+def growth(points: Sequence[tuple[float, float]]) -> float | None:
+    """The highest value of the last third less the highest of the first third: what a
+    count that comes and goes with the work (descriptors of a job's sockets) gained for
+    good. None under three samples."""
+    if len(points) < 3:
+        return None
+    third = max(len(points) // 3, 1)
+    return max(v for _, v in points[-third:]) - max(v for _, v in points[:third])
+
+
+def fitted(
+    series: Sequence[Series], warmup: float, min_span: float, measure: Callable[..., float | None]
+) -> dict[str, float]:
+    """`measure` of every series whose samples after its warm-up span `min_span` s."""
+    out = {}
+    for s in series:
+        points = s.after(warmup)
+        if points and points[-1][0] - points[0][0] >= min_span:
+            value = measure(points)
+            if value is not None:
+                out[s.name] = round(value, 3)
+    return out
+
+
+def process_name(daemon: str, argv: Sequence[str], rank: bool, daemon_itself: bool) -> str:
+    """What a tagged process is: its daemon's name (``agent-node-1``), the zygote an
+    agent keeps (``zygote-node-1``), or a rank or standby an agent started."""
+    if daemon_itself:
+        return daemon
+    if rank:
+        return f"rank@{daemon.removeprefix('agent-')}"
+    if "pitstop.agent.forkserver" in argv:
+        return f"zygote-{daemon.removeprefix('agent-')}"
+    return f"{daemon}/{Path(argv[0]).name if argv else '?'}"
+
+
+def rss_bytes(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def open_fds(pid: int) -> int | None:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+def shm_bytes(prefixes: Sequence[str] = ("pitstop",)) -> int:
+    """Bytes held by the files in /dev/shm whose names start with one of `prefixes`."""
+    total = 0
+    for entry in SHM.iterdir() if SHM.is_dir() else ():
+        if entry.name.startswith(tuple(prefixes)):
+            try:
+                total += entry.stat().st_blocks * 512
+            except OSError:
+                continue
+    return total
+
+
+class Sampler(threading.Thread):
+    """Every `every` s: each pitstop process of the cluster in `state_dir` (RSS, open
+    descriptors), Redis `used_memory`, the PostgreSQL database's size and each table's
+    rows, the pitstop files in /dev/shm. A store that does not answer (restarted by a
+    fault) is asked again at the next sample."""
+
+    def __init__(
+        self, state_dir: Path, redis_url: str, postgres_url: str, every: float = 60.0
+    ) -> None:
+        super().__init__(daemon=True, name="soak-sampler")
+        self.state_dir, self.redis_url, self.postgres_url = state_dir, redis_url, postgres_url
+        self.every = every
+        self.began = time.monotonic()
+        self.stop = threading.Event()
+        self.rss: dict[int, Series] = {}
+        self.fds: dict[int, Series] = {}
+        self.redis = Series("redis_used_memory_mb")
+        self.postgres = Series("postgres_database_mb")
+        self.shm = Series("dev_shm_mb")
+        self.rows: dict[str, Series] = {}
+        self.samples = 0
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.sample()
+            self.stop.wait(self.every)
+
+    def sample(self) -> None:
+        now = time.monotonic() - self.began
+        for proc in tagged_processes(self.state_dir):
+            name = process_name(proc.daemon, proc.argv, proc.rank, proc.is_daemon())
+            rss, fds = rss_bytes(proc.pid), open_fds(proc.pid)
+            if rss is None or fds is None:
+                continue
+            label = f"{name}[{proc.pid}]"
+            self.rss.setdefault(proc.pid, Series(label, now)).points.append((now, rss / MB))
+            self.fds.setdefault(proc.pid, Series(label, now)).points.append((now, fds))
+        self.shm.points.append((now, shm_bytes() / MB))
+        self._stores(now)
+        self.samples += 1
+
+    def _stores(self, now: float) -> None:
+        try:
+            with redis.Redis.from_url(self.redis_url, socket_timeout=5) as client:
+                used = int(client.info("memory")["used_memory"])
+            self.redis.points.append((now, used / MB))
+        except (redis.RedisError, OSError) as exc:
+            self.errors.append(f"redis at +{now:.0f} s: {exc}")
+        try:
+            with psycopg.connect(self.postgres_url, connect_timeout=5, autocommit=True) as conn:
+                size = conn.execute("SELECT pg_database_size(current_database())").fetchone()
+                tables = conn.execute(
+                    "SELECT relname FROM pg_stat_user_tables ORDER BY relname"
+                ).fetchall()
+                for (table,) in tables:
+                    count = conn.execute(f'SELECT count(*) FROM "{table}"').fetchone()
+                    series = self.rows.setdefault(table, Series(table))
+                    series.points.append((now, count[0] if count else 0))
+            self.postgres.points.append((now, (size[0] if size else 0) / MB))
+        except psycopg.Error as exc:
+            self.errors.append(f"postgres at +{now:.0f} s: {exc}")
+
+    def summary(self, warmup: float, min_span: float) -> dict[str, Any]:
+        """Slopes after the warm-up; the processes too short-lived to have one."""
+        rss = fitted(list(self.rss.values()), warmup, min_span, slope_per_hour)
+        fds = fitted(list(self.fds.values()), warmup, min_span, growth)
+        stores = [self.redis, self.postgres, self.shm]
+        slopes = fitted(stores, warmup, min_span, slope_per_hour)
+        rows = fitted(list(self.rows.values()), warmup, min_span, slope_per_hour)
+        ends = {s.name: s.points[-1][1] for s in stores if s.points}
+        return {
+            "samples": self.samples,
+            "sample_seconds": self.every,
+            "warmup_seconds": warmup,
+            "min_span_seconds": min_span,
+            "rss_slope_mb_per_hour_max": max(rss.values(), default=None),
+            "fd_growth_max": max(fds.values(), default=None),
+            "redis_slope_mb_per_hour": slopes.get(self.redis.name),
+            "pg_slope_mb_per_hour": slopes.get(self.postgres.name),
+            "shm_slope_mb_per_hour": slopes.get(self.shm.name),
+            "rss_slope_mb_per_hour": dict(sorted(rss.items())),
+            "fd_growth": dict(sorted(fds.items())),
+            "rss_mb_last": {
+                s.name: round(s.points[-1][1], 1) for s in self.rss.values() if s.name in rss
+            },
+            "too_short_for_a_slope": sorted(s.name for s in self.rss.values() if s.name not in rss),
+            "rows_slope_per_hour": rows,
+            "rows_last": {name: s.points[-1][1] for name, s in sorted(self.rows.items())},
+            "stores_last": {k: round(v, 2) for k, v in ends.items()},
+            "errors": self.errors[-10:],
+        }
