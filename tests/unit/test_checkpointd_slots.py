@@ -274,3 +274,25 @@ def test_slots_unsealed_for_long_are_reclaimed_when_memory_is_needed(prefix: str
     with pytest.raises(SlotMismatch):
         impatient.finish_write(("job-a", 0), gone.name, PAGE)
     impatient.close()
+
+
+def test_an_ended_jobs_segments_go_and_one_pinned_then_goes_when_released(
+    prefix: str,
+) -> None:
+    pool = SlotPool(prefix, 1 << 20)
+    done = ("job-done", 0)
+    other = pool.allocate(PAGE, OWNER)
+    pool.begin_write(done, PAGE)  # the slot its rank took for the next snapshot
+    free, pinned = pool.allocate(PAGE, done), pool.allocate(PAGE, done)
+    pool.unref(free)
+    pool.unref(other)
+    pool.ref(pinned)  # a transfer under way
+    pool.unref(pinned)  # its holder let go
+    before = len(segments(prefix))
+
+    assert pool.forget_job("job-done") == 2 * PAGE  # the free one, and the leased one
+    assert len(segments(prefix)) == before - 2
+    pool.unref(pinned)  # the transfer ends
+    assert len(segments(prefix)) == before - 3
+    assert pool.allocate(PAGE, OWNER) is other  # another job's free segment stays
+    pool.close()

@@ -41,6 +41,8 @@ _LARGE = 64 << 20
 STALE_WRITE_SECONDS = 600.0
 """A slot unsealed this long is reclaimed when the budget needs its memory."""
 _LARGE_GRANULE = 2 << 20
+ENDED_JOBS_KEPT = 256
+"""Ended jobs remembered, so that a segment of one released late is unlinked too."""
 
 Owner = tuple[str, int]
 """(job id, rank) a segment was last written for."""
@@ -120,6 +122,7 @@ class SlotPool:
         self._segments: dict[str, Segment] = {}
         self._free: list[Segment] = []
         self._writing: dict[Owner, tuple[Segment, float]] = {}
+        self._ended: dict[str, None] = {}  # the jobs forgotten last, oldest first
         self._reserved = 0
         self._names = itertools.count()
         self._marker = InstanceMarker.claim(prefix, shm_dir)
@@ -211,18 +214,29 @@ class SlotPool:
             segment.refs += 1
 
     def unref(self, segment: Segment) -> None:
-        """Drop one reference; the last one returns the segment to the free list."""
+        """Drop one reference; the last one returns the segment to the free list, or
+        unlinks it when its job ended (see `forget_job`)."""
+        ended = False
         with self._lock:
             segment.refs -= 1
             if segment.refs == 0 and segment.name in self._segments:
-                self._free.append(segment)
+                ended = segment.owner is not None and segment.owner[0] in self._ended
+                if ended:
+                    del self._segments[segment.name]
+                else:
+                    self._free.append(segment)
+        if ended:
+            segment.destroy()
 
     def forget_job(self, job_id: str) -> int:
         """The job ended: give up the slots its ranks took for their next snapshot, and
         unlink every free segment last written for it (the next job's shards may be of
         other sizes; a node between jobs holds none). A segment still pinned (a flush
-        or a transfer under way) goes to the free list when released. The bytes freed."""
+        or a transfer under way) is unlinked when released. The bytes freed now."""
         with self._lock:
+            self._ended[job_id] = None
+            while len(self._ended) > ENDED_JOBS_KEPT:
+                del self._ended[next(iter(self._ended))]
             for owner in [o for o in self._writing if o[0] == job_id]:
                 segment, _ = self._writing.pop(owner)
                 segment.refs -= 1
