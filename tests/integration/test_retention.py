@@ -1,9 +1,9 @@
 """What an ended job left behind goes after the retention (`ended_job_retention_seconds`):
 in Redis its step stream, straggler windows and rank statistics, in PostgreSQL its
 events and node commands; a running job's stay, and keys of a job PostgreSQL does not
-know go at once. A running job's superseded checkpoint rows go too. What `pitstop job
-show` and `pitstop job record` print stays. A real scheduler with its deciding loops,
-real Redis and PostgreSQL."""
+know go at once. A running job's superseded checkpoint rows go too, and events of no job
+as old. What `pitstop job show` and `pitstop job record` print stays. A real scheduler
+with its deciding loops, real Redis and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -79,6 +79,12 @@ def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay
                 " size_bytes) VALUES (%s, 5, 0, 'w1', 'memory', 'x', 1)",
                 (running,),
             )
+            # A node's event of long ago (no job): it goes too.
+            db.execute(
+                "INSERT INTO events (time, kind, node_id, from_state, to_state, reason, actor,"
+                " attributes) VALUES (now() - interval '1 hour', 'node.lost', 'w9', '', '',"
+                " 'retention test', 'test', '{}')"
+            )
 
         jobs.Cancel(jobs_pb2.JobControlRequest(job_id=ended))
         shown = jobs.Get(jobs_pb2.GetJobRequest(job_id=ended))
@@ -117,6 +123,9 @@ def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay
         # Superseded: below the committed step, on no node, not durable. The rest stays.
         wait_until(lambda: 3 not in steps(running), "the superseded checkpoint deleted", 10)
         assert steps(running) == [4, 5, 10, 12]
+        with psycopg.connect(database) as db:
+            found = db.execute("SELECT count(*) FROM events WHERE node_id = 'w9'").fetchone()
+            assert found == (0,)
         assert rows("events", running) > 0
         assert rows("node_commands", running) > 0
         shown = jobs.Get(jobs_pb2.GetJobRequest(job_id=ended))  # the job stays

@@ -7,7 +7,8 @@ job it ever ran.
 - PostgreSQL: its events (but the preemptions and resumes its run record lists), its
   node commands, its hang stacks, and its checkpoints but the durable ones.
 - And of a running job, which may run for weeks: its checkpoint rows superseded that
-  long ago (below its committed step, held by no node, not durable).
+  long ago (below its committed step, held by no node, not durable); and the events of
+  no job (the nodes', the leadership's) that old.
 
 What stays is what `pitstop job show` and `pitstop job record` print: the job's row
 (state, result, goodput account with its incidents), rank maps, run records, durable
@@ -72,6 +73,11 @@ class Retention:
         statements = {
             "events": delete(event).where(
                 event.job_id.in_(ended), event.kind.not_in((PREEMPTED, RESUMING))
+            ),
+            # Of no job: a node's, the leadership's. As old as an ended job's kept ones.
+            "fleet events": delete(event).where(
+                event.job_id.is_(None),
+                event.time < func.now() - dt.timedelta(seconds=self.retention_seconds),
             ),
             "node_commands": delete(command).where(command.job_id.in_(ended)),
             "rank_stacks": delete(stack).where(stack.job_id.in_(ended)),
