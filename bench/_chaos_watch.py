@@ -224,6 +224,8 @@ class ChaosWatch:
         self.want_standbys = 0
         self._bag: list[str] = []
         self._last_victim = ""
+        self.spared: set[str] = set()
+        """Nodes no fault targets while another may be (bench/soak.py's steady nodes)."""
         self._next_poll = self._next_look = 0.0
         self._waiting: dict[str, float] = {}  # what the next fault waits for, since when
         self._standbys = 0

@@ -166,9 +166,10 @@ class Chaos(ChaosWatch):
         elif kind == "fail_preflight":  # a spare: the ranks it could have got
             in_use = {a.node_id for a in self.job.rank_map.ranks}
             spares = sorted(n.node_id for n in self.cluster.nodes if n.node_id not in in_use)
-            target = self.random.choice(spares)
+            target = self.random.choice([n for n in spares if n not in self.spared] or spares)
         else:
             nodes = sorted({a.node_id for a in self.job.rank_map.ranks})
+            nodes = [n for n in nodes if n not in self.spared] or nodes
             target = self.random.choice([n for n in nodes if n != self._last_victim] or nodes)
             self._last_victim = target
         cursor = self.events[-1].id if self.events else 0

@@ -16,8 +16,11 @@ process (schedulers, agents, checkpoint daemons, zygotes, ranks), Redis `used_me
 the PostgreSQL database's size and each table's rows, the pitstop files in /dev/shm.
 A process is followed by its pid; its slope is fitted from --warmup-minutes (10) after
 its first sample on, when that leaves at least half of the run after the warm-up (five
-minutes at the least); shorter-lived processes (ranks, daemons a fault restarted late)
-are listed without one.
+minutes at the least); shorter-lived processes (ranks, daemons a fault restarted) are
+listed without one. Faults restart a node's daemons every few minutes, so no fault
+targets the first --steady-nodes (2) workers: they run ranks, standbys and replicas like
+the others, and their agents, checkpoint daemons and zygotes live the whole run. (The
+two schedulers are killed in turn by the scheduler faults.)
 
 At the end, with the cluster down, each job's fault-free reference run gives the hash it
 must end with. Targets: every job SUCCEEDED (a cancelled one CANCELLED) with its hash, no
@@ -94,6 +97,13 @@ class Soak:
     high_jobs: list[dict[str, Any]] = field(default_factory=list)
     _bag: list[str] = field(default_factory=list)
 
+    @property
+    def steady(self) -> list[str]:
+        """The workers no fault targets: their daemons live the whole run (the others'
+        are restarted by the faults every few minutes), so their growth can be read."""
+        workers = sorted(n.node_id for n in self.cluster.nodes if n.node_id.startswith("node-"))
+        return workers[: self.args.steady_nodes]
+
     def run(self, until: float) -> None:
         """Job after job until `until` (monotonic); the last one started runs to its end."""
         while time.monotonic() < until:
@@ -120,6 +130,7 @@ class Soak:
         job_args.faults, job_args.steps, job_args.kinds = args.faults_per_job, steps, ""
         job_args.seed = args.seed * 1000 + index
         chaos = Chaos(self.cluster, self.postgres, self.redis, job_args)
+        chaos.spared = set(self.steady)
         kinds = self.next_kinds(args.faults_per_job)
         chaos._bag = list(reversed(kinds))  # drawn in this order
         spec = example_spec(
@@ -335,7 +346,7 @@ def measure(args: argparse.Namespace) -> int:
             for k in (
                 *("minutes", "seed", "load", "workers", "spares", "faults_per_job"),
                 *("steps_per_fault", "step_seconds", "cancel_every", "retention_seconds"),
-                *("sample_seconds", "warmup_minutes"),
+                *("sample_seconds", "warmup_minutes", "steady_nodes"),
             )
         },
     }
@@ -389,6 +400,7 @@ def main() -> int:
     add("--steps-per-fault", type=int, default=120)
     add("--step-seconds", type=float, default=0.1)
     add("--cancel-every", type=int, default=5, help="every Nth job is cancelled (0: none)")
+    add("--steady-nodes", type=int, default=2, help="workers no fault targets (see above)")
     add("--retention-seconds", type=float, default=600.0)
     add("--sample-seconds", type=float, default=60.0)
     add("--warmup-minutes", type=float, default=10.0)
@@ -396,6 +408,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.workers < 2 or args.spares < 2 or args.faults_per_job < 1 or args.minutes <= 0:
         parser.error("give --workers and --spares 2 or more, --faults-per-job 1 or more")
+    if not 0 <= args.steady_nodes <= args.workers - 2:
+        parser.error(f"--steady-nodes {args.steady_nodes}: give 0 to --workers less 2")
     if args.warmup_minutes >= args.minutes:
         parser.error(f"--warmup-minutes {args.warmup_minutes:g} leaves nothing of --minutes")
     # What bench/chaos.py's per-job machinery reads.
