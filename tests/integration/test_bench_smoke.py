@@ -102,13 +102,8 @@ def test_goodput_simulation_prints_one_json_line() -> None:
     assert result.returncode == (0 if report["target"]["met"] else 1)
 
 
-def test_scale_benchmark_prints_one_json_line() -> None:
-    """Real schedulers (one deciding, one holding the streams), PostgreSQL and Redis, with
-    mutual TLS; 16 simulated nodes and spares; a broken stream, a fatal Xid and a silent
-    death (the node's network cut: no reset) detected, decided and fanned out to every
-    node of the job, and the headline the issue asks for."""
-    env = clean_env()
-    result = subprocess.run(
+def run_scale(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [
             sys.executable,
             "bench/scale.py",
@@ -134,6 +129,21 @@ def test_scale_benchmark_prints_one_json_line() -> None:
         timeout=180,
         env=env,
     )
+
+
+@pytest.mark.timeout(240)  # the run's own limit below governs, and shows its output
+def test_scale_benchmark_prints_one_json_line() -> None:
+    """Real schedulers (one deciding, one holding the streams), PostgreSQL and Redis, with
+    mutual TLS; 16 simulated nodes and spares; a broken stream, a fatal Xid and a silent
+    death (the node's network cut: no reset) detected, decided and fanned out to every
+    node of the job, and the headline the issue asks for."""
+    env = clean_env()
+    try:
+        result = run_scale(env)
+    except subprocess.TimeoutExpired as exc:  # what it printed says where it waited
+        err = exc.stderr or b""
+        tail = (err.decode(errors="replace") if isinstance(err, bytes) else err)[-3000:]
+        pytest.fail(f"bench/scale.py ran past {exc.timeout} s; its stderr ends:\n{tail}")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["bench"] == "scale"
