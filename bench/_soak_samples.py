@@ -139,6 +139,8 @@ class Sampler(threading.Thread):
         self.postgres = Series("postgres_database_mb")
         self.shm = Series("dev_shm_mb")
         self.rows: dict[str, Series] = {}
+        self.table_mb: dict[str, Series] = {}
+        """Each table's size with its indexes and TOAST, MB: where the database grows."""
         self.samples = 0
         self.errors: list[str] = []
 
@@ -178,6 +180,11 @@ class Sampler(threading.Thread):
                     count = conn.execute(f'SELECT count(*) FROM "{table}"').fetchone()
                     series = self.rows.setdefault(table, Series(table))
                     series.points.append((now, count[0] if count else 0))
+                    total = conn.execute(
+                        "SELECT pg_total_relation_size(%s::regclass)", (f'"{table}"',)
+                    ).fetchone()
+                    sized = self.table_mb.setdefault(table, Series(table))
+                    sized.points.append((now, (total[0] if total else 0) / MB))
             self.postgres.points.append((now, (size[0] if size else 0) / MB))
         except psycopg.Error as exc:
             self.errors.append(f"postgres at +{now:.0f} s: {exc}")
@@ -189,6 +196,7 @@ class Sampler(threading.Thread):
         stores = [self.redis, self.postgres, self.shm]
         slopes = fitted(stores, warmup, min_span, slope_per_hour)
         rows = fitted(list(self.rows.values()), warmup, min_span, slope_per_hour)
+        sizes = fitted(list(self.table_mb.values()), warmup, min_span, slope_per_hour)
         ends = {s.name: s.points[-1][1] for s in stores if s.points}
         return {
             "samples": self.samples,
@@ -208,6 +216,10 @@ class Sampler(threading.Thread):
             "too_short_for_a_slope": sorted(s.name for s in self.rss.values() if s.name not in rss),
             "rows_slope_per_hour": rows,
             "rows_last": {name: s.points[-1][1] for name, s in sorted(self.rows.items())},
+            "table_mb_slope_per_hour": sizes,
+            "table_mb_last": {
+                name: round(s.points[-1][1], 3) for name, s in sorted(self.table_mb.items())
+            },
             "stores_last": {k: round(v, 2) for k, v in ends.items()},
             "errors": self.errors[-10:],
         }
