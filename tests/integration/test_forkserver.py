@@ -344,3 +344,47 @@ def test_a_malformed_request_is_refused_and_the_connection_serves_on(
     assert replies[2]["id"] == 3
     assert "pid" in replies[2]
     assert replies[3] == {"exited": replies[2]["pid"], "returncode": 0}
+
+
+async def test_the_modules_a_job_names_are_imported_once_in_the_server(tmp_path: Path) -> None:
+    """A job's preload_modules: each forked child finds the importable ones imported
+    (the server imported them once, after a probe did); one that raises on import, or
+    that initialises CUDA when imported, is left for the child to import itself."""
+    modules, imports = tmp_path / "modules", tmp_path / "imports.txt"
+    modules.mkdir()
+    (modules / "preload_ok.py").write_text(
+        f"import os\nwith open({str(imports)!r}, 'a') as out:\n"
+        "    out.write(f'{os.getpid()}\\n')\n"
+    )
+    (modules / "preload_bad.py").write_text("raise ImportError('no such backend here')\n")
+    # No GPU here: the module leaves torch as one that initialised CUDA would.
+    (modules / "preload_cuda.py").write_text(
+        "import torch\ntorch.cuda.is_initialized = lambda: True\n"
+    )
+    script = tmp_path / "see.py"
+    names = ("preload_ok", "preload_bad", "preload_cuda")
+    script.write_text(
+        f"import json, sys\nprint(json.dumps([m for m in {names!r} if m in sys.modules]))\n"
+    )
+    server_env = {**os.environ, "PYTHONPATH": str(modules)}
+    with (
+        short_tempdir("ps-pl-") as folder,
+        ForkServerProcess(folder / "fork.sock", "json", server_env) as server,
+    ):
+        client = ForkServerClient(server.socket_path)
+        try:
+            for launch in range(2):
+                log = tmp_path / f"rank-{launch}.log"
+                process = await client.launch(
+                    [sys.executable, str(script)], env(PYTHONPATH=str(modules)), None, log, names
+                )
+                assert process is not None
+                assert await asyncio.wait_for(process.wait(), 3 * TIMEOUT) == 0
+                assert json.loads(log.read_text().splitlines()[-1]) == ["preload_ok"]
+        finally:
+            await client.close()
+        imported_by = imports.read_text().split()
+        # Once in the probe, once in the server: not again for the second launch, and
+        # never in a child (it found it imported).
+        assert len(imported_by) == 2, imported_by
+        assert imported_by[1] == str(server.proc.pid)

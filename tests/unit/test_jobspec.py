@@ -50,6 +50,11 @@ def test_a_job_may_tune_the_trainers_timeouts() -> None:
     assert spec.env["PITSTOP_COLLECTIVE_TIMEOUT"] == "5"
 
 
+def test_a_job_may_name_modules_to_preload() -> None:
+    names = ["transformers", "my_models.llama"]
+    assert list(validate_job_spec(make(preload_modules=names)).preload_modules) == names
+
+
 def test_the_input_is_not_modified() -> None:
     original = make()
     validate_job_spec(original)
@@ -75,6 +80,9 @@ def test_the_input_is_not_modified() -> None:
         ({"env": {"RANK": "3"}}, "spec.env.RANK", "set by pitstop"),
         ({"env": {"PITSTOP_X": "1"}}, "spec.env.PITSTOP_X", "set by pitstop"),
         ({"env": {"1BAD": "1"}}, "spec.env.1BAD", "letters, digits"),
+        ({"preload_modules": ["ok", "my models"]}, "spec.preload_modules[1]", "as `import`"),
+        ({"preload_modules": ["a..b"]}, "spec.preload_modules[0]", "e.g. transformers"),
+        ({"preload_modules": ["m"] * 33}, "spec.preload_modules", "at most 32"),
         (
             {"checkpoint": jobs_pb2.CheckpointPolicy(durable_url="not a url")},
             "spec.checkpoint.durable_url",

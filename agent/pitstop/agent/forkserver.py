@@ -31,7 +31,8 @@ server writes each child's environment (without its rank key) to `<dir>/<pid>.en
 file when it reaps the child.
 
 The protocol is one JSON object per line each way. Agent to server:
-`{"id": N, "argv": [...], "env": {...}, "cwd": "..." or null, "log": "path"}`. Server to
+`{"id": N, "argv": [...], "env": {...}, "cwd": "..." or null, "log": "path", "preload":
+[module, ...]}` (preload optional: see `ForkServer.preload`). Server to
 agent: `{"id": N, "pid": P}` or `{"id": N, "refused": "why"}`, and later, for each child,
 `{"exited": P, "returncode": R}`.
 """
@@ -49,12 +50,14 @@ import json
 import logging
 import os
 import runpy
+import select
 import selectors
 import shutil
 import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Mapping, Sequence
@@ -73,6 +76,8 @@ STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH_")
 server in these, or be started afresh."""
 APPLIED_IN_CHILD = frozenset({"PYTHONUNBUFFERED"})
 SEND_TIMEOUT_SECONDS = 10.0
+PRELOAD_PROBE_SECONDS = 120.0
+"""The longest a probe may take to import the modules a job named."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -103,6 +108,10 @@ class ForkServer:
         self._owner: dict[int, _Agent] = {}
         self._stopping = False
         self._own_fds: list[int] = []  # closed in every child
+        self.preloaded: set[str] = set()
+        """Modules a job named that this server imported (see `preload`)."""
+        self.not_preloaded: dict[str, str] = {}
+        """Modules a job named that it did not import, and why."""
 
     def serve(self) -> None:
         wake_r, wake_w = os.pipe()
@@ -188,6 +197,7 @@ class ForkServer:
         why = self.refusal(argv, env, agent.peer_pid)
         if why:
             return {"id": request["id"], "refused": why}
+        self.preload([str(name) for name in request.get("preload") or ()])
         env[FORK_SERVER_PID_ENV] = str(os.getpid())
         for stream in (sys.stdout, sys.stderr):
             stream.flush()  # nothing of the server's is written twice
@@ -208,6 +218,34 @@ class ForkServer:
         except OSError as exc:
             logger.warning("cannot write the environment of pid %d: %s", pid, exc)
         return {"id": request["id"], "pid": pid}
+
+    def preload(self, names: Sequence[str]) -> None:
+        """Import the modules a job named (its `preload_modules`) here, once, so that
+        every child finds them imported. Each is first imported in a forked probe: one
+        that cannot be imported, or that initialises CUDA when imported (a child of a
+        process with CUDA initialised cannot use its GPU), is not imported here and is
+        never tried again (logged once); the child imports it itself, as a fresh
+        interpreter would."""
+        new = [n for n in dict.fromkeys(names) if n not in self.preloaded]
+        new = [n for n in new if n not in self.not_preloaded]
+        if not new:
+            return
+        verdicts = _probe_imports(new, PRELOAD_PROBE_SECONDS)
+        for name in new:
+            verdict = verdicts.get(name)
+            if verdict is None:  # the probe stopped before it: tried again next time
+                continue
+            if verdict == "ok":
+                try:
+                    importlib.import_module(name)
+                except BaseException as exc:  # what a module raises is its own
+                    verdict = f"importing it raised {exc!r}"
+            if verdict == "ok":
+                self.preloaded.add(name)
+                logger.info("preloaded %s for the processes forked from here", name)
+            else:
+                self.not_preloaded[name] = verdict
+                logger.warning("not preloading %s: %s", name, verdict)
 
     def refusal(self, argv: Sequence[str], env: Mapping[str, str], peer_pid: int) -> str:
         """Why the command cannot be forked here; "" when it can."""
@@ -263,6 +301,65 @@ class ForkServer:
             if agent.sock in self._agents:
                 code = os.waitstatus_to_exitcode(status)
                 self._send(agent, {"exited": pid, "returncode": code})
+
+
+def _probe_imports(names: Sequence[str], timeout: float) -> dict[str, str]:
+    """Import `names` in a forked child, one after another: for each, "ok" or why not
+    (what importing it raised, or that it initialised CUDA). The child is killed after
+    `timeout` s; the modules it did not get to are missing from the answer."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the probe: nothing of the server's is run or flushed here
+        code = 0
+        try:
+            os.close(read_end)
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            signal.set_wakeup_fd(-1)
+            for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, signal.SIG_DFL)
+            for name in names:
+                try:
+                    importlib.import_module(name)
+                    verdict = "ok" if not _cuda_initialized() else "importing it initialised CUDA"
+                except BaseException as exc:
+                    verdict = f"importing it raised {exc!r}"
+                os.write(write_end, json.dumps({name: verdict}).encode() + b"\n")
+                if _cuda_initialized():
+                    break  # every later one would be blamed for it
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    verdicts: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    data = b""
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([read_end], [], [], left)
+            if not ready:
+                break
+            chunk = os.read(read_end, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(read_end)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    for line in data.splitlines():
+        with contextlib.suppress(ValueError, AttributeError):
+            verdicts.update({str(k): str(v) for k, v in json.loads(line).items()})
+    return verdicts
+
+
+def _cuda_initialized() -> bool:
+    """Whether this process has initialised CUDA (never, if it has not imported torch)."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    return bool(cuda is not None and cuda.is_initialized())
 
 
 def _request_id(line: bytes) -> Any:
@@ -455,7 +552,12 @@ class ForkServerClient:
         self._lock = asyncio.Lock()
 
     async def launch(
-        self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, log_path: Path
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        cwd: str | None,
+        log_path: Path,
+        preload: Sequence[str] = (),
     ) -> ForkedProcess | None:
         async with self._lock:
             if not await self._connect():
@@ -472,6 +574,7 @@ class ForkServerClient:
                 "env": dict(env),
                 "cwd": cwd,
                 "log": str(log_path),
+                "preload": list(preload),
             }
             assert self._writer is not None
             try:

@@ -96,9 +96,11 @@ class RankLauncher:
         cwd: str | None,
         log_path: Path,
         what: str,
+        preload: Sequence[str] = (),
     ) -> RankProcess:
         """Start `argv` in a session of its own, its output appended to `log_path`
-        (forked by the fork server, when there is one and it takes the command).
+        (forked by the fork server, when there is one and it takes the command, after it
+        has imported the job's `preload` modules).
 
         The process may call the agent's socket at once, so its key is accepted from
         before it exists; the caller records its entry (which accepts the key from then
@@ -109,7 +111,7 @@ class RankLauncher:
             log = _open_log(log_path, what)
             if self.fork_server is not None:
                 log.close()
-                forked = await self.fork_server.launch(argv, env, cwd, log_path)
+                forked = await self.fork_server.launch(argv, env, cwd, log_path, preload)
                 if forked is not None:
                     return forked
                 log = log_path.open("ab")

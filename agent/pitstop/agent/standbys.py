@@ -42,7 +42,13 @@ class Standbys:
             env["PITSTOP_STANDBY"] = "1"
             log_path = self.launcher.log_dir / job_id / f"standby-gpu{gpu}.log"
             process = await self.launcher.launch(
-                job_id, command.command, env, cwd, log_path, f"standby on GPU {gpu}"
+                job_id,
+                command.command,
+                env,
+                cwd,
+                log_path,
+                f"standby on GPU {gpu}",
+                command.preload_modules,
             )
             renice(process.pid, STANDBY_NICE)
             entry = RankEntry(

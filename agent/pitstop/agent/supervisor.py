@@ -315,7 +315,7 @@ class RankSupervisor:
         what = f"generation {generation} rank {assignment.rank}"
         with self.table.starting(command.job_id, assignment.rank, assignment.gpu_index):
             process = await self.launcher.launch(
-                command.job_id, command.command, env, cwd, log_path, what
+                command.job_id, command.command, env, cwd, log_path, what, command.preload_modules
             )
         entry = RankEntry(
             command.job_id,

@@ -302,7 +302,7 @@ class Registered(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., role: _Optional[_Union[_common_pb2.NodeRole, str]] = ..., state: _Optional[_Union[_common_pb2.NodeState, str]] = ..., refresh_interval_seconds: _Optional[float] = ..., step_report_seconds: _Optional[float] = ...) -> None: ...
 
 class StartRanks(_message.Message):
-    __slots__ = ("job_id", "generation", "command", "env", "working_dir", "rank_map", "rendezvous_address", "restore_step", "standby_gpus", "beside_ranks", "step_windows")
+    __slots__ = ("job_id", "generation", "command", "env", "working_dir", "rank_map", "rendezvous_address", "restore_step", "standby_gpus", "beside_ranks", "step_windows", "preload_modules")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +321,7 @@ class StartRanks(_message.Message):
     STANDBY_GPUS_FIELD_NUMBER: _ClassVar[int]
     BESIDE_RANKS_FIELD_NUMBER: _ClassVar[int]
     STEP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    PRELOAD_MODULES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     command: _containers.RepeatedScalarFieldContainer[str]
@@ -332,7 +333,8 @@ class StartRanks(_message.Message):
     standby_gpus: _containers.RepeatedScalarFieldContainer[int]
     beside_ranks: bool
     step_windows: StepWindows
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., standby_gpus: _Optional[_Iterable[int]] = ..., beside_ranks: _Optional[bool] = ..., step_windows: _Optional[_Union[StepWindows, _Mapping]] = ...) -> None: ...
+    preload_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., rank_map: _Optional[_Union[_common_pb2.RankMap, _Mapping]] = ..., rendezvous_address: _Optional[str] = ..., restore_step: _Optional[int] = ..., standby_gpus: _Optional[_Iterable[int]] = ..., beside_ranks: _Optional[bool] = ..., step_windows: _Optional[_Union[StepWindows, _Mapping]] = ..., preload_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StopRanks(_message.Message):
     __slots__ = ("job_id", "ranks", "grace_seconds", "reason", "kill", "at_boundary")

@@ -98,7 +98,7 @@ class IntegrityPolicy(_message.Message):
     def __init__(self, sdc_check_disabled: _Optional[bool] = ..., spike_watch_disabled: _Optional[bool] = ..., loss_window: _Optional[int] = ..., spike_sigma: _Optional[float] = ..., max_rollbacks: _Optional[int] = ..., hang_floor_seconds: _Optional[float] = ..., hang_step_multiple: _Optional[float] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("name", "command", "tp", "pp", "dp", "gpus_per_node", "min_dp", "spares", "priority", "max_restarts", "checkpoint", "env", "straggler", "working_dir", "standby_processes", "integrity", "project", "preemptible", "min_run_seconds")
+    __slots__ = ("name", "command", "tp", "pp", "dp", "gpus_per_node", "min_dp", "spares", "priority", "max_restarts", "checkpoint", "env", "straggler", "working_dir", "standby_processes", "integrity", "project", "preemptible", "min_run_seconds", "preload_modules")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class JobSpec(_message.Message):
     PROJECT_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIBLE_FIELD_NUMBER: _ClassVar[int]
     MIN_RUN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRELOAD_MODULES_FIELD_NUMBER: _ClassVar[int]
     name: str
     command: _containers.RepeatedScalarFieldContainer[str]
     tp: int
@@ -144,7 +145,8 @@ class JobSpec(_message.Message):
     project: str
     preemptible: bool
     min_run_seconds: int
-    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., min_dp: _Optional[int] = ..., spares: _Optional[int] = ..., priority: _Optional[int] = ..., max_restarts: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointPolicy, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., straggler: _Optional[_Union[StragglerPolicy, _Mapping]] = ..., working_dir: _Optional[str] = ..., standby_processes: _Optional[bool] = ..., integrity: _Optional[_Union[IntegrityPolicy, _Mapping]] = ..., project: _Optional[str] = ..., preemptible: _Optional[bool] = ..., min_run_seconds: _Optional[int] = ...) -> None: ...
+    preload_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., tp: _Optional[int] = ..., pp: _Optional[int] = ..., dp: _Optional[int] = ..., gpus_per_node: _Optional[int] = ..., min_dp: _Optional[int] = ..., spares: _Optional[int] = ..., priority: _Optional[int] = ..., max_restarts: _Optional[int] = ..., checkpoint: _Optional[_Union[CheckpointPolicy, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., straggler: _Optional[_Union[StragglerPolicy, _Mapping]] = ..., working_dir: _Optional[str] = ..., standby_processes: _Optional[bool] = ..., integrity: _Optional[_Union[IntegrityPolicy, _Mapping]] = ..., project: _Optional[str] = ..., preemptible: _Optional[bool] = ..., min_run_seconds: _Optional[int] = ..., preload_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Goodput(_message.Message):
     __slots__ = ("productive_seconds", "detect_seconds", "recovery_seconds", "recompute_seconds", "ratio", "recoveries", "incidents", "incident_count")

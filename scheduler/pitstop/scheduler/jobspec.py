@@ -4,6 +4,7 @@ the value and the fix; the accepted spec comes back with defaults filled in."""
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from pitstop.scheduler.errors import InvalidArgument
@@ -38,6 +39,8 @@ TUNABLE_ENV = frozenset(
 MAX_WORLD_SIZE = 1_000_000
 MAX_ARGS = 256
 MAX_STRING = 4096
+MAX_PRELOAD_MODULES = 32
+MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 DEFAULT_GPUS_PER_NODE = 8
 DEFAULT_MAX_RESTARTS = 3
@@ -162,6 +165,7 @@ def validate_job_spec(spec: jobs_pb2.JobSpec) -> jobs_pb2.JobSpec:
         check_text(field, value)
     _at_most("spec.env", len(out.env), 1000, "use at most 1000 environment variables")
     check_text("spec.working_dir", out.working_dir)
+    _validate_preload(out.preload_modules)
     out.project = check_project("spec.project", out.project or DEFAULT_PROJECT)
     if not out.HasField("min_run_seconds"):
         out.min_run_seconds = DEFAULT_MIN_RUN_SECONDS
@@ -172,6 +176,22 @@ def validate_job_spec(spec: jobs_pb2.JobSpec) -> jobs_pb2.JobSpec:
         f"use at most {MAX_MIN_RUN_SECONDS} (a week)",
     )
     return out
+
+
+def _validate_preload(modules: Sequence[str]) -> None:
+    _at_most(
+        "spec.preload_modules",
+        len(modules),
+        MAX_PRELOAD_MODULES,
+        f"name at most {MAX_PRELOAD_MODULES} modules (a package imports its own)",
+    )
+    for i, name in enumerate(modules):
+        if len(name) > 200 or not MODULE_RE.match(name):
+            raise InvalidArgument(
+                f"spec.preload_modules[{i}]",
+                name[:200],
+                "name a module as `import` takes it, e.g. transformers or my_models.llama",
+            )
 
 
 def _validate_checkpoint(cp: jobs_pb2.CheckpointPolicy) -> None:

@@ -191,6 +191,7 @@ def start_command(
         rendezvous_address=f"{hosts.get(rank0) or rank0}:{port}",
         restore_step=restore_step,
         step_windows=windows,
+        preload_modules=list(spec.preload_modules),
     )
 
 

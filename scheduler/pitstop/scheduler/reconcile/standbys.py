@@ -161,6 +161,7 @@ class StandbyKeeper:
             working_dir=spec.working_dir,
             standby_gpus=gpus,
             beside_ranks=beside_ranks,
+            preload_modules=list(spec.preload_modules),
         )
         routed = await self.leader.router.send(
             node_id, agent_pb2.SchedulerMessage(start_ranks=command)
