@@ -203,7 +203,11 @@ def test_an_early_warning_drains_the_node_and_moves_its_rank_without_losing_a_st
     placed = {a.node_id for a in done.rank_map.ranks}
     assert victim.node_id not in placed, cluster.logs(job.id)
     assert SPARE in placed, placed
+    # One incident, resumed on its own decision: the rank moved to the waiting standby
+    # and trained again, not at the 30 s deadline's full restart (a fallback incident).
     (incident,) = done.goodput.incidents
+    assert incident.kind == jobs_pb2.INCIDENT_KIND_NODE, incident
+    assert incident.resumed, incident
     assert victim.node_id in incident.cause, incident
     assert incident.lost_steps == 0, incident
 
