@@ -145,6 +145,28 @@ def test_any_agent_stream_is_served_or_refused_clearly(enrolled: Enrolled, data:
     assert_still_serving(enrolled)
 
 
+@pytest.mark.parametrize("kind", [-1, 99])
+def test_a_finding_of_a_kind_the_scheduler_does_not_know_is_recorded(
+    enrolled: Enrolled, kind: int
+) -> None:
+    """A finding of a FindingKind this scheduler does not know (an agent newer than it,
+    or garbage) is recorded under that number, not answered INTERNAL (the fuzz test's
+    `finding { kind: -1 }` was)."""
+    finding = agent_pb2.IntegrityFinding(job_id="j-unknown", step=7)
+    finding.kind = kind  # type: ignore[assignment]
+    stream = [register(enrolled.node_id), agent_pb2.AgentMessage(seq=2, finding=finding)]
+    stub = agent_pb2_grpc.AgentServiceStub(enrolled.channel)
+    answers = list(stub.Connect(iter(stream), timeout=TIMEOUT))  # served: no error
+    assert answers[0].registered.node_id == enrolled.node_id
+    with psycopg.connect(enrolled.database_url, autocommit=True) as db:
+        kinds = db.execute(
+            "SELECT attributes->>'kind' FROM events WHERE node_id = %s AND reason = %s",
+            (enrolled.node_id, f"step 7: unknown kind {kind}"),
+        ).fetchall()
+    assert kinds == [(f"unknown kind {kind}",)]
+    assert_still_serving(enrolled)
+
+
 frames = st.one_of(
     st.binary(max_size=256),
     truncations(register("truncated-node")),

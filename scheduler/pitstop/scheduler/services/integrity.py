@@ -36,7 +36,11 @@ async def record_finding(
     it was paused (its agents are to be told), else None."""
     job = await session.get(models.Job, finding.job_id, with_for_update=True)
     actor = f"agent:{node_id}"
-    kind = agent_pb2.FindingKind.Name(finding.kind).removeprefix("FINDING_KIND_").lower()
+    known = agent_pb2.FindingKind.DESCRIPTOR.values_by_number.get(finding.kind)
+    if known is not None:
+        kind = known.name.removeprefix("FINDING_KIND_").lower()
+    else:  # an agent newer than this scheduler (or garbage): recorded as its number
+        kind = f"unknown kind {finding.kind}"
     attributes = {
         "kind": kind,
         "step": str(finding.step),
