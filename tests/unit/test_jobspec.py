@@ -68,6 +68,7 @@ def test_the_input_is_not_modified() -> None:
         ({"name": "Big_Job"}, "spec.name", "lowercase"),
         ({"name": "a" * 64}, "spec.name", "at most 63"),
         ({"name": "ok\x00"}, "spec.name", "NUL"),
+        ({"name": "tiny\n"}, "spec.name", "lowercase"),
         ({"command": []}, "spec.command", "command each rank runs"),
         ({"command": ["  "]}, "spec.command[0]", "program"),
         ({"command": ["python", "a\x00b"]}, "spec.command[1]", "NUL"),
@@ -80,8 +81,10 @@ def test_the_input_is_not_modified() -> None:
         ({"env": {"RANK": "3"}}, "spec.env.RANK", "set by pitstop"),
         ({"env": {"PITSTOP_X": "1"}}, "spec.env.PITSTOP_X", "set by pitstop"),
         ({"env": {"1BAD": "1"}}, "spec.env.1BAD", "letters, digits"),
+        ({"env": {"BAD\n": "1"}}, "spec.env.BAD\n", "letters, digits"),
         ({"preload_modules": ["ok", "my models"]}, "spec.preload_modules[1]", "as `import`"),
         ({"preload_modules": ["a..b"]}, "spec.preload_modules[0]", "e.g. transformers"),
+        ({"preload_modules": ["torch\n"]}, "spec.preload_modules[0]", "as `import`"),
         ({"preload_modules": ["m"] * 33}, "spec.preload_modules", "at most 32"),
         (
             {"checkpoint": jobs_pb2.CheckpointPolicy(durable_url="not a url")},

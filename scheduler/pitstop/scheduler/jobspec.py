@@ -40,7 +40,7 @@ MAX_WORLD_SIZE = 1_000_000
 MAX_ARGS = 256
 MAX_STRING = 4096
 MAX_PRELOAD_MODULES = 32
-MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 DEFAULT_GPUS_PER_NODE = 8
 DEFAULT_MAX_RESTARTS = 3
@@ -63,7 +63,7 @@ MAX_MIN_RUN_SECONDS = 7 * 24 * 3600
 def check_project(field: str, value: str) -> str:
     """A project name (`field` names where it came from); InvalidArgument when bad."""
     check_text(field, value, max_len=63)
-    if not NAME_RE.match(value):
+    if not NAME_RE.fullmatch(value):
         raise InvalidArgument(
             field, value, "use 1-63 lowercase letters, digits and '-', starting with a letter"
         )
@@ -96,7 +96,7 @@ def validate_job_spec(spec: jobs_pb2.JobSpec) -> jobs_pb2.JobSpec:
     if not out.name:
         raise InvalidArgument("spec.name", "", "give the job a name, e.g. name: llama-8b")
     check_text("spec.name", out.name, max_len=63)
-    if not NAME_RE.match(out.name):
+    if not NAME_RE.fullmatch(out.name):
         raise InvalidArgument(
             "spec.name",
             out.name,
@@ -153,7 +153,7 @@ def validate_job_spec(spec: jobs_pb2.JobSpec) -> jobs_pb2.JobSpec:
 
     for key, value in out.env.items():
         field = f"spec.env.{key}" if len(key) <= 64 else "spec.env"
-        if not ENV_KEY_RE.match(key):
+        if not ENV_KEY_RE.fullmatch(key):
             raise InvalidArgument(field, key, "environment names are letters, digits and '_'")
         if key in RESERVED_ENV or (key.startswith("PITSTOP_") and key not in TUNABLE_ENV):
             raise InvalidArgument(
@@ -186,7 +186,7 @@ def _validate_preload(modules: Sequence[str]) -> None:
         f"name at most {MAX_PRELOAD_MODULES} modules (a package imports its own)",
     )
     for i, name in enumerate(modules):
-        if len(name) > 200 or not MODULE_RE.match(name):
+        if len(name) > 200 or not MODULE_RE.fullmatch(name):
             raise InvalidArgument(
                 f"spec.preload_modules[{i}]",
                 name[:200],

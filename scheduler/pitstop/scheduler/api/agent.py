@@ -270,7 +270,7 @@ class AgentServicer:
             raise InvalidArgument("seq", message.seq, "a stream's first message has seq 1")
         check_agent_message(message)
         reg = message.register
-        if not NODE_ID_RE.match(reg.node_id):
+        if not NODE_ID_RE.fullmatch(reg.node_id):
             raise InvalidArgument(
                 "register.node_id",
                 reg.node_id,

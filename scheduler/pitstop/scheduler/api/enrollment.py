@@ -48,7 +48,7 @@ class EnrollmentServicer:
         self, request: agent_pb2.JoinRequest, context: grpc.aio.ServicerContext
     ) -> agent_pb2.JoinResponse:
         self._tls()
-        if not NODE_ID_RE.match(request.node_id):
+        if not NODE_ID_RE.fullmatch(request.node_id):
             raise InvalidArgument(
                 "node_id", request.node_id, "use letters, digits, '.', '-' or '_' (a host name)"
             )

@@ -139,7 +139,7 @@ class NodeServicer:
     async def CreateJoinToken(  # noqa: N802
         self, request: nodes_pb2.CreateJoinTokenRequest, context: grpc.aio.ServicerContext
     ) -> nodes_pb2.CreateJoinTokenResponse:
-        if request.node_id and not NODE_ID_RE.match(request.node_id):
+        if request.node_id and not NODE_ID_RE.fullmatch(request.node_id):
             raise InvalidArgument(
                 "node_id", request.node_id, "use letters, digits, '.', '-' or '_' (a host name)"
             )

@@ -41,7 +41,7 @@ def role_word(role: Role) -> str:
 
 def check_name(name: str) -> str:
     """`name` if it can name a token, else InvalidArgument saying what can."""
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise InvalidArgument(
             "name",
             name,
