@@ -189,19 +189,21 @@ class Sampler(threading.Thread):
         except psycopg.Error as exc:
             self.errors.append(f"postgres at +{now:.0f} s: {exc}")
 
-    def summary(self, warmup: float, min_span: float) -> dict[str, Any]:
-        """Slopes after the warm-up; the processes too short-lived to have one."""
+    def summary(self, warmup: float, min_span: float, store_warmup: float) -> dict[str, Any]:
+        """Slopes after the warm-up (Redis', PostgreSQL's and their tables' after
+        `store_warmup`); the processes too short-lived to have one."""
         rss = fitted(list(self.rss.values()), warmup, min_span, slope_per_hour)
         fds = fitted(list(self.fds.values()), warmup, min_span, growth)
         stores = [self.redis, self.postgres, self.shm]
-        slopes = fitted(stores, warmup, min_span, slope_per_hour)
-        rows = fitted(list(self.rows.values()), warmup, min_span, slope_per_hour)
-        sizes = fitted(list(self.table_mb.values()), warmup, min_span, slope_per_hour)
+        slopes = fitted(stores, store_warmup, min_span, slope_per_hour)
+        rows = fitted(list(self.rows.values()), store_warmup, min_span, slope_per_hour)
+        sizes = fitted(list(self.table_mb.values()), store_warmup, min_span, slope_per_hour)
         ends = {s.name: s.points[-1][1] for s in stores if s.points}
         return {
             "samples": self.samples,
             "sample_seconds": self.every,
             "warmup_seconds": warmup,
+            "store_warmup_seconds": round(store_warmup, 1),
             "min_span_seconds": min_span,
             "rss_slope_mb_per_hour_max": max(rss.values(), default=None),
             "fd_growth_max": max(fds.values(), default=None),

@@ -17,10 +17,13 @@ the PostgreSQL database's size and each table's rows, the pitstop files in /dev/
 A process is followed by its pid; its slope is fitted from --warmup-minutes (10) after
 its first sample on, when that leaves at least half of the run after the warm-up (five
 minutes at the least); shorter-lived processes (ranks, daemons a fault restarted) are
-listed without one. Faults restart a node's daemons every few minutes, so no fault
-targets the first --steady-nodes (2) workers: they run ranks, standbys and replicas like
-the others, and their agents, checkpoint daemons and zygotes live the whole run. (The
-two schedulers are killed in turn by the scheduler faults.)
+listed without one. Redis and PostgreSQL keep what a job left for the retention after it
+ended, so they fill until the first job's is deleted: their slopes are fitted from the
+first job's end plus the retention plus a minute (the sweep) on, or from the warm-up's
+end if later (`store_warmup_seconds`). Faults restart a node's daemons every few
+minutes, so no fault targets the first --steady-nodes (2) workers: they run ranks,
+standbys and replicas like the others, and their agents, checkpoint daemons and zygotes
+live the whole run. (The two schedulers are killed in turn by the scheduler faults.)
 
 At the end, with the cluster down, each job's fault-free reference run gives the hash it
 must end with. Targets: every job SUCCEEDED (a cancelled one CANCELLED) with its hash, no
@@ -95,6 +98,7 @@ class Soak:
     faults: list[dict[str, Any]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     high_jobs: list[dict[str, Any]] = field(default_factory=list)
+    first_ended: float | None = None  # monotonic
     _bag: list[str] = field(default_factory=list)
 
     @property
@@ -112,6 +116,8 @@ class Soak:
                 self.cancelled_job(index)
             else:
                 self.chaos_job(index)
+            if self.first_ended is None:
+                self.first_ended = time.monotonic()
 
     def next_kinds(self, n: int) -> list[str]:
         """The next `n` fault kinds: every kind once per round, each round shuffled."""
@@ -383,8 +389,15 @@ def summary(parts: Parts, args: argparse.Namespace) -> dict[str, Any]:
     if parts.soak is not None:
         out.update(outcome(parts.soak))
     if parts.sampler is not None:
-        after = args.minutes * 60 - args.warmup_minutes * 60
-        out.update(parts.sampler.summary(args.warmup_minutes * 60, max(300.0, after / 2)))
+        warmup = args.warmup_minutes * 60
+        stores = warmup
+        if parts.soak is not None and parts.soak.first_ended is not None:
+            # Redis and PostgreSQL keep what a job left for the retention after it ended:
+            # they fill until the first job's is deleted (the sweep comes within a minute).
+            filled = parts.soak.first_ended - parts.sampler.began + args.retention_seconds + 60
+            stores = max(warmup, filled)
+        after = args.minutes * 60 - warmup
+        out.update(parts.sampler.summary(warmup, max(300.0, after / 2), stores))
     return out
 
 

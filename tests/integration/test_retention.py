@@ -1,6 +1,7 @@
 """What an ended job left behind goes after the retention (`ended_job_retention_seconds`):
 in Redis its step stream, straggler windows and rank statistics, in PostgreSQL its
-events and node commands; a running job's stay, and keys of a job PostgreSQL does not
+events, node commands and checkpoint rows (its whole durable checkpoints kept apart, as
+its record lists them); a running job's stay, and keys of a job PostgreSQL does not
 know go at once. A running job's superseded checkpoint rows go too, and events of no job
 as old. What `pitstop job show` and `pitstop job record` print stays. A real scheduler
 with its deciding loops, real Redis and PostgreSQL."""
@@ -41,7 +42,7 @@ def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay
     client = redis.Redis.from_url(stores.redis_url)
     try:
         jobs = jobs_pb2_grpc.JobServiceStub(thread.channel())
-        streams, ids = [], []
+        streams, ids, generations = [], [], []
         for i in range(2):
             stream = thread.open_stream(f"w{i}", gpus=1, rack=f"r{i}")
             spec = jobs_pb2.JobSpec(name=unique("kept"), command=["train"], dp=1, gpus_per_node=1)
@@ -59,10 +60,29 @@ def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay
             stream.send(step_summary=summary)
             streams.append(stream)
             ids.append(job.id)
+            generations.append(command.generation)
         ended, running = ids
         for job_id in ids:
             wait_until(lambda j=job_id: client.exists(f"{prefix}steps:{j}"), f"{job_id} steps kept")
         client.xadd(f"{prefix}steps:j-nobodyknows", {"summaries": b""})
+
+        # The job about to end: a whole durable checkpoint at 20 (its one rank's shard in
+        # the store, and in a node's memory), one flushed by none of its ranks at 30.
+        with psycopg.connect(database) as db:
+            for step in (20, 30):
+                db.execute(
+                    "INSERT INTO checkpoints (job_id, step, generation, committed, durable,"
+                    " manifest_url) VALUES (%s, %s, %s, true, %s, '')",
+                    (ended, step, generations[0], step == 20),
+                )
+            for step, node in [(20, ""), (20, "w0"), (30, "w0")]:
+                db.execute(
+                    "INSERT INTO checkpoint_shards (job_id, step, rank, node_id, tier, checksum,"
+                    " size_bytes) VALUES (%s, %s, 0, %s, %s, 'c0', 7)",
+                    (ended, step, node, "durable" if node == "" else "memory"),
+                )
+        kept = list(jobs.Record(jobs_pb2.JobRecordRequest(job_id=ended)).durable_checkpoints)
+        assert [(d.step, d.shards, d.bytes) for d in kept] == [(20, 1, 7)]
 
         # The running job, weeks in: a checkpoint row a step, most long superseded.
         with psycopg.connect(database) as db:
@@ -86,10 +106,10 @@ def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay
                 " 'retention test', 'test', '{}')"
             )
 
+        cancelled_at = time.monotonic()  # the job ends after this, however slow the call
         jobs.Cancel(jobs_pb2.JobControlRequest(job_id=ended))
         shown = jobs.Get(jobs_pb2.GetJobRequest(job_id=ended))
         assert shown.state == common_pb2.JOB_STATE_CANCELLED
-        cancelled_at = time.monotonic()
 
         wait_until(
             lambda: not client.exists(f"{prefix}steps:j-nobodyknows"),
@@ -101,7 +121,7 @@ def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay
             "the ended job's stream deleted",
             timeout=30,
         )
-        assert time.monotonic() - cancelled_at >= RETENTION - 0.5  # not before its time
+        assert time.monotonic() - cancelled_at >= RETENTION - 0.05  # not before its time
         assert client.exists(f"{prefix}steps:{running}")
 
         def rows(table: str, job_id: str) -> int:
@@ -112,6 +132,10 @@ def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay
         # The rows went in the same sweep as the keys, or one sweep before.
         wait_until(lambda: rows("events", ended) == 0, "the ended job's events deleted", 10)
         assert rows("node_commands", ended) == 0
+        # Its checkpoint rows went with them, the whole durable checkpoint kept apart.
+        assert rows("checkpoint_shards", ended) == 0
+        assert rows("checkpoints", ended) == 0
+        assert rows("kept_checkpoints", ended) == 1
 
         def steps(job_id: str) -> list[int]:
             with psycopg.connect(database) as db:
@@ -132,6 +156,7 @@ def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay
         assert shown.state == common_pb2.JOB_STATE_CANCELLED
         record = jobs.Record(jobs_pb2.JobRecordRequest(job_id=ended))
         assert record.state == common_pb2.JOB_STATE_CANCELLED
+        assert list(record.durable_checkpoints) == kept
     finally:
         thread.stop()
         for key in client.scan_iter(match=f"{prefix}*"):

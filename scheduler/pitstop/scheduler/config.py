@@ -144,9 +144,10 @@ class SchedulerSettings(LayeredSettings):
     mass_loss_settle_seconds: float = Field(default=2.0, ge=0)
     # What an ended job leaves behind is deleted this long after it ended: its Redis
     # keys (step streams, straggler windows, rank statistics), and in PostgreSQL its
-    # events, node commands, hang stacks and non-durable checkpoints. Its row, rank maps,
-    # run records and durable checkpoints stay (reconcile/retention.py). A running
-    # job's checkpoint rows superseded this long ago go too, and events of no job.
+    # events, node commands, hang stacks and checkpoint rows. Its row, rank maps, run
+    # records and whole durable checkpoints (moved to kept_checkpoints) stay
+    # (reconcile/retention.py). A running job's checkpoint rows superseded this long ago
+    # go too, and events of no job.
     ended_job_retention_seconds: float = Field(default=86400.0, gt=0)
     # After a (re)start, agents get this long to reconnect before deadlines count: they
     # back off up to 2 s between attempts, and a fleet registering at once on a busy

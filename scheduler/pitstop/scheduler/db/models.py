@@ -326,6 +326,21 @@ class CheckpointShard(Base):
     )
 
 
+class KeptCheckpoint(Base):
+    """A durable checkpoint of an ended job, as its record lists it. Retention moves an
+    ended job's whole durable checkpoints here and deletes its catalog rows: the
+    catalog's tables churn a row a step, and an ended job's few kept rows left among
+    them would each pin an index page of its own for good."""
+
+    __tablename__ = "kept_checkpoints"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64))
+    shards: Mapped[int] = mapped_column(Integer)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+
+
 class Event(Base):
     """Append-only: every state change, its cause and its actor."""
 

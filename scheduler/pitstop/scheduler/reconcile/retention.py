@@ -5,7 +5,10 @@ job it ever ran.
 - Redis: its step stream (up to 100,000 entries), straggler windows and rank statistics
   (and at once the keys of a job PostgreSQL does not know).
 - PostgreSQL: its events (but the preemptions and resumes its run record lists), its
-  node commands, its hang stacks, and its checkpoints but the durable ones.
+  node commands, its hang stacks, and its checkpoint rows: its whole durable
+  checkpoints move to `kept_checkpoints` first (step, digest, shards, bytes: what its
+  record lists). The catalog's tables take and drop a row a step per rank; an ended
+  job's few rows left among them would each pin an index page of its own for good.
 - And of a running job, which may run for weeks: its checkpoint rows superseded that
   long ago (below its committed step, held by no node, not durable); and the events of
   no job (the nodes', the leadership's) that old.
@@ -27,13 +30,14 @@ from typing import Any
 
 from redis.exceptions import RedisError
 from sqlalchemy import delete, exists, func, select, tuple_
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import TERMINAL_JOB_STATES
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.reconcile.context import Leader
-from pitstop.scheduler.services.catalog import DURABLE_NODE
-from pitstop.scheduler.services.records import PREEMPTED, RESUMING
+from pitstop.scheduler.services.records import PREEMPTED, RESUMING, whole_durable_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +45,8 @@ SWEEP_SECONDS_MAX = 60.0
 """The longest between two sweeps (a short retention sweeps more often)."""
 SUPERSEDED_BATCH = 10_000
 """The most superseded checkpoint rows of running jobs one sweep deletes."""
+KEEP_BATCH = 100
+"""The most ended jobs whose checkpoint rows one sweep moves out of the catalog."""
 
 
 class Retention:
@@ -81,16 +87,12 @@ class Retention:
             ),
             "node_commands": delete(command).where(command.job_id.in_(ended)),
             "rank_stacks": delete(stack).where(stack.job_id.in_(ended)),
-            "checkpoint_shards": delete(shard).where(
-                shard.job_id.in_(ended), shard.node_id != DURABLE_NODE
-            ),
-            "checkpoints": delete(checkpoint).where(
-                checkpoint.job_id.in_(ended),
-                ~exists().where(shard.job_id == checkpoint.job_id, shard.step == checkpoint.step),
-            ),
         }
         deleted: dict[str, int] = {}
         async with self.leader.store.write() as session:
+            if kept := await keep_durable(session, ended):
+                statements["checkpoint_shards"] = delete(shard).where(shard.job_id.in_(kept))
+                statements["checkpoints"] = delete(checkpoint).where(checkpoint.job_id.in_(kept))
             for table, statement in statements.items():
                 result = await session.execute(statement)
                 count = int(getattr(result, "rowcount", 0) or 0)
@@ -161,6 +163,39 @@ class Retention:
                 return []
             log.info("retention: deleted the Redis keys of %d ended jobs", len(gone))
         return gone
+
+
+async def keep_durable(session: AsyncSession, ended: Any) -> list[str]:
+    """Of the jobs `ended` selects, up to KEEP_BATCH still in the checkpoint catalog:
+    record each one's whole durable checkpoints in `kept_checkpoints`; their ids, whose
+    catalog rows may now go. (A late report that adds rows for one brings it back to
+    the next sweep.)"""
+    checkpoint = models.Checkpoint
+    job_ids = list(
+        await session.scalars(
+            select(checkpoint.job_id)
+            .where(checkpoint.job_id.in_(ended))
+            .distinct()
+            .order_by(checkpoint.job_id)
+            .limit(KEEP_BATCH)
+        )
+    )
+    for job in await session.scalars(select(models.Job).where(models.Job.id.in_(job_ids))):
+        rows = [
+            {
+                "job_id": job.id,
+                "step": found.step,
+                "digest": found.digest,
+                "shards": found.shards,
+                "size_bytes": found.bytes,
+            }
+            for found in await whole_durable_checkpoints(session, job)
+        ]
+        if rows:
+            await session.execute(
+                insert(models.KeptCheckpoint).values(rows).on_conflict_do_nothing()
+            )
+    return job_ids
 
 
 def _job_key_patterns(hot: HotState) -> list[tuple[str, str, str]]:

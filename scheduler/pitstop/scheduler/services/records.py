@@ -5,7 +5,8 @@ Each generation's rank 0 reports its code, environment and data digest through i
 agent (pitstop.trainer.runrecord); `store_run_record` keeps one per generation. The
 rest is read where it already lives: the job's row (spec, submitter, the code the
 submitting client saw, goodput, skipped steps, result), the checkpoint catalog's durable
-shards and the job's preemption events.
+shards (an ended job's, once retention moved them, its kept checkpoints) and the job's
+preemption events.
 """
 
 from __future__ import annotations
@@ -144,8 +145,27 @@ async def _generations(session: AsyncSession, job_id: str) -> list[jobs_pb2.Gene
 async def _durable_checkpoints(
     session: AsyncSession, job: models.Job
 ) -> list[jobs_pb2.DurableCheckpoint]:
-    """The steps whose every rank (of the generation that wrote them) has its durable
-    shard, oldest first: digest, shard count and bytes of each."""
+    """The job's whole durable checkpoints, oldest first: those retention moved out of
+    the catalog (an ended job's) and those still in it."""
+    kept = await session.scalars(
+        select(models.KeptCheckpoint).where(models.KeptCheckpoint.job_id == job.id)
+    )
+    found = {
+        row.step: jobs_pb2.DurableCheckpoint(
+            step=row.step, digest=row.digest, shards=row.shards, bytes=row.size_bytes
+        )
+        for row in kept
+    }
+    for checkpoint in await whole_durable_checkpoints(session, job):
+        found[checkpoint.step] = checkpoint
+    return [found[step] for step in sorted(found)]
+
+
+async def whole_durable_checkpoints(
+    session: AsyncSession, job: models.Job
+) -> list[jobs_pb2.DurableCheckpoint]:
+    """The steps in the catalog whose every rank (of the generation that wrote them)
+    has its durable shard, oldest first: digest, shard count and bytes of each."""
     shard = models.CheckpointShard
     rows = (
         await session.execute(
