@@ -1,5 +1,6 @@
 """bench/soak.py's measurements: what is sampled every minute (every pitstop process's
-RSS and open descriptors, Redis, PostgreSQL, /dev/shm) and the slopes read from it.
+RSS and open descriptors, both less its /dev/shm segments, Redis, PostgreSQL, /dev/shm)
+and the slopes read from it.
 
 A process is followed by its pid: one restarted by a fault (an agent killed, a
 scheduler failed over) is a new series with a warm-up of its own. A slope is a
@@ -24,6 +25,9 @@ from pitstop.client.localcluster.processes import tagged_processes
 
 MB = 1024 * 1024
 SHM = Path("/dev/shm")
+SHM_WINDOW = 300.0
+"""/dev/shm's slope is its floor's, the lowest sample of each such window (a job runs a
+minute or two here, its segments going when it ends)."""
 
 
 @dataclass
@@ -64,6 +68,22 @@ def growth(points: Sequence[tuple[float, float]]) -> float | None:
     return max(v for _, v in points[-third:]) - max(v for _, v in points[:third])
 
 
+def floor(points: Sequence[tuple[float, float]], window: float) -> list[tuple[float, float]]:
+    """The lowest sample of each `window` s (from the first on), at its time: a quantity
+    that follows the job running (the snapshot segments in /dev/shm rise with each job
+    and fall when it ends) grows only if its floor does."""
+    lowest: dict[int, tuple[float, float]] = {}
+    for t, v in points:
+        i = int((t - points[0][0]) // window)
+        if i not in lowest or v < lowest[i][1]:
+            lowest[i] = (t, v)
+    return [lowest[i] for i in sorted(lowest)]
+
+
+def floor_slope(window: float) -> Callable[[Sequence[tuple[float, float]]], float | None]:
+    return lambda points: slope_per_hour(floor(points, window))
+
+
 def fitted(
     series: Sequence[Series], warmup: float, min_span: float, measure: Callable[..., float | None]
 ) -> dict[str, float]:
@@ -90,21 +110,37 @@ def process_name(daemon: str, argv: Sequence[str], rank: bool, daemon_itself: bo
     return f"{daemon}/{Path(argv[0]).name if argv else '?'}"
 
 
-def rss_bytes(pid: int) -> int | None:
+def private_rss_bytes(pid: int) -> int | None:
+    """The process's RSS less its shared memory: the snapshot segments a checkpoint
+    daemon or a rank maps come and go with the job running and are measured as
+    /dev/shm; what a leak grows is the rest."""
+    fields: dict[str, int] = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    if "VmRSS" not in fields:
+        return None
+    return fields["VmRSS"] - fields.get("RssShmem", 0)
 
 
 def open_fds(pid: int) -> int | None:
+    """The process's open descriptors but those of /dev/shm segments (measured there)."""
     try:
-        return len(os.listdir(f"/proc/{pid}/fd"))
+        names = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return None
+    count = 0
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue  # closed since the listing
+        count += not target.startswith(f"{SHM}/")
+    return count
 
 
 def shm_bytes(prefixes: Sequence[str] = ("pitstop",)) -> int:
@@ -153,7 +189,7 @@ class Sampler(threading.Thread):
         now = time.monotonic() - self.began
         for proc in tagged_processes(self.state_dir):
             name = process_name(proc.daemon, proc.argv, proc.rank, proc.is_daemon())
-            rss, fds = rss_bytes(proc.pid), open_fds(proc.pid)
+            rss, fds = private_rss_bytes(proc.pid), open_fds(proc.pid)
             if rss is None or fds is None:
                 continue
             label = f"{name}[{proc.pid}]"
@@ -174,17 +210,15 @@ class Sampler(threading.Thread):
             with psycopg.connect(self.postgres_url, connect_timeout=5, autocommit=True) as conn:
                 size = conn.execute("SELECT pg_database_size(current_database())").fetchone()
                 tables = conn.execute(
-                    "SELECT relname FROM pg_stat_user_tables ORDER BY relname"
+                    "SELECT relname, pg_total_relation_size(relid) FROM pg_stat_user_tables"
+                    " ORDER BY relname"
                 ).fetchall()
-                for (table,) in tables:
+                for table, total in tables:
                     count = conn.execute(f'SELECT count(*) FROM "{table}"').fetchone()
                     series = self.rows.setdefault(table, Series(table))
                     series.points.append((now, count[0] if count else 0))
-                    total = conn.execute(
-                        "SELECT pg_total_relation_size(%s::regclass)", (f'"{table}"',)
-                    ).fetchone()
                     sized = self.table_mb.setdefault(table, Series(table))
-                    sized.points.append((now, (total[0] if total else 0) / MB))
+                    sized.points.append((now, total / MB))
             self.postgres.points.append((now, (size[0] if size else 0) / MB))
         except psycopg.Error as exc:
             self.errors.append(f"postgres at +{now:.0f} s: {exc}")
@@ -195,7 +229,8 @@ class Sampler(threading.Thread):
         rss = fitted(list(self.rss.values()), warmup, min_span, slope_per_hour)
         fds = fitted(list(self.fds.values()), warmup, min_span, growth)
         stores = [self.redis, self.postgres, self.shm]
-        slopes = fitted(stores, store_warmup, min_span, slope_per_hour)
+        slopes = fitted(stores[:2], store_warmup, min_span, slope_per_hour)
+        slopes |= fitted([self.shm], warmup, min_span, floor_slope(SHM_WINDOW))
         rows = fitted(list(self.rows.values()), store_warmup, min_span, slope_per_hour)
         sizes = fitted(list(self.table_mb.values()), store_warmup, min_span, slope_per_hour)
         ends = {s.name: s.points[-1][1] for s in stores if s.points}

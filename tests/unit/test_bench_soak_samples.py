@@ -1,16 +1,31 @@
 """bench/soak.py's slopes: per hour, from each process's own warm-up on, none for a
 series too short to say anything about an hour, and descriptors that come and go with
-the work are not growth."""
+the work are not growth; a process's memory and descriptors less its /dev/shm segments,
+and /dev/shm's own slope the floor's under the jobs that come and go."""
 
 from __future__ import annotations
 
+import mmap
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench.* as soak.py imports it
-from bench._soak_samples import Series, fitted, growth, process_name, slope_per_hour
+from bench._soak_samples import (
+    Series,
+    fitted,
+    floor_slope,
+    growth,
+    open_fds,
+    private_rss_bytes,
+    process_name,
+    slope_per_hour,
+)
+
+MB = 1024 * 1024
 
 
 def test_a_steady_leak_is_its_rate_per_hour() -> None:
@@ -57,3 +72,39 @@ def test_processes_are_named_for_what_they_are() -> None:
     zygote = ("/venv/bin/python", "-m", "pitstop.agent.forkserver", "--socket", "/s")
     assert process_name("agent-node-1", zygote, False, False) == "zygote-node-1"
     assert process_name("agent-node-1", ("python", "train.py"), True, False) == "rank@node-1"
+
+
+def test_segments_rising_with_each_job_and_freed_at_its_end_are_not_growth() -> None:
+    # A job every 90 s holding 600 MB for a minute of it, for an hour.
+    jobs = [(60.0 * i, 600.0 if i % 3 else 0.0) for i in range(60)]
+    assert floor_slope(300.0)(jobs) == pytest.approx(0.0)
+    # The same, with 2 MB a job never freed: the floor rises.
+    kept = [(t, v + 2.0 * (t // 180)) for t, v in jobs]
+    slope = floor_slope(300.0)(kept)
+    assert slope is not None
+    assert slope > 30
+
+
+def vm_rss() -> int:
+    status = Path("/proc/self/status").read_text()
+    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if "VmRSS" in line)
+
+
+def test_a_process_memory_and_descriptors_leave_out_its_shared_segments() -> None:
+    pid = os.getpid()
+    rss, fds, whole = private_rss_bytes(pid), open_fds(pid), vm_rss()
+    assert rss is not None
+    assert fds is not None
+    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="pitstop-test-") as segment:
+        segment.truncate(64 * MB)
+        with mmap.mmap(segment.fileno(), 64 * MB) as mapped:
+            for offset in range(0, 64 * MB, mmap.PAGESIZE):
+                mapped[offset] = 1  # every page resident, in this process's RSS
+            assert open_fds(pid) == fds  # the segment's descriptor left out
+            assert vm_rss() - whole >= 48 * MB  # in the RSS the kernel reports
+            mapped_rss = private_rss_bytes(pid)
+            assert mapped_rss is not None
+            assert mapped_rss - rss < 16 * MB
+            with tempfile.TemporaryFile() as other:
+                assert other.fileno() >= 0
+                assert open_fds(pid) == fds + 1  # any other file counts
