@@ -10,7 +10,10 @@ RSS say nothing about an hour)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,9 +28,9 @@ from pitstop.client.localcluster.processes import tagged_processes
 
 MB = 1024 * 1024
 SHM = Path("/dev/shm")
-SHM_WINDOW = 300.0
-"""/dev/shm's slope is its floor's, the lowest sample of each such window (a job runs a
-minute or two here, its segments going when it ends)."""
+SEGMENT = re.compile(r"pitstop-ckpt-.*?([0-9a-f]{12})-\d+")
+"""A checkpoint daemon's segment: its instance's marker is the name up to the instance
+id, plus ".owner" (pitstop.checkpointd.instances)."""
 
 
 @dataclass
@@ -59,29 +62,16 @@ def slope_per_hour(points: Sequence[tuple[float, float]]) -> float | None:
 
 
 def growth(points: Sequence[tuple[float, float]]) -> float | None:
-    """The highest value of the last third less the highest of the first third: what a
-    count that comes and goes with the work (descriptors of a job's sockets) gained for
-    good. None under three samples."""
+    """The median of the last third less the median of the first third: what a count
+    that comes and goes with the work (descriptors of the sockets a job's ranks open)
+    gained for good; a connection open at one sample is not a new level. None under
+    three samples."""
     if len(points) < 3:
         return None
     third = max(len(points) // 3, 1)
-    return max(v for _, v in points[-third:]) - max(v for _, v in points[:third])
-
-
-def floor(points: Sequence[tuple[float, float]], window: float) -> list[tuple[float, float]]:
-    """The lowest sample of each `window` s (from the first on), at its time: a quantity
-    that follows the job running (the snapshot segments in /dev/shm rise with each job
-    and fall when it ends) grows only if its floor does."""
-    lowest: dict[int, tuple[float, float]] = {}
-    for t, v in points:
-        i = int((t - points[0][0]) // window)
-        if i not in lowest or v < lowest[i][1]:
-            lowest[i] = (t, v)
-    return [lowest[i] for i in sorted(lowest)]
-
-
-def floor_slope(window: float) -> Callable[[Sequence[tuple[float, float]]], float | None]:
-    return lambda points: slope_per_hour(floor(points, window))
+    return statistics.median(v for _, v in points[-third:]) - statistics.median(
+        v for _, v in points[:third]
+    )
 
 
 def fitted(
@@ -155,6 +145,41 @@ def shm_bytes(prefixes: Sequence[str] = ("pitstop",)) -> int:
     return total
 
 
+def locked_inodes() -> set[int]:
+    """The inodes some process holds a lock on (/proc/locks): read, never taken, so a
+    daemon's cleanup never finds a marker locked by this sampler."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if "->" in fields:  # a waiter, listed under the holder
+                fields.remove("->")
+            if len(fields) > 5 and fields[5].count(":") == 2:
+                found.add(int(fields[5].rsplit(":", 1)[1]))
+    return found
+
+
+def orphaned_shm_bytes(prefix: str = "pitstop-ckpt-") -> int:
+    """Bytes of the checkpoint daemons' segments in /dev/shm whose daemon instance is
+    gone (its marker missing or unlocked): what nothing will ever free but a cleanup.
+    A live daemon's segments are bounded by its memory budget and come and go with the
+    jobs; these are what would grow. (`prefix`: of those names only.)"""
+    locked, total = locked_inodes(), 0
+    for entry in SHM.iterdir() if SHM.is_dir() else ():
+        match = SEGMENT.fullmatch(entry.name)
+        if not match or not entry.name.startswith(prefix):
+            continue
+        marker = SHM / f"{entry.name[: match.end(1)]}.owner"
+        try:
+            if marker.stat().st_ino in locked:
+                continue  # its daemon runs
+        except OSError:
+            pass  # no marker: its daemon is gone
+        with contextlib.suppress(OSError):
+            total += entry.stat().st_blocks * 512
+    return total
+
+
 class Sampler(threading.Thread):
     """Every `every` s: each pitstop process of the cluster in `state_dir` (RSS, open
     descriptors), Redis `used_memory`, the PostgreSQL database's size and each table's
@@ -174,6 +199,7 @@ class Sampler(threading.Thread):
         self.redis = Series("redis_used_memory_mb")
         self.postgres = Series("postgres_database_mb")
         self.shm = Series("dev_shm_mb")
+        self.orphaned = Series("dev_shm_orphaned_mb")
         self.rows: dict[str, Series] = {}
         self.table_mb: dict[str, Series] = {}
         """Each table's size with its indexes and TOAST, MB: where the database grows."""
@@ -196,6 +222,7 @@ class Sampler(threading.Thread):
             self.rss.setdefault(proc.pid, Series(label, now)).points.append((now, rss / MB))
             self.fds.setdefault(proc.pid, Series(label, now)).points.append((now, fds))
         self.shm.points.append((now, shm_bytes() / MB))
+        self.orphaned.points.append((now, orphaned_shm_bytes() / MB))
         self._stores(now)
         self.samples += 1
 
@@ -228,9 +255,9 @@ class Sampler(threading.Thread):
         `store_warmup`); the processes too short-lived to have one."""
         rss = fitted(list(self.rss.values()), warmup, min_span, slope_per_hour)
         fds = fitted(list(self.fds.values()), warmup, min_span, growth)
-        stores = [self.redis, self.postgres, self.shm]
+        stores = [self.redis, self.postgres, self.shm, self.orphaned]
         slopes = fitted(stores[:2], store_warmup, min_span, slope_per_hour)
-        slopes |= fitted([self.shm], warmup, min_span, floor_slope(SHM_WINDOW))
+        slopes |= fitted(stores[2:], warmup, min_span, slope_per_hour)
         rows = fitted(list(self.rows.values()), store_warmup, min_span, slope_per_hour)
         sizes = fitted(list(self.table_mb.values()), store_warmup, min_span, slope_per_hour)
         ends = {s.name: s.points[-1][1] for s in stores if s.points}
@@ -245,6 +272,7 @@ class Sampler(threading.Thread):
             "redis_slope_mb_per_hour": slopes.get(self.redis.name),
             "pg_slope_mb_per_hour": slopes.get(self.postgres.name),
             "shm_slope_mb_per_hour": slopes.get(self.shm.name),
+            "shm_orphaned_slope_mb_per_hour": slopes.get(self.orphaned.name),
             "rss_slope_mb_per_hour": dict(sorted(rss.items())),
             "fd_growth": dict(sorted(fds.items())),
             "rss_mb_last": {
@@ -259,4 +287,14 @@ class Sampler(threading.Thread):
             },
             "stores_last": {k: round(v, 2) for k, v in ends.items()},
             "errors": self.errors[-10:],
+            # The samples behind the slopes, to fit them again: (run seconds, value).
+            "series": {
+                **{s.name: _points(s) for s in stores},
+                **{f"rss {s.name}": _points(s) for s in self.rss.values() if s.name in rss},
+                **{f"fds {s.name}": _points(s) for s in self.fds.values() if s.name in fds},
+            },
         }
+
+
+def _points(series: Series) -> list[tuple[int, float]]:
+    return [(round(t), round(v, 3)) for t, v in series.points]

@@ -1,12 +1,14 @@
 """bench/soak.py's slopes: per hour, from each process's own warm-up on, none for a
 series too short to say anything about an hour, and descriptors that come and go with
 the work are not growth; a process's memory and descriptors less its /dev/shm segments,
-and /dev/shm's own slope the floor's under the jobs that come and go."""
+and /dev/shm's growth the segments no running daemon owns."""
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import secrets
 import sys
 import tempfile
 from pathlib import Path
@@ -17,15 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench.* as soak.
 from bench._soak_samples import (
     Series,
     fitted,
-    floor_slope,
     growth,
     open_fds,
+    orphaned_shm_bytes,
     private_rss_bytes,
     process_name,
     slope_per_hour,
 )
 
 MB = 1024 * 1024
+SHM = Path("/dev/shm")
 
 
 def test_a_steady_leak_is_its_rate_per_hour() -> None:
@@ -74,15 +77,25 @@ def test_processes_are_named_for_what_they_are() -> None:
     assert process_name("agent-node-1", ("python", "train.py"), True, False) == "rank@node-1"
 
 
-def test_segments_rising_with_each_job_and_freed_at_its_end_are_not_growth() -> None:
-    # A job every 90 s holding 600 MB for a minute of it, for an hour.
-    jobs = [(60.0 * i, 600.0 if i % 3 else 0.0) for i in range(60)]
-    assert floor_slope(300.0)(jobs) == pytest.approx(0.0)
-    # The same, with 2 MB a job never freed: the floor rises.
-    kept = [(t, v + 2.0 * (t // 180)) for t, v in jobs]
-    slope = floor_slope(300.0)(kept)
-    assert slope is not None
-    assert slope > 30
+def test_a_gone_daemons_segments_are_orphans_and_a_live_ones_are_not() -> None:
+    instance = secrets.token_hex(6)
+    node = f"pitstop-ckpt-soaktest-{secrets.token_hex(3)}-"
+    marker = SHM / f"{node}{instance}.owner"
+    segment = SHM / f"{node}{instance}-0"
+    before = orphaned_shm_bytes(node)  # 0: a name of this test's only
+    try:
+        with marker.open("w") as owner:
+            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running daemon holds it
+            with segment.open("wb") as f:
+                f.write(b"x" * (2 * MB))
+            assert orphaned_shm_bytes(node) - before == 0
+        # The lock went with its holder: the segment is an orphan now.
+        assert orphaned_shm_bytes(node) - before == 2 * MB
+        marker.unlink()
+        assert orphaned_shm_bytes(node) - before == 2 * MB  # no marker at all
+    finally:
+        segment.unlink(missing_ok=True)
+        marker.unlink(missing_ok=True)
 
 
 def vm_rss() -> int:
