@@ -145,17 +145,17 @@ def shm_bytes(prefixes: Sequence[str] = ("pitstop",)) -> int:
     return total
 
 
-def locked_inodes() -> set[int]:
-    """The inodes some process holds a lock on (/proc/locks): read, never taken, so a
-    daemon's cleanup never finds a marker locked by this sampler."""
+def locked_files() -> set[tuple[int, int, int]]:
+    """(device major, minor, inode) of each file some process holds a lock on, from
+    /proc/locks: read, never taken, so a daemon's cleanup never finds a marker locked
+    by this sampler."""
     found = set()
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, ValueError):
         for line in Path("/proc/locks").read_text().splitlines():
-            fields = line.split()
-            if "->" in fields:  # a waiter, listed under the holder
-                fields.remove("->")
+            fields = [f for f in line.split() if f != "->"]  # "->": a waiter
             if len(fields) > 5 and fields[5].count(":") == 2:
-                found.add(int(fields[5].rsplit(":", 1)[1]))
+                major, minor, inode = fields[5].split(":")
+                found.add((int(major, 16), int(minor, 16), int(inode)))
     return found
 
 
@@ -164,14 +164,15 @@ def orphaned_shm_bytes(prefix: str = "pitstop-ckpt-") -> int:
     gone (its marker missing or unlocked): what nothing will ever free but a cleanup.
     A live daemon's segments are bounded by its memory budget and come and go with the
     jobs; these are what would grow. (`prefix`: of those names only.)"""
-    locked, total = locked_inodes(), 0
+    locked, total = locked_files(), 0
     for entry in SHM.iterdir() if SHM.is_dir() else ():
         match = SEGMENT.fullmatch(entry.name)
         if not match or not entry.name.startswith(prefix):
             continue
         marker = SHM / f"{entry.name[: match.end(1)]}.owner"
         try:
-            if marker.stat().st_ino in locked:
+            st = marker.stat()
+            if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in locked:
                 continue  # its daemon runs
         except OSError:
             pass  # no marker: its daemon is gone
