@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -171,6 +172,37 @@ def test_a_closed_stream_is_lost_and_a_reconnect_is_ready_again(
         .events
     ]
     assert kinds[:4] == ["node.registered", "node.lost", "node.reconnected", "node.recovered"]
+
+
+def test_an_old_stream_that_ends_after_its_agent_registered_again_loses_no_node(
+    stores: StoreUrls, tmp_path: Path
+) -> None:
+    """A healed partition delivers an agent's old connection's end together with its new
+    stream's Register, often after it, and the new stream may be at another scheduler
+    process. The old stream's end is judged against the registration it made: the node,
+    registered again since, stays READY and connected, and no node.lost is recorded."""
+    old_home = SchedulerThread(scheduler_settings(stores, tmp_path / "old"))
+    new_home = SchedulerThread(scheduler_settings(stores, tmp_path / "new"))
+    try:
+        node_id = unique("moved")
+        old = old_home.open_stream(node_id)
+        with new_home.agent_stream(node_id) as new:
+            assert new.registered.state == common_pb2.NODE_STATE_READY
+            old.close()  # its end comes after the new stream's registration
+            agents = old_home.scheduler.agents
+            wait_until(lambda: not agents.gateway.connected(node_id), "the old stream's end")
+            old_home._call(agents.drain())  # its end judged: the loss it would record
+            nodes = nodes_pb2_grpc.NodeServiceStub(new_home.channel())
+            node = nodes.Get(nodes_pb2.GetNodeRequest(node_id=node_id))
+            assert (node.state, node.connected) == (common_pb2.NODE_STATE_READY, True)
+            events = nodes_pb2_grpc.EventServiceStub(new_home.channel()).List(
+                nodes_pb2.ListEventsRequest(node_id=node_id)
+            )
+            kinds = [e.kind for e in events.events]
+            assert kinds == ["node.registered", "node.reconnected"], kinds
+    finally:
+        new_home.stop()
+        old_home.stop()
 
 
 def fell_silent_and_was_lost(scheduler: SchedulerThread) -> tuple[Any, float]:

@@ -224,11 +224,12 @@ class AgentServicer:
         """Record a node whose stream ended as LOST, once its host said whether it is up
         (hostprobe): meanwhile it is a suspect, which the leader counts toward a mass
         loss. A stream that ended on a message of its agent's refused (`agent_ended`: its
-        bytes arrived) is lost at once, unasked. A node that registered again meanwhile
-        is not lost. A stream that ended while this process was behind (shedding) counts
-        as silent whatever its host says: the keepalive ping it missed may have waited
-        on this process, and its own lag must not turn into lost nodes (many at once are
-        a mass loss, and held)."""
+        bytes arrived) is lost at once, unasked. A node that registered again since this
+        stream did is not lost (a healed partition delivers the old connection's end
+        with the new one's Register, often after it). A stream that ended while this
+        process was behind (shedding) counts as silent whatever its host says: the
+        keepalive ping it missed may have waited on this process, and its own lag must
+        not turn into lost nodes (many at once are a mass loss, and held)."""
         node_id, ended = state.node_id, dt.datetime.now(dt.UTC)
         behind = self.shedder.shedding
         try:
@@ -252,7 +253,7 @@ class AgentServicer:
                     reason=reason,
                     last_seen_at=state.heard_at,
                     cause=cause,
-                    unless_back_since=ended,
+                    unless_registered_since=state.registered_at,
                 )
             if lost:
                 await self.hot.forget_node(node_id)
@@ -291,18 +292,22 @@ class AgentServicer:
                 f"register.node_id: this stream's certificate names node {caller.node_id!r}; it "
                 f"cannot register as {reg.node_id!r} (each node enrolls with its own token)"
             )
+        registered_at = dt.datetime.now(dt.UTC)
         async with self.store.write() as session:
             if caller.node_id:
                 await enrollment.check_not_revoked(session, reg.node_id, caller.issued_at)
             node, _created = await node_service.register_node(
                 session,
                 registration_from_pb(reg),
-                now=dt.datetime.now(dt.UTC),
+                now=registered_at,
                 connected_elsewhere=self.gateway.connected(reg.node_id),
             )
         await self.hot.record_heartbeat(node.id, self.liveness_timeout)
         return StreamState(
-            node_id=node.id, seq=message.seq, probe_address=reg.inventory.checkpointd_address
+            node_id=node.id,
+            seq=message.seq,
+            probe_address=reg.inventory.checkpointd_address,
+            registered_at=registered_at,
         )
 
     async def _registered(self, node_id: str) -> agent_pb2.Registered:

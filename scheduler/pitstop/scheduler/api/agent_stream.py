@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +20,10 @@ class StreamState:
     probe_address: str = ""
     """Where the node's host is asked whether it is up when the stream ends (its
     checkpoint daemon's address, as registered)."""
+    registered_at: dt.datetime | None = None
+    """The registration this stream made (the node's `last_seen_at` it wrote): when its
+    end is judged, a node registered again since (another stream, here or at another
+    scheduler process) is not lost."""
     verdict: int = common_pb2.HEALTH_VERDICT_UNSPECIFIED
     reasons: tuple[str, ...] = ()
     # Commands sent down this stream and not yet acknowledged: id -> what an ack means.

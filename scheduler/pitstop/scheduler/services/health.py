@@ -168,17 +168,22 @@ async def mark_lost(
     reason: str,
     last_seen_at: float | None = None,
     cause: LossCause = LossCause.STREAM,
-    unless_back_since: dt.datetime | None = None,
+    unless_registered_since: dt.datetime | None = None,
 ) -> bool:
-    """LOST with its event, unless already lost, or registered again since
-    `unless_back_since` (its agent reconnected while its loss was being judged). An
-    unhealthy node stays unhealthy (the worse news) but is recorded as disconnected.
-    True if the state changed."""
-    if unless_back_since is not None:
-        back = await session.scalar(
-            select(models.Node.last_seen_at).where(models.Node.id == node_id)
+    """LOST with its event, unless already lost, or registered again since the
+    registration `unless_registered_since` (the stream that ended made it; its agent has
+    another stream now, here or at another scheduler process: a healed partition
+    delivers the old connection's end and the new one's Register together). Compared
+    for equality under the row's lock, so neither clocks nor a registration still being
+    written can make a connected node lost. An unhealthy node stays unhealthy (the worse
+    news) but is recorded as disconnected. True if the state changed."""
+    if unless_registered_since is not None:
+        registered = await session.scalar(
+            select(models.Node.last_seen_at)
+            .where(models.Node.id == node_id)
+            .with_for_update(key_share=True)
         )
-        if back is not None and back > unless_back_since:
+        if registered is not None and registered != unless_registered_since:
             return False
     last_seen = {node_id: last_seen_at} if last_seen_at is not None else None
     lost = await mark_all_lost(session, [node_id], reason=reason, last_seen=last_seen, cause=cause)
