@@ -88,12 +88,14 @@ def test_half_the_nodes_cut_off_at_once_hold_the_job_until_they_are_back(
     for node_id in cut:
         network.cut(node_id)
     held = cluster.job_event(job.id, "job.held", "job.recovering")
-    assert held.kind == "job.held", f"{held.kind}: {held.reason}"
+    assert held.kind == "job.held", f"{held.kind}: {held.reason}\n{cluster.logs(job.id)}"
     assert held.attributes["nodes"] == ",".join(cut), dict(held.attributes)
     for node_id in cut:
         network.heal(node_id)
     released = cluster.job_event(job.id, "job.released", "job.recovering")
-    assert released.kind == "job.released", f"{released.kind}: {released.reason}"
+    assert released.kind == "job.released", (
+        f"{released.kind}: {released.reason}\n{cluster.logs(job.id)}"
+    )
     assert released.attributes["replacements"] == "0", dict(released.attributes)
     done = cluster.finish(job.id)
     check_result(done, standalone_hash)
