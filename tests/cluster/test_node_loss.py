@@ -21,7 +21,6 @@ from kit.faultcluster import (
     killpg,
     restored_steps,
     steps_never_run,
-    wait_until,
 )
 from pitstop.agent.identity import enroll, identity_for
 from pitstop.client.cli import app
@@ -91,12 +90,14 @@ def test_a_fault_at_a_random_step_ends_with_the_fault_free_hash(
     its buddy's replica, over TLS)."""
     if fault == "node_killed":  # every wire of the cluster is mutual TLS (the default)
         check_plaintext_refused(cluster)
-    job = cluster.submit("--step-seconds", str(STEP_SECONDS), standby=fault not in IN_PLACE)
+    # Steps slow enough that the run outlasts the wait for a committed step below and
+    # the fault's detection after it, on a busy machine too.
+    job = cluster.submit("--step-seconds", str(SLOW_STEP_SECONDS), standby=fault not in IN_PLACE)
     victim_rank = random.randrange(4)
     at_step = random.randint(8, STEPS // 2)
     victim = cluster.node_of(job, victim_rank)
     if fault not in IN_PLACE:  # the leader starts the spare's standby once the job runs
-        wait_until(lambda: cluster.rank_pids(SPARE) != [], "a standby process on the spare")
+        cluster.wait_for_standby(job)
     cluster.wait_for_step(job, victim_rank, at_step)
     # The fault after a committed step: before one, starting over is right (on a busy
     # machine the daemons' reports can trail the ranks' steps by more than 8 steps).

@@ -451,6 +451,17 @@ class Cluster:
 
         wait_until(reached, f"rank {rank} logs step {step}")
 
+    def wait_for_standby(self, job: jobs_pb2.Job, node_id: str = SPARE) -> None:
+        """Until the scheduler knows that a standby process of the job waits for a rank on
+        `node_id` (its agent said so): a rank moved there from then on is adopted by it,
+        not started afresh. A standby process that exists may still be importing."""
+
+        def waiting() -> bool:
+            node = self.node_api.Get(nodes_pb2.GetNodeRequest(node_id=node_id), timeout=10)
+            return job.id in node.standby_job_ids
+
+        wait_until(waiting, f"a standby of {job.id} waiting on {node_id}")
+
     def wait_for_commit(self, job: jobs_pb2.Job) -> None:
         """Until the catalog has committed a step of the job (every rank's snapshot on
         two nodes): from then on a single node's loss restores from memory. Before it,
