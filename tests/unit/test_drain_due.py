@@ -25,3 +25,12 @@ def test_a_drain_whose_commits_lag_moves_from_the_committed_step_after_the_wait(
 def test_nothing_committed_keeps_the_ranks_where_they_are() -> None:
     assert not drain_due(job(committed=0, current=0), draining_seconds=0.0)
     assert not drain_due(job(committed=0, current=7), DRAIN_WAIT_SECONDS * 10)
+
+
+def test_a_decision_asks_again_with_the_step_it_would_restore() -> None:
+    # The pass read the job at its committed newest step; by the decision's lock it has
+    # stepped on: moving from an older step would give those steps up.
+    stepped_on = job(committed=40, current=42)
+    assert drain_due(stepped_on, draining_seconds=0.5, restore_step=42)
+    assert not drain_due(stepped_on, draining_seconds=0.5, restore_step=41)
+    assert drain_due(stepped_on, DRAIN_WAIT_SECONDS, restore_step=41)

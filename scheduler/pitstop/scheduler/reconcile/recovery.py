@@ -85,14 +85,19 @@ DRAIN_WAIT_SECONDS = 30.0
 past this its ranks move from the committed step, giving up the steps since."""
 
 
-def drain_due(job: models.Job, draining_seconds: float) -> bool:
+def drain_due(job: models.Job, draining_seconds: float, restore_step: int | None = None) -> bool:
     """Whether the job's ranks on a node draining for `draining_seconds` move now: at a
     moment when the job's newest step is committed (moving from it gives up no step),
     or past DRAIN_WAIT_SECONDS from any committed step. A job with nothing committed yet
-    trains on where it is (the node's fault is a warning)."""
+    trains on where it is (the node's fault is a warning). `restore_step`: the step the
+    move would restore, where a decision knows it (under the job's lock, the newest step
+    whole in memory); else the committed step. The pass that finds a drain due reads
+    the job before the decision locks it, and the job steps on meanwhile: the decision
+    asks again with the step it would restore."""
     if job.committed_step <= 0:
         return False
-    return job.committed_step >= job.current_step or draining_seconds >= DRAIN_WAIT_SECONDS
+    restore = job.committed_step if restore_step is None else restore_step
+    return restore >= job.current_step or draining_seconds >= DRAIN_WAIT_SECONDS
 
 
 class Recovery:
@@ -173,14 +178,27 @@ class Recovery:
                 ),
                 key=placement.first_rank,
             )
-            if failed and await self.replace(job.id, failed, {n: states.get(n) for n in failed}):
+            # Only drains: moved at a step that gives up none (asked again under the lock).
+            drains = {n: draining[n] for n in failed if n in draining and n not in swap}
+            only_drains = drains if len(drains) == len(failed) else None
+            if failed and await self.replace(
+                job.id, failed, {n: states.get(n) for n in failed}, drains=only_drains
+            ):
                 decided.add(job.id)
                 swap.difference_update(failed)
         return decided
 
     async def replace(
-        self, job_id: str, failed: list[str], states: dict[str, NodeState | None]
+        self,
+        job_id: str,
+        failed: list[str],
+        states: dict[str, NodeState | None],
+        drains: dict[str, float] | None = None,
     ) -> bool:
+        """Move the job's ranks off the `failed` nodes (their states by node) in one
+        committed decision; True when it was. `drains`: every node moves because it
+        drains (seconds draining by node): the move waits for a pass where it gives up
+        no step, or for the drain's wait to run out (drain_due)."""
         leader = self.leader
         started = time.perf_counter()
         prefer = self.standby_nodes.get(job_id, set())
@@ -232,6 +250,8 @@ class Recovery:
                         set_deadline(job, leader.timeouts.restart_seconds)
                 return False
             restore = await catalog.restorable_step(session, job)
+            if drains and not all(drain_due(job, s, restore) for s in drains.values()):
+                return False  # the job stepped on since the pass: the next one moves it
             incident = await goodput.node_incident(session, leader.hot, job, states, restore)
             added = set(placement.nodes()) - set(before.nodes())
             gone = set(before.nodes()) - set(placement.nodes())
