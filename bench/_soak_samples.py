@@ -24,13 +24,14 @@ from typing import Any
 import psycopg
 import redis
 
+from pitstop.checkpointd.instances import MARKER_SUFFIX, SEGMENT_PREFIX
 from pitstop.client.localcluster.processes import tagged_processes
 
 MB = 1024 * 1024
 SHM = Path("/dev/shm")
-SEGMENT = re.compile(r"pitstop-ckpt-.*?([0-9a-f]{12})-\d+")
+SEGMENT = re.compile(rf"{re.escape(SEGMENT_PREFIX)}.*?([0-9a-f]{{12}})-\d+")
 """A checkpoint daemon's segment: its instance's marker is the name up to the instance
-id, plus ".owner" (pitstop.checkpointd.instances)."""
+id, plus MARKER_SUFFIX (pitstop.checkpointd.instances)."""
 
 
 @dataclass
@@ -159,7 +160,7 @@ def locked_files() -> set[tuple[int, int, int]]:
     return found
 
 
-def orphaned_shm_bytes(prefix: str = "pitstop-ckpt-") -> int:
+def orphaned_shm_bytes(prefix: str = SEGMENT_PREFIX) -> int:
     """Bytes of the checkpoint daemons' segments in /dev/shm whose daemon instance is
     gone (its marker missing or unlocked): what nothing will ever free but a cleanup.
     A live daemon's segments are bounded by its memory budget and come and go with the
@@ -169,7 +170,7 @@ def orphaned_shm_bytes(prefix: str = "pitstop-ckpt-") -> int:
         match = SEGMENT.fullmatch(entry.name)
         if not match or not entry.name.startswith(prefix):
             continue
-        marker = SHM / f"{entry.name[: match.end(1)]}.owner"
+        marker = SHM / f"{entry.name[: match.end(1)]}{MARKER_SUFFIX}"
         try:
             st = marker.stat()
             if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in locked:
