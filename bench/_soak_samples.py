@@ -16,7 +16,8 @@ import re
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,20 +119,35 @@ def private_rss_bytes(pid: int) -> int | None:
     return fields["VmRSS"] - fields.get("RssShmem", 0)
 
 
-def open_fds(pid: int) -> int | None:
-    """The process's open descriptors but those of /dev/shm segments (measured there)."""
+def fd_kinds(pid: int) -> Counter[str] | None:
+    """The process's open descriptors but those of /dev/shm segments (measured there), by
+    what they are: a file by its path, the rest by kind (``socket``, ``pipe``,
+    ``anon_inode:[eventfd]``), so a count that grew says what grew."""
     try:
         names = os.listdir(f"/proc/{pid}/fd")
     except OSError:
         return None
-    count = 0
+    kinds: Counter[str] = Counter()
     for name in names:
         try:
             target = os.readlink(f"/proc/{pid}/fd/{name}")
         except OSError:
             continue  # closed since the listing
-        count += not target.startswith(f"{SHM}/")
-    return count
+        if not target.startswith(f"{SHM}/"):
+            kinds[_kind(target)] += 1
+    return kinds
+
+
+def _kind(target: str) -> str:
+    """``socket:[123]`` -> ``socket``; a path or an ``anon_inode:[eventfd]`` as it is."""
+    kind, bracket, _ = target.partition(":[")
+    return kind if bracket and kind in ("socket", "pipe", "net") else target
+
+
+def open_fds(pid: int) -> int | None:
+    """The process's open descriptors but those of /dev/shm segments (measured there)."""
+    kinds = fd_kinds(pid)
+    return None if kinds is None else sum(kinds.values())
 
 
 def shm_bytes(prefixes: Sequence[str] = ("pitstop",)) -> int:
@@ -160,12 +176,12 @@ def locked_files() -> set[tuple[int, int, int]]:
     return found
 
 
-def orphaned_shm_bytes(prefix: str = SEGMENT_PREFIX) -> int:
-    """Bytes of the checkpoint daemons' segments in /dev/shm whose daemon instance is
-    gone (its marker missing or unlocked): what nothing will ever free but a cleanup.
-    A live daemon's segments are bounded by its memory budget and come and go with the
-    jobs; these are what would grow. (`prefix`: of those names only.)"""
-    locked, total = locked_files(), 0
+def orphaned_segments(prefix: str = SEGMENT_PREFIX) -> dict[tuple[str, int], int]:
+    """The checkpoint daemons' segments in /dev/shm whose daemon instance is gone (its
+    marker missing or unlocked), (name, inode) -> bytes: what nothing will ever free but
+    a cleanup. A live daemon's segments are bounded by its memory budget and come and go
+    with the jobs; these are what would grow. (`prefix`: of those names only.)"""
+    locked, found = locked_files(), {}
     for entry in SHM.iterdir() if SHM.is_dir() else ():
         match = SEGMENT.fullmatch(entry.name)
         if not match or not entry.name.startswith(prefix):
@@ -178,8 +194,22 @@ def orphaned_shm_bytes(prefix: str = SEGMENT_PREFIX) -> int:
         except OSError:
             pass  # no marker: its daemon is gone
         with contextlib.suppress(OSError):
-            total += entry.stat().st_blocks * 512
-    return total
+            st = entry.stat()
+            found[(entry.name, st.st_ino)] = st.st_blocks * 512
+    return found
+
+
+def orphaned_shm_bytes(prefix: str = SEGMENT_PREFIX) -> int:
+    """Bytes of `orphaned_segments`."""
+    return sum(orphaned_segments(prefix).values())
+
+
+def outlived(now: dict[tuple[str, int], int], before: Collection[tuple[str, int]]) -> int:
+    """Bytes of the orphans `now` that were orphans at the sample `before` too. A daemon
+    killed by a fault leaves its segments until its restart clears them, seconds later;
+    a sample that falls in between sees them once. One that outlives a sample interval
+    is left for good."""
+    return sum(size for key, size in now.items() if key in before)
 
 
 class Sampler(threading.Thread):
@@ -202,6 +232,11 @@ class Sampler(threading.Thread):
         self.postgres = Series("postgres_database_mb")
         self.shm = Series("dev_shm_mb")
         self.orphaned = Series("dev_shm_orphaned_mb")
+        """Orphaned segments that outlived a sample interval (`outlived`)."""
+        self._orphans: dict[tuple[str, int], int] = {}
+        self.kinds_first: dict[int, Counter[str]] = {}
+        self.kinds_last: dict[int, Counter[str]] = {}
+        """Each process's descriptors by kind at its first and its latest sample."""
         self.rows: dict[str, Series] = {}
         self.table_mb: dict[str, Series] = {}
         """Each table's size with its indexes and TOAST, MB: where the database grows."""
@@ -217,14 +252,19 @@ class Sampler(threading.Thread):
         now = time.monotonic() - self.began
         for proc in tagged_processes(self.state_dir):
             name = process_name(proc.daemon, proc.argv, proc.rank, proc.is_daemon())
-            rss, fds = private_rss_bytes(proc.pid), open_fds(proc.pid)
-            if rss is None or fds is None:
+            rss, kinds = private_rss_bytes(proc.pid), fd_kinds(proc.pid)
+            if rss is None or kinds is None:
                 continue
+            fds = sum(kinds.values())
+            self.kinds_first.setdefault(proc.pid, kinds)
+            self.kinds_last[proc.pid] = kinds
             label = f"{name}[{proc.pid}]"
             self.rss.setdefault(proc.pid, Series(label, now)).points.append((now, rss / MB))
             self.fds.setdefault(proc.pid, Series(label, now)).points.append((now, fds))
         self.shm.points.append((now, shm_bytes() / MB))
-        self.orphaned.points.append((now, orphaned_shm_bytes() / MB))
+        orphans = orphaned_segments()
+        self.orphaned.points.append((now, outlived(orphans, self._orphans) / MB))
+        self._orphans = orphans
         self._stores(now)
         self.samples += 1
 
@@ -277,6 +317,12 @@ class Sampler(threading.Thread):
             "shm_orphaned_slope_mb_per_hour": slopes.get(self.orphaned.name),
             "rss_slope_mb_per_hour": dict(sorted(rss.items())),
             "fd_growth": dict(sorted(fds.items())),
+            # What a process's descriptors that grew were, its last sample less its first.
+            "fd_kinds_gained": {
+                s.name: kinds_gained(self.kinds_first[pid], self.kinds_last[pid])
+                for pid, s in self.fds.items()
+                if fds.get(s.name)
+            },
             "rss_mb_last": {
                 s.name: round(s.points[-1][1], 1) for s in self.rss.values() if s.name in rss
             },
@@ -296,6 +342,13 @@ class Sampler(threading.Thread):
                 **{f"fds {s.name}": _points(s) for s in self.fds.values() if s.name in fds},
             },
         }
+
+
+def kinds_gained(first: Counter[str], last: Counter[str]) -> dict[str, int]:
+    """Each kind of descriptor whose count differs between two samples, by how much."""
+    return {
+        k: last[k] - first[k] for k in sorted(first.keys() | last.keys()) if last[k] != first[k]
+    }
 
 
 def _points(series: Series) -> list[tuple[int, float]]:

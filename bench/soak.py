@@ -15,8 +15,10 @@ Sampled every --sample-seconds (60): the RSS and open descriptors of every pitst
 process (schedulers, agents, checkpoint daemons, zygotes, ranks), both less the /dev/shm
 segments it maps (they come and go with the job running), Redis `used_memory`, the
 PostgreSQL database's size and each table's size and rows, the pitstop files in
-/dev/shm, and of those the checkpoint daemons' segments whose daemon is gone (a live
-daemon's come and go with the jobs, within its memory budget; an orphan stays).
+/dev/shm, and of those the checkpoint daemons' segments whose daemon is gone and that
+were so at the sample before too (a live daemon's come and go with the jobs, within its
+memory budget; a killed daemon's are cleared by its restart seconds later; an orphan
+stays). A process's descriptors that grew are listed by kind (`fd_kinds_gained`).
 A process is followed by its pid; its slope is fitted from --warmup-minutes (10) after
 its first sample on, when that leaves at least half of the run after the warm-up (five
 minutes at the least); shorter-lived processes (ranks, daemons a fault restarted) are

@@ -18,10 +18,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench.* as soak.py imports it
 from bench._soak_samples import (
     Series,
+    fd_kinds,
     fitted,
     growth,
+    kinds_gained,
     open_fds,
+    orphaned_segments,
     orphaned_shm_bytes,
+    outlived,
     private_rss_bytes,
     process_name,
     slope_per_hour,
@@ -96,6 +100,45 @@ def test_a_gone_daemons_segments_are_orphans_and_a_live_ones_are_not() -> None:
     finally:
         segment.unlink(missing_ok=True)
         marker.unlink(missing_ok=True)
+
+
+def test_an_orphan_counts_once_it_outlives_a_sample_and_a_cleared_one_never() -> None:
+    killed = {("pitstop-ckpt-n1-aaaaaaaaaaaa-0", 11): 45 * MB}  # its restart clears it
+    left = {("pitstop-ckpt-n2-bbbbbbbbbbbb-0", 12): 2 * MB}  # nothing ever will
+    samples = [{}, killed | left, left, left, {}]
+    seen, before = [], {}
+    for now in samples:
+        seen.append(outlived(now, before))
+        before = now
+    assert seen == [0, 0, 2 * MB, 2 * MB, 0]
+    # A name used again by a new segment (another inode) is a new orphan.
+    reused = {("pitstop-ckpt-n2-bbbbbbbbbbbb-0", 13): 2 * MB}
+    assert outlived(reused, left) == 0
+
+
+def test_a_segment_found_orphaned_is_keyed_by_its_name_and_inode() -> None:
+    node = f"pitstop-ckpt-soaktest-{secrets.token_hex(3)}-"
+    segment = SHM / f"{node}{secrets.token_hex(6)}-0"
+    try:
+        segment.write_bytes(b"x" * MB)
+        found = orphaned_segments(node)
+        assert found == {(segment.name, segment.stat().st_ino): MB}
+    finally:
+        segment.unlink(missing_ok=True)
+
+
+def test_descriptors_are_told_apart_by_what_they_are() -> None:
+    before = fd_kinds(os.getpid())
+    assert before is not None
+    read, write = os.pipe()
+    try:
+        with tempfile.NamedTemporaryFile() as f:
+            after = fd_kinds(os.getpid())
+            assert after is not None
+            assert kinds_gained(before, after) == {"pipe": 2, f.name: 1}
+    finally:
+        os.close(read)
+        os.close(write)
 
 
 def vm_rss() -> int:
