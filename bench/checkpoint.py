@@ -41,6 +41,18 @@ get_state_dict(model, optimizer) until it returns (get_state_dict included).
 Targets (issue 30): pitstop's stall at most 1.2 x the threaded memcpy and at most 0.5 x
 the tuned async_save's, for every size.
 
+Then the loop case (--loop-sizes-mb, default 100,1000; empty leaves it out): a training
+loop whose steps compute (a stack of 1024 x 1024 linear layers, a batch of 32, Adam;
+parameters and Adam's moments of the given size), and what a snapshot adds to it: the
+snapshot at the end of a step plus the next step, against a bare step, median of --reps
+rounds (bench/_checkpoint_loop.py). pitstop's copy of the parameters and the optimizer's
+state runs beside the next step's forward and backward, and its optimizer step waits
+for what is left (as a Session has it); the tuned async_save is treated alike (its
+optimizer step waits for `staging_completion`, as torchtitan waits for staging).
+Targets (issue 54): what pitstop adds at most 0.25 x the threaded memcpy of the same
+bytes (`pitstop_vs_memcpy`) and at most 0.5 x what async_save adds
+(`pitstop_vs_async_save`).
+
 Two daemons run as subprocesses (`python -m pitstop.checkpointd.main run`), the first
 replicating to the second, each with the memory budget `budget_bytes` gives: room for
 every plain case at once, so the 1 GB case runs after the 100 MB one in the same daemons;
@@ -52,7 +64,7 @@ stream, then waited for until they have landed (`SnapshotWriter.wait_copied`); t
 into the slot and the seal go on in the background. Run from the repository root:
 
     .venv/bin/python bench/checkpoint.py [--sizes-mb 100,1000] [--sharded-mb 1000]
-        [--reps 5] [--cuda]
+        [--loop-sizes-mb 100,1000] [--reps 5] [--cuda]
 
 Progress goes to stderr; the last line of stdout is one JSON object.
 """
@@ -83,6 +95,7 @@ from bench._checkpoint_cases import (
     size_label,
     tuned_stager,
 )
+from bench._checkpoint_loop import run_loop_case
 from bench._checkpoint_sharded import run_sharded_case, sharded_rank
 
 
@@ -91,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes-mb", default="100,1000", help="state sizes, comma-separated")
     parser.add_argument("--reps", type=int, default=5, help="measured repetitions per method")
     parser.add_argument("--cuda", action="store_true", help="also a state on the GPU")
+    parser.add_argument(
+        "--loop-sizes-mb", default="100,1000", help="state sizes of the loop case (empty: none)"
+    )
     parser.add_argument(
         "--cuda-sizes-gb", default="1,10", help="state sizes on the GPU, GB, comma-separated"
     )
@@ -110,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # finally blocks stop the daemons
     sizes = [int(s) for s in args.sizes_mb.split(",") if s]
+    loop_sizes = [int(s) for s in args.loop_sizes_mb.split(",") if s]
     torch.set_num_threads(os.cpu_count() or 1)
     report: dict[str, Any] = {
         "bench": "checkpoint",
@@ -124,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.is_available()
     if gpu:
         report["gpu"] = torch.cuda.get_device_name(0)
-    budget = budget_bytes(sizes + [int(size * 1000) for size in cuda_sizes if gpu])
+    budget = budget_bytes(sizes + loop_sizes + [int(size * 1000) for size in cuda_sizes if gpu])
     report["memory_budget_bytes"] = budget
     with tempfile.TemporaryDirectory(prefix="pitstop-bench-", dir="/var/tmp") as tmp:
         workdir = Path(tmp)
@@ -134,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             for size in sizes:
                 label = size_label(size)
                 report["cases"][label] = run_case(size, args.reps, a, b, workdir, stager)
+            report["loop"] = {
+                size_label(size): run_loop_case(size, args.reps, a, b, workdir, stager)
+                for size in loop_sizes
+            }
             stager.close()
             if cuda_sizes and gpu:
                 stager = tuned_stager(gpu=True)

@@ -17,7 +17,7 @@ import mmap
 import os
 import warnings
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,10 +93,18 @@ class MappedSlot:
 
 
 class Copier:
-    """memmove, a large state in chunks over `threads` threads."""
+    """memmove, a large state in chunks over `threads` threads; `behind` copies while
+    the caller goes on (ctypes lets go of the GIL for each memmove)."""
 
     def __init__(self, threads: int) -> None:
         self._pool = ThreadPoolExecutor(threads, "pitstop-copy") if threads > 1 else None
+        self._driver: ThreadPoolExecutor | None = None
+
+    def behind(self, moves: list[tuple[int, int, int]]) -> Future[None]:
+        """`move` on a thread of its own: done when the future is."""
+        if self._driver is None:
+            self._driver = ThreadPoolExecutor(1, "pitstop-copy-behind")
+        return self._driver.submit(self.move, moves)
 
     def move(self, moves: list[tuple[int, int, int]]) -> None:
         """Copy each (target address, source address, bytes)."""
@@ -113,7 +121,9 @@ class Copier:
             pass
 
     def close(self) -> None:
-        """Stop the threads."""
+        """Stop the threads (a copy behind is finished first)."""
+        if self._driver is not None:
+            self._driver.shutdown()
         if self._pool is not None:
             self._pool.shutdown()
 

@@ -28,12 +28,17 @@ previous snapshot the newest. The next snapshot waits for the previous seal firs
 has long arrived unless steps are shorter than a round trip). Checksums, replication
 and flushes happen in the daemon.
 
+The copy itself can leave the rank's path too (CheckFreq's split): the tensors named in
+`snapshot`'s `behind` (a training loop's parameters and optimizer state, which only the
+next optimizer step changes) are copied on a thread of their own while the next step's
+forward and backward run, and `wait_copied()` (which a Session calls in the optimizer's
+step pre-hook) waits for what is left of it. The seal waits for the copy.
+
 CUDA tensors are copied into pinned host memory on a side stream with a CUDA event
-marking completion (tensorcopy.CudaStager); `snapshot` returns once the copies are
-enqueued and the background thread moves them into the slot and seals it. Call
-`wait_copied()` before anything overwrites a snapshotted CUDA tensor (the next optimizer
-step): it returns once the copies have landed in pinned memory, not after the seal.
-That path needs a GPU to run.
+marking completion (tensorcopy.CudaStager); the background thread moves them into the
+slot and seals it. `snapshot` returns once the copies are enqueued when every CUDA
+tensor is named in `behind`, else once they have landed in pinned memory. That path
+needs a GPU to run.
 
 torch is imported only when a torch tensor is given or a restore returns tensors, so
 the daemon and torch-free callers never import it.
@@ -53,7 +58,8 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,6 +154,8 @@ class SnapshotWriter:
         self._copier = Copier(self.copy_threads)
         self._background = ThreadPoolExecutor(1, "pitstop-seal")
         self._finishing: Future[None] | None = None
+        self._copying: Future[None] | None = None
+        """The last snapshot's copy of its tensors named `behind`, while it runs."""
         self._finishing_step = 0
         self._next_slot: checkpoint_pb2.AcquireSlotResponse | None = None
         self._plan: tuple[list[tuple[str, Signature]], TensorPlan, list[_Span]] | None = None
@@ -158,10 +166,18 @@ class SnapshotWriter:
         """Snapshots taken whose seal failed (each logged): they are not in memory."""
 
     def snapshot(
-        self, step: int, tensors: Mapping[str, Any], metadata: Mapping[str, str] | None = None
+        self,
+        step: int,
+        tensors: Mapping[str, Any],
+        metadata: Mapping[str, str] | None = None,
+        *,
+        behind: Set[str] = frozenset(),
     ) -> SnapshotResult:
         """Copy `tensors` (name -> torch tensor, numpy array or bytes-like) and `metadata`
-        into a slot; it is sealed as (job, rank, step) in the background."""
+        into a slot; it is sealed as (job, rank, step) in the background. The tensors
+        named in `behind` are copied after this returns, beside what the caller does
+        next: none of them may change until `wait_copied()` has returned (the others
+        are copied, or a CUDA one landed in pinned memory, when this returns)."""
         started = time.perf_counter()
         self.settle()
         meta = {
@@ -201,32 +217,42 @@ class SnapshotWriter:
             )
             return SnapshotResult(step, layout.size, time.perf_counter() - started, reason)
         write_header(layout, mapped.view)
-        on_gpu, moves = {}, []
+        on_gpu: dict[str, Any] = {}
+        moves: list[tuple[int, int, int]] = []
+        later: list[tuple[int, int, int]] = []  # the copies behind
         start = layout.data_start
         base = mapped.address + start
         for (name, value), (kind, offset, stop) in zip(tensors.items(), spans, strict=True):
             if kind is PLAIN:
-                moves.append((base + offset, value.data_ptr(), stop - offset))
+                move = (base + offset, value.data_ptr(), stop - offset)
+                (later if name in behind else moves).append(move)
             elif kind is CUDA:
                 on_gpu[name] = value
             elif stop > offset:
                 copy_into(value, mapped.view, start + offset, start + stop)
         self._copier.move(moves)
+        copying = self._copying = self._copier.behind(later) if later else None
         complete: Callable[[], None] | None = None
         if on_gpu:
             self._cuda = self._cuda or CudaStager()
             complete = self._cuda.stage(on_gpu, layout, mapped.view)
+            if not on_gpu.keys() <= behind:
+                self._cuda.wait_landed()  # one of them may change as soon as this returns
         seal = checkpoint_pb2.SealSlotRequest(
             key=key, shm_name=slot.shm_name, size_bytes=layout.size, next_size_bytes=layout.size
         )
-        self._finishing = self._background.submit(self._finish, seal, complete, started)
+        self._finishing = self._background.submit(self._finish, seal, complete, copying, started)
         self._finishing_step = step
         return SnapshotResult(step, layout.size, time.perf_counter() - started)
 
     def wait_copied(self) -> None:
-        """Block until the last snapshot's CUDA tensors are copied off the GPU (into
-        pinned host memory): from then on they may change, while the move into the slot
-        and the seal go on in the background. Returns at once when it had none."""
+        """Block until the last snapshot's tensors named `behind` are copied (a CUDA one:
+        off the GPU, into pinned host memory): from then on they may change, while the
+        seal goes on in the background. Returns at once when none is in flight. A copy
+        that failed is its seal's to report (`lost_seals`)."""
+        copying, self._copying = self._copying, None
+        if copying is not None:
+            futures.wait([copying])
         if self._cuda is not None:
             self._cuda.wait_landed()
 
@@ -338,8 +364,11 @@ class SnapshotWriter:
         self,
         seal: checkpoint_pb2.SealSlotRequest,
         complete: Callable[[], None] | None,
+        copying: Future[None] | None,
         started: float,
     ) -> None:
+        if copying is not None:
+            copying.result()
         if complete is not None:
             complete()
         sealed = self._stub.SealSlot(seal, timeout=self._timeout, metadata=self._metadata)

@@ -77,6 +77,8 @@ class Loader:
     def load(self, state: TrainState, step: int, written: Shape | None = None) -> None:
         """Put the snapshot of `step` into `state` in place (see `Session.load`)."""
         context = self._context
+        if context.writer is not None:
+            context.writer.wait_copied()  # the last snapshot's copy reads these tensors
         if step == 0:
             apply(state, *capture(self.build()))
             self._restored_hook(0, {})

@@ -305,6 +305,7 @@ class Session:
         state.step = step
         fault = self.control.take_rank_fault() if self.control is not None else 0
         if fault:
+            self.snapshots.wait_copied()  # a fault may write into the state
             loss = self.checks.carry_out(fault, state, loss)
         every = self.config.snapshot_every
         if self.writer is not None and every > 0 and step % every == 0:

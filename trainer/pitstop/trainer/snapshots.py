@@ -6,6 +6,7 @@ line and a count (`failures`), never the run, and the next one tries again."""
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping
 
 import grpc
@@ -37,6 +38,8 @@ class Snapshots:
         self._shape_json: tuple[Shape | None, str] = (None, "")
         self._failed = 0
         self._failing_since = 0  # failures in a row, for the log
+        self._waiting: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        """Optimizers whose step waits for the copy."""
 
     @property
     def failures(self) -> int:
@@ -66,13 +69,11 @@ class Snapshots:
         self._shapes[state.step] = context.shape
         if len(self._shapes) > SHAPES_KEPT:  # the first kept is the oldest
             del self._shapes[next(iter(self._shapes))]
+        behind = self.capture.behind if self._hooked(state.optimizer) else frozenset()
         try:
-            result = context.writer.snapshot(state.step, tensors, metadata)
-            if context.device.type == "cuda":
-                # The copies run on a side stream; the next optimizer step must not
-                # overwrite the tensors before they land in pinned memory (the move into
-                # the slot and the seal go on in the background, as on the CPU).
-                context.writer.wait_copied()
+            # The parameters and the optimizer's state are copied while the next step's
+            # forward and backward run; the optimizer's step waits for the copy.
+            result = context.writer.snapshot(state.step, tensors, metadata, behind=behind)
         except Exception as exc:  # the daemon's trouble must never end the run
             if isinstance(exc, grpc.RpcError):
                 return self._not_saved(state.step, f"{exc.code().name} {exc.details()}")
@@ -89,6 +90,26 @@ class Snapshots:
             self._failing_since = 0
         self.last = result
         return True
+
+    def _hooked(self, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Whether `optimizer.step()` waits for the last snapshot's copy (a pre-hook,
+        registered once per optimizer: a rebuilt state brings a new one)."""
+        if optimizer is None:
+            return False
+        if optimizer not in self._waiting:
+            optimizer.register_step_pre_hook(self._wait_copied)
+            self._waiting.add(optimizer)
+        return True
+
+    def _wait_copied(self, *_: object) -> None:
+        writer = self._context.writer
+        if writer is not None:
+            writer.wait_copied()
+
+    def wait_copied(self) -> None:
+        """Block until the last snapshot's copy is done: the state may change from then
+        on (a load into it, a fault injected into it)."""
+        self._wait_copied()
 
     def _not_saved(self, step: int, why: str) -> bool:
         self._failed += 1

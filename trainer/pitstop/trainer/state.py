@@ -105,6 +105,10 @@ class Capturer:
         self._optim_names: dict[int, dict[str, str]] = {}
         self._shards: dict[tuple[object, ...], dict[str, Any]] = {}
         self._shards_json: tuple[list[tuple[object, ...]], str] = ([], "")
+        self.behind: frozenset[str] = frozenset()
+        """Of the last capture's names, those only `state.optimizer.step()` changes: the
+        parameters it updates and its state. A snapshot may copy them while the next
+        step's forward and backward run (`SnapshotWriter.snapshot`'s `behind`)."""
 
     def __call__(
         self, state: TrainState, *, with_cuda_rng: bool | None = None
@@ -118,8 +122,16 @@ class Capturer:
             for k, v in state.model.state_dict(keep_vars=True).items()
         }
         metadata = {f"user.{k}": v for k, v in state.metadata.items()}
+        behind: set[str] = set()
         if state.optimizer is not None:
+            updated = {id(p) for group in state.optimizer.param_groups for p in group["params"]}
+            behind.update(name for name, v in tensors.items() if id(v) in updated)
+            known = len(tensors)
             metadata["pitstop.optim"] = self._optimizer(state.optimizer, tensors)
+            added = list(tensors)[known:]
+            behind.update(name for name in added if name.startswith("optim.state."))
+        if behind != self.behind:
+            self.behind = frozenset(behind)
         shards = self._local_shards(tensors)
         if shards:
             metadata[DTENSOR_KEY] = shards
