@@ -9,9 +9,12 @@ process, alternating in blocks so drift in the machine's speed hits both alike:
 
 A step's time is the wall time from one iteration's start to the next's, so the
 session's boundary work and commit are inside it. The snapshot stall is what
-SnapshotWriter reports for each snapshot (the copy into shared memory, the rank's only
-stall by design). The target: the session's median step is at most 1.01 x (the bare
-median + the median stall), i.e. everything else the session does costs under 1%.
+SnapshotWriter reports for each snapshot (the copy of what the next optimizer step
+leaves alone) plus the time the next step's optimizer step waited for the copy of the
+parameters and Adam's state, which runs beside its forward and backward
+(`SnapshotWriter.copy_waited_seconds`): the rank's only stalls by design. The target:
+the session's median step is at most 1.01 x (the bare median + the median stall), i.e.
+everything else the session does costs under 1%.
 "commit_bookkeeping" is the rest of each commit (capturing the state's tensors). The
 *_cpu_* medians are the training thread's CPU time per step: unlike wall time they do
 not grow when other processes (the daemon included) compete for the cores, so on a
@@ -140,14 +143,18 @@ def session_block(
     """`steps` training steps under the session, with each snapshot's stall and the
     rest of each commit (capturing the state, reporting)."""
     last, last_cpu = time.perf_counter(), time.thread_time()
+    assert session.writer is not None
+    waited = session.writer.copy_waited_seconds
     for step in session.steps(state, until=state.step + steps):
         loss = job.train_step(state, step, session.rank, session.world_size)
         before = time.perf_counter()
         session.commit(state, loss=loss)
         after = time.perf_counter()
         assert session.last_snapshot is not None
-        stalls.append(session.last_snapshot.stall_seconds)
-        bookkeeping.append(after - before - session.last_snapshot.stall_seconds)
+        stall = session.last_snapshot.stall_seconds
+        stalls.append(stall + session.writer.copy_waited_seconds - waited)
+        waited = session.writer.copy_waited_seconds
+        bookkeeping.append(after - before - stall)
         now_cpu = time.thread_time()
         times.append(after - last)
         cpu.append(now_cpu - last_cpu)

@@ -163,6 +163,9 @@ class SnapshotWriter:
         self.sealed_seconds = 0.0
         """From the start of the last snapshot to the daemon's acknowledgement of its seal."""
         self.lost_seals = 0
+        self.copy_waited_seconds = 0.0
+        """All the time `wait_copied` held its caller: with a snapshot's own time
+        (`SnapshotResult.stall_seconds`), what snapshots cost the loop."""
         """Snapshots taken whose seal failed (each logged): they are not in memory."""
 
     def snapshot(
@@ -250,11 +253,13 @@ class SnapshotWriter:
         off the GPU, into pinned host memory): from then on they may change, while the
         seal goes on in the background. Returns at once when none is in flight. A copy
         that failed is its seal's to report (`lost_seals`)."""
+        started = time.perf_counter()
         copying, self._copying = self._copying, None
         if copying is not None:
             futures.wait([copying])
         if self._cuda is not None:
             self._cuda.wait_landed()
+        self.copy_waited_seconds += time.perf_counter() - started
 
     def wait(self) -> None:
         """Block until the last snapshot is sealed; raise what sealing it raised."""
