@@ -85,6 +85,10 @@ def median_of(reps: int, measure: Callable[[], float], warmup: int = 1) -> float
     return statistics.median(measure() for _ in range(reps))
 
 
+DAEMON_PIDS: dict[str, int] = {}
+"""The running daemons' pids by address (the loop case pins them to CPUs of their own)."""
+
+
 @contextmanager
 def daemons(workdir: Path, budget: int) -> Iterator[tuple[str, str]]:
     """Two checkpointd subprocesses on loopback: A replicates to B."""
@@ -109,7 +113,9 @@ def daemons(workdir: Path, budget: int) -> Iterator[tuple[str, str]]:
         line = process.stdout.readline()
         if "listening on" not in line:
             raise RuntimeError(f"checkpointd {name} did not start: {line!r}")
-        return line.split("listening on ")[1].split()[0]
+        address = line.split("listening on ")[1].split()[0]
+        DAEMON_PIDS[address] = process.pid
+        return address
 
     try:
         b = start("b")
@@ -120,6 +126,8 @@ def daemons(workdir: Path, budget: int) -> Iterator[tuple[str, str]]:
             process.terminate()
             process.wait(30)
             remove_stale_segments(segment_prefix(node_id))
+        for address in [a for a, pid in DAEMON_PIDS.items() if pid in {p.pid for p, _ in started}]:
+            del DAEMON_PIDS[address]
 
 
 def wait_for_replica(buddy: Any, job: str, step: int, timeout: float = 120.0) -> None:

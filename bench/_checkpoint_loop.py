@@ -5,15 +5,26 @@ for what is left of the copy (pitstop: the pre-hook a Session puts on the optimi
 async_save: its `staging_completion`, as torchtitan waits for staging before the next
 optimizer step), and the background work after the copy (pitstop's seal and replica,
 async_save's write) done before the next round, untimed, as between snapshots seconds
-apart."""
+apart.
+
+Two ways to share the machine's CPUs (`cpus`): "split" stands for a GPU node, whose
+training computes on the accelerator while the host's many cores are free: the loop
+computes on half the CPUs' worth of torch threads and the checkpoint daemons are pinned
+to the other half, where the copy's, the seal's and async_save's own threads find room
+too. "shared": the loop on every CPU and the daemons anywhere, so that on a few cores
+whatever runs in the background (pitstop's daemons checksumming and replicating a
+snapshot, async_save writing its files) is taken from the loop's compute."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +32,7 @@ import grpc
 import torch
 
 from bench._checkpoint_cases import (
+    DAEMON_PIDS,
     MB,
     WARMUP,
     CopyPool,
@@ -69,11 +81,48 @@ def timed_step(state: TrainState) -> float:
     return time.perf_counter() - started
 
 
+@contextmanager
+def cpus(mode: str) -> Iterator[dict[str, Any]]:
+    """The CPUs shared as `mode` says (see the module), for the length of the block;
+    yields how, for the output."""
+    every = sorted(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    if mode == "shared" or len(every) < 2:
+        yield {"cpus": "shared", "torch_threads": threads, "cpu_count": len(every)}
+        return
+    half = len(every) // 2
+    daemons = set(every[half:])
+    torch.set_num_threads(half)
+    _pin_daemons(daemons)
+    try:
+        yield {"cpus": "split", "torch_threads": half, "daemon_cpus": sorted(daemons)}
+    finally:
+        torch.set_num_threads(threads)
+        _pin_daemons(set(every))
+
+
+def _pin_daemons(cpus: set[int]) -> None:
+    """Every thread of the checkpoint daemons onto `cpus` (those they start later
+    inherit it)."""
+    for pid in DAEMON_PIDS.values():
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended
+                os.sched_setaffinity(int(task), cpus)
+
+
 def run_loop_case(
-    size_mb: int, reps: int, a: str, b: str, workdir: Path, stager: Any
+    size_mb: int, reps: int, a: str, b: str, workdir: Path, stager: Any, mode: str
 ) -> dict[str, Any]:
     """Bare steps, and a snapshot plus the next step for pitstop and for async_save,
-    interleaved round by round (the order turning), each round's median taken."""
+    interleaved round by round (the order turning), each round's median taken, with
+    the CPUs shared as `mode` says."""
+    with cpus(mode) as shared:
+        return {**shared, **_loop_case(size_mb, reps, a, b, workdir, stager, mode)}
+
+
+def _loop_case(
+    size_mb: int, reps: int, a: str, b: str, workdir: Path, stager: Any, mode: str
+) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
     label = size_label(size_mb)
@@ -83,7 +132,7 @@ def run_loop_case(
     tensors, _ = capture(state)
     saved = {k: v for k, v in tensors.items() if k in capture.behind}
     total = state_bytes(saved)
-    writer = SnapshotWriter(a, f"loop-{label}", 0, timeout_s=120)
+    writer = SnapshotWriter(a, f"loop-{label}-{mode}", 0, timeout_s=120)
     buddy = checkpoint_pb2_grpc.CheckpointServiceStub(grpc.insecure_channel(b))
     waiting: list[Callable[[], None]] = []  # what the next optimizer step waits for
 
@@ -92,7 +141,7 @@ def run_loop_case(
             wait()
 
     state.optimizer.register_step_pre_hook(before_optimizer_step)
-    progress(f"loop {label}: {total} bytes of parameters and Adam state")
+    progress(f"loop {label} ({mode}): {total} bytes of parameters and Adam state")
     step = 0
 
     def pitstop() -> float:
@@ -153,14 +202,13 @@ def run_loop_case(
     median = {name: statistics.median(times) for name, times in rounds.items()}
     added = {name: median[name] - median["bare"] for name in ("pitstop", "async_save")}
     for name, times in rounds.items():
-        progress(f"loop {label}: {name}, ms: {' '.join(f'{t * 1e3:.1f}' for t in times)}")
+        progress(f"loop {label} ({mode}): {name}, ms: {' '.join(f'{t * 1e3:.1f}' for t in times)}")
     return {
         "bytes": total,
         "reps": reps,
         "layers": sum(isinstance(m, torch.nn.Linear) for m in state.model.modules()),
         "width": WIDTH,
         "batch": BATCH,
-        "torch_threads": torch.get_num_threads(),
         "step_ms": round(median["bare"] * 1e3, 2),
         "pitstop_added_ms": round(added["pitstop"] * 1e3, 2),
         "async_save_added_ms": round(added["async_save"] * 1e3, 2),

@@ -49,8 +49,12 @@ rounds (bench/_checkpoint_loop.py). pitstop's copy of the parameters and the opt
 state runs beside the next step's forward and backward, and its optimizer step waits
 for what is left (as a Session has it); the tuned async_save is treated alike (its
 optimizer step waits for `staging_completion`, as torchtitan waits for staging).
-Targets (issue 54): what pitstop adds at most 0.25 x the threaded memcpy of the same
-bytes (`pitstop_vs_memcpy`) and at most 0.5 x what async_save adds
+Each runs twice: "split" stands for a GPU node (the loop computes on half the CPUs,
+the checkpoint daemons are pinned to the other half, as an accelerator leaves a node's
+host cores free), "shared" has the loop and the daemons on every CPU (on a few cores,
+the daemons' checksums and replication, and async_save's writes, are taken from the
+loop). Targets (issue 54): what pitstop adds at most 0.25 x the threaded memcpy of the
+same bytes (`pitstop_vs_memcpy`) and at most 0.5 x what async_save adds
 (`pitstop_vs_async_save`).
 
 Two daemons run as subprocesses (`python -m pitstop.checkpointd.main run`), the first
@@ -152,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                 label = size_label(size)
                 report["cases"][label] = run_case(size, args.reps, a, b, workdir, stager)
             report["loop"] = {
-                size_label(size): run_loop_case(size, args.reps, a, b, workdir, stager)
+                size_label(size): {
+                    mode: run_loop_case(size, args.reps, a, b, workdir, stager, mode)
+                    for mode in ("split", "shared")
+                }
                 for size in loop_sizes
             }
             stager.close()
