@@ -110,19 +110,16 @@ def _pin_daemons(cpus: set[int]) -> None:
                 os.sched_setaffinity(int(task), cpus)
 
 
+MODES = ("split", "shared")
+
+
 def run_loop_case(
-    size_mb: int, reps: int, a: str, b: str, workdir: Path, stager: Any, mode: str
+    size_mb: int, reps: int, a: str, b: str, workdir: Path, stager: Any
 ) -> dict[str, Any]:
-    """Bare steps, and a snapshot plus the next step for pitstop and for async_save,
-    interleaved round by round (the order turning), each round's median taken, with
-    the CPUs shared as `mode` says."""
-    with cpus(mode) as shared:
-        return {**shared, **_loop_case(size_mb, reps, a, b, workdir, stager, mode)}
-
-
-def _loop_case(
-    size_mb: int, reps: int, a: str, b: str, workdir: Path, stager: Any, mode: str
-) -> dict[str, Any]:
+    """For each way of sharing the CPUs (MODES), bare steps and a snapshot plus the next
+    step for pitstop and for async_save, interleaved round by round (the order turning),
+    each round's median taken. One state and one writer (one job) for all: the daemons
+    keep one job's snapshots, not one per mode."""
     from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save
 
     label = size_label(size_mb)
@@ -132,7 +129,7 @@ def _loop_case(
     tensors, _ = capture(state)
     saved = {k: v for k, v in tensors.items() if k in capture.behind}
     total = state_bytes(saved)
-    writer = SnapshotWriter(a, f"loop-{label}-{mode}", 0, timeout_s=120)
+    writer = SnapshotWriter(a, f"loop-{label}", 0, timeout_s=120)
     buddy = checkpoint_pb2_grpc.CheckpointServiceStub(grpc.insecure_channel(b))
     waiting: list[Callable[[], None]] = []  # what the next optimizer step waits for
 
@@ -141,7 +138,7 @@ def _loop_case(
             wait()
 
     state.optimizer.register_step_pre_hook(before_optimizer_step)
-    progress(f"loop {label} ({mode}): {total} bytes of parameters and Adam state")
+    progress(f"loop {label}: {total} bytes of parameters and Adam state")
     step = 0
 
     def pitstop() -> float:
@@ -185,24 +182,36 @@ def _loop_case(
         spin()
         return timed_step(state)
 
+    measures = {"bare": bare, "pitstop": pitstop, "async_save": dcp}
     target = torch.zeros(total, dtype=torch.uint8)  # pre-faulted
     pool = CopyPool(writer.copy_threads)
-    rounds: dict[str, list[float]] = {"bare": [], "pitstop": [], "async_save": [], "memcpy": []}
-    measures = {"bare": bare, "pitstop": pitstop, "async_save": dcp}
-    for _ in range(WARMUP):  # warm-up: each slot mapped, the stager's buffers allocated
-        for measure in measures.values():
-            measure()
-    for rep in range(reps):
-        order = list(measures)[rep % 3 :] + list(measures)[: rep % 3]
-        for name in order:
-            rounds[name].append(measures[name]())
-        rounds["memcpy"].append(memcpy_once(saved, target, pool))
+    results = {}
+    for mode in MODES:
+        with cpus(mode) as shared:
+            rounds: dict[str, list[float]] = {name: [] for name in (*measures, "memcpy")}
+            for _ in range(WARMUP):  # each slot mapped, the stager's buffers allocated
+                for measure in measures.values():
+                    measure()
+            for rep in range(reps):
+                order = list(measures)[rep % 3 :] + list(measures)[: rep % 3]
+                for name in order:
+                    rounds[name].append(measures[name]())
+                rounds["memcpy"].append(memcpy_once(saved, target, pool))
+        for name, times in rounds.items():
+            progress(
+                f"loop {label} ({mode}): {name}, ms: {' '.join(f'{t * 1e3:.1f}' for t in times)}"
+            )
+        results[mode] = {**shared, **_summary(rounds, total, reps, state, writer.copy_threads)}
     pool.shutdown()
     writer.close()
+    return results
+
+
+def _summary(
+    rounds: dict[str, list[float]], total: int, reps: int, state: TrainState, threads: int
+) -> dict[str, Any]:
     median = {name: statistics.median(times) for name, times in rounds.items()}
     added = {name: median[name] - median["bare"] for name in ("pitstop", "async_save")}
-    for name, times in rounds.items():
-        progress(f"loop {label} ({mode}): {name}, ms: {' '.join(f'{t * 1e3:.1f}' for t in times)}")
     return {
         "bytes": total,
         "reps": reps,
@@ -213,7 +222,7 @@ def _loop_case(
         "pitstop_added_ms": round(added["pitstop"] * 1e3, 2),
         "async_save_added_ms": round(added["async_save"] * 1e3, 2),
         "memcpy_ms": round(median["memcpy"] * 1e3, 2),
-        "memcpy_threads": writer.copy_threads,
+        "memcpy_threads": threads,
         "pitstop_vs_memcpy": round(added["pitstop"] / median["memcpy"], 3),
         "pitstop_vs_async_save": round(added["pitstop"] / added["async_save"], 3)
         if added["async_save"] > 0

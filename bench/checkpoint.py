@@ -156,10 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                 label = size_label(size)
                 report["cases"][label] = run_case(size, args.reps, a, b, workdir, stager)
             report["loop"] = {
-                size_label(size): {
-                    mode: run_loop_case(size, args.reps, a, b, workdir, stager, mode)
-                    for mode in ("split", "shared")
-                }
+                size_label(size): run_loop_case(size, args.reps, a, b, workdir, stager)
                 for size in loop_sizes
             }
             stager.close()
