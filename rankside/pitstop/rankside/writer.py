@@ -103,6 +103,11 @@ _OUTAGES = _GONE | {grpc.StatusCode.RESOURCE_EXHAUSTED}
 _Span = tuple[str, int, int]
 """How a tensor is copied (tensorcopy.PLAIN, CUDA, OTHER) and its [begin, end) relative
 to the shard's data start."""
+_Move = tuple[int, int, int]
+"""A memmove: (target address, source address, bytes)."""
+_COPIED: Future[None] = Future()
+_COPIED.set_result(None)
+"""A copy behind that is done (or that there never was)."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +159,7 @@ class SnapshotWriter:
         self._copier = Copier(self.copy_threads)
         self._background = ThreadPoolExecutor(1, "pitstop-seal")
         self._finishing: Future[None] | None = None
-        self._copying: Future[None] | None = None
+        self._copying: Future[None] = _COPIED
         """The last snapshot's copy of its tensors named `behind`, while it runs."""
         self._finishing_step = 0
         self._next_slot: checkpoint_pb2.AcquireSlotResponse | None = None
@@ -163,10 +168,9 @@ class SnapshotWriter:
         self.sealed_seconds = 0.0
         """From the start of the last snapshot to the daemon's acknowledgement of its seal."""
         self.lost_seals = 0
-        self.copy_waited_seconds = 0.0
-        """All the time `wait_copied` held its caller: with a snapshot's own time
-        (`SnapshotResult.stall_seconds`), what snapshots cost the loop."""
         """Snapshots taken whose seal failed (each logged): they are not in memory."""
+        self.copy_waited_seconds = 0.0
+        """The time `wait_copied` held its callers, all told (beside the stalls)."""
 
     def snapshot(
         self,
@@ -177,10 +181,9 @@ class SnapshotWriter:
         behind: Set[str] = frozenset(),
     ) -> SnapshotResult:
         """Copy `tensors` (name -> torch tensor, numpy array or bytes-like) and `metadata`
-        into a slot; it is sealed as (job, rank, step) in the background. The tensors
-        named in `behind` are copied after this returns, beside what the caller does
-        next: none of them may change until `wait_copied()` has returned (the others
-        are copied, or a CUDA one landed in pinned memory, when this returns)."""
+        into a slot, sealed as (job, rank, step) in the background. Those named in
+        `behind` are copied after this returns: none may change until `wait_copied()`
+        has (the others are copied, or landed in pinned memory, when this returns)."""
         started = time.perf_counter()
         self.settle()
         meta = {
@@ -221,8 +224,7 @@ class SnapshotWriter:
             return SnapshotResult(step, layout.size, time.perf_counter() - started, reason)
         write_header(layout, mapped.view)
         on_gpu: dict[str, Any] = {}
-        moves: list[tuple[int, int, int]] = []
-        later: list[tuple[int, int, int]] = []  # the copies behind
+        moves, later = list[_Move](), list[_Move]()  # now, and behind
         start = layout.data_start
         base = mapped.address + start
         for (name, value), (kind, offset, stop) in zip(tensors.items(), spans, strict=True):
@@ -234,7 +236,7 @@ class SnapshotWriter:
             elif stop > offset:
                 copy_into(value, mapped.view, start + offset, start + stop)
         self._copier.move(moves)
-        copying = self._copying = self._copier.behind(later) if later else None
+        copying = self._copying = self._copier.behind(later) if later else _COPIED
         complete: Callable[[], None] | None = None
         if on_gpu:
             self._cuda = self._cuda or CudaStager()
@@ -250,13 +252,10 @@ class SnapshotWriter:
 
     def wait_copied(self) -> None:
         """Block until the last snapshot's tensors named `behind` are copied (a CUDA one:
-        off the GPU, into pinned host memory): from then on they may change, while the
-        seal goes on in the background. Returns at once when none is in flight. A copy
-        that failed is its seal's to report (`lost_seals`)."""
+        into pinned host memory), so they may change; the seal goes on. A copy that
+        failed is its seal's to report (`lost_seals`)."""
         started = time.perf_counter()
-        copying, self._copying = self._copying, None
-        if copying is not None:
-            futures.wait([copying])
+        futures.wait([self._copying])
         if self._cuda is not None:
             self._cuda.wait_landed()
         self.copy_waited_seconds += time.perf_counter() - started
@@ -369,11 +368,10 @@ class SnapshotWriter:
         self,
         seal: checkpoint_pb2.SealSlotRequest,
         complete: Callable[[], None] | None,
-        copying: Future[None] | None,
+        copying: Future[None],
         started: float,
     ) -> None:
-        if copying is not None:
-            copying.result()
+        copying.result()
         if complete is not None:
             complete()
         sealed = self._stub.SealSlot(seal, timeout=self._timeout, metadata=self._metadata)
