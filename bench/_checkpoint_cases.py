@@ -93,6 +93,7 @@ DAEMON_PIDS: dict[str, int] = {}
 def daemons(workdir: Path, budget: int) -> Iterator[tuple[str, str]]:
     """Two checkpointd subprocesses on loopback: A replicates to B."""
     started: list[tuple[subprocess.Popen[str], str]] = []
+    addresses: list[str] = []
 
     def start(name: str, *extra: str) -> str:
         node_id = f"bench-{name}-{os.getpid()}"
@@ -115,6 +116,7 @@ def daemons(workdir: Path, budget: int) -> Iterator[tuple[str, str]]:
             raise RuntimeError(f"checkpointd {name} did not start: {line!r}")
         address = line.split("listening on ")[1].split()[0]
         DAEMON_PIDS[address] = process.pid
+        addresses.append(address)
         return address
 
     try:
@@ -126,7 +128,7 @@ def daemons(workdir: Path, budget: int) -> Iterator[tuple[str, str]]:
             process.terminate()
             process.wait(30)
             remove_stale_segments(segment_prefix(node_id))
-        for address in [a for a, pid in DAEMON_PIDS.items() if pid in {p.pid for p, _ in started}]:
+        for address in addresses:
             del DAEMON_PIDS[address]
 
 

@@ -144,12 +144,6 @@ def _kind(target: str) -> str:
     return kind if bracket and kind in ("socket", "pipe", "net") else target
 
 
-def open_fds(pid: int) -> int | None:
-    """The process's open descriptors but those of /dev/shm segments (measured there)."""
-    kinds = fd_kinds(pid)
-    return None if kinds is None else sum(kinds.values())
-
-
 def shm_bytes(prefixes: Sequence[str] = ("pitstop",)) -> int:
     """Bytes held by the files in /dev/shm whose names start with one of `prefixes`."""
     total = 0

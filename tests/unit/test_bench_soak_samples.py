@@ -22,7 +22,6 @@ from bench._soak_samples import (
     fitted,
     growth,
     kinds_gained,
-    open_fds,
     orphaned_segments,
     orphaned_shm_bytes,
     outlived,
@@ -139,6 +138,13 @@ def test_descriptors_are_told_apart_by_what_they_are() -> None:
     finally:
         os.close(read)
         os.close(write)
+
+
+def open_fds(pid: int) -> int:
+    """The descriptors the sampler counts for a process: `fd_kinds`, all kinds."""
+    kinds = fd_kinds(pid)
+    assert kinds is not None
+    return sum(kinds.values())
 
 
 def vm_rss() -> int:

@@ -97,19 +97,16 @@ class Snapshots:
         if optimizer is None:
             return False
         if optimizer not in self._waiting:
-            optimizer.register_step_pre_hook(self._wait_copied)
+            optimizer.register_step_pre_hook(self.wait_copied)
             self._waiting.add(optimizer)
         return True
 
-    def _wait_copied(self, *_: object) -> None:
+    def wait_copied(self, *_: object) -> None:
+        """Block until the last snapshot's copy is done: the state may change from then
+        on (the optimizer's step, a load into it, a fault injected into it)."""
         writer = self._context.writer
         if writer is not None:
             writer.wait_copied()
-
-    def wait_copied(self) -> None:
-        """Block until the last snapshot's copy is done: the state may change from then
-        on (a load into it, a fault injected into it)."""
-        self._wait_copied()
 
     def _not_saved(self, step: int, why: str) -> bool:
         self._failed += 1

@@ -130,8 +130,7 @@ class Capturer:
             metadata["pitstop.optim"] = self._optimizer(state.optimizer, tensors)
             added = list(tensors)[known:]
             behind.update(name for name in added if name.startswith("optim.state."))
-        if behind != self.behind:
-            self.behind = frozenset(behind)
+        self.behind = frozenset(behind)
         shards = self._local_shards(tensors)
         if shards:
             metadata[DTENSOR_KEY] = shards
