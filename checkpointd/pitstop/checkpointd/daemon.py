@@ -34,6 +34,7 @@ from pitstop.checkpointd.restore import RestoreSources, ShardNotFound
 from pitstop.checkpointd.service import CheckpointServicer
 from pitstop.checkpointd.slots import MemoryBudgetFull, Segment, SlotPool
 from pitstop.checkpointd.store import ShardRecord, ShardStore, Tier
+from pitstop.common.heap import trim
 from pitstop.common.tls import NodeIdentity, node_server_credentials
 from pitstop.rankside.durable import DurableStore
 from pitstop.rankside.format import ShardFormatError, read_layout
@@ -49,6 +50,10 @@ MEMBERS_FRESH_SECONDS = 10.0
 _INLINE_CHECKSUM_BYTES = 4 << 20
 """Shards up to this size are checksummed on the event loop (under 0.5 ms of hashing):
 handing them to a thread costs more CPU than the hash, on every snapshot."""
+
+HEAP_TRIM_SECONDS = 60.0
+"""How often the daemon gives its threads' freed heap pages back (common/heap.py): its
+worker threads' transient buffers would otherwise keep its RSS at their high-water mark."""
 
 
 class CheckpointDaemon:
@@ -147,6 +152,7 @@ class CheckpointDaemon:
             self.replicator.run(),
             self.flusher.run(),
             self._checksum_sealed(),
+            self._trim_heap(),
         ):
             self._tasks.append(asyncio.create_task(work))
 
@@ -229,6 +235,11 @@ class CheckpointDaemon:
         still find its state should this daemon be gone."""
         buddy = self.catalog.known_buddy()
         return self.settings.scheduler, buddy.address if buddy else ""
+
+    async def _trim_heap(self) -> None:
+        while True:
+            await asyncio.sleep(HEAP_TRIM_SECONDS)
+            await asyncio.to_thread(trim)
 
     async def _checksum_sealed(self) -> None:
         while True:
