@@ -64,15 +64,16 @@ def slope_per_hour(points: Sequence[tuple[float, float]]) -> float | None:
 
 
 def growth(points: Sequence[tuple[float, float]]) -> float | None:
-    """The median of the last third less the median of the first third: what a count
+    """The median of the last third less the median of all before it: what a count
     that comes and goes with the work (descriptors of the sockets a job's ranks open)
-    gained for good; a connection open at one sample is not a new level. None under
-    three samples."""
+    gained for good. A connection open at one sample is not a new level, nor one closed
+    at a sample or two (a stream between reconnects) a lower one to
+    grow from. None under three samples."""
     if len(points) < 3:
         return None
     third = max(len(points) // 3, 1)
     return statistics.median(v for _, v in points[-third:]) - statistics.median(
-        v for _, v in points[:third]
+        v for _, v in points[:-third]
     )
 
 

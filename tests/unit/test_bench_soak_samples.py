@@ -68,8 +68,15 @@ def test_descriptors_that_come_and_go_are_not_growth_but_a_new_level_is() -> Non
     churn = [(60.0 * i, 40.0 + (12 if i % 3 == 0 else 0)) for i in range(30)]
     assert growth(churn) == 0
     leak = [(60.0 * i, 40.0 + i) for i in range(30)]
-    assert growth(leak) == 29 - 9
+    assert growth(leak) == 64.5 - 49.5  # the last ten's median less the twenty before's
     assert growth(leak[:2]) is None
+
+
+def test_descriptors_closed_for_a_sample_or_two_are_no_level_to_grow_from() -> None:
+    # An agent's descriptors after the 20-minute soak's warm-up (soak-20.json): 19 from
+    # its first minute to its last, but for two samples a socket or two closed.
+    agent = [18, 17, 19, 19, 19, 19, 19, 19, 19, 19, 19]
+    assert growth([(60.0 * i, float(v)) for i, v in enumerate(agent)]) == 0
 
 
 def test_processes_are_named_for_what_they_are() -> None:
