@@ -2,29 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # bench.* as the scripts are
+from bench import goodput_sim as sim
 
 
-@pytest.fixture(scope="module")
-def sim() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_goodput_sim", BENCH / "goodput_sim.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_an_elastic_restart_is_charged_its_restart_at_scale_once(sim: ModuleType) -> None:
+def test_an_elastic_restart_is_charged_its_restart_at_scale_once() -> None:
     # torchrun measured at 4 nodes: a dead process back in 11 s (noticed at once: that
     # is its restart of every worker), a silent host in 24 s (13 s more to notice it).
     medians = sim.PeerMedians(
