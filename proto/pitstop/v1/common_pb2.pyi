@@ -241,14 +241,102 @@ class GpuHealth(_message.Message):
     def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., temperature_c: _Optional[float] = ..., power_w: _Optional[float] = ..., ecc_corrected_volatile: _Optional[int] = ..., ecc_uncorrected_volatile: _Optional[int] = ..., ecc_corrected_aggregate: _Optional[int] = ..., ecc_uncorrected_aggregate: _Optional[int] = ..., remapped_rows_correctable: _Optional[int] = ..., remapped_rows_uncorrectable: _Optional[int] = ..., remapped_rows_pending: _Optional[bool] = ..., remapped_rows_failure: _Optional[bool] = ..., retired_pages_single_bit: _Optional[int] = ..., retired_pages_double_bit: _Optional[int] = ..., retired_pages_pending: _Optional[bool] = ..., clock_event_reasons: _Optional[int] = ..., nvlinks: _Optional[_Iterable[_Union[NvLinkStatus, _Mapping]]] = ..., pcie_replay_counter: _Optional[int] = ..., pcie_link_gen: _Optional[int] = ..., pcie_link_gen_max: _Optional[int] = ..., pcie_link_width: _Optional[int] = ..., pcie_link_width_max: _Optional[int] = ..., recovery_action: _Optional[_Union[RecoveryAction, str]] = ..., lost: _Optional[bool] = ..., verdict: _Optional[_Union[HealthVerdict, str]] = ..., reasons: _Optional[_Iterable[str]] = ..., unsupported: _Optional[_Iterable[str]] = ..., utilization_percent: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ...) -> None: ...
 
 class NodeHealth(_message.Message):
-    __slots__ = ("verdict", "reasons", "gpus")
+    __slots__ = ("verdict", "reasons", "gpus", "host")
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     REASONS_FIELD_NUMBER: _ClassVar[int]
     GPUS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     verdict: HealthVerdict
     reasons: _containers.RepeatedScalarFieldContainer[str]
     gpus: _containers.RepeatedCompositeFieldContainer[GpuHealth]
-    def __init__(self, verdict: _Optional[_Union[HealthVerdict, str]] = ..., reasons: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[_Union[GpuHealth, _Mapping]]] = ...) -> None: ...
+    host: HostHealth
+    def __init__(self, verdict: _Optional[_Union[HealthVerdict, str]] = ..., reasons: _Optional[_Iterable[str]] = ..., gpus: _Optional[_Iterable[_Union[GpuHealth, _Mapping]]] = ..., host: _Optional[_Union[HostHealth, _Mapping]] = ...) -> None: ...
+
+class LinkReading(_message.Message):
+    __slots__ = ("name", "kind", "up", "rate_gbps", "down_count", "error_count")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    RATE_GBPS_FIELD_NUMBER: _ClassVar[int]
+    DOWN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    up: bool
+    rate_gbps: float
+    down_count: int
+    error_count: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., up: _Optional[bool] = ..., rate_gbps: _Optional[float] = ..., down_count: _Optional[int] = ..., error_count: _Optional[int] = ...) -> None: ...
+
+class MemoryReading(_message.Message):
+    __slots__ = ("pressure_full_avg10", "edac_corrected", "edac_uncorrected", "oom_kills", "last_oom_killed")
+    PRESSURE_FULL_AVG10_FIELD_NUMBER: _ClassVar[int]
+    EDAC_CORRECTED_FIELD_NUMBER: _ClassVar[int]
+    EDAC_UNCORRECTED_FIELD_NUMBER: _ClassVar[int]
+    OOM_KILLS_FIELD_NUMBER: _ClassVar[int]
+    LAST_OOM_KILLED_FIELD_NUMBER: _ClassVar[int]
+    pressure_full_avg10: float
+    edac_corrected: int
+    edac_uncorrected: int
+    oom_kills: int
+    last_oom_killed: str
+    def __init__(self, pressure_full_avg10: _Optional[float] = ..., edac_corrected: _Optional[int] = ..., edac_uncorrected: _Optional[int] = ..., oom_kills: _Optional[int] = ..., last_oom_killed: _Optional[str] = ...) -> None: ...
+
+class DiskReading(_message.Message):
+    __slots__ = ("path", "free_bytes", "total_bytes", "free_inodes", "total_inodes", "read_only")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_INODES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_INODES_FIELD_NUMBER: _ClassVar[int]
+    READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    free_bytes: int
+    total_bytes: int
+    free_inodes: int
+    total_inodes: int
+    read_only: bool
+    def __init__(self, path: _Optional[str] = ..., free_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., free_inodes: _Optional[int] = ..., total_inodes: _Optional[int] = ..., read_only: _Optional[bool] = ...) -> None: ...
+
+class PcieDeviceReading(_message.Message):
+    __slots__ = ("address", "role", "aer_correctable", "aer_nonfatal", "aer_fatal", "link_width", "link_width_max", "link_speed_gts", "link_speed_gts_max")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    AER_CORRECTABLE_FIELD_NUMBER: _ClassVar[int]
+    AER_NONFATAL_FIELD_NUMBER: _ClassVar[int]
+    AER_FATAL_FIELD_NUMBER: _ClassVar[int]
+    LINK_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    LINK_WIDTH_MAX_FIELD_NUMBER: _ClassVar[int]
+    LINK_SPEED_GTS_FIELD_NUMBER: _ClassVar[int]
+    LINK_SPEED_GTS_MAX_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    role: str
+    aer_correctable: int
+    aer_nonfatal: int
+    aer_fatal: int
+    link_width: int
+    link_width_max: int
+    link_speed_gts: float
+    link_speed_gts_max: float
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., aer_correctable: _Optional[int] = ..., aer_nonfatal: _Optional[int] = ..., aer_fatal: _Optional[int] = ..., link_width: _Optional[int] = ..., link_width_max: _Optional[int] = ..., link_speed_gts: _Optional[float] = ..., link_speed_gts_max: _Optional[float] = ...) -> None: ...
+
+class HostHealth(_message.Message):
+    __slots__ = ("verdict", "reasons", "links", "memory", "disks", "pcie", "unsupported")
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    DISKS_FIELD_NUMBER: _ClassVar[int]
+    PCIE_FIELD_NUMBER: _ClassVar[int]
+    UNSUPPORTED_FIELD_NUMBER: _ClassVar[int]
+    verdict: HealthVerdict
+    reasons: _containers.RepeatedScalarFieldContainer[str]
+    links: _containers.RepeatedCompositeFieldContainer[LinkReading]
+    memory: MemoryReading
+    disks: _containers.RepeatedCompositeFieldContainer[DiskReading]
+    pcie: _containers.RepeatedCompositeFieldContainer[PcieDeviceReading]
+    unsupported: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, verdict: _Optional[_Union[HealthVerdict, str]] = ..., reasons: _Optional[_Iterable[str]] = ..., links: _Optional[_Iterable[_Union[LinkReading, _Mapping]]] = ..., memory: _Optional[_Union[MemoryReading, _Mapping]] = ..., disks: _Optional[_Iterable[_Union[DiskReading, _Mapping]]] = ..., pcie: _Optional[_Iterable[_Union[PcieDeviceReading, _Mapping]]] = ..., unsupported: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class XidEvent(_message.Message):
     __slots__ = ("gpu_index", "gpu_uuid", "xid", "message", "time", "source", "verdict")
