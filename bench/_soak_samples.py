@@ -103,21 +103,22 @@ def process_name(daemon: str, argv: Sequence[str], rank: bool, daemon_itself: bo
     return f"{daemon}/{Path(argv[0]).name if argv else '?'}"
 
 
-def private_rss_bytes(pid: int) -> int | None:
-    """The process's RSS less its shared memory: the snapshot segments a checkpoint
-    daemon or a rank maps come and go with the job running and are measured as
-    /dev/shm; what a leak grows is the rest."""
+def private_rss_bytes(pid: int) -> tuple[int, int] | None:
+    """The process's RSS less its shared memory, and of that its anonymous part: the
+    snapshot segments a checkpoint daemon or a rank maps come and go with the job
+    running and are measured as /dev/shm; what a leak grows is the rest, and of the
+    rest the heap (anonymous) rather than the pages of its libraries (file-backed)."""
     fields: dict[str, int] = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssShmem"):
+            if key in ("VmRSS", "RssShmem", "RssAnon"):
                 fields[key] = int(value.split()[0]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     if "VmRSS" not in fields:
         return None
-    return fields["VmRSS"] - fields.get("RssShmem", 0)
+    return fields["VmRSS"] - fields.get("RssShmem", 0), fields.get("RssAnon", 0)
 
 
 def fd_kinds(pid: int) -> Counter[str] | None:
@@ -222,6 +223,8 @@ class Sampler(threading.Thread):
         self.began = time.monotonic()
         self.stop = threading.Event()
         self.rss: dict[int, Series] = {}
+        self.anon: dict[int, Series] = {}
+        """Of each process's RSS its anonymous part: where a heap that grows shows."""
         self.fds: dict[int, Series] = {}
         self.redis = Series("redis_used_memory_mb")
         self.postgres = Series("postgres_database_mb")
@@ -247,14 +250,16 @@ class Sampler(threading.Thread):
         now = time.monotonic() - self.began
         for proc in tagged_processes(self.state_dir):
             name = process_name(proc.daemon, proc.argv, proc.rank, proc.is_daemon())
-            rss, kinds = private_rss_bytes(proc.pid), fd_kinds(proc.pid)
-            if rss is None or kinds is None:
+            sizes, kinds = private_rss_bytes(proc.pid), fd_kinds(proc.pid)
+            if sizes is None or kinds is None:
                 continue
+            rss, anon = sizes
             fds = sum(kinds.values())
             self.kinds_first.setdefault(proc.pid, kinds)
             self.kinds_last[proc.pid] = kinds
             label = f"{name}[{proc.pid}]"
             self.rss.setdefault(proc.pid, Series(label, now)).points.append((now, rss / MB))
+            self.anon.setdefault(proc.pid, Series(label, now)).points.append((now, anon / MB))
             self.fds.setdefault(proc.pid, Series(label, now)).points.append((now, fds))
         self.shm.points.append((now, shm_bytes() / MB))
         orphans = orphaned_segments()
@@ -291,6 +296,7 @@ class Sampler(threading.Thread):
         """Slopes after the warm-up (Redis', PostgreSQL's and their tables' after
         `store_warmup`); the processes too short-lived to have one."""
         rss = fitted(list(self.rss.values()), warmup, min_span, slope_per_hour)
+        anon = fitted(list(self.anon.values()), warmup, min_span, slope_per_hour)
         fds = fitted(list(self.fds.values()), warmup, min_span, growth)
         stores = [self.redis, self.postgres, self.shm, self.orphaned]
         slopes = fitted(stores[:2], store_warmup, min_span, slope_per_hour)
@@ -311,6 +317,7 @@ class Sampler(threading.Thread):
             "shm_slope_mb_per_hour": slopes.get(self.shm.name),
             "shm_orphaned_slope_mb_per_hour": slopes.get(self.orphaned.name),
             "rss_slope_mb_per_hour": dict(sorted(rss.items())),
+            "rss_anon_slope_mb_per_hour": dict(sorted(anon.items())),
             "fd_growth": dict(sorted(fds.items())),
             # What a process's descriptors that grew were, its last sample less its first.
             "fd_kinds_gained": {
@@ -334,6 +341,7 @@ class Sampler(threading.Thread):
             "series": {
                 **{s.name: _points(s) for s in stores},
                 **{f"rss {s.name}": _points(s) for s in self.rss.values() if s.name in rss},
+                **{f"anon {s.name}": _points(s) for s in self.anon.values() if s.name in anon},
                 **{f"fds {s.name}": _points(s) for s in self.fds.values() if s.name in fds},
             },
         }

@@ -161,9 +161,10 @@ def vm_rss() -> int:
 
 def test_a_process_memory_and_descriptors_leave_out_its_shared_segments() -> None:
     pid = os.getpid()
-    rss, fds, whole = private_rss_bytes(pid), open_fds(pid), vm_rss()
-    assert rss is not None
+    sizes, fds, whole = private_rss_bytes(pid), open_fds(pid), vm_rss()
+    assert sizes is not None
     assert fds is not None
+    rss, anon = sizes
     with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="pitstop-test-") as segment:
         segment.truncate(64 * MB)
         with mmap.mmap(segment.fileno(), 64 * MB) as mapped:
@@ -171,9 +172,15 @@ def test_a_process_memory_and_descriptors_leave_out_its_shared_segments() -> Non
                 mapped[offset] = 1  # every page resident, in this process's RSS
             assert open_fds(pid) == fds  # the segment's descriptor left out
             assert vm_rss() - whole >= 48 * MB  # in the RSS the kernel reports
-            mapped_rss = private_rss_bytes(pid)
-            assert mapped_rss is not None
-            assert mapped_rss - rss < 16 * MB
+            with_segment = private_rss_bytes(pid)
+            assert with_segment is not None
+            assert with_segment[0] - rss < 16 * MB
             with tempfile.TemporaryFile() as other:
                 assert other.fileno() >= 0
                 assert open_fds(pid) == fds + 1  # any other file counts
+    heap = b"\x01" * (64 * MB)  # a heap that grows: in the RSS, and in its anonymous part
+    grown = private_rss_bytes(pid)
+    assert grown is not None
+    assert grown[0] - rss >= 48 * MB
+    assert grown[1] - anon >= 48 * MB
+    del heap
