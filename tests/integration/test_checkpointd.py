@@ -6,7 +6,9 @@ daemons report, and wait on those reports (never on a sleep)."""
 
 from __future__ import annotations
 
+import errno
 import mmap
+import os
 import socket
 import subprocess
 import sys
@@ -37,6 +39,7 @@ from kit.checkpointd import (
     stub,
 )
 from pitstop.checkpointd.slots import SHM_DIR, remove_stale_segments, segment_prefix
+from pitstop.rankside.durable import DurableShard, DurableStore
 from pitstop.rankside.format import TensorSpec, plan_shard, write_header
 from pitstop.rankside.restoring import ShardUnavailable
 from pitstop.rankside.writer import SnapshotWriter
@@ -408,6 +411,59 @@ def test_a_failing_durable_store_is_reported_retried_and_memory_kept(
         assert list((blocker / "durable" / "job-ro").glob("step-*/manifest-*.json"))
     finally:
         writer.close()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real filesystem of 256 KiB (a tmpfs: mounting one needs root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a filesystem of a given size needs root")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "pitstop-test", mount], check=True)
+    yield mount
+    subprocess.run(["umount", "--lazy", mount], check=True)
+
+
+def test_a_full_disk_refuses_the_flush_keeps_memory_and_flushes_once_room_returns(
+    daemons: Callable[..., DaemonThread], catalog: FakeCatalog, small_disk: Path
+) -> None:
+    node = daemons(
+        "a",
+        scheduler=catalog.address,
+        durable_url=f"file://{small_disk}/durable",
+        flush_every_steps=1,
+        durable_min_free_bytes=0,
+    )
+    writer = SnapshotWriter(node.address, "job-full", 0)
+    try:
+        writer.snapshot(1, make_state(0, 1))  # 600 KB of state, 256 KiB of disk
+        catalog.wait_for(
+            lambda reports: any(
+                "job-full step 1" in error and "refused before writing" in error
+                for r in reports
+                for error in r.flush_errors
+            )
+        )
+        assert not [p for p in small_disk.rglob("*") if p.is_file()]  # nothing half-written
+        got, restored = restored_bytes(writer)
+        assert restored.source == "local"
+        assert got == as_bytes(make_state(0, 1))
+        subprocess.run(["mount", "-o", "remount,size=8m", small_disk], check=True)
+        catalog.wait_for(added(node.daemon.node_id, "job-full", 1, DURABLE, {0}))
+        assert list((small_disk / "durable" / "job-full").glob("step-*/manifest-*.json"))
+    finally:
+        writer.close()
+
+
+def test_a_write_that_fills_the_disk_leaves_no_partial_shard(small_disk: Path) -> None:
+    store = DurableStore(f"file://{small_disk}/durable", "node-a")
+    shard = DurableShard(0, memoryview(bytes(1 << 20)), "0123")
+    with pytest.raises(OSError, match="No space left") as full:
+        store.write_checkpoint("job-enospc", 1, 0, [shard])
+    assert full.value.errno == errno.ENOSPC
+    assert not [p for p in small_disk.rglob("*") if p.is_file()]
+    assert store.entries("job-enospc") == []
 
 
 def test_a_pruned_durable_copy_is_reported_as_removed_from_the_store(

@@ -68,6 +68,10 @@ class CheckpointdSettings(LayeredSettings):
     """Newest snapshots kept in memory per rank and tier."""
     keep_durable: int = Field(default=3, ge=1)
     """Newest durable checkpoints kept per job (of those this node wrote)."""
+    durable_min_free_bytes: int = Field(default=1 << 30, ge=0)
+    """A durable flush to a local filesystem that would leave less than this free is
+    refused before it writes (reported, retried until there is room); 1 GiB: room for the
+    logs and the spill files the node's other processes write there."""
     retry_max_seconds: float = Field(default=30.0, gt=0)
     """Longest wait between retries of a report, a push or a flush."""
     idle_report_seconds: float = Field(default=30.0, gt=0)

@@ -96,6 +96,7 @@ class CheckpointDaemon:
             max_every_steps=settings.max_flush_every_steps,
             retry_max_seconds=settings.retry_max_seconds,
             hold_at_step=settings.fault_hold_flush_at_step,
+            min_free_bytes=settings.durable_min_free_bytes,
         )
         self.sources = RestoreSources(
             self.node_id,

@@ -8,6 +8,9 @@ intervals then still flush common steps, so the job gets complete durable checkp
 A failed flush (disk full, permission, store down) is logged, reported to the scheduler
 and retried with backoff; it never reaches a rank and never drops the in-memory copies.
 A retry is given up only when a newer step of the same job is waiting to be flushed.
+A flush that would leave a local filesystem with less than `min_free_bytes` free is
+refused before it writes a byte (and so retried, and reported, until there is room): a
+full disk never holds a half-written shard, nor does a write that failed half-way.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class DurableFlusher:
         max_every_steps: int = 10_000,
         retry_max_seconds: float = 30.0,
         hold_at_step: int = 0,
+        min_free_bytes: int = 0,
     ) -> None:
         self.durable = durable
         self._pool = pool
@@ -58,6 +62,7 @@ class DurableFlusher:
         self._max_every = max_every_steps
         self._retry_max = retry_max_seconds
         self._hold_at_step = hold_at_step
+        self._min_free = min_free_bytes
         self._released = threading.Event()
         self._pending: dict[tuple[str, int], list[ShardRecord]] = {}
         self._wake = asyncio.Event()
@@ -143,6 +148,15 @@ class DurableFlusher:
     async def _flush(self, job_id: str, step: int, records: list[ShardRecord]) -> None:
         shards = [DurableShard(r.shard.rank, r.data(), r.checksum or "") for r in records]
         generation = max(r.generation for r in records)
+        needed = sum(len(s.data) for s in shards)
+        free = await asyncio.to_thread(self.durable.free_bytes)
+        if free is not None and free - needed < self._min_free:
+            raise DurableStoreFull(
+                f"refused before writing: {_size(free)} free, the flush needs {_size(needed)}"
+                f" and durable_min_free_bytes keeps {_size(self._min_free)}; free space"
+                " there or set durable_url to another store (flushing resumes by itself,"
+                " the snapshots in memory are kept)"
+            )
         started = time.monotonic()
         entries = await asyncio.to_thread(
             self.durable.write_checkpoint, job_id, step, generation, shards, self._hold(step)
@@ -182,6 +196,14 @@ class DurableFlusher:
             for record in records:
                 self._pool.unref(record.segment)
         self._pending.clear()
+
+
+class DurableStoreFull(Exception):
+    """The durable store's filesystem has no room for a flush (it is retried)."""
+
+
+def _size(count: int) -> str:
+    return f"{count / (1 << 30):.2f} GiB" if count >= 1 << 30 else f"{count / (1 << 20):.1f} MiB"
 
 
 def durable_info(entry: DurableEntry) -> checkpoint_pb2.ShardInfo:

@@ -13,12 +13,15 @@ checksum. Everything here blocks; the daemon calls it from worker threads.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -62,6 +65,20 @@ class DurableStore:
         self.node_id = node_id
         self.fs, self.root = fsspec.core.url_to_fs(url)
         self._manifest_name = f"manifest-{_safe_name(node_id, 'node_id')}.json"
+
+    def free_bytes(self) -> int | None:
+        """Bytes free on the filesystem the store writes to, for a store on a local
+        filesystem (its root or the nearest folder above it that exists); None for any
+        other store (an object store has no "full")."""
+        if "file" not in _protocols(self.fs):
+            return None
+        path = Path(self.root)
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        try:
+            return shutil.disk_usage(path).free
+        except OSError:
+            return None
 
     def write_checkpoint(
         self,
@@ -167,13 +184,20 @@ class DurableStore:
         return dropped
 
     def _write_file(self, path: str, data: memoryview) -> None:
-        with self.fs.open(path, "wb") as file:
-            for offset in range(0, len(data), IO_CHUNK_BYTES):
-                file.write(data[offset : offset + IO_CHUNK_BYTES])
-            file.flush()
-            fileno = getattr(file, "fileno", None)
-            if fileno is not None:
-                os.fsync(fileno())
+        try:
+            with self.fs.open(path, "wb") as file:
+                for offset in range(0, len(data), IO_CHUNK_BYTES):
+                    file.write(data[offset : offset + IO_CHUNK_BYTES])
+                file.flush()
+                fileno = getattr(file, "fileno", None)
+                if fileno is not None:
+                    os.fsync(fileno())
+        except BaseException:
+            # No manifest names it, so nothing would restore it; a full disk's partial
+            # file would only keep the disk full.
+            with contextlib.suppress(OSError):
+                self.fs.rm_file(path)
+            raise
 
     def _step_dir(self, job_id: str, step: int) -> str:
         return f"{self.root}/{_safe_name(job_id, 'job_id')}/step-{step:012d}"
@@ -238,3 +262,8 @@ def _safe_name(value: str, what: str) -> str:
     if not valid_name(value):
         raise ValueError(f"{what} {value!r}: use letters, digits and _.@=+- only")
     return value
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
