@@ -38,6 +38,7 @@ from kit.checkpointd import (
     restored_bytes,
     stub,
 )
+from pitstop.checkpointd.daemon import remembered_jobs
 from pitstop.checkpointd.slots import SHM_DIR, remove_stale_segments, segment_prefix
 from pitstop.rankside.durable import DurableShard, DurableStore
 from pitstop.rankside.format import TensorSpec, plan_shard, write_header
@@ -690,6 +691,9 @@ def test_the_memory_of_a_job_that_ended_goes_back_to_dev_shm(
         got, restored = restored_bytes(running)  # the running job's memory untouched
         assert got == as_bytes(make_state(0, 1))
         assert restored.step == 1
+        # Nor does any other state of it stay: its step times, the buddy's member cache.
+        assert remembered_jobs(node.daemon) == {"job-running"}
+        assert "job-ended" not in remembered_jobs(buddy.daemon)
     finally:
         ended.close()
         if running is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -108,9 +107,10 @@ class CheckpointDaemon:
             self._keep_replica,
         )
         self.catalog.held_jobs = lambda: {r.shard.job_id for r in self.store.records()}
-        self.catalog.on_ended = functools.partial(forget_jobs, self.store, self.pool, self.catalog)
+        self.catalog.on_ended = lambda ended: forget_jobs(self, ended)
         self.skipped_snapshots = 0
-        self._members: dict[str, tuple[set[str], float]] = {}
+        self.members: dict[str, tuple[set[str], float]] = {}
+        """Job -> the nodes that ran its ranks when the scheduler was last asked, and when."""
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._sealed: asyncio.Queue[ShardRecord] = asyncio.Queue()
@@ -299,7 +299,7 @@ class CheckpointDaemon:
         """Whether `node_id` runs a rank of the job now, per the scheduler: asked again
         when it was not (a replacement placed a moment ago) and when the answer is older
         than MEMBERS_FRESH_SECONDS (a node moved off the job loses access)."""
-        known, asked_at = self._members.get(job_id, (set(), 0.0))
+        known, asked_at = self.members.get(job_id, (set(), 0.0))
         if node_id in known and time.monotonic() - asked_at < MEMBERS_FRESH_SECONDS:
             return True
         members = await self.catalog.members(job_id)
@@ -307,7 +307,7 @@ class CheckpointDaemon:
             raise Unavailable(
                 f"cannot ask the scheduler whether node {node_id} runs job {job_id}; retry"
             )
-        self._members[job_id] = (members, time.monotonic())
+        self.members[job_id] = (members, time.monotonic())
         return node_id in members
 
     async def pull_chunks(self, shard: ShardId) -> AsyncIterator[checkpoint_pb2.ShardChunk]:
@@ -356,13 +356,21 @@ class CheckpointDaemon:
             self.pool.unref(old.segment)
 
 
-def forget_jobs(
-    store: ShardStore, pool: SlotPool, catalog: CatalogClient, job_ids: list[str]
-) -> None:
+def remembered_jobs(daemon: CheckpointDaemon) -> set[str]:
+    """Every job the daemon keeps anything of: snapshots, step times, members."""
+    held = {record.shard.job_id for record in daemon.store.records()}
+    return held | daemon.flusher.jobs() | set(daemon.members)
+
+
+def forget_jobs(daemon: CheckpointDaemon, job_ids: list[str]) -> None:
     """The jobs ended (the scheduler says so): their snapshots and replicas here
     restore nothing any more, so their memory goes back to /dev/shm. Durable copies stay
-    (the durable store prunes its own)."""
+    (the durable store prunes its own). Nothing else of them stays either (their step
+    times, their members), however many jobs a fleet runs."""
+    store, pool, catalog = daemon.store, daemon.pool, daemon.catalog
     for job_id in job_ids:
+        daemon.flusher.forget(job_id)
+        daemon.members.pop(job_id, None)
         records = store.records(job_id)
         for record in records:
             if store.remove(record):

@@ -72,6 +72,15 @@ class DurableFlusher:
         self.flushed_bytes = 0
         self.failures = 0
 
+    def jobs(self) -> set[str]:
+        """The jobs whose step time it keeps."""
+        return set(self._last_seal)
+
+    def forget(self, job_id: str) -> None:
+        """The job ended: its step time is learned again should it ever come back."""
+        self._last_seal.pop(job_id, None)
+        self._step_seconds.pop(job_id, None)
+
     def every_steps(self, job_id: str) -> int:
         """Steps between durable flushes of `job_id` now."""
         if self._every:
