@@ -54,9 +54,9 @@ class SchedulerThread:
         self._channels.append(channel)
         return channel
 
-    def open_stream(self, node_id: str, gpus: int = 8, **labels: str) -> AgentStream:
+    def open_stream(self, node_id: str, gpus: int = 8, **labels: Any) -> AgentStream:
         """An agent stream that stays open until the scheduler stops. `labels`: zone,
-        block, rack (z1, b1, r1) and role (worker)."""
+        block, rack (z1, b1, r1), role (worker) and the exits it reports again."""
         stream = AgentStream(self.channel(), node_id, gpus, **labels)
         self._open_streams.append(stream)
         return stream

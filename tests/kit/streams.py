@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -32,6 +33,7 @@ class AgentStream:
         rack: str = "r1",
         role: str = "worker",
         checkpointd_address: str = LIVE_HOST,
+        recent_exits: Sequence[agent_pb2.RankExited] = (),
     ) -> None:
         self._outbox: queue.Queue[agent_pb2.AgentMessage | None] = queue.Queue()
         self.seq = 0
@@ -55,6 +57,7 @@ class AgentStream:
             ),
             labels=common_pb2.TopologyLabels(zone=zone, block=block, rack=rack),
             requested_role=common_pb2.NODE_ROLE_SPARE if role == "spare" else 0,
+            recent_exits=recent_exits,
         )
         self.send(register=register)
         stub = agent_pb2_grpc.AgentServiceStub(channel)

@@ -28,7 +28,7 @@ from pitstop.agent.executor import CommandExecutor
 from pitstop.agent.gpu import GpuBackend
 from pitstop.agent.heartbeats import Heartbeats, StepSource
 from pitstop.agent.metrics import AgentMetrics
-from pitstop.agent.outbox import Outbox, first_of
+from pitstop.agent.outbox import Outbox, RecentExits, first_of
 from pitstop.agent.rankports import RankChannel, RankSupervision
 from pitstop.agent.registration import register_message
 from pitstop.common.tls import NodeIdentity, open_channel
@@ -97,6 +97,7 @@ class SchedulerLink:
         self._started_at = psutil.Process().create_time()
         self._token = settings.token
         self._outbox = Outbox()
+        self.exits = RecentExits()
         self._heartbeats = Heartbeats(
             settings,
             backend,
@@ -149,6 +150,7 @@ class SchedulerLink:
         still waiting: the scheduler must see a rank's last steps before its exit."""
         self._metrics.rank_exits.labels(self._settings.node_id, exited.job_id).inc()
         self._heartbeats.flush_steps()
+        self.exits.add(exited)
         self._send(rank_exited=exited)
 
     def report_finding(self, finding: agent_pb2.IntegrityFinding) -> None:
@@ -217,7 +219,11 @@ class SchedulerLink:
         """One stream: returns when `stop` is set, raises LinkDown when the stream ends."""
         try:
             register = await register_message(
-                self._settings, self._backend, self._supervisor.running, self._started_at
+                self._settings,
+                self._backend,
+                self._supervisor.running,
+                self._started_at,
+                self.exits.recent,
             )
         except Exception as exc:
             log.exception("building the registration failed")

@@ -4,6 +4,8 @@ a message taken as a stream ended goes out first on the next one."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import time
 from typing import Any
 
 from pitstop.v1 import agent_pb2
@@ -60,3 +62,29 @@ class Outbox:
             self._held = message
             return None
         return message
+
+
+RECENT_EXITS_SECONDS = 600.0
+RECENT_EXITS_KEPT = 256
+
+
+class RecentExits:
+    """The ranks' exits of the last ten minutes (at most 256), which each Register
+    carries again: a report sent on a stream that broke before the scheduler recorded it
+    (its PostgreSQL restarting) is otherwise lost, and a job whose ranks all finished
+    would wait for their exits for good. The scheduler records an exit once."""
+
+    def __init__(self, clock: Any = time.monotonic) -> None:
+        self._clock = clock
+        self._exits: collections.deque[tuple[float, agent_pb2.RankExited]] = collections.deque(
+            maxlen=RECENT_EXITS_KEPT
+        )
+
+    def add(self, exited: agent_pb2.RankExited) -> None:
+        if exited.job_id:  # a standby's exit decides nothing
+            self._exits.append((self._clock(), exited))
+
+    def recent(self) -> list[agent_pb2.RankExited]:
+        """Oldest first."""
+        since = self._clock() - RECENT_EXITS_SECONDS
+        return [exited for at, exited in self._exits if at >= since]

@@ -26,9 +26,10 @@ async def register_message(
     backend: GpuBackend,
     running: Callable[[], list[agent_pb2.RunningRank]],
     started_at: float,
+    recent_exits: Callable[[], list[agent_pb2.RankExited]] = list,
 ) -> agent_pb2.AgentMessage:
     """The Register that opens every stream: the node, its GPUs, its labels and role,
-    and the ranks it runs now (`running`)."""
+    the ranks it runs now (`running`) and those that exited lately (`recent_exits`)."""
     gpus = await asyncio.to_thread(backend.inventory)
     return agent_pb2.AgentMessage(
         register=agent_pb2.Register(
@@ -54,5 +55,6 @@ async def register_message(
             ),
             running_ranks=running(),
             agent_started_at=timestamp(started_at),
+            recent_exits=recent_exits(),
         )
     )

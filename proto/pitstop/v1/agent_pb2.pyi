@@ -25,20 +25,22 @@ FINDING_KIND_NONFINITE: FindingKind
 FINDING_KIND_SPIKE: FindingKind
 
 class Register(_message.Message):
-    __slots__ = ("node_id", "inventory", "labels", "requested_role", "running_ranks", "agent_started_at")
+    __slots__ = ("node_id", "inventory", "labels", "requested_role", "running_ranks", "agent_started_at", "recent_exits")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_ROLE_FIELD_NUMBER: _ClassVar[int]
     RUNNING_RANKS_FIELD_NUMBER: _ClassVar[int]
     AGENT_STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    RECENT_EXITS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     inventory: _common_pb2.Inventory
     labels: _common_pb2.TopologyLabels
     requested_role: _common_pb2.NodeRole
     running_ranks: _containers.RepeatedCompositeFieldContainer[RunningRank]
     agent_started_at: _timestamp_pb2.Timestamp
-    def __init__(self, node_id: _Optional[str] = ..., inventory: _Optional[_Union[_common_pb2.Inventory, _Mapping]] = ..., labels: _Optional[_Union[_common_pb2.TopologyLabels, _Mapping]] = ..., requested_role: _Optional[_Union[_common_pb2.NodeRole, str]] = ..., running_ranks: _Optional[_Iterable[_Union[RunningRank, _Mapping]]] = ..., agent_started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    recent_exits: _containers.RepeatedCompositeFieldContainer[RankExited]
+    def __init__(self, node_id: _Optional[str] = ..., inventory: _Optional[_Union[_common_pb2.Inventory, _Mapping]] = ..., labels: _Optional[_Union[_common_pb2.TopologyLabels, _Mapping]] = ..., requested_role: _Optional[_Union[_common_pb2.NodeRole, str]] = ..., running_ranks: _Optional[_Iterable[_Union[RunningRank, _Mapping]]] = ..., agent_started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., recent_exits: _Optional[_Iterable[_Union[RankExited, _Mapping]]] = ...) -> None: ...
 
 class RunningRank(_message.Message):
     __slots__ = ("job_id", "generation", "rank", "pid", "step", "standby", "ready")

@@ -18,7 +18,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 from redis.exceptions import RedisError
 
-from pitstop.scheduler.api.agent_input import check_agent_message, check_step_summary
+from pitstop.scheduler.api.agent_input import (
+    check_agent_message,
+    check_recent_exits,
+    check_step_summary,
+)
 from pitstop.scheduler.api.agent_messages import HEALTH_PATH, StreamLink, handle
 from pitstop.scheduler.api.agent_stream import Beats, StreamState, tracked
 from pitstop.scheduler.api.agent_writes import AckWriter, JobGenerations, StepWriter
@@ -43,7 +47,7 @@ from pitstop.scheduler.hostprobe import loss_cause
 from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.liveness import DEADLINE_REASON, STALL_SECONDS
 from pitstop.scheduler.metrics import SchedulerMetrics
-from pitstop.scheduler.services import enrollment
+from pitstop.scheduler.services import enrollment, rank_exits
 from pitstop.scheduler.services import health as health_service
 from pitstop.scheduler.services import nodes as node_service
 from pitstop.scheduler.store import Store
@@ -279,6 +283,7 @@ class AgentServicer:
             )
         if reg.requested_role:
             node_roles_from_pb([reg.requested_role], field="register.requested_role")
+        check_recent_exits(reg.recent_exits)
         indexes = [g.index for g in reg.inventory.gpus]
         if len(set(indexes)) != len(indexes) or len({g.uuid for g in reg.inventory.gpus}) != len(
             indexes
@@ -301,6 +306,11 @@ class AgentServicer:
                 registration_from_pb(reg),
                 now=registered_at,
                 connected_elsewhere=self.gateway.connected(reg.node_id),
+            )
+            missed = await rank_exits.record_exits(session, node.id, reg.recent_exits)
+        if missed:
+            log.warning(
+                "node %s: %d rank exits it reported were not recorded; now", node.id, missed
             )
         await self.hot.record_heartbeat(node.id, self.liveness_timeout)
         return StreamState(

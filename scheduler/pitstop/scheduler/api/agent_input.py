@@ -5,6 +5,7 @@ value and the fix, instead of failing the write as an internal error."""
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -35,6 +36,7 @@ MAX_LENGTH = {
     "register.labels.nvlink_domain": 128,
     "xid.gpu_uuid": 64,
     "rank_exited.job_id": 32,
+    "register.recent_exits.job_id": 32,
 }
 """Widths of the columns an agent's strings are stored in (db/models.py), by field path
 without indexes."""
@@ -158,6 +160,20 @@ def _value(field: _Field, value: Any, name: str) -> None:
     elif kind == "msg":
         assert field.descriptor is not None
         _walk(value, _plan(field.descriptor, field.key), name)
+
+
+MAX_RECENT_EXITS = 1024
+"""The most exits a Register may report again (an agent keeps 256)."""
+
+
+def check_recent_exits(exits: Sized) -> None:
+    """A Register's `recent_exits`: each is looked up as it registers, so not too many."""
+    if len(exits) > MAX_RECENT_EXITS:
+        raise InvalidArgument(
+            "register.recent_exits",
+            len(exits),
+            f"send the exits of the last minutes, {MAX_RECENT_EXITS} at most",
+        )
 
 
 def check_step_summary(summary: Message) -> None:

@@ -30,6 +30,7 @@ from pitstop.scheduler.metrics import SchedulerMetrics
 from pitstop.scheduler.services import health as health_service
 from pitstop.scheduler.services import integrity as integrity_service
 from pitstop.scheduler.services import jobs as job_service
+from pitstop.scheduler.services import rank_exits
 from pitstop.scheduler.services import records as record_service
 from pitstop.scheduler.services import stacks as stacks_service
 from pitstop.scheduler.services.events import record_event
@@ -99,25 +100,9 @@ async def _step_summary(
 async def _rank_exited(
     link: StreamLink, state: StreamState, message: agent_pb2.AgentMessage
 ) -> None:
-    exited, node_id = message.rank_exited, state.node_id
     await link.steps.settle()  # its last steps first, as its agent sent them
-    how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
     async with link.store.write() as session:
-        record_event(
-            session,
-            "rank.exited",
-            actor=f"agent:{node_id}",
-            job_id=exited.job_id or None,
-            node_id=node_id,
-            reason=f"rank {exited.rank} ended with {how}",
-            attributes={
-                "rank": str(exited.rank),
-                "generation": str(exited.generation),
-                "exit_code": str(exited.exit_code),
-                "signal": str(exited.signal),
-                **{f"result.{k}": v[:1000] for k, v in list(exited.result.items())[:32]},
-            },
-        )
+        await rank_exits.record_exits(session, state.node_id, [message.rank_exited])
 
 
 async def _finding(link: StreamLink, state: StreamState, message: agent_pb2.AgentMessage) -> None:
