@@ -87,12 +87,14 @@ def test_a_corrupted_in_memory_shard_is_caught_and_restored_from_the_buddy(
 def test_a_full_durable_store_is_reported_and_training_goes_on(
     cluster: Cluster, standalone_hash: str
 ) -> None:
-    """Every node flushes every 5 steps to a store with no byte free. The flushes fail
-    and are reported as events naming the error; no rank waits on them, the in-memory
-    copies stay, so a node lost mid-run is still recovered from memory."""
+    """Every node flushes every 5 steps to a store with no byte free. The flushes are
+    refused before they write and reported as events saying how much is free; no rank
+    waits on them, the in-memory copies stay, so a node lost mid-run is still recovered
+    from memory."""
     job = cluster.submit("--step-seconds", str(STEP_SECONDS))
     failed = cluster.wait(lambda e: e.kind == "checkpoint.flush_failed", "a flush_failed event")
-    assert "No space left on device" in failed.reason, failed
+    assert "refused before writing" in failed.reason, failed
+    assert "free, the flush needs" in failed.reason, failed
     assert f"job {job.id}" in failed.reason, failed
     victim = cluster.node_of(job, 2)
     cluster.wait_for_step(job, 2, random.randint(12, STEPS // 2))
