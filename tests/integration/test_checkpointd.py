@@ -38,7 +38,8 @@ from kit.checkpointd import (
     restored_bytes,
     stub,
 )
-from pitstop.checkpointd.daemon import remembered_jobs
+from kit.dirs import tmpfs
+from pitstop.checkpointd.daemon import CheckpointDaemon
 from pitstop.checkpointd.slots import SHM_DIR, remove_stale_segments, segment_prefix
 from pitstop.rankside.durable import DurableShard, DurableStore
 from pitstop.rankside.format import TensorSpec, plan_shard, write_header
@@ -419,11 +420,8 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A real filesystem of 256 KiB (a tmpfs: mounting one needs root)."""
     if os.geteuid() != 0:
         pytest.skip("mounting a filesystem of a given size needs root")
-    mount = tmp_path / "small"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "pitstop-test", mount], check=True)
-    yield mount
-    subprocess.run(["umount", "--lazy", mount], check=True)
+    with tmpfs(tmp_path / "small", "256k") as mount:
+        yield mount
 
 
 def test_a_full_disk_refuses_the_flush_keeps_memory_and_flushes_once_room_returns(
@@ -653,6 +651,12 @@ def test_a_vanished_segment_costs_one_snapshot_and_no_restore(
         assert restored_bytes(writer, 3)[0] == as_bytes(make_state(0, 3))
     finally:
         writer.close()
+
+
+def remembered_jobs(daemon: CheckpointDaemon) -> set[str]:
+    """Every job the daemon keeps anything of: snapshots, step times, members."""
+    held = {record.shard.job_id for record in daemon.store.records()}
+    return held | daemon.flusher.jobs() | set(daemon.members)
 
 
 def test_the_memory_of_a_job_that_ended_goes_back_to_dev_shm(

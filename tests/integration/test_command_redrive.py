@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from kit.events import follow_events, wait_for
-from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.schedulers import SchedulerThread, hand_driven_leader
 from kit.stores import StoreUrls, unique
 from kit.streams import AgentStream
 from pitstop.scheduler.services.node_commands import RESEND_SECONDS
@@ -24,18 +24,7 @@ def database(stores: StoreUrls) -> str:
 
 
 def leader(stores: StoreUrls, tmp_path: Path, database: str, prefix: str) -> SchedulerThread:
-    return SchedulerThread(
-        scheduler_settings(
-            stores,
-            tmp_path / unique("scheduler"),
-            database_url=database,
-            redis_prefix=prefix,
-            leader_loops=True,
-            # Hand-driven streams send no heartbeats: no deadline may expire meanwhile.
-            heartbeat_interval_seconds=60.0,
-            liveness_startup_grace_seconds=60.0,
-        )
-    )
+    return hand_driven_leader(stores, tmp_path, database=database, prefix=prefix)
 
 
 @pytest.fixture

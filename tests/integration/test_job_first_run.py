@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kit.events import follow_events
-from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.schedulers import hand_driven_leader
 from kit.stores import StoreUrls, unique
 from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, jobs_pb2_grpc
 
@@ -16,18 +16,7 @@ from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, jobs_pb2_grpc
 def test_a_job_restarted_before_its_first_step_says_job_running_when_it_trains(
     stores: StoreUrls, tmp_path: Path
 ) -> None:
-    thread = SchedulerThread(
-        scheduler_settings(
-            stores,
-            tmp_path / unique("scheduler"),
-            database_url=stores.fresh_database(),
-            redis_prefix=f"{stores.redis_prefix}{unique('firstrun')}:",
-            leader_loops=True,
-            # Hand-driven streams send no heartbeats: no deadline may expire meanwhile.
-            heartbeat_interval_seconds=60.0,
-            liveness_startup_grace_seconds=60.0,
-        )
-    )
+    thread = hand_driven_leader(stores, tmp_path)
     try:
         worker = thread.open_stream("w0", gpus=1, rack="r0")
         jobs = jobs_pb2_grpc.JobServiceStub(thread.channel())

@@ -9,7 +9,7 @@ from pathlib import Path
 import psycopg
 
 from kit.events import follow_events
-from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.schedulers import hand_driven_leader
 from kit.stores import StoreUrls, unique
 from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, jobs_pb2_grpc
 
@@ -18,18 +18,7 @@ def test_an_exit_never_recorded_is_recorded_from_the_next_register_and_only_once
     stores: StoreUrls, tmp_path: Path
 ) -> None:
     database = stores.fresh_database()
-    thread = SchedulerThread(
-        scheduler_settings(
-            stores,
-            tmp_path / unique("scheduler"),
-            database_url=database,
-            redis_prefix=f"{stores.redis_prefix}{unique('exits')}:",
-            leader_loops=True,
-            # Hand-driven streams send no heartbeats: no deadline may expire meanwhile.
-            heartbeat_interval_seconds=60.0,
-            liveness_startup_grace_seconds=60.0,
-        )
-    )
+    thread = hand_driven_leader(stores, tmp_path, database=database)
     try:
         first = thread.open_stream("w0", gpus=1, rack="r0")
         jobs = jobs_pb2_grpc.JobServiceStub(thread.channel())

@@ -17,7 +17,7 @@ import pytest
 
 from kit.events import follow_events
 from kit.ports import free_port, silent_address
-from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.schedulers import SchedulerThread, hand_driven_leader
 from kit.stores import StoreUrls, unique
 from kit.streams import AgentStream
 from pitstop.v1 import agent_pb2, jobs_pb2, jobs_pb2_grpc
@@ -32,23 +32,15 @@ def silent() -> Iterator[str]:
 
 
 def leader(stores: StoreUrls, tmp_path: Path, **mass_loss: Any) -> SchedulerThread:
-    return SchedulerThread(
-        scheduler_settings(
-            stores,
-            tmp_path / unique("scheduler"),
-            database_url=stores.fresh_database(),
-            redis_prefix=f"{stores.redis_prefix}{unique('massloss')}:",
-            leader_loops=True,
-            # Hand-driven streams send no heartbeats: no deadline may expire meanwhile.
-            heartbeat_interval_seconds=60.0,
-            liveness_startup_grace_seconds=60.0,
-            loss_probe_seconds=0.3,
-            # What the hosts answer is judged here, not the shedder (test_load_shedding):
-            # a loop this busy machine makes late must not count every loss silent.
-            shed_lag_seconds=5.0,
-            mass_loss_nodes=3,
-            **mass_loss,
-        )
+    return hand_driven_leader(
+        stores,
+        tmp_path,
+        loss_probe_seconds=0.3,
+        # What the hosts answer is judged here, not the shedder (test_load_shedding):
+        # a loop this busy machine makes late must not count every loss silent.
+        shed_lag_seconds=5.0,
+        mass_loss_nodes=3,
+        **mass_loss,
     )
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import psycopg
 import redis
 
-from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.schedulers import hand_driven_leader
 from kit.stores import StoreUrls, unique
 from kit.waits import wait_until
 from pitstop.v1 import agent_pb2, common_pb2, jobs_pb2, jobs_pb2_grpc
@@ -27,17 +27,12 @@ def test_an_ended_jobs_redis_keys_go_after_the_retention_and_a_running_jobs_stay
 ) -> None:
     prefix = f"{stores.redis_prefix}{unique('retention')}:"
     database = stores.fresh_database()
-    thread = SchedulerThread(
-        scheduler_settings(
-            stores,
-            tmp_path / unique("scheduler"),
-            database_url=database,
-            redis_prefix=prefix,
-            leader_loops=True,
-            heartbeat_interval_seconds=60.0,
-            liveness_startup_grace_seconds=60.0,
-            ended_job_retention_seconds=RETENTION,
-        )
+    thread = hand_driven_leader(
+        stores,
+        tmp_path,
+        database=database,
+        prefix=prefix,
+        ended_job_retention_seconds=RETENTION,
     )
     client = redis.Redis.from_url(stores.redis_url)
     try:

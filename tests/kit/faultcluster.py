@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 import grpc
 
 from kit import waits
+from kit.dirs import tmpfs
 from kit.events import follow_events
 from kit.forking import ForkClient, ForkedChild
 from kit.processes import line_with
@@ -536,16 +537,12 @@ class Cluster:
 @contextlib.contextmanager
 def full_filesystem(path: Path) -> Iterator[None]:
     """A 64 KiB tmpfs at `path`, filled to the last byte (needs root to mount)."""
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)], check=True)
-    try:
+    with tmpfs(path, "64k"):
         with (path / "filler").open("wb", buffering=0) as filler, contextlib.suppress(OSError):
             while True:  # until ENOSPC
                 filler.write(bytes(4096))
         assert os.statvfs(path).f_bavail == 0
         yield
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @contextlib.contextmanager

@@ -100,6 +100,31 @@ async def cancel_leftover_tasks() -> None:
     await asyncio.get_running_loop().shutdown_asyncgens()  # a Watch's generator, say
 
 
+def hand_driven_leader(
+    stores: StoreUrls,
+    tmp_path: Path,
+    *,
+    database: str | None = None,
+    prefix: str | None = None,
+    **overrides: Any,
+) -> SchedulerThread:
+    """A leading scheduler in a thread, on a database and Redis prefix of its own (fresh
+    ones unless given), for tests that drive agent streams by hand: those send no
+    heartbeats, so no node's deadline may expire meanwhile."""
+    return SchedulerThread(
+        scheduler_settings(
+            stores,
+            tmp_path / unique("scheduler"),
+            database_url=database or stores.fresh_database(),
+            redis_prefix=prefix or f"{stores.redis_prefix}{unique('leader')}:",
+            leader_loops=True,
+            heartbeat_interval_seconds=60.0,
+            liveness_startup_grace_seconds=60.0,
+            **overrides,
+        )
+    )
+
+
 def scheduler_settings(stores: StoreUrls, state_dir: Path, **overrides: Any) -> SchedulerSettings:
     values: dict[str, Any] = {
         "host": "127.0.0.1",

@@ -356,12 +356,6 @@ class CheckpointDaemon:
             self.pool.unref(old.segment)
 
 
-def remembered_jobs(daemon: CheckpointDaemon) -> set[str]:
-    """Every job the daemon keeps anything of: snapshots, step times, members."""
-    held = {record.shard.job_id for record in daemon.store.records()}
-    return held | daemon.flusher.jobs() | set(daemon.members)
-
-
 def forget_jobs(daemon: CheckpointDaemon, job_ids: list[str]) -> None:
     """The jobs ended (the scheduler says so): their snapshots and replicas here
     restore nothing any more, so their memory goes back to /dev/shm. Durable copies stay

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from pitstop.rankside.shards import CHECKSUM_ALGORITHM, ShardId
 
@@ -70,7 +71,7 @@ class DurableStore:
         """Bytes free on the filesystem the store writes to, for a store on a local
         filesystem (its root or the nearest folder above it that exists); None for any
         other store (an object store has no "full")."""
-        if "file" not in _protocols(self.fs):
+        if not isinstance(self.fs, LocalFileSystem):
             return None
         path = Path(self.root)
         while not path.exists() and path != path.parent:
@@ -262,8 +263,3 @@ def _safe_name(value: str, what: str) -> str:
     if not valid_name(value):
         raise ValueError(f"{what} {value!r}: use letters, digits and _.@=+- only")
     return value
-
-
-def _protocols(fs: Any) -> tuple[str, ...]:
-    protocol = fs.protocol
-    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
