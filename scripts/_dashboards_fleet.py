@@ -1,8 +1,10 @@
 """The fleet dashboard (deploy/grafana/dashboards/fleet.json): node states, GPU health
-and Xids, the control plane's heartbeat and event-loop lag."""
+and Xids, the hosts' links, memory, disks and PCIe devices, the control plane's heartbeat
+and event-loop lag."""
 
 from __future__ import annotations
 
+from scripts._dashboards_host import host_row
 from scripts._dashboards_panels import RATE, VERDICTS, Dashboard, panel, series, stat, target
 
 
@@ -10,8 +12,9 @@ def fleet() -> Dashboard:
     d = Dashboard(
         "pitstop-fleet",
         "pitstop / Fleet",
-        "Which nodes are sick: node states, GPU health and Xid errors, and the control "
-        "plane's own health (leader, heartbeat lag, event-loop lag).",
+        "Which nodes are sick: node states, GPU health and Xid errors, the hosts' links, "
+        "memory, disks and PCIe devices, and the control plane's own health (leader, "
+        "heartbeat lag, event-loop lag).",
     )
     d.row("Nodes")
     for state, colour in (
@@ -171,6 +174,7 @@ def fleet() -> Dashboard:
         ),
         width=8,
     )
+    host_row(d)
     d.row("Control plane")
     d.add(
         stat(

@@ -381,7 +381,11 @@ async def test_fault_injection_can_be_refused(agent: Agent, short_dir: Path) -> 
         allow_fault_injection=False,
     )
     expected = [
-        (unsupported, grpc.StatusCode.FAILED_PRECONDITION, "sim GPU backend cannot"),
+        (
+            unsupported,
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "cannot inject this fault here: this backend injects nothing",
+        ),
         (disabled, grpc.StatusCode.PERMISSION_DENIED, "fault injection is disabled"),
     ]
     for endpoint, code, message in expected:

@@ -13,7 +13,7 @@ import pytest
 from pitstop.agent.host.kmsg import KMSG, KernelLog, oom_killed
 from pitstop.agent.host.sim import SimulatedHost
 from pitstop.agent.host.sysfs import SysfsHost, aer_total
-from pitstop.health.host import assess_host
+from pitstop.health.host import HostThresholds, assess_host
 from pitstop.v1 import common_pb2
 
 AER_CORRECTABLE = "".join(
@@ -232,13 +232,18 @@ def test_the_kernel_log_reports_an_oom_record_logged_after_it_opened() -> None:
         log.close()
 
 
-def test_every_simulated_fault_gives_the_verdict_a_real_one_would() -> None:
-    sim = SimulatedHost()
+def test_every_simulated_fault_gives_the_verdict_a_real_one_would(tmp_path: Path) -> None:
+    sim = SimulatedHost(disk_paths=[tmp_path])
     start = sim.read()
     peaks = {link.name: link.rate_gbps for link in start.links}
+    # The disk is real: judged full only at no byte free, whatever this machine has left.
+    limits = HostThresholds(disk_free_fraction=0, disk_free_bytes=1)
 
     def verdict() -> common_pb2.HealthVerdict:
-        return assess_host(sim.read(), now=10, earlier=[(0, start)], seen_up=peaks).verdict
+        judged = assess_host(
+            sim.read(), now=10, earlier=[(0, start)], seen_up=peaks, thresholds=limits
+        )
+        return judged.verdict
 
     assert verdict() == common_pb2.HEALTH_VERDICT_HEALTHY
     steps = [
@@ -262,3 +267,34 @@ def test_every_simulated_fault_gives_the_verdict_a_real_one_would() -> None:
         sim.link_flap("ib9/1", 1)
     with pytest.raises(ValueError, match="count 0: give 1 or more"):
         sim.link_errors("mlx5_0/1", 0)
+    with pytest.raises(ValueError, match="reads no disk: set host_disk_paths"):
+        sim.disk_full()
+
+
+def test_a_cleared_simulated_host_is_healthy_again_with_its_counters_kept(
+    tmp_path: Path,
+) -> None:
+    sim = SimulatedHost(disk_paths=[tmp_path / "not-made-yet"])
+    start = sim.read()
+    assert [d.path for d in start.disks] == [str(tmp_path / "not-made-yet")]  # its parent's
+    peaks = {link.name: link.rate_gbps for link in start.links}
+    sim.link_down("mlx5_1/1")
+    sim.pcie_degraded()
+    sim.disk_full()
+    assert sim.read().disks[0].free_bytes == 0
+    sim.clear()
+    after = sim.read()
+    limits = HostThresholds(disk_free_fraction=0, disk_free_bytes=1)
+    judged = assess_host(after, now=100, earlier=[(0, start)], seen_up=peaks, thresholds=limits)
+    assert judged.verdict == common_pb2.HEALTH_VERDICT_HEALTHY, judged.reasons
+    assert after.disks[0].free_bytes > 0
+    assert [link.down_count for link in after.links] == [0, 1]  # the kernel's count stays
+
+
+def test_an_oom_kill_is_known_by_the_pid_it_killed() -> None:
+    sim = SimulatedHost()
+    assert not sim.killed_for_memory(4321)
+    sim.oom_kill(4321, "python")
+    assert sim.killed_for_memory(4321)
+    assert not sim.killed_for_memory(432)  # the whole pid, not a prefix
+    assert sim.recent_oom_kills() == ["pid 4321 (python)"]

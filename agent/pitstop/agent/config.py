@@ -120,6 +120,28 @@ class AgentSettings(LayeredSettings):
     fork_preload: str = "torch,pitstop.trainer"
     """Comma-separated modules the agent's own fork server imports before it serves:
     what the node's training scripts import (a forked rank imports the rest itself)."""
+    host_backend: Literal["auto", "sysfs", "sim", "off"] = "auto"
+    """What reads the host around the GPUs (links, memory, disks, PCIe; see
+    docs/host-health.md). `auto`: the simulated host with simulated GPUs, the real one
+    (`sysfs`: /sys, /proc, /dev/kmsg) with NVML; `off`: the host is not read."""
+    host_links: list[str] = Field(default_factory=lambda: ["*/*"])
+    """Which links count (shell patterns over their names): a link that does not is
+    neither read nor judged. Default: every InfiniBand/RoCE port ("mlx5_0/1") and no
+    Ethernet interface, so a management NIC's flap never drains a node; name a training
+    interface ("eth1", "ens*") to judge it too."""
+    host_disk_paths: list[Path] = Field(default_factory=list)
+    """The paths whose filesystems are watched for room, inodes and read-only: the
+    checkpoint daemon's durable and spill paths. Empty: the state directory."""
+    host_flap_window_seconds: float = Field(default=60.0, gt=0)
+    host_flap_downs: int = Field(default=3, ge=1)
+    host_link_error_growth: int = Field(default=100, ge=1)
+    host_pcie_correctable_growth: int = Field(default=100, ge=1)
+    host_edac_corrected_growth: int = Field(default=100, ge=1)
+    host_memory_pressure_percent: float = Field(default=20.0, ge=0, le=100)
+    host_disk_free_fraction: float = Field(default=0.05, ge=0, lt=1)
+    host_disk_free_bytes: int = Field(default=10 << 30, ge=0)
+    """The verdict thresholds (pitstop.health.host.HostThresholds, where each default
+    says why; the table in docs/host-health.md)."""
     log_level: str = "INFO"
     allow_fault_injection: bool = False
     """Accept injected faults on the local socket; default true only for simulated GPUs."""

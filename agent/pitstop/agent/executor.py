@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from pitstop.agent import stacks
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.gpu import GpuBackend
+from pitstop.agent.gpu.base import FaultNotSupported
 from pitstop.agent.handover import StandbyHandover
 from pitstop.agent.metrics import AgentMetrics
 from pitstop.agent.rankports import RankChannel, RankSupervision
@@ -70,9 +71,12 @@ class CommandExecutor:
         send: Callable[..., None],
         beat_soon: Callable[[], None],
         heartbeat: Callable[[], Awaitable[agent_pb2.Heartbeat]] | None = None,
+        inject: Callable[[common_pb2.Fault], None] | None = None,
     ) -> None:
         self._settings = settings
         self._backend = backend
+        self._inject = inject or backend.inject_fault
+        """Carries out a drill: the node's FaultInjector (GPU and host faults)."""
         self._supervisor = supervisor
         self._local = local
         self._metrics = metrics
@@ -277,7 +281,10 @@ class CommandExecutor:
                 f"fault injection is disabled on node {self._settings.node_id}; "
                 "set allow_fault_injection: true in its agent config to allow drills"
             )
-        await asyncio.to_thread(self._backend.inject_fault, message.inject_fault)
+        try:
+            await asyncio.to_thread(self._inject, message.inject_fault)
+        except (ValueError, FaultNotSupported) as exc:
+            return f"node {self._settings.node_id}: {exc}"
         log.warning("injected fault: %s", message.inject_fault)
         self._beat_soon()  # an extra heartbeat now, so the fault is seen at once
         return ""

@@ -17,15 +17,17 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable, Collection
 from typing import Protocol
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from pitstop.agent.conditions import ConditionSource, with_conditions
+from pitstop.agent.conditions import ConditionSource, NodeCondition, with_conditions
 from pitstop.agent.config import AgentSettings
 from pitstop.agent.gpu import GpuBackend
+from pitstop.agent.host.watch import HostWatch
 from pitstop.agent.metrics import AgentMetrics
 from pitstop.health.verdict import assess_gpu, assess_node
 from pitstop.health.xid import XidClass, classify_xid, verdict_for
@@ -56,15 +58,23 @@ class RunningRanks(Protocol):
     def kill_gpu(self, gpu_index: int, reason: str) -> list[tuple[str, int]]: ...
 
 
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
 def _gist(beat: agent_pb2.Heartbeat) -> tuple[object, ...]:
-    """What the scheduler acts on in a heartbeat: the verdicts and their reasons (node and
-    GPUs) and which processes run (not their step, nor the GPUs' temperatures and
-    counters, which change at every look and are sent with the refresh)."""
+    """What the scheduler acts on in a heartbeat: the verdicts and their reasons (node,
+    GPUs and host) and which processes run (not their step, nor the GPUs' temperatures
+    and counters, which change at every look and are sent with the refresh). A host
+    reason counts without its numbers: a disk filling or memory pressure moving says a
+    new number every look, and is the same news until its verdict changes."""
     health = beat.health
+    host = set(health.host.reasons)
     return (
         health.verdict,
-        tuple(health.reasons),
+        tuple(r for r in health.reasons if r not in host),
         tuple((g.index, g.verdict, tuple(g.reasons)) for g in health.gpus),
+        health.host.verdict,
+        tuple(_NUMBER.sub("#", r) for r in health.host.reasons),
         tuple(
             sorted(
                 (r.job_id, r.generation, r.rank, r.pid, r.standby, r.ready)
@@ -95,8 +105,10 @@ class Heartbeats:
         send: Callable[..., None],
         clock: Callable[[], float],
         conditions: Collection[ConditionSource] = (),
+        host: HostWatch | None = None,
     ) -> None:
         self._settings = settings
+        self._host = host
         self._backend = backend
         self._supervisor = supervisor
         self._steps = steps
@@ -177,14 +189,34 @@ class Heartbeats:
             self._previous = {r.index: r for r in readings}
             health = assess_node(assessed)
             self._metrics.observe_health(health.gpus)
-        # Beyond the GPUs: a node daemon that is down (the checkpoint daemon).
-        health = with_conditions(health, [c for s in self._conditions for c in s.conditions()])
+        # Beyond the GPUs: the host (links, memory, disks, PCIe), and a node daemon that
+        # is down (the checkpoint daemon).
+        found = [c for s in self._conditions for c in s.conditions()]
+        if self._host is not None:
+            host = await self._look_at_host()
+            health.host.CopyFrom(host)
+            found += [NodeCondition(host.verdict, reason) for reason in host.reasons]
+        health = with_conditions(health, found)
         running = self._supervisor.running()
         self._metrics.ranks_running.labels(self._settings.node_id).set(len(running))
         self.latest = health
         return agent_pb2.Heartbeat(
             time=timestamp(self._clock()), health=health, running_ranks=running
         )
+
+    async def _look_at_host(self) -> common_pb2.HostHealth:
+        """The host now, judged; a failed read is a warning that says why."""
+        assert self._host is not None
+        try:
+            host = await asyncio.to_thread(self._host.look, asyncio.get_running_loop().time())
+        except Exception as exc:
+            log.exception("reading the host's health failed")
+            return common_pb2.HostHealth(
+                verdict=common_pb2.HEALTH_VERDICT_DEGRADED,
+                reasons=[f"reading the host's health failed: {type(exc).__name__}: {exc}"],
+            )
+        self._metrics.observe_host(host)
+        return host
 
     async def carried(self) -> agent_pb2.Heartbeat:
         """A heartbeat of the node now, to go with a command's ack instead of after it,

@@ -157,6 +157,37 @@ EXAMPLE_CONFIG = """\
 # fork_server: auto
 # fork_preload: torch,pitstop.trainer
 
+# The host around the GPUs (docs/host-health.md): InfiniBand/RoCE ports, the host's
+# memory (OOM kills, pressure, EDAC), the daemons' disks and the PCIe devices of the GPUs
+# and NICs, judged every heartbeat. auto: the simulated host with sim:N GPUs, the real
+# one (sysfs: /sys, /proc and /dev/kmsg, which needs root or CAP_SYSLOG) with nvml; off:
+# not read. A link down or a fatal PCIe or memory error replaces the node; a flap, link
+# errors, a slower link or a degraded PCIe link drain it at the next committed step; a
+# full or read-only disk and memory pressure are reported.
+# host_backend: auto
+
+# Links that count, as shell patterns over their names (mlx5_0/1 is a port, eth0 an
+# interface): others are neither read nor judged. The default takes every InfiniBand
+# and RoCE port and no Ethernet interface, so a management NIC never drains the node.
+# host_links: ["*/*"]
+
+# Paths whose filesystems are watched (room, inodes, read-only): the checkpoint daemon's
+# durable and spill paths. Empty: state_dir.
+# host_disk_paths: []
+
+# Verdict thresholds. Counters are judged by their growth over the window: a link that
+# went down flap_downs times in it flapped; errors, correctable PCIe errors and
+# corrected memory errors warn at their growth below. Memory pressure is PSI's "full"
+# avg10 in percent. A disk is low under either free share or free bytes.
+# host_flap_window_seconds: 60.0
+# host_flap_downs: 3
+# host_link_error_growth: 100
+# host_pcie_correctable_growth: 100
+# host_edac_corrected_growth: 100
+# host_memory_pressure_percent: 20.0
+# host_disk_free_fraction: 0.05
+# host_disk_free_bytes: 10737418240
+
 # DEBUG, INFO, WARNING, ERROR or CRITICAL.
 # log_level: INFO
 

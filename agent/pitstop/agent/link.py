@@ -27,6 +27,7 @@ from pitstop.agent.config import AgentSettings
 from pitstop.agent.executor import CommandExecutor
 from pitstop.agent.gpu import GpuBackend
 from pitstop.agent.heartbeats import Heartbeats, StepSource
+from pitstop.agent.host.watch import HostWatch
 from pitstop.agent.metrics import AgentMetrics
 from pitstop.agent.outbox import Outbox, RecentExits, first_of
 from pitstop.agent.rankports import RankChannel, RankSupervision
@@ -88,6 +89,8 @@ class SchedulerLink:
         clock: Callable[[], float] = time.time,
         conditions: Collection[ConditionSource] = (),
         identity: NodeIdentity | None = None,
+        host: HostWatch | None = None,
+        inject: Callable[[common_pb2.Fault], None] | None = None,
     ) -> None:
         self._settings = settings
         self._identity = identity
@@ -107,6 +110,7 @@ class SchedulerLink:
             send=self._send,
             clock=clock,
             conditions=conditions,
+            host=host,
         )
         self._commands = CommandExecutor(
             settings,
@@ -117,6 +121,7 @@ class SchedulerLink:
             send=self._send,
             beat_soon=self._heartbeats.beat_soon,
             heartbeat=self._heartbeats.carried,
+            inject=inject,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None

@@ -21,6 +21,8 @@ from pitstop.agent.checkpointd_watch import CheckpointdWatch
 from pitstop.agent.config import AgentSettings, load_settings
 from pitstop.agent.forkserver import ForkServerClient
 from pitstop.agent.gpu import GpuBackend, GpuBackendError, open_backend
+from pitstop.agent.host.drills import FaultInjector
+from pitstop.agent.host.watch import open_host_watch
 from pitstop.agent.identity import enroll, identity_for, keep_renewed
 from pitstop.agent.link import SchedulerLink
 from pitstop.agent.local import LocalEndpoint
@@ -85,6 +87,13 @@ class NodeAgent:
             settings.preflight_interval_seconds,
             on_change=self._node_health_changed,
         )
+        self.host = open_host_watch(settings, backend)
+        if self.host is not None:
+            self.supervisor.exit_cause = self.host.exit_cause
+        self.faults = FaultInjector(
+            backend, self.host.backend if self.host else None, self.supervisor.table.pids_on
+        )
+        self.local.inject = self.faults.inject
         self.link = SchedulerLink(
             settings,
             backend,
@@ -97,6 +106,8 @@ class NodeAgent:
                 *([self.checkpointd] if self.checkpointd is not None else []),
             ],
             identity=self.identity,
+            host=self.host,
+            inject=self.faults.inject,
         )
         # A standby waiting for a rank is reported ready; one handed a rank no longer.
         self.supervisor.standby_waits = self.local.standby_waits
@@ -199,6 +210,8 @@ class NodeAgent:
             if self.metrics_server is not None:
                 await asyncio.to_thread(self.metrics_server.shutdown)
             self.backend.close()
+            if self.host is not None:
+                self.host.close()
 
 
 def _fork_client(settings: AgentSettings) -> ForkServerClient | None:

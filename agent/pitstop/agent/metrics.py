@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge
 from prometheus_client.exposition import generate_latest
 
+from pitstop.agent.host.metrics import HostMetrics
 from pitstop.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class AgentMetrics:
             node,
             registry=r,
         )
+        self.host = HostMetrics(r, node_id, verdicts=VERDICT_VALUES)
         self.scheduler_connected.labels(node_id).set(0)
         for counter in (
             self.heartbeats,
@@ -218,6 +220,10 @@ class AgentMetrics:
                 for kind in ("crc", "replay", "recovery"):
                     value = getattr(link, f"{kind}_errors")
                     self.nvlink_errors.labels(*link_labels, kind).set(value)
+
+    def observe_host(self, host: common_pb2.HostHealth) -> None:
+        """Set the host gauges (pitstop_host_*) from an assessed host reading."""
+        self.host.observe(host)
 
     def render(self) -> bytes:
         """The registry in the Prometheus text format."""

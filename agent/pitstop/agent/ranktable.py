@@ -156,6 +156,10 @@ class RankTable:
         entry = self.ranks.get((job_id, rank))
         return self.launching.get((job_id, rank)) if entry is None else entry.gpu_index
 
+    def pids_on(self, gpu_index: int) -> list[int]:
+        """The process ids of the ranks running on GPU `gpu_index` (not its standbys)."""
+        return [e.process.pid for e in self.ranks.values() if e.gpu_index == gpu_index]
+
     def pid(self, job_id: str, rank: int) -> int | None:
         """The process id of a running rank; None when the rank does not run here."""
         entry = self.ranks.get((job_id, rank))
@@ -284,6 +288,23 @@ def exit_report(entry: RankEntry, returncode: int) -> agent_pb2.RankExited:
         stderr_tail=_tail(entry.log_path),
         result=entry.result,
     )
+
+
+ExitCause = Callable[[int, int], str]
+"""What ended process (pid) killed by (signal), where the host knows more than the
+signal ("the kernel killed it for memory (OOM)"); "" where it does not."""
+
+
+async def explained(
+    exited: agent_pb2.RankExited, pid: int, cause: ExitCause | None
+) -> agent_pb2.RankExited:
+    """`exited` with its cause, asked of `cause` off the event loop for a killed rank."""
+    if cause is not None and exited.signal:
+        try:
+            exited.cause = await asyncio.to_thread(cause, pid, exited.signal)
+        except Exception:  # the exit is reported, with or without its cause
+            logger.exception("explaining the exit of rank %d of %s", exited.rank, exited.job_id)
+    return exited
 
 
 def signal_group(pgid: int, signum: signal.Signals) -> None:

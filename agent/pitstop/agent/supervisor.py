@@ -34,10 +34,12 @@ from pitstop.agent.ranklaunch import (
 from pitstop.agent.ranktable import (
     KILL_WAIT_SECONDS,
     STDERR_TAIL_BYTES,
+    ExitCause,
     RankEntry,
     RankProcess,
     RankTable,
     exit_report,
+    explained,
     outlived,
     signal_group,
     stop_entries,
@@ -101,6 +103,7 @@ class RankSupervisor:
         self.table = RankTable(node_id)
         self.standbys = Standbys(self.launcher, self.table, self._watch_entry)
         self._on_exit = on_exit
+        self.exit_cause: ExitCause | None = None  # the host's word on a killed rank (OOM)
         # Starts and stops run one at a time, so a start never races the stop it follows.
         self._lock = asyncio.Lock()
         self._closed = False
@@ -354,13 +357,14 @@ class RankSupervisor:
                 entry.log_path,
             )
             return
-        exited = exit_report(entry, returncode)
+        exited = await explained(exit_report(entry, returncode), entry.process.pid, self.exit_cause)
         logger.info(
-            "rank %d of job %s exited: code %d signal %d",
+            "rank %d of job %s exited: code %d signal %d%s",
             entry.rank,
             entry.job_id,
             exited.exit_code,
             exited.signal,
+            f" ({exited.cause})" if exited.cause else "",
         )
         try:
             await self._on_exit(exited)

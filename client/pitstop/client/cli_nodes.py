@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -124,11 +124,58 @@ def _nvlink_fault(value: str) -> common_pb2.NvLinkFault:
     return common_pb2.NvLinkFault(link=int(link), crc_errors=int(count))
 
 
+def _port_and(value: str, option: str, what: str, example: str) -> tuple[str, str]:
+    port, sep, number = value.rpartition(":")
+    if not sep or not port.strip() or not number.strip():
+        raise typer.BadParameter(f"{value!r} is not PORT:{what}, e.g. {example}", param_hint=option)
+    return port.strip(), number.strip()
+
+
+def _port_count(value: str, option: str) -> common_pb2.PortCount:
+    port, count = _port_and(value, option, "COUNT", "mlx5_0/1:4")
+    if not count.isdigit() or int(count) < 1:
+        raise typer.BadParameter(f"{value!r}: COUNT must be 1 or more", param_hint=option)
+    return common_pb2.PortCount(port=port, count=int(count))
+
+
+def _port_rate(value: str, option: str) -> common_pb2.PortRate:
+    port, rate = _port_and(value, option, "GBPS", "mlx5_0/1:200")
+    try:
+        gbps = float(rate)
+    except ValueError:
+        gbps = -1.0
+    if not gbps > 0:
+        raise typer.BadParameter(f"{value!r}: GBPS must be a rate above 0", param_hint=option)
+    return common_pb2.PortRate(port=port, rate_gbps=gbps)
+
+
+def _fault(gpu: int, option: str, field: str, value: object) -> common_pb2.Fault:
+    """The Fault for the one option given: `field` is a Fault field, or "host.<field>"."""
+    fault = common_pb2.Fault(gpu_index=gpu)
+    target: Any = fault
+    if field.startswith("host."):
+        target, field = fault.host, field.removeprefix("host.")
+    if field == "nvlink_errors":
+        fault.nvlink_errors.CopyFrom(_nvlink_fault(str(value)))
+    elif field in ("link_flap", "link_errors"):
+        getattr(target, field).CopyFrom(_port_count(str(value), option))
+    elif field == "link_degraded":
+        target.link_degraded.CopyFrom(_port_rate(str(value), option))
+    else:
+        setattr(target, field, value)
+    return fault
+
+
 @nodes_app.command("inject-fault")
 def inject_fault(
     ctx: typer.Context,
     node_id: NodeArgument,
-    gpu: Annotated[int, typer.Option("--gpu", min=0, help="GPU index on the node.")],
+    gpu: Annotated[
+        int,
+        typer.Option(
+            "--gpu", min=0, help="GPU index on the node (the GPU faults', and --oom's rank's)."
+        ),
+    ] = 0,
     xid: Annotated[int | None, typer.Option("--xid", min=0, help="Report this Xid.")] = None,
     ecc_double_bit: Annotated[
         int | None, typer.Option("--ecc-double-bit", min=1, help="Add double-bit ECC errors.")
@@ -170,10 +217,63 @@ def inject_fault(
     fail_preflight: Annotated[
         bool, typer.Option("--fail-preflight", help="The node's next preflight fails.")
     ] = False,
-    clear: Annotated[bool, typer.Option("--clear", help="Clear injected faults.")] = False,
+    clear: Annotated[
+        bool, typer.Option("--clear", help="Clear the GPU's injected faults.")
+    ] = False,
+    link_down: Annotated[
+        str | None,
+        typer.Option("--link-down", metavar="PORT", help="Host: the port (mlx5_0/1) goes down."),
+    ] = None,
+    link_up: Annotated[
+        str | None,
+        typer.Option("--link-up", metavar="PORT", help="Host: the port is up at its full rate."),
+    ] = None,
+    link_flap: Annotated[
+        str | None,
+        typer.Option(
+            "--link-flap", metavar="PORT:COUNT", help="Host: the port goes down and up COUNT times."
+        ),
+    ] = None,
+    link_errors: Annotated[
+        str | None,
+        typer.Option(
+            "--link-errors", metavar="PORT:COUNT", help="Host: the port's error counters grow."
+        ),
+    ] = None,
+    link_degraded: Annotated[
+        str | None,
+        typer.Option(
+            "--link-degraded",
+            metavar="PORT:GBPS",
+            help="Host: the port runs slower; the node's ranks step slower with it.",
+        ),
+    ] = None,
+    oom: Annotated[
+        bool,
+        typer.Option("--oom", help="Host: the kernel kills the rank on --gpu for memory."),
+    ] = False,
+    disk_full: Annotated[
+        bool, typer.Option("--disk-full", help="Host: the daemons' disks read as full.")
+    ] = False,
+    disk_restored: Annotated[
+        bool, typer.Option("--disk-restored", help="Host: the daemons' disks read as they are.")
+    ] = False,
+    pcie_aer: Annotated[
+        int | None,
+        typer.Option(
+            "--pcie-aer", min=1, metavar="COUNT", help="Host: fatal AER errors on the GPU."
+        ),
+    ] = None,
+    pcie_degraded: Annotated[
+        bool, typer.Option("--pcie-degraded", help="Host: the GPU's PCIe link halves its width.")
+    ] = False,
+    host_clear: Annotated[
+        bool, typer.Option("--host-clear", help="Host: undo every injected host fault.")
+    ] = False,
     json_out: JsonFlag = False,
 ) -> None:
-    """Inject exactly one fault on a node's GPU (drills and tests)."""
+    """Inject exactly one fault on a node: on a GPU, or on the host around the GPUs (host
+    faults need the simulated host backend)."""
     # Option -> (Fault field, value); unset flags are None so "given" is simply "not None".
     options: dict[str, tuple[str, object]] = {
         "--xid": ("xid", xid),
@@ -188,6 +288,17 @@ def inject_fault(
         "--hang": ("hang", hang or None),
         "--fail-preflight": ("fail_preflight", fail_preflight or None),
         "--clear": ("clear", clear or None),
+        "--link-down": ("host.link_down", link_down),
+        "--link-up": ("host.link_up", link_up),
+        "--link-flap": ("host.link_flap", link_flap),
+        "--link-errors": ("host.link_errors", link_errors),
+        "--link-degraded": ("host.link_degraded", link_degraded),
+        "--oom": ("host.oom", oom or None),
+        "--disk-full": ("host.disk_full", True if disk_full else None),
+        "--disk-restored": ("host.disk_full", False if disk_restored else None),
+        "--pcie-aer": ("host.pcie_aer", pcie_aer),
+        "--pcie-degraded": ("host.pcie_degraded", pcie_degraded or None),
+        "--host-clear": ("host.clear", host_clear or None),
     }
     given = [option for option, (_, value) in options.items() if value is not None]
     if len(given) != 1:
@@ -195,15 +306,12 @@ def inject_fault(
         raise typer.BadParameter(
             f"give exactly one of {', '.join(options)} (got {got})", param_hint="fault kind"
         )
-    fault = common_pb2.Fault(gpu_index=gpu)
     field, value = options[given[0]]
-    if field == "nvlink_errors":
-        fault.nvlink_errors.CopyFrom(_nvlink_fault(str(value)))
-    else:
-        setattr(fault, field, value)
+    fault = _fault(gpu, given[0], field, value)
     with open_client(ctx) as client:
         response = client.inject_fault(node_id, fault)
     if json_out:
         print_json(to_json(response))
     else:
-        typer.echo(f"sent {given[0]} to node {node_id} gpu {gpu} (command {response.command_id})")
+        on = "" if field.startswith("host.") and field != "host.oom" else f" gpu {gpu}"
+        typer.echo(f"sent {given[0]} to node {node_id}{on} (command {response.command_id})")

@@ -177,7 +177,7 @@ class StepWindows(_message.Message):
     def __init__(self, window_steps: _Optional[int] = ..., warmup_steps: _Optional[int] = ...) -> None: ...
 
 class RankExited(_message.Message):
-    __slots__ = ("job_id", "generation", "rank", "exit_code", "signal", "time", "stderr_tail", "result")
+    __slots__ = ("job_id", "generation", "rank", "exit_code", "signal", "time", "stderr_tail", "result", "cause")
     class ResultEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,7 @@ class RankExited(_message.Message):
     TIME_FIELD_NUMBER: _ClassVar[int]
     STDERR_TAIL_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     generation: int
     rank: int
@@ -201,7 +202,8 @@ class RankExited(_message.Message):
     time: _timestamp_pb2.Timestamp
     stderr_tail: str
     result: _containers.ScalarMap[str, str]
-    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stderr_tail: _Optional[str] = ..., result: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    cause: str
+    def __init__(self, job_id: _Optional[str] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stderr_tail: _Optional[str] = ..., result: _Optional[_Mapping[str, str]] = ..., cause: _Optional[str] = ...) -> None: ...
 
 class IntegrityFinding(_message.Message):
     __slots__ = ("job_id", "generation", "rank", "kind", "step", "rolled_back_to", "skipped_step", "digest", "expected_digest", "ranks", "detail", "pause", "gpu_index")

@@ -357,7 +357,7 @@ class XidEvent(_message.Message):
     def __init__(self, gpu_index: _Optional[int] = ..., gpu_uuid: _Optional[str] = ..., xid: _Optional[int] = ..., message: _Optional[str] = ..., time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., source: _Optional[_Union[XidSource, str]] = ..., verdict: _Optional[_Union[HealthVerdict, str]] = ...) -> None: ...
 
 class Fault(_message.Message):
-    __slots__ = ("gpu_index", "xid", "ecc_double_bit", "pending_row_remap", "gpu_lost", "thermal_throttle", "nvlink_errors", "slow_multiplier", "clear", "sdc", "nan", "hang", "fail_preflight")
+    __slots__ = ("gpu_index", "xid", "ecc_double_bit", "pending_row_remap", "gpu_lost", "thermal_throttle", "nvlink_errors", "slow_multiplier", "clear", "sdc", "nan", "hang", "fail_preflight", "host")
     GPU_INDEX_FIELD_NUMBER: _ClassVar[int]
     XID_FIELD_NUMBER: _ClassVar[int]
     ECC_DOUBLE_BIT_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +371,7 @@ class Fault(_message.Message):
     NAN_FIELD_NUMBER: _ClassVar[int]
     HANG_FIELD_NUMBER: _ClassVar[int]
     FAIL_PREFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
     gpu_index: int
     xid: int
     ecc_double_bit: int
@@ -384,7 +385,48 @@ class Fault(_message.Message):
     nan: bool
     hang: bool
     fail_preflight: bool
-    def __init__(self, gpu_index: _Optional[int] = ..., xid: _Optional[int] = ..., ecc_double_bit: _Optional[int] = ..., pending_row_remap: _Optional[bool] = ..., gpu_lost: _Optional[bool] = ..., thermal_throttle: _Optional[bool] = ..., nvlink_errors: _Optional[_Union[NvLinkFault, _Mapping]] = ..., slow_multiplier: _Optional[float] = ..., clear: _Optional[bool] = ..., sdc: _Optional[bool] = ..., nan: _Optional[bool] = ..., hang: _Optional[bool] = ..., fail_preflight: _Optional[bool] = ...) -> None: ...
+    host: HostFault
+    def __init__(self, gpu_index: _Optional[int] = ..., xid: _Optional[int] = ..., ecc_double_bit: _Optional[int] = ..., pending_row_remap: _Optional[bool] = ..., gpu_lost: _Optional[bool] = ..., thermal_throttle: _Optional[bool] = ..., nvlink_errors: _Optional[_Union[NvLinkFault, _Mapping]] = ..., slow_multiplier: _Optional[float] = ..., clear: _Optional[bool] = ..., sdc: _Optional[bool] = ..., nan: _Optional[bool] = ..., hang: _Optional[bool] = ..., fail_preflight: _Optional[bool] = ..., host: _Optional[_Union[HostFault, _Mapping]] = ...) -> None: ...
+
+class HostFault(_message.Message):
+    __slots__ = ("link_down", "link_up", "link_flap", "link_errors", "link_degraded", "oom", "disk_full", "pcie_aer", "pcie_degraded", "clear")
+    LINK_DOWN_FIELD_NUMBER: _ClassVar[int]
+    LINK_UP_FIELD_NUMBER: _ClassVar[int]
+    LINK_FLAP_FIELD_NUMBER: _ClassVar[int]
+    LINK_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    LINK_DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    OOM_FIELD_NUMBER: _ClassVar[int]
+    DISK_FULL_FIELD_NUMBER: _ClassVar[int]
+    PCIE_AER_FIELD_NUMBER: _ClassVar[int]
+    PCIE_DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    CLEAR_FIELD_NUMBER: _ClassVar[int]
+    link_down: str
+    link_up: str
+    link_flap: PortCount
+    link_errors: PortCount
+    link_degraded: PortRate
+    oom: bool
+    disk_full: bool
+    pcie_aer: int
+    pcie_degraded: bool
+    clear: bool
+    def __init__(self, link_down: _Optional[str] = ..., link_up: _Optional[str] = ..., link_flap: _Optional[_Union[PortCount, _Mapping]] = ..., link_errors: _Optional[_Union[PortCount, _Mapping]] = ..., link_degraded: _Optional[_Union[PortRate, _Mapping]] = ..., oom: _Optional[bool] = ..., disk_full: _Optional[bool] = ..., pcie_aer: _Optional[int] = ..., pcie_degraded: _Optional[bool] = ..., clear: _Optional[bool] = ...) -> None: ...
+
+class PortCount(_message.Message):
+    __slots__ = ("port", "count")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    port: str
+    count: int
+    def __init__(self, port: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class PortRate(_message.Message):
+    __slots__ = ("port", "rate_gbps")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    RATE_GBPS_FIELD_NUMBER: _ClassVar[int]
+    port: str
+    rate_gbps: float
+    def __init__(self, port: _Optional[str] = ..., rate_gbps: _Optional[float] = ...) -> None: ...
 
 class NvLinkFault(_message.Message):
     __slots__ = ("link", "crc_errors", "down")

@@ -9,8 +9,11 @@ one. Real on a Linux host (`sysfs.SysfsHost`), simulated in the local cluster
 from __future__ import annotations
 
 import abc
+import re
 
 from pitstop.v1 import common_pb2
+
+_PID = re.compile(r"pid (\d+)")
 
 
 class HostBackend(abc.ABC):
@@ -23,6 +26,19 @@ class HostBackend(abc.ABC):
     def read(self) -> common_pb2.HostHealth:
         """The host's readings now, verdict and reasons unset; sources it lacks named in
         `unsupported`. Reads files and may take milliseconds: call it from a thread."""
+
+    @abc.abstractmethod
+    def recent_oom_kills(self) -> list[str]:
+        """The OOM kills this backend saw lately (at most the last 256), oldest first, as
+        "pid 4321 (python)", new ones read first: what `killed_for_memory` looks in.
+        Cheap enough to call at every rank's exit."""
+
+    def killed_for_memory(self, pid: int) -> bool:
+        """Whether the kernel killed process `pid` for memory (an OOM kill it logged)."""
+        return any(
+            (m := _PID.match(kill)) is not None and int(m.group(1)) == pid
+            for kill in self.recent_oom_kills()
+        )
 
     def close(self) -> None:  # noqa: B027 (a backend with nothing to release)
         """Release what the backend holds (the kernel log). Idempotent."""

@@ -1,18 +1,23 @@
 """The simulated host backend: a node of the local cluster, with every host fault the
 real backend can report injectable (the drills of `pitstop node inject-fault`).
 
-It starts healthy: two InfiniBand ports at 400 Gb/s, a quiet memory, the daemons' disk
-with room, and a GPU and a NIC on full PCIe links. Each injection changes the readings
-as the kernel's would change: a flap grows a port's link_downed counter and leaves it
-up, a full disk shows no bytes free, an AER error grows its TOTAL_ERR_* count.
+It starts healthy: two InfiniBand ports at 400 Gb/s, a quiet memory, and a GPU and a
+NIC on full PCIe links. Its disks are real: the daemons' paths it is given are read as
+the real backend reads them (a full filesystem under a daemon is a full filesystem on
+any host). Each injection changes the readings as the kernel's would change: a flap
+grows a port's link_downed counter and leaves it up, `disk_full` shows no byte free on
+every disk, an AER error grows its TOTAL_ERR_* count.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Sequence
+from pathlib import Path
 
 from pitstop.agent.host.base import HostBackend
+from pitstop.agent.host.sysfs import read_disk
 from pitstop.v1 import common_pb2
 
 RATE_GBPS = 400.0
@@ -23,24 +28,18 @@ class SimulatedHost(HostBackend):
     name = "sim"
 
     def __init__(
-        self, ports: Sequence[str] = ("mlx5_0/1", "mlx5_1/1"), disk: str = "/var/lib/pitstop"
+        self, ports: Sequence[str] = ("mlx5_0/1", "mlx5_1/1"), disk_paths: Sequence[Path] = ()
     ) -> None:
         self._lock = threading.Lock()
+        self.disk_paths = list(disk_paths)
+        self._disk_full = False
+        self._recent_kills: deque[str] = deque(maxlen=256)
         self._reading = common_pb2.HostHealth(
             links=[
                 common_pb2.LinkReading(name=port, kind="infiniband", up=True, rate_gbps=RATE_GBPS)
                 for port in ports
             ],
             memory=common_pb2.MemoryReading(),
-            disks=[
-                common_pb2.DiskReading(
-                    path=disk,
-                    free_bytes=800 << 30,
-                    total_bytes=1 << 40,
-                    free_inodes=60_000_000,
-                    total_inodes=64_000_000,
-                )
-            ],
             pcie=[
                 common_pb2.PcieDeviceReading(
                     address=address,
@@ -55,10 +54,19 @@ class SimulatedHost(HostBackend):
         )
 
     def read(self) -> common_pb2.HostHealth:
+        disks = [d for d in map(read_disk, self.disk_paths) if d is not None]
         with self._lock:
             copy = common_pb2.HostHealth()
             copy.CopyFrom(self._reading)
+            if self._disk_full:
+                for disk in disks:
+                    disk.free_bytes = 0
+            copy.disks.extend(disks)
             return copy
+
+    def recent_oom_kills(self) -> list[str]:
+        with self._lock:
+            return list(self._recent_kills)
 
     def link_down(self, port: str) -> None:
         with self._lock:
@@ -96,12 +104,26 @@ class SimulatedHost(HostBackend):
             memory = self._reading.memory
             memory.oom_kills += 1
             memory.last_oom_killed = f"pid {pid} ({name})"
+            self._recent_kills.append(memory.last_oom_killed)
 
     def disk_full(self, full: bool = True) -> None:
-        """No byte free on the daemons' disk; `full=False` gives its room back."""
+        """No byte free on the daemons' disks, as read; `full=False` reads them as they
+        are. (The daemons themselves see the real filesystem: the checkpoint daemon's
+        own refusal is drilled by filling one, as the fault matrix does on a tmpfs.)"""
+        if full and not self.disk_paths:
+            raise ValueError("this node reads no disk: set host_disk_paths in its agent config")
         with self._lock:
-            disk = self._reading.disks[0]
-            disk.free_bytes = 0 if full else 800 << 30
+            self._disk_full = full
+
+    def clear(self) -> None:
+        """Every injected fault undone: links up at their full rate, the disks read as
+        they are, full PCIe links. Counters keep their counts, as the kernel's do."""
+        with self._lock:
+            for link in self._reading.links:
+                link.up, link.rate_gbps = True, RATE_GBPS
+            for device in self._reading.pcie:
+                device.link_width = device.link_width_max
+            self._disk_full = False
 
     def pcie_aer(self, count: int, *, fatal: bool = True, role: str = "gpu") -> None:
         _positive("count", count)

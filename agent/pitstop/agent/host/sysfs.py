@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -89,8 +91,9 @@ class SysfsHost(HostBackend):
         self.disk_paths = list(disk_paths)
         self.gpu_addresses = [_kernel_address(a) for a in gpu_addresses]
         self.kernel_log = kernel_log
+        self._lock = threading.Lock()  # read() and an exit's recent_oom_kills() may race
         self._oom_kills = 0
-        self._last_oom = ""
+        self._recent_kills: deque[str] = deque(maxlen=256)
 
     def read(self) -> common_pb2.HostHealth:
         reading = common_pb2.HostHealth()
@@ -109,7 +112,7 @@ class SysfsHost(HostBackend):
                 nics.append(_device_address(interface))
         self._memory(reading)
         for path in self.disk_paths:
-            disk = _disk(path)
+            disk = read_disk(path)
             if disk is not None:
                 reading.disks.append(disk)
         roles = [(a, "gpu") for a in self.gpu_addresses]
@@ -138,16 +141,26 @@ class SysfsHost(HostBackend):
             memory.edac_uncorrected += _int(mc / "ue_count") or 0
         if self.kernel_log is None:
             reading.unsupported.append("oom")
-        else:
+        with self._lock:
+            self._follow_kernel_log()
+            memory.oom_kills = self._oom_kills
+            memory.last_oom_killed = self._recent_kills[-1] if self._recent_kills else ""
+
+    def _follow_kernel_log(self) -> None:
+        if self.kernel_log is not None:
             for killed in self.kernel_log.oom_kills():
                 self._oom_kills += 1
-                self._last_oom = killed
-        memory.oom_kills = self._oom_kills
-        memory.last_oom_killed = self._last_oom
+                self._recent_kills.append(killed)
+
+    def recent_oom_kills(self) -> list[str]:
+        with self._lock:
+            self._follow_kernel_log()
+            return list(self._recent_kills)
 
     def close(self) -> None:
-        if self.kernel_log is not None:
-            self.kernel_log.close()
+        with self._lock:
+            if self.kernel_log is not None:
+                self.kernel_log.close()
 
 
 def _ib_port(device: str, port: Path) -> common_pb2.LinkReading:
@@ -176,10 +189,18 @@ def _ethernet(interface: Path) -> common_pb2.LinkReading:
     )
 
 
-def _disk(path: Path) -> common_pb2.DiskReading | None:
-    try:
-        vfs = os.statvfs(path)
-    except OSError:
+def read_disk(path: Path) -> common_pb2.DiskReading | None:
+    """The filesystem `path` is on (its nearest existing parent's, for a directory a
+    daemon has yet to create); None where none can be read."""
+    for place in (path, *path.parents):
+        try:
+            vfs = os.statvfs(place)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+        break
+    else:
         return None
     return common_pb2.DiskReading(
         path=str(path),

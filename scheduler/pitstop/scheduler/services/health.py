@@ -7,6 +7,8 @@ node state change, with its event, in the caller's transaction:
 * warning (pending row remap, Xid 63/92/94, NVLink errors growing, a recovery action)
   -> DRAINING: move its ranks at the next committed checkpoint;
 * application Xid -> an event only: the rank restarts in place, the GPU is fine;
+* degraded (a node daemon down, a daemon's disk full, memory pressure) -> an event
+  when it starts and one when it ends; the node keeps its state and its work;
 * a broken stream or a missed liveness deadline -> LOST.
 """
 
@@ -146,7 +148,7 @@ async def apply_health(
             "node.degraded" if degraded else "node.degraded_cleared",
             actor=actor,
             node_id=node_id,
-            reason=reason if degraded else "every node daemon answers again",
+            reason=reason if degraded else "nothing degrades the node any more",
         )
     return None
 

@@ -17,18 +17,20 @@ from pitstop.v1 import agent_pb2
 def record_exit(session: AsyncSession, node_id: str, exited: agent_pb2.RankExited) -> None:
     """The exit's event, with its code or signal and the result the rank reported."""
     how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
+    cause = exited.cause.replace("\x00", "")[:500]
     record_event(
         session,
         "rank.exited",
         actor=f"agent:{node_id}",
         job_id=exited.job_id or None,
         node_id=node_id,
-        reason=f"rank {exited.rank} ended with {how}",
+        reason=f"rank {exited.rank} ended with {how}" + (f": {cause}" if cause else ""),
         attributes={
             "rank": str(exited.rank),
             "generation": str(exited.generation),
             "exit_code": str(exited.exit_code),
             "signal": str(exited.signal),
+            **({"cause": cause} if cause else {}),
             **{f"result.{k}": v[:1000] for k, v in list(exited.result.items())[:32]},
         },
     )
