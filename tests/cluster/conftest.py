@@ -7,6 +7,7 @@ tests/kit/faultcluster.py."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -156,7 +157,7 @@ def cluster(
         pytest.skip("cutting a node off by its network namespace needs root and iproute2")
     root = Path(tempfile.mkdtemp(dir="/tmp", prefix="pr-"))  # short: the agent socket path
     prefix = f"{stores.redis_prefix}{unique('rec')}:"
-    checkpointd_env = {}
+    checkpointd_env, agent_env = {}, {}
     with contextlib.ExitStack() as stack:
         if not os.environ.get("PITSTOP_E2E_KEEP"):
             stack.callback(shutil.rmtree, root, ignore_errors=True)
@@ -165,6 +166,14 @@ def cluster(
             checkpointd_env = {
                 "PITSTOP_CHECKPOINTD_DURABLE_URL": f"file://{root / 'store' / 'durable'}",
                 "PITSTOP_CHECKPOINTD_FLUSH_EVERY_STEPS": "5",
+                # Room for a few flushes of the example is room enough, once it returns.
+                "PITSTOP_CHECKPOINTD_DURABLE_MIN_FREE_BYTES": str(4 << 20),
+            }
+            # The agents watch the store's filesystem, a full one judged by its share
+            # free (a whole tmpfs is smaller than the default 10 GiB floor).
+            agent_env = {
+                "PITSTOP_AGENT_HOST_DISK_PATHS": json.dumps([str(root / "store" / "durable")]),
+                "PITSTOP_AGENT_HOST_DISK_FREE_BYTES": "0",
             }
         elif durable_every:
             checkpointd_env = {
@@ -212,7 +221,7 @@ def cluster(
         built.fork_server = fork_server
         built.daemons = daemon_forks
         stack.callback(built.stop)  # also when a node fails to start
-        built.start(spares, checkpointd_env, network, gpus)
+        built.start(spares, checkpointd_env, network, gpus, agent_env)
         built.redis_url, built.redis_prefix = stores.redis_url, prefix
         built.durable_url = checkpointd_env.get("PITSTOP_CHECKPOINTD_DURABLE_URL", "")
         yield built

@@ -1,5 +1,5 @@
 """The fault matrix, the checkpoint daemons' faults: a shard corrupted in shared memory,
-a durable store with no byte free."""
+a durable store with no byte free until room returns."""
 
 from __future__ import annotations
 
@@ -17,14 +17,16 @@ from kit.faultcluster import (
     Cluster,
     check_result,
     killpg,
+    reference_hash,
     restored_steps,
     steps_never_run,
     wait_until,
 )
+from kit.forking import ForkClient
 from pitstop.agent.identity import identity_for
 from pitstop.checkpointd.slots import segment_prefix
 from pitstop.common.tls import open_channel
-from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc
+from pitstop.v1 import checkpoint_pb2, checkpoint_pb2_grpc, nodes_pb2
 
 # Every scenario is a `cluster` test (the second pass of `make test`); the fixtures are
 # in tests/cluster/conftest.py, the harness in tests/kit/faultcluster.py.
@@ -84,24 +86,45 @@ def test_a_corrupted_in_memory_shard_is_caught_and_restored_from_the_buddy(
 
 
 @pytest.mark.parametrize("full_durable_store", [True])
-def test_a_full_durable_store_is_reported_and_training_goes_on(
-    cluster: Cluster, standalone_hash: str
+def test_a_full_durable_store_is_reported_and_training_goes_on_until_room_returns(
+    cluster: Cluster, rank_forks: ForkClient, tmp_path: Path
 ) -> None:
     """Every node flushes every 5 steps to a store with no byte free. The flushes are
-    refused before they write and reported as events saying how much is free; no rank
-    waits on them, the in-memory copies stay, so a node lost mid-run is still recovered
-    from memory."""
-    job = cluster.submit("--step-seconds", str(STEP_SECONDS))
+    refused before they write and reported as events saying how much is free; each
+    node reports its disk full (degraded, nothing drained); no rank waits on them, the
+    in-memory copies stay, so a node lost mid-run is still recovered from memory. Then
+    the room comes back: the next flushes land, the nodes say so, and the job ends with
+    the fault-free hash and a durable step."""
+    steps = 80  # at 0.1 s a step: the room returns mid-run
+    job = cluster.submit("--steps", str(steps), "--step-seconds", "0.1")
     failed = cluster.wait(lambda e: e.kind == "checkpoint.flush_failed", "a flush_failed event")
     assert "refused before writing" in failed.reason, failed
     assert "free, the flush needs" in failed.reason, failed
     assert f"job {job.id}" in failed.reason, failed
     victim = cluster.node_of(job, 2)
-    cluster.wait_for_step(job, 2, random.randint(12, STEPS // 2))
+    # Full since before the agents started: reported as each registered.
+    degraded = [
+        e
+        for e in cluster.event_api.List(nodes_pb2.ListEventsRequest(limit=1000)).events
+        if e.kind == "node.degraded" and e.node_id == victim.node_id
+    ]
+    assert degraded, cluster.logs(job.id)
+    said = f"disk {cluster.root / 'store' / 'durable'}: 0.0 GiB free"
+    assert said in degraded[0].reason, degraded
+    assert cluster.get(job.id).durable_step == 0  # nothing landed
+    cluster.wait_for_step(job, 2, random.randint(12, 20))
     cluster.kill_node(victim.node_id)
+    cluster.job_event(job.id, "job.recovered")
+    (cluster.root / "store" / "filler").unlink()  # the room is back
+    wait_until(lambda: cluster.get(job.id).durable_step > 0, "a durable flush once room returned")
+    survivor = cluster.node_of(cluster.get(job.id), 0)
+    cluster.wait(
+        lambda e: e.kind == "node.degraded_cleared" and e.node_id == survivor.node_id,
+        f"{survivor.node_id} says its disk has room",
+    )
     done = cluster.finish(job.id)
-    check_result(done, standalone_hash)
-    assert done.durable_step == 0  # nothing ever landed
+    assert done.result["final_weights_sha256"] == reference_hash(rank_forks, tmp_path, steps)
+    assert done.durable_step > 0, done
     restored = restored_steps(cluster, done)
     assert restored, cluster.logs(job.id)
     assert min(restored) > 0, restored

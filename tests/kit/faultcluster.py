@@ -86,6 +86,7 @@ class Node:
     checkpointd_address: str = ""
     lines: queue.Queue[str] = field(default_factory=queue.Queue)
     checkpointd_env: dict[str, str] = field(default_factory=dict)
+    agent_env: dict[str, str] = field(default_factory=dict)  # its agent's settings beyond
     host: str = "127.0.0.1"  # what its daemons listen on and its ranks are reached at
     netns: str = ""  # the network namespace its daemons (and so its ranks) run in
     iface: str = ""  # the interface its ranks' gloo uses (GLOO_SOCKET_IFNAME); "": any
@@ -166,7 +167,7 @@ class Node:
             fork_server=str(self.fork_server) if self.fork_server else "off",
         )
         # An idle node checks itself every second: a drilled preflight failure shows at once.
-        env = clean_env(PITSTOP_AGENT_PREFLIGHT_INTERVAL_SECONDS="1")
+        env = clean_env(PITSTOP_AGENT_PREFLIGHT_INTERVAL_SECONDS="1") | self.agent_env
         if self.daemons is not None and not self.netns:
             argv = [sys.executable, *command]
             self.agent = self.daemons.launch(argv, env, self.agent_log)
@@ -272,10 +273,12 @@ class Cluster:
         checkpointd_env: dict[str, str] | None = None,
         network: Network | None = None,
         gpus: int = 1,
+        agent_env: dict[str, str] | None = None,
     ) -> None:
-        """Start the nodes (their checkpoint daemons with `checkpointd_env`); returns
-        once every one is registered. With `network`, its nodes run in their namespaces
-        and the others here, reached at the bridge's address."""
+        """Start the nodes (their checkpoint daemons with `checkpointd_env`, their agents
+        with `agent_env`); returns once every one is registered. With `network`, its
+        nodes run in their namespaces and the others here, reached at the bridge's
+        address."""
         self.network = network
         specs = [(n, f"r{i}", "worker") for i, n in enumerate(WORKERS)]
         specs += [(f"{SPARE}{i or ''}", f"r{i}", "spare") for i in range(spares)]
@@ -283,6 +286,7 @@ class Cluster:
             node = Node(node_id, self.root / node_id, rack, role, self.scheduler.address)
             node.gpus = gpus
             node.checkpointd_env = dict(checkpointd_env or {})
+            node.agent_env = dict(agent_env or {})
             if network is not None:
                 inside = {link.node_id: link for link in network.links}.get(node_id)
                 node.host = network.gateway if inside is None else inside.address
@@ -535,14 +539,15 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def full_filesystem(path: Path) -> Iterator[None]:
-    """A 64 KiB tmpfs at `path`, filled to the last byte (needs root to mount)."""
-    with tmpfs(path, "64k"):
+def full_filesystem(path: Path, size: str = "64m") -> Iterator[Path]:
+    """A tmpfs of `size` at `path`, filled to the last byte by the file it yields (needs
+    root to mount): delete it and the room is back."""
+    with tmpfs(path, size):
         with (path / "filler").open("wb", buffering=0) as filler, contextlib.suppress(OSError):
             while True:  # until ENOSPC
                 filler.write(bytes(4096))
         assert os.statvfs(path).f_bavail == 0
-        yield
+        yield path / "filler"
 
 
 @contextlib.contextmanager
@@ -612,14 +617,15 @@ def steps_never_run(cluster: Cluster, job: jobs_pb2.Job, rank: int) -> set[int]:
 
 
 def all_steps_logged(cluster: Cluster, job: jobs_pb2.Job, rank: int) -> set[int]:
-    """The steps `rank` printed on any node (a moved rank's log starts on its new node)."""
+    """The steps `rank` printed on any node (a moved rank's log starts on its new node;
+    a standby adopting the rank on its own node keeps the earlier log as rank-N.1.log)."""
     steps: set[int] = set()
     for node in cluster.nodes.values():
         path = node.rank_log(job.id, rank)
-        if path.exists():
-            steps.update(
-                int(m.group(2)) for m in map(STEP_LINE.match, path.read_bytes().splitlines()) if m
-            )
+        for log in [path, *path.parent.glob(f"rank-{rank}.*.log")]:
+            if log.exists():
+                lines = log.read_bytes().splitlines()
+                steps.update(int(m.group(2)) for m in map(STEP_LINE.match, lines) if m)
     return steps
 
 

@@ -252,7 +252,7 @@ def test_every_simulated_fault_gives_the_verdict_a_real_one_would(tmp_path: Path
         (lambda: sim.oom_kill(4321, "python"), common_pb2.HEALTH_VERDICT_APPLICATION),
         (lambda: sim.link_flap("mlx5_1/1", 4), common_pb2.HEALTH_VERDICT_WARNING),
         (lambda: sim.link_errors("mlx5_0/1", 500), common_pb2.HEALTH_VERDICT_WARNING),
-        (lambda: sim.link_degraded("mlx5_0/1", 200), common_pb2.HEALTH_VERDICT_WARNING),
+        (lambda: sim.link_degraded("mlx5_0/1", 200), common_pb2.HEALTH_VERDICT_WARNING),  # errors
         (lambda: sim.pcie_degraded("nic"), common_pb2.HEALTH_VERDICT_WARNING),
         (lambda: sim.pcie_aer(1), common_pb2.HEALTH_VERDICT_FATAL),
     ]

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from pitstop.agent.host.metrics import HostMetrics
 from pitstop.agent.host.sim import PCIE_GEN5_GTS, RATE_GBPS, SimulatedHost
-from pitstop.agent.metrics import VERDICT_VALUES, AgentMetrics
+from pitstop.agent.metrics import AgentMetrics
 from pitstop.health.host import assess_host
 from pitstop.v1 import common_pb2
 
@@ -29,7 +29,7 @@ class Exposed:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.metrics = HostMetrics(self.registry, NODE, verdicts=VERDICT_VALUES)
+        self.metrics = HostMetrics(self.registry, NODE)
 
     def __call__(self, name: str, **labels: str) -> float | None:
         return self.registry.get_sample_value(f"pitstop_host_{name}", {"node": NODE, **labels})
@@ -109,14 +109,14 @@ def test_link_faults_show_in_the_link_gauges(host: SimulatedHost, exposed: Expos
     assert reg.get_sample_value("pitstop_host_link_up", port("mlx5_1/1")) == 1
     assert reg.get_sample_value("pitstop_host_link_downs", port("mlx5_1/1")) == 3
     assert reg.get_sample_value("pitstop_host_link_errors", port("mlx5_1/1")) == 250
-    assert exposed("verdict") == VERDICT_VALUES[common_pb2.HEALTH_VERDICT_FATAL] == 3
+    assert exposed("verdict") == 3  # replace
 
     host.link_up("mlx5_0/1")
     host.link_degraded("mlx5_0/1", 200.0)
     observe(exposed, host.read(), seen_up=seen_up)
     assert reg.get_sample_value("pitstop_host_link_up", port("mlx5_0/1")) == 1
     assert reg.get_sample_value("pitstop_host_link_rate_gbps", port("mlx5_0/1")) == 200
-    assert exposed("verdict") == VERDICT_VALUES[common_pb2.HEALTH_VERDICT_WARNING] == 2
+    assert exposed("verdict") == 1  # slower, judged alone: reported
 
 
 def test_memory_disk_and_pcie_faults_show(
@@ -149,13 +149,17 @@ def test_memory_disk_and_pcie_faults_show(
     assert reg.get_sample_value("pitstop_host_pcie_link_width", GPU) == 16
 
 
-def test_the_host_verdict_uses_the_gpu_verdict_numbers(exposed: Exposed) -> None:
-    for verdict, value in VERDICT_VALUES.items():
+def test_the_host_verdict_says_what_pitstop_does_about_it(exposed: Exposed) -> None:
+    expected = {
+        common_pb2.HEALTH_VERDICT_HEALTHY: 0,
+        common_pb2.HEALTH_VERDICT_DEGRADED: 1,  # reported: a low disk, a slower link
+        common_pb2.HEALTH_VERDICT_APPLICATION: 1,  # an OOM kill: its rank restarts
+        common_pb2.HEALTH_VERDICT_WARNING: 2,  # drain
+        common_pb2.HEALTH_VERDICT_FATAL: 3,  # replace
+    }
+    for verdict, value in expected.items():
         exposed.metrics.observe(common_pb2.HostHealth(verdict=verdict))
         assert exposed("verdict") == value
-    # Degraded (a low disk, memory pressure) reads as healthy here: its own gauges show it.
-    exposed.metrics.observe(common_pb2.HostHealth(verdict=common_pb2.HEALTH_VERDICT_DEGRADED))
-    assert exposed("verdict") == 0
 
 
 @pytest.mark.parametrize(

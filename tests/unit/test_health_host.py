@@ -60,7 +60,7 @@ def test_a_flap_within_the_window_drains_but_downs_spread_out_do_not() -> None:
     ).verdict == (V.HEALTH_VERDICT_HEALTHY)
 
 
-def test_errors_rising_and_a_slower_rate_drain() -> None:
+def test_errors_rising_drain_and_a_slower_rate_is_reported() -> None:
     before = host(mlx5_0_1=(True, 400, 0, 10))
     after = host(mlx5_0_1=(True, 200, 0, 150))
     judged = assess_host(after, now=30, earlier=[(0, before)], seen_up={"mlx5/0/1": 400})
@@ -69,6 +69,10 @@ def test_errors_rising_and_a_slower_rate_drain() -> None:
         "infiniband link mlx5/0/1: 140 new errors in 60 s",
         "infiniband link mlx5/0/1 runs at 200 Gb/s, below the 400 Gb/s it ran at",
     ]
+    # Slower alone is no failure: reported, for the straggler policy to weigh.
+    slower = host(mlx5_0_1=(True, 200, 0, 10))
+    judged = assess_host(slower, now=30, earlier=[(0, before)], seen_up={"mlx5/0/1": 400})
+    assert judged.verdict == V.HEALTH_VERDICT_DEGRADED
 
 
 def test_a_counter_reset_is_judged_from_its_new_value() -> None:

@@ -154,7 +154,7 @@ class AgentMetrics:
             node,
             registry=r,
         )
-        self.host = HostMetrics(r, node_id, verdicts=VERDICT_VALUES)
+        self.host = HostMetrics(r, node_id)
         self.scheduler_connected.labels(node_id).set(0)
         for counter in (
             self.heartbeats,

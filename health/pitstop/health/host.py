@@ -9,14 +9,18 @@ time of each.
   memory's uncorrected (EDAC) count grew.
 - WARNING (drain at the next committed step): a link flapped (went down `flap_downs`
   times within the window, though up now); a link's error counters grew by
-  `link_error_growth` within the window; a link's rate fell below the highest the agent
-  saw it at; a PCIe device's link runs narrower than its maximum (a NIC's also slower);
+  `link_error_growth` within the window; a PCIe device's link runs narrower than its
+  maximum (a NIC's also slower);
   its non-fatal AER count grew, or its correctable one by `pcie_correctable_growth`;
   corrected memory errors grew by `edac_corrected_growth`.
 - APPLICATION (the rank restarts in place): the kernel killed a process for memory (OOM).
-- DEGRADED (reported, nothing drained): memory pressure over `memory_pressure_percent`;
-  a daemon's disk under `disk_free_fraction` (or `disk_free_bytes`) free, out of inodes,
-  or read-only: the checkpoint daemon refuses durable flushes and training goes on.
+- DEGRADED (reported, nothing drained): a link's rate fell below the highest the agent
+  saw it at (it carries every byte, only slower: the job's straggler policy, which
+  sees what it costs, reports or swaps the node, its event naming the link; and a
+  switch retrained for a whole rack never drains the rack); memory pressure over
+  `memory_pressure_percent`; a daemon's disk under `disk_free_fraction` (or
+  `disk_free_bytes`) free, out of inodes, or read-only: the checkpoint daemon refuses
+  durable flushes and training goes on.
 
 The worst verdict wins, and every rule that fired adds a reason naming the device and
 the numbers. A source named in the reading's `unsupported` list is skipped.
@@ -178,7 +182,7 @@ def _links(
         if link.up and 0 < link.rate_gbps < peak:
             found.append(
                 (
-                    _WARNING,
+                    _DEGRADED,
                     f"{link.kind} link {link.name} runs at {link.rate_gbps:g} Gb/s, "
                     f"below the {peak:g} Gb/s it ran at",
                 )

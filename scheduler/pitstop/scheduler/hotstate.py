@@ -449,3 +449,20 @@ class EventBus:
             except (RedisError, OSError):
                 log.debug("event bus: redis unreachable, retrying", exc_info=True)
                 await asyncio.sleep(1.0)
+
+
+async def host_signals(hot: HotState, node_ids: Iterable[str]) -> str:
+    """What the hosts of `node_ids` report wrong now (their links, memory, disks, PCIe),
+    as their last heartbeats said: "node-12's host: infiniband link mlx5_1/1 flapped 4
+    times in 60 s", one clause a node, "; "-joined; "" when all are quiet. What a hang or
+    a straggler is explained by."""
+    nodes = sorted(set(node_ids))
+    if not nodes:
+        return ""
+    raw = await hot.redis.hmget(hot.live_health_key, nodes)
+    said = []
+    for node, live in zip(nodes, raw, strict=True):
+        reasons = json.loads(live).get("host", {}).get("reasons", []) if live else []
+        if reasons:
+            said.append(f"{node}'s host: {', '.join(reasons)}")
+    return "; ".join(said)

@@ -32,23 +32,25 @@ AER_TYPES = ("correctable", "nonfatal", "fatal")
 Labels = tuple[str, ...]
 
 
+HOST_VERDICT_VALUES = {
+    common_pb2.HEALTH_VERDICT_UNSPECIFIED: 0,
+    common_pb2.HEALTH_VERDICT_HEALTHY: 0,
+    common_pb2.HEALTH_VERDICT_DEGRADED: 1,
+    common_pb2.HEALTH_VERDICT_APPLICATION: 1,
+    common_pb2.HEALTH_VERDICT_WARNING: 2,
+    common_pb2.HEALTH_VERDICT_FATAL: 3,
+}
+"""Value of `pitstop_host_verdict`, on the GPU verdict gauge's scale where it acts: 0
+healthy, 1 reported only (a low disk, memory pressure, a slower link; an OOM kill, whose
+rank restarts), 2 drain, 3 replace."""
+
+
 class HostMetrics:
-    """The host gauges of one agent (node `node_id`), in the agent's registry.
+    """The host gauges of one agent (node `node_id`), in the agent's registry."""
 
-    `verdicts` maps a verdict to the value of `pitstop_host_verdict`: the agent's
-    `VERDICT_VALUES`, the GPU verdict gauge's numbers, passed in because the agent's
-    metrics module builds this one (an import back would be a cycle).
-    """
-
-    def __init__(
-        self,
-        registry: CollectorRegistry,
-        node_id: str,
-        *,
-        verdicts: Mapping[common_pb2.HealthVerdict, int],
-    ) -> None:
+    def __init__(self, registry: CollectorRegistry, node_id: str) -> None:
         self.node_id = node_id
-        self._verdicts = dict(verdicts)
+        self._verdicts = HOST_VERDICT_VALUES
         self._shown: dict[Gauge, set[Labels]] = {}
 
         def gauge(name: str, doc: str, labels: Labels = ("node",)) -> Gauge:
@@ -58,8 +60,8 @@ class HostMetrics:
 
         self.verdict = gauge(
             "verdict",
-            "The agent's verdict of the node's host: 0 healthy (degraded too: a low disk or "
-            "memory pressure, which its own gauges show), 1 application, 2 warning, 3 fatal.",
+            "The agent's verdict of the node's host: 0 healthy, 1 reported only (a low disk, "
+            "memory pressure, a slower link, an OOM kill), 2 drain (warning), 3 replace (fatal).",
         )
         self.link_up = gauge("link_up", "1 while the network link is up, 0 while down.", _LINK)
         self.link_rate = gauge(

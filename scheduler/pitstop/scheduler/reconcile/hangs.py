@@ -25,6 +25,7 @@ from sqlalchemy import select
 from pitstop.health.hang import locate
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState
+from pitstop.scheduler.hotstate import host_signals
 from pitstop.scheduler.jobspec import DEFAULT_HANG_FLOOR_SECONDS, DEFAULT_HANG_STEP_MULTIPLE
 from pitstop.scheduler.reconcile.context import Leader, locked_job
 from pitstop.scheduler.reconcile.steps import StepFollower
@@ -169,6 +170,8 @@ class HangWatch:
             return  # recovered, paused or ended meanwhile: nothing to kill
         verdict = locate({r.rank: r.text for r in rows})
         named = list(verdict.ranks) or sorted(incident.nodes)
+        # What the hung ranks' hosts report (a flapping link, an OOM): the likely cause.
+        why = await host_signals(leader.hot, [incident.nodes[rank] for rank in named])
         async with leader.store.write() as session:
             job = await locked_job(leader, session, incident.job_id, (JobState.RUNNING,))
             if job is None or job.generation != incident.generation:
@@ -182,7 +185,8 @@ class HangWatch:
                     f"{verdict.reason}: replacing ranks {named}"
                     if verdict.ranks
                     else f"{verdict.reason}: restarting every rank"
-                ),
+                )
+                + (f"; {why}" if why else ""),
                 attributes={
                     "incident": str(incident_id),
                     "ranks": ",".join(str(r) for r in named),

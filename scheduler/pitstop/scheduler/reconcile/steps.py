@@ -21,6 +21,7 @@ from pitstop.health.straggler import (
 )
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import JobState
+from pitstop.scheduler.hotstate import host_signals
 from pitstop.scheduler.reconcile.context import (
     RUNNABLE,
     Leader,
@@ -299,12 +300,17 @@ class StepFollower:
                 account = await goodput.refresh(session, row, step_seconds=watch.step_seconds())
                 watch.goodput_at = leader.clock() + GOODPUT_REFRESH_SECONDS
             for finding in findings:
+                slots = placement.ranks
+                node_id = slots[finding.rank].node_id if finding.rank < len(slots) else ""
+                # A straggler's cause, where its host knows it (a slower link, errors).
+                why = await host_signals(leader.hot, [node_id]) if finding.straggler else ""
                 record_event(
                     session,
                     "job.straggler" if finding.straggler else "job.straggler_cleared",
                     actor="scheduler",
                     job_id=job.id,
-                    reason=finding.reason,
+                    node_id=node_id or None,
+                    reason=f"{finding.reason}; {why}" if why else finding.reason,
                     attributes={"rank": str(finding.rank), "slowdown": f"{finding.slowdown:.3f}"},
                 )
         watch.findings = []  # committed

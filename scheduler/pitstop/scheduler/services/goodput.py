@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from pitstop.health.goodput import Goodput, JobEvent, account, epoch, incident_attributes
@@ -20,6 +20,8 @@ from pitstop.scheduler.hotstate import HotState
 from pitstop.scheduler.services.health import LAST_SEEN_AT
 
 NODE_FAILURE_KINDS = ("node.lost", "node.unhealthy")
+SWAP_KINDS = ("node.draining", "job.straggler")
+"""Events that say why a live node's ranks were moved off it."""
 
 
 async def refresh(session: AsyncSession, job: models.Job, *, step_seconds: float) -> Goodput:
@@ -70,11 +72,21 @@ async def node_incident(
     failed_at, detected_at, causes = now, now, []
     for node_id, state in failed.items():
         if state not in (NodeState.LOST, NodeState.UNHEALTHY):
-            causes.append(f"{node_id} swapped out")
+            # Drained (an early warning: its reason names the signal) or swapped out (a
+            # straggler: its event names the slowdown, and its host's cause if known).
+            why = await session.scalar(
+                select(models.Event.reason)
+                .where(models.Event.node_id == node_id)
+                .where(models.Event.kind.in_(SWAP_KINDS))
+                .where(or_(models.Event.job_id.is_(None), models.Event.job_id == job.id))
+                .order_by(models.Event.id.desc())
+                .limit(1)
+            )
+            causes.append(f"{node_id} swapped out" + (f" ({why[:300]})" if why else ""))
             continue
         noticed = (
             await session.execute(
-                select(models.Event.time, models.Event.attributes)
+                select(models.Event.time, models.Event.attributes, models.Event.reason)
                 .where(models.Event.node_id == node_id)
                 .where(models.Event.kind.in_(NODE_FAILURE_KINDS))
                 .order_by(models.Event.id.desc())
@@ -91,7 +103,8 @@ async def node_incident(
             if live is not None:
                 began = min(seen, float(live.get("received_at", seen)))
         failed_at, detected_at = min(failed_at, began), min(detected_at, seen)
-        causes.append(f"{node_id} {state.value}")
+        why = noticed.reason if noticed is not None else ""
+        causes.append(f"{node_id} {state.value}" + (f" ({why[:300]})" if why else ""))
     return incident_attributes(
         cause=", ".join(causes),
         failed_at=failed_at,
