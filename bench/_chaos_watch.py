@@ -30,12 +30,25 @@ KINDS = (
     *("xid_fatal", "xid_app", "rank_kill", "node_kill", "agent_kill", "checkpointd_kill"),
     *("agent_stop", "drain", "scheduler_kill", "leader_failover", "postgres_restart"),
     *("redis_flush", "sdc", "nan", "hang", "row_remap", "fail_preflight", "preempt"),
+    *("link_flap", "link_down", "pcie_fatal", "oom", "disk_full"),
 )
+HOST_CLEAR = common_pb2.Fault(host=common_pb2.HostFault(clear=True))
+"""Every injected host fault undone (a link back up, the disk read as it is)."""
+HOST_DRILLS = {
+    "link_flap": common_pb2.HostFault(link_flap=common_pb2.PortCount(port="mlx5_0/1", count=4)),
+    "link_down": common_pb2.HostFault(link_down="mlx5_0/1"),
+    "pcie_fatal": common_pb2.HostFault(pcie_aer=1),
+    "oom": common_pb2.HostFault(oom=True),
+    "disk_full": common_pb2.HostFault(disk_full=True),
+}
+"""The host faults, as `pitstop node inject-fault` sends them."""
+DISK_FULL_SECONDS = 10.0
+"""How long a disk_full fault's disk reads full before the chaos run gives its room back."""
 HIGH_STEPS, HIGH_PRIORITY = 40, 10
 """A preempt fault's job: its steps (paced as the chaos job) and priority."""
 DECIDED = {
     *("xid_fatal", "xid_app", "rank_kill", "node_kill", "agent_kill", "drain", "sdc"),
-    *("hang", "row_remap", "preempt"),
+    *("hang", "row_remap", "preempt", "link_flap", "link_down", "pcie_fatal", "oom"),
 }
 HANG_FLOOR = 5.0
 """The job's hang threshold floor (spec.integrity.hang_floor_seconds), seconds."""
@@ -359,6 +372,8 @@ class ChaosWatch:
             if node.connected:  # an injected early warning would drain it again
                 with contextlib.suppress(PitstopError):
                     client.inject_fault(node.id, common_pb2.Fault(gpu_index=0, clear=True))
+                with contextlib.suppress(PitstopError):
+                    client.inject_fault(node.id, HOST_CLEAR)
             if node.state in (common_pb2.NODE_STATE_CORDONED, common_pb2.NODE_STATE_DRAINING):
                 client.uncordon_node(node.id, "chaos: back")
             elif not self.returns(client, node):

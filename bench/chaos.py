@@ -34,6 +34,14 @@ kinds drawn with a seeded RNG, every kind once per round in a random order:
   row_remap         a pending row remap on a node's GPU (an early warning): the node
                     drains, its ranks move off at the next committed step; cleared and
                     uncordoned afterwards
+  link_flap         a port of a node's host goes down and up 4 times (inject-fault
+                    --link-flap mlx5_0/1:4): the node drains at the next committed step
+  link_down         a port of a node's host goes down (--link-down): the node is replaced
+  pcie_fatal        a fatal PCIe AER error on a node's GPU (--pcie-aer 1): replaced
+  oom               the kernel kills the rank on a node's GPU for memory (--oom): its exit
+                    says OOM and it restarts in place
+  disk_full         a node's daemons' disk reads full (--disk-full) for DISK_FULL_SECONDS:
+                    reported, the job rides through; then its room is back
   preempt           a second job, of higher priority (dp 2, HIGH_STEPS steps), arrives:
                     the chaos job (preemptible, priority 0) stops at a step boundary, goes
                     back to the queue and resumes by itself once the other finished. Its
@@ -100,9 +108,12 @@ from bench._chaos_watch import (
     CONTINUE_AFTER,
     DECIDED,
     DECISIONS,
+    DISK_FULL_SECONDS,
     HANG_FLOOR,
     HIGH_PRIORITY,
     HIGH_STEPS,
+    HOST_CLEAR,
+    HOST_DRILLS,
     KINDS,
     NO_DECISION,
     RESUMED,
@@ -188,6 +199,10 @@ class Chaos(ChaosWatch):
             self.client.inject_fault(target, common_pb2.Fault(gpu_index=0, fail_preflight=True))
         elif kind == "row_remap":
             self.client.inject_fault(target, common_pb2.Fault(gpu_index=0, pending_row_remap=True))
+        elif kind in HOST_DRILLS:
+            self.client.inject_fault(target, common_pb2.Fault(gpu_index=0, host=HOST_DRILLS[kind]))
+            if kind == "disk_full":
+                fault.pending.append(self.background(self.room_back, target))
         elif kind == "preempt":
             spec = example_spec(
                 f"bench-chaos-high-{fault.index}",
@@ -227,6 +242,11 @@ class Chaos(ChaosWatch):
         else:
             self.redis.flush_all()
         return fault
+
+    def room_back(self, node_id: str) -> None:
+        """A disk_full fault's end: the node's disk reads as it is again."""
+        time.sleep(DISK_FULL_SECONDS)  # how long the fault lasts, not a wait for anything
+        self.client.inject_fault(node_id, HOST_CLEAR)
 
     def follow(self, fault: Fault) -> bool:
         """Update what is known of `fault`; True once it is over: the job trains again,

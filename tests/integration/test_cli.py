@@ -226,6 +226,39 @@ def test_inject_fault_without_agent_stream(scheduler: SchedulerThread) -> None:
     assert "cannot reach" not in result.stderr
 
 
+def test_a_host_fault_goes_down_the_stream_as_its_flag_says(scheduler: SchedulerThread) -> None:
+    node_id = unique("node")
+    with scheduler.agent_stream(node_id, gpus=1) as agent:
+        said = pitstop(scheduler, "node", "inject-fault", node_id, "--link-flap", "mlx5_0/1:4")
+        assert said.exit_code == 0, said.stderr
+        assert said.stdout.strip().startswith(f"sent --link-flap to node {node_id} (command ")
+        flap = agent.next_command().inject_fault.host.link_flap
+        pitstop(scheduler, "node", "inject-fault", node_id, "--link-degraded", "mlx5_1/1:200")
+        slower = agent.next_command().inject_fault.host.link_degraded
+        pitstop(scheduler, "node", "inject-fault", node_id, "--disk-restored")
+        restored = agent.next_command().inject_fault.host
+    assert (flap.port, flap.count) == ("mlx5_0/1", 4)
+    assert (slower.port, slower.rate_gbps) == ("mlx5_1/1", 200.0)
+    assert restored.WhichOneof("kind") == "disk_full"
+    assert restored.disk_full is False
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--link-flap", "mlx5_0/1"], "'mlx5_0/1' is not PORT:COUNT, e.g. mlx5_0/1:4"),
+        (["--link-errors", "mlx5_0/1:0"], "'mlx5_0/1:0': COUNT must be 1 or more"),
+        (["--link-degraded", "mlx5_0/1:fast"], "'mlx5_0/1:fast': GBPS must be a rate above 0"),
+    ],
+)
+def test_a_malformed_host_fault_is_refused_naming_its_flag(flags: list[str], said: str) -> None:
+    result = pitstop(None, "node", "inject-fault", "n-1", *flags)
+    assert result.exit_code == 2
+    words = " ".join(result.stderr.translate(str.maketrans("│╭╮╰╯─", "      ")).split())
+    assert said in words, result.stderr
+    assert flags[0] in result.stderr
+
+
 def test_inject_fault_needs_exactly_one_kind() -> None:
     result = pitstop(None, "node", "inject-fault", "n-1", "--gpu", "0", "--xid", "79", "--clear")
     assert result.exit_code == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import grpc
@@ -180,3 +181,45 @@ def test_list_events_negative_after_gives_the_newest(
     nodes.Cordon(nodes_pb2.NodeControlRequest(node_id=node_id))
     newest = events.List(nodes_pb2.ListEventsRequest(node_id=node_id, after_event_id=-1, limit=1))
     assert [e.kind for e in newest.events] == ["node.cordoned"]
+
+
+def degraded_beat(*reasons: str) -> agent_pb2.Heartbeat:
+    verdict = common_pb2.HEALTH_VERDICT_DEGRADED if reasons else common_pb2.HEALTH_VERDICT_HEALTHY
+    host = common_pb2.HostHealth(verdict=verdict, reasons=reasons)
+    return agent_pb2.Heartbeat(
+        health=common_pb2.NodeHealth(verdict=verdict, reasons=reasons, host=host)
+    )
+
+
+def test_a_degraded_host_is_news_when_it_starts_says_something_new_and_ends(
+    scheduler: SchedulerThread, nodes: Any, events: Any
+) -> None:
+    """A disk filling says a new number every heartbeat: one event when it starts, none
+    as it fills, one for a new problem, one when it is over; the node stays READY."""
+    node_id = unique("node")
+    disk = "disk /data/ckpt: {} GiB free of 2048.0 GiB"
+    with scheduler.agent_stream(node_id, gpus=1) as agent:
+        for beat in (
+            degraded_beat(disk.format("9.5")),
+            degraded_beat(disk.format("7.1")),
+            degraded_beat(disk.format("3.0")),
+            degraded_beat(disk.format("3.0"), "disk /data/ckpt is read-only"),
+            degraded_beat(),
+        ):
+            agent.send(heartbeat=beat)
+
+        def said() -> list[tuple[str, str]]:
+            listed = events.List(nodes_pb2.ListEventsRequest(node_id=node_id, limit=100))
+            return [(e.kind, e.reason) for e in listed.events if "degraded" in e.kind]
+
+        deadline = time.monotonic() + 30
+        while not any(kind == "node.degraded_cleared" for kind, _ in said()):
+            assert time.monotonic() < deadline, said()
+            time.sleep(0.05)
+        assert said() == [
+            ("node.degraded", disk.format("9.5")),
+            ("node.degraded", f"{disk.format('3.0')}; disk /data/ckpt is read-only"),
+            ("node.degraded_cleared", "nothing degrades the node any more"),
+        ]
+        node = nodes.Get(nodes_pb2.GetNodeRequest(node_id=node_id))
+        assert node.state == common_pb2.NODE_STATE_READY

@@ -29,7 +29,7 @@ from pitstop.agent.config import AgentSettings
 from pitstop.agent.gpu import GpuBackend
 from pitstop.agent.host.watch import HostWatch
 from pitstop.agent.metrics import AgentMetrics
-from pitstop.health.verdict import assess_gpu, assess_node
+from pitstop.health.verdict import assess_gpu, assess_node, worst_verdict
 from pitstop.health.xid import XidClass, classify_xid, verdict_for
 from pitstop.v1 import agent_pb2, common_pb2
 
@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 STEP_FLUSH_SAMPLES = 1024
 """Step samples folded since the last summary that send one before the next heartbeat."""
 STEP_POLL_SECONDS = 0.1
+HOST_READ_SECONDS = 2.0
+"""The longest a heartbeat waits for the host's readings (files under /sys and /proc,
+statvfs of the watched disks)."""
 
 
 class StepSource(Protocol):
@@ -109,6 +112,7 @@ class Heartbeats:
     ) -> None:
         self._settings = settings
         self._host = host
+        self._host_read: asyncio.Future[common_pb2.HostHealth] | None = None
         self._backend = backend
         self._supervisor = supervisor
         self._steps = steps
@@ -205,18 +209,31 @@ class Heartbeats:
         )
 
     async def _look_at_host(self) -> common_pb2.HostHealth:
-        """The host now, judged; a failed read is a warning that says why."""
-        assert self._host is not None
+        """The host now, judged. A read that fails is reported degraded, saying why; one
+        that does not finish within HOST_READ_SECONDS (a hung NFS mount under a watched
+        path) is too, with the last reading, and no second read starts beside it: a
+        stuck read never holds the heartbeat, which liveness hangs on."""
+        host = self._host
+        assert host is not None
+        if self._host_read is None or self._host_read.done():
+            now = asyncio.get_running_loop().time()
+            self._host_read = asyncio.ensure_future(asyncio.to_thread(host.look, now))
         try:
-            host = await asyncio.to_thread(self._host.look, asyncio.get_running_loop().time())
+            judged = await asyncio.wait_for(asyncio.shield(self._host_read), HOST_READ_SECONDS)
+        except TimeoutError:
+            why = f"reading the host's health took over {HOST_READ_SECONDS:g} s"
         except Exception as exc:
             log.exception("reading the host's health failed")
-            return common_pb2.HostHealth(
-                verdict=common_pb2.HEALTH_VERDICT_DEGRADED,
-                reasons=[f"reading the host's health failed: {type(exc).__name__}: {exc}"],
-            )
-        self._metrics.observe_host(host)
-        return host
+            why = f"reading the host's health failed: {type(exc).__name__}: {exc}"
+        else:
+            self._metrics.observe_host(judged)
+            return judged
+        stale = common_pb2.HostHealth()
+        if host.latest is not None:
+            stale.CopyFrom(host.latest)
+        stale.reasons.append(why)
+        stale.verdict = worst_verdict([stale.verdict, common_pb2.HEALTH_VERDICT_DEGRADED])
+        return stale
 
     async def carried(self) -> agent_pb2.Heartbeat:
         """A heartbeat of the node now, to go with a command's ack instead of after it,

@@ -190,7 +190,11 @@ async def _beat(
         state.health_sent, state.health_json = sent, json.dumps(live)
     await link.hot.record_heartbeat(state.node_id, link.liveness_timeout, state.health_json)
     _check_stale_soon(link, state, beat)
-    reasons = tuple(beat.health.reasons)
+    # Stored (and acted on) when the verdict or the reasons changed; a host reason's
+    # numbers moving (a disk filling, memory pressure) is no change: the live health
+    # above has them.
+    host = set(beat.health.host.reasons)
+    reasons = tuple(health_service.gist([r])[0] if r in host else r for r in beat.health.reasons)
     if (beat.health.verdict, reasons) == (state.verdict, state.reasons):
         return
     state.verdict, state.reasons = beat.health.verdict, reasons

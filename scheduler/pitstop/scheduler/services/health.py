@@ -15,7 +15,8 @@ node state change, with its event, in the caller's transaction:
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import select
@@ -125,6 +126,7 @@ async def apply_health(
     if node is None:
         return None
     was_degraded = health_verdict(node.health) is HealthVerdict.DEGRADED
+    said_before = gist((node.health or {}).get("reasons", ()))
     node.health = health.document
     reason = "; ".join(health.reasons) or (health.verdict.value if health.verdict else "unknown")
     actor = f"agent:{node_id}"
@@ -140,7 +142,9 @@ async def apply_health(
         )
         return node.state
     degraded = health.verdict is HealthVerdict.DEGRADED
-    if degraded or was_degraded:
+    # A degraded node is news when it starts, ends, or says something new: not when a
+    # number in what it says moved (a disk filling, memory pressure rising).
+    if degraded != was_degraded or (degraded and gist(health.reasons) != said_before):
         # The node keeps its state and its work; the event log says what is wrong, and
         # when it is over.
         record_event(
@@ -151,6 +155,14 @@ async def apply_health(
             reason=reason if degraded else "nothing degrades the node any more",
         )
     return None
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def gist(reasons: Iterable[str]) -> tuple[str, ...]:
+    """Health reasons without their numbers: what they say, not how much."""
+    return tuple(_NUMBER.sub("#", reason) for reason in reasons)
 
 
 LAST_SEEN_AT = "last_seen_at"
