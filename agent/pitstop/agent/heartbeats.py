@@ -215,11 +215,14 @@ class Heartbeats:
         stuck read never holds the heartbeat, which liveness hangs on."""
         host = self._host
         assert host is not None
-        if self._host_read is None or self._host_read.done():
+        read = self._host_read
+        if read is None or read.done():
+            if read is not None and not read.cancelled():
+                read.exception()  # a read that outlived its look: its news is stale now
             now = asyncio.get_running_loop().time()
-            self._host_read = asyncio.ensure_future(asyncio.to_thread(host.look, now))
+            read = self._host_read = asyncio.ensure_future(asyncio.to_thread(host.look, now))
         try:
-            judged = await asyncio.wait_for(asyncio.shield(self._host_read), HOST_READ_SECONDS)
+            judged = await asyncio.wait_for(asyncio.shield(read), HOST_READ_SECONDS)
         except TimeoutError:
             why = f"reading the host's health took over {HOST_READ_SECONDS:g} s"
         except Exception as exc:
