@@ -237,10 +237,16 @@ def test_a_host_fault_goes_down_the_stream_as_its_flag_says(scheduler: Scheduler
         slower = agent.next_command().inject_fault.host.link_degraded
         pitstop(scheduler, "node", "inject-fault", node_id, "--disk-restored")
         restored = agent.next_command().inject_fault.host
+        pitstop(scheduler, "node", "inject-fault", node_id, "--pcie-correctable", "120")
+        correctable = agent.next_command().inject_fault.host.pcie
+        pitstop(scheduler, "node", "inject-fault", node_id, "--nic-pcie-degraded")
+        nic = agent.next_command().inject_fault.host.pcie
     assert (flap.port, flap.count) == ("mlx5_0/1", 4)
     assert (slower.port, slower.rate_gbps) == ("mlx5_1/1", 200.0)
     assert restored.WhichOneof("kind") == "disk_full"
     assert restored.disk_full is False
+    assert (correctable.role, correctable.correctable, correctable.degraded) == ("", 120, False)
+    assert (nic.role, nic.degraded) == ("nic", True)
 
 
 @pytest.mark.parametrize(

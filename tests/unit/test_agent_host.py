@@ -254,6 +254,7 @@ def test_every_simulated_fault_gives_the_verdict_a_real_one_would(tmp_path: Path
         (lambda: sim.link_errors("mlx5_0/1", 500), common_pb2.HEALTH_VERDICT_WARNING),
         (lambda: sim.link_degraded("mlx5_0/1", 200), common_pb2.HEALTH_VERDICT_WARNING),  # errors
         (lambda: sim.pcie_degraded("nic"), common_pb2.HEALTH_VERDICT_WARNING),
+        (lambda: sim.memory_errors(corrected=100), common_pb2.HEALTH_VERDICT_WARNING),
         (lambda: sim.pcie_aer(1), common_pb2.HEALTH_VERDICT_FATAL),
     ]
     for inject, expected in steps:
@@ -269,6 +270,25 @@ def test_every_simulated_fault_gives_the_verdict_a_real_one_would(tmp_path: Path
         sim.link_errors("mlx5_0/1", 0)
     with pytest.raises(ValueError, match="reads no disk: set host_disk_paths"):
         sim.disk_full()
+    # Each fault alone, on a fresh host: the verdict the real reading would get.
+    alone = [
+        (lambda h: h.memory_pressure(30), common_pb2.HEALTH_VERDICT_DEGRADED),
+        (lambda h: h.disk_read_only(), common_pb2.HEALTH_VERDICT_DEGRADED),
+        (lambda h: h.memory_errors(uncorrected=1), common_pb2.HEALTH_VERDICT_FATAL),
+        (lambda h: h.pcie_aer(1, severity="nonfatal"), common_pb2.HEALTH_VERDICT_WARNING),
+        (lambda h: h.pcie_aer(100, severity="correctable"), common_pb2.HEALTH_VERDICT_WARNING),
+        (lambda h: h.pcie_aer(99, severity="correctable"), common_pb2.HEALTH_VERDICT_HEALTHY),
+    ]
+    for inject, expected in alone:
+        fresh = SimulatedHost(disk_paths=[tmp_path])
+        before = fresh.read()
+        inject(fresh)
+        judged = assess_host(fresh.read(), now=10, earlier=[(0, before)], thresholds=limits)
+        assert judged.verdict == expected, judged.reasons
+    with pytest.raises(ValueError, match="severity 'bad': give fatal, nonfatal or correctable"):
+        sim.pcie_aer(1, severity="bad")
+    with pytest.raises(ValueError, match="memory pressure 120%: give 0 to 100"):
+        sim.memory_pressure(120)
 
 
 def test_a_cleared_simulated_host_is_healthy_again_with_its_counters_kept(

@@ -124,8 +124,8 @@ def test_memory_disk_and_pcie_faults_show(
 ) -> None:
     host.oom_kill(4321, "python")
     host.disk_full()
-    host.pcie_aer(2, fatal=True, role="gpu")
-    host.pcie_aer(7, fatal=False, role="nic")
+    host.pcie_aer(2, severity="fatal", role="gpu")
+    host.pcie_aer(7, severity="correctable", role="nic")
     host.pcie_degraded("nic")
     reading = host.read()
     reading.memory.pressure_full_avg10 = 35.5

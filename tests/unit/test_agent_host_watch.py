@@ -103,8 +103,25 @@ def test_every_host_drill_reaches_the_simulated_host() -> None:
     ]
     gpu = next(d for d in reading.pcie if d.role == "gpu")
     assert (gpu.aer_fatal, gpu.link_width) == (2, 8)
+    faults.inject(_host(edac_corrected=150))
+    faults.inject(_host(edac_uncorrected=1))
+    faults.inject(_host(memory_pressure_percent=35.0))
+    faults.inject(_host(pcie=common_pb2.PcieFault(role="nic", nonfatal=2, correctable=9)))
+    faults.inject(_host(pcie=common_pb2.PcieFault(role="nic", degraded=True)))
+    reading = sim.read()
+    memory = reading.memory
+    assert (memory.edac_corrected, memory.edac_uncorrected) == (150, 1)
+    assert memory.pressure_full_avg10 == 35.0
+    nic = next(d for d in reading.pcie if d.role == "nic")
+    assert (nic.aer_nonfatal, nic.aer_correctable, nic.aer_fatal) == (2, 9, 0)
+    assert (nic.link_width, nic.link_speed_gts) == (8, 16.0)
     faults.inject(_host(clear=True))
     assert all(link.up for link in sim.read().links)
+    assert sim.read().memory.pressure_full_avg10 == 0
+    with pytest.raises(ValueError, match="the PCIe fault names nothing"):
+        faults.inject(_host(pcie=common_pb2.PcieFault(role="nic")))
+    with pytest.raises(ValueError, match="reads no disk"):
+        faults.inject(_host(disk_read_only=True))
     with pytest.raises(ValueError, match="port 'ib9/1'"):
         faults.inject(_host(link_down="ib9/1"))
     with pytest.raises(ValueError, match="names no kind"):

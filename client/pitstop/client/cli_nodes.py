@@ -161,6 +161,8 @@ def _fault(gpu: int, option: str, field: str, value: object) -> common_pb2.Fault
         getattr(target, field).CopyFrom(_port_count(str(value), option))
     elif field == "link_degraded":
         target.link_degraded.CopyFrom(_port_rate(str(value), option))
+    elif isinstance(value, common_pb2.PcieFault):
+        target.pcie.CopyFrom(value)
     else:
         setattr(target, field, value)
     return fault
@@ -270,6 +272,43 @@ def inject_fault(
     host_clear: Annotated[
         bool, typer.Option("--host-clear", help="Host: undo every injected host fault.")
     ] = False,
+    edac_corrected: Annotated[
+        int | None,
+        typer.Option("--edac-corrected", min=1, metavar="N", help="Host: corrected memory errors."),
+    ] = None,
+    edac_uncorrected: Annotated[
+        int | None,
+        typer.Option(
+            "--edac-uncorrected", min=1, metavar="N", help="Host: uncorrected memory errors."
+        ),
+    ] = None,
+    memory_pressure: Annotated[
+        float | None,
+        typer.Option(
+            "--memory-pressure",
+            min=0,
+            max=100,
+            metavar="PCT",
+            help="Host: PSI full avg10 (0 ends).",
+        ),
+    ] = None,
+    disk_read_only: Annotated[
+        bool, typer.Option("--disk-read-only", help="Host: the daemons' disks read read-only.")
+    ] = False,
+    pcie_nonfatal: Annotated[
+        int | None,
+        typer.Option("--pcie-nonfatal", min=1, metavar="N", help="Host: non-fatal AER on the GPU."),
+    ] = None,
+    pcie_correctable: Annotated[
+        int | None,
+        typer.Option(
+            "--pcie-correctable", min=1, metavar="N", help="Host: correctable AER on the GPU."
+        ),
+    ] = None,
+    nic_pcie_degraded: Annotated[
+        bool,
+        typer.Option("--nic-pcie-degraded", help="Host: the NIC's PCIe link at half width/speed."),
+    ] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Inject exactly one fault on a node: on a GPU, or on the host around the GPUs (host
@@ -299,8 +338,27 @@ def inject_fault(
         "--pcie-aer": ("host.pcie_aer", pcie_aer),
         "--pcie-degraded": ("host.pcie_degraded", pcie_degraded or None),
         "--host-clear": ("host.clear", host_clear or None),
+        "--edac-corrected": ("host.edac_corrected", edac_corrected),
+        "--edac-uncorrected": ("host.edac_uncorrected", edac_uncorrected),
+        "--memory-pressure": ("host.memory_pressure_percent", memory_pressure),
+        "--disk-read-only": ("host.disk_read_only", disk_read_only or None),
+        "--pcie-nonfatal": ("host.pcie", common_pb2.PcieFault(nonfatal=pcie_nonfatal or 0)),
+        "--pcie-correctable": (
+            "host.pcie",
+            common_pb2.PcieFault(correctable=pcie_correctable or 0),
+        ),
+        "--nic-pcie-degraded": ("host.pcie", common_pb2.PcieFault(role="nic", degraded=True)),
     }
-    given = [option for option, (_, value) in options.items() if value is not None]
+    given_pcie = {
+        "--pcie-nonfatal": pcie_nonfatal,
+        "--pcie-correctable": pcie_correctable,
+        "--nic-pcie-degraded": nic_pcie_degraded or None,
+    }
+    given = [
+        option
+        for option, (_, value) in options.items()
+        if (given_pcie.get(option, value)) is not None
+    ]
     if len(given) != 1:
         got = ", ".join(given) if given else "none"
         raise typer.BadParameter(

@@ -389,7 +389,7 @@ class Fault(_message.Message):
     def __init__(self, gpu_index: _Optional[int] = ..., xid: _Optional[int] = ..., ecc_double_bit: _Optional[int] = ..., pending_row_remap: _Optional[bool] = ..., gpu_lost: _Optional[bool] = ..., thermal_throttle: _Optional[bool] = ..., nvlink_errors: _Optional[_Union[NvLinkFault, _Mapping]] = ..., slow_multiplier: _Optional[float] = ..., clear: _Optional[bool] = ..., sdc: _Optional[bool] = ..., nan: _Optional[bool] = ..., hang: _Optional[bool] = ..., fail_preflight: _Optional[bool] = ..., host: _Optional[_Union[HostFault, _Mapping]] = ...) -> None: ...
 
 class HostFault(_message.Message):
-    __slots__ = ("link_down", "link_up", "link_flap", "link_errors", "link_degraded", "oom", "disk_full", "pcie_aer", "pcie_degraded", "clear")
+    __slots__ = ("link_down", "link_up", "link_flap", "link_errors", "link_degraded", "oom", "disk_full", "pcie_aer", "pcie_degraded", "clear", "edac_corrected", "edac_uncorrected", "memory_pressure_percent", "disk_read_only", "pcie")
     LINK_DOWN_FIELD_NUMBER: _ClassVar[int]
     LINK_UP_FIELD_NUMBER: _ClassVar[int]
     LINK_FLAP_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +400,11 @@ class HostFault(_message.Message):
     PCIE_AER_FIELD_NUMBER: _ClassVar[int]
     PCIE_DEGRADED_FIELD_NUMBER: _ClassVar[int]
     CLEAR_FIELD_NUMBER: _ClassVar[int]
+    EDAC_CORRECTED_FIELD_NUMBER: _ClassVar[int]
+    EDAC_UNCORRECTED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PRESSURE_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PCIE_FIELD_NUMBER: _ClassVar[int]
     link_down: str
     link_up: str
     link_flap: PortCount
@@ -410,7 +415,26 @@ class HostFault(_message.Message):
     pcie_aer: int
     pcie_degraded: bool
     clear: bool
-    def __init__(self, link_down: _Optional[str] = ..., link_up: _Optional[str] = ..., link_flap: _Optional[_Union[PortCount, _Mapping]] = ..., link_errors: _Optional[_Union[PortCount, _Mapping]] = ..., link_degraded: _Optional[_Union[PortRate, _Mapping]] = ..., oom: _Optional[bool] = ..., disk_full: _Optional[bool] = ..., pcie_aer: _Optional[int] = ..., pcie_degraded: _Optional[bool] = ..., clear: _Optional[bool] = ...) -> None: ...
+    edac_corrected: int
+    edac_uncorrected: int
+    memory_pressure_percent: float
+    disk_read_only: bool
+    pcie: PcieFault
+    def __init__(self, link_down: _Optional[str] = ..., link_up: _Optional[str] = ..., link_flap: _Optional[_Union[PortCount, _Mapping]] = ..., link_errors: _Optional[_Union[PortCount, _Mapping]] = ..., link_degraded: _Optional[_Union[PortRate, _Mapping]] = ..., oom: _Optional[bool] = ..., disk_full: _Optional[bool] = ..., pcie_aer: _Optional[int] = ..., pcie_degraded: _Optional[bool] = ..., clear: _Optional[bool] = ..., edac_corrected: _Optional[int] = ..., edac_uncorrected: _Optional[int] = ..., memory_pressure_percent: _Optional[float] = ..., disk_read_only: _Optional[bool] = ..., pcie: _Optional[_Union[PcieFault, _Mapping]] = ...) -> None: ...
+
+class PcieFault(_message.Message):
+    __slots__ = ("role", "fatal", "nonfatal", "correctable", "degraded")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    FATAL_FIELD_NUMBER: _ClassVar[int]
+    NONFATAL_FIELD_NUMBER: _ClassVar[int]
+    CORRECTABLE_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    fatal: int
+    nonfatal: int
+    correctable: int
+    degraded: bool
+    def __init__(self, role: _Optional[str] = ..., fatal: _Optional[int] = ..., nonfatal: _Optional[int] = ..., correctable: _Optional[int] = ..., degraded: _Optional[bool] = ...) -> None: ...
 
 class PortCount(_message.Message):
     __slots__ = ("port", "count")

@@ -80,6 +80,16 @@ class FaultInjector:
         elif kind == "clear":
             host.clear()
             self._slow(1.0)
+        elif kind == "edac_corrected":
+            host.memory_errors(corrected=drill.edac_corrected)
+        elif kind == "edac_uncorrected":
+            host.memory_errors(uncorrected=drill.edac_uncorrected)
+        elif kind == "memory_pressure_percent":
+            host.memory_pressure(drill.memory_pressure_percent)
+        elif kind == "disk_read_only":
+            host.disk_read_only(drill.disk_read_only)
+        elif kind == "pcie":
+            _pcie(host, drill.pcie)
         else:
             raise ValueError("the host fault names no kind: set one of link_down .. clear")
 
@@ -99,3 +109,15 @@ class FaultInjector:
         for gpu in self.gpu.inventory():
             self.gpu.inject_fault(common_pb2.Fault(gpu_index=gpu.index, slow_multiplier=multiplier))
         self._slowed = multiplier != 1.0
+
+
+def _pcie(host: SimulatedHost, fault: common_pb2.PcieFault) -> None:
+    role = fault.role or "gpu"
+    counts = [(s, getattr(fault, s)) for s in ("fatal", "nonfatal", "correctable")]
+    if not fault.degraded and not any(n for _, n in counts):
+        raise ValueError("the PCIe fault names nothing: give errors or degraded")
+    for severity, count in counts:
+        if count:
+            host.pcie_aer(count, severity=severity, role=role)
+    if fault.degraded:
+        host.pcie_degraded(role)

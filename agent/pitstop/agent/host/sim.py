@@ -33,6 +33,7 @@ class SimulatedHost(HostBackend):
         self._lock = threading.Lock()
         self.disk_paths = list(disk_paths)
         self._disk_full = False
+        self._read_only = False
         self._recent_kills: deque[str] = deque(maxlen=256)
         self._reading = common_pb2.HostHealth(
             links=[
@@ -58,9 +59,10 @@ class SimulatedHost(HostBackend):
         with self._lock:
             copy = common_pb2.HostHealth()
             copy.CopyFrom(self._reading)
-            if self._disk_full:
-                for disk in disks:
+            for disk in disks:
+                if self._disk_full:
                     disk.free_bytes = 0
+                disk.read_only = disk.read_only or self._read_only
             copy.disks.extend(disks)
             return copy
 
@@ -117,28 +119,59 @@ class SimulatedHost(HostBackend):
 
     def clear(self) -> None:
         """Every injected fault undone: links up at their full rate, the disks read as
-        they are, full PCIe links. Counters keep their counts, as the kernel's do."""
+        they are, full PCIe links, no memory pressure. Counters keep their counts, as
+        the kernel's do."""
         with self._lock:
             for link in self._reading.links:
                 link.up, link.rate_gbps = True, RATE_GBPS
             for device in self._reading.pcie:
                 device.link_width = device.link_width_max
-            self._disk_full = False
+                device.link_speed_gts = device.link_speed_gts_max
+            self._reading.memory.pressure_full_avg10 = 0.0
+            self._disk_full = self._read_only = False
 
-    def pcie_aer(self, count: int, *, fatal: bool = True, role: str = "gpu") -> None:
+    def pcie_aer(self, count: int, *, severity: str = "fatal", role: str = "gpu") -> None:
+        """`count` new AER errors of `severity` (fatal, nonfatal or correctable)."""
         _positive("count", count)
+        if severity not in ("fatal", "nonfatal", "correctable"):
+            raise ValueError(f"severity {severity!r}: give fatal, nonfatal or correctable")
         with self._lock:
             device = self._device(role)
-            if fatal:
-                device.aer_fatal += count
-            else:
-                device.aer_correctable += count
+            field = f"aer_{severity}"
+            setattr(device, field, getattr(device, field) + count)
 
     def pcie_degraded(self, role: str = "gpu") -> None:
-        """The device's link retrained at half its width."""
+        """The device's link retrained at half its width (a NIC's also at half its
+        speed: a GPU lowers its speed by itself when idle, which is no fault)."""
         with self._lock:
             device = self._device(role)
             device.link_width = device.link_width_max // 2
+            if role == "nic":
+                device.link_speed_gts = device.link_speed_gts_max / 2
+
+    def memory_errors(self, corrected: int = 0, uncorrected: int = 0) -> None:
+        """New corrected and uncorrected memory errors, as EDAC counts them."""
+        if corrected < 0 or uncorrected < 0 or not corrected + uncorrected:
+            raise ValueError(
+                f"corrected {corrected}, uncorrected {uncorrected}: give 1 or more of either"
+            )
+        with self._lock:
+            self._reading.memory.edac_corrected += corrected
+            self._reading.memory.edac_uncorrected += uncorrected
+
+    def memory_pressure(self, percent: float) -> None:
+        """PSI's "full avg10" reads `percent` (0: no pressure)."""
+        if not 0 <= percent <= 100:
+            raise ValueError(f"memory pressure {percent:g}%: give 0 to 100")
+        with self._lock:
+            self._reading.memory.pressure_full_avg10 = percent
+
+    def disk_read_only(self, read_only: bool = True) -> None:
+        """The daemons' disks read as remounted read-only (after an I/O error)."""
+        if read_only and not self.disk_paths:
+            raise ValueError("this node reads no disk: set host_disk_paths in its agent config")
+        with self._lock:
+            self._read_only = read_only
 
     def _link(self, port: str) -> common_pb2.LinkReading:
         for link in self._reading.links:
