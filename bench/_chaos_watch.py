@@ -99,16 +99,21 @@ class Steps:
         self.newest = 0
         self.firsts: list[tuple[float, int]] = []  # (epoch seconds, the new newest step)
         self.last_line_at = time.time()
-        self._read: dict[Path, int] = {}
+        self._read: dict[Path, tuple[int, int]] = {}  # path -> (inode, bytes read)
 
     def poll(self) -> None:
         now = time.time()
         for path in self.state_dir.glob(self.logs):
             with path.open("rb") as log:
-                log.seek(self._read.get(path, 0))
+                # A standby that takes its rank over on the same node starts the log
+                # anew (the old one kept as rank-N.1.log): a new file is read from 0.
+                inode = os.fstat(log.fileno()).st_ino
+                known, offset = self._read.get(path, (inode, 0))
+                offset = offset if known == inode else 0
+                log.seek(offset)
                 chunk = log.read()
             complete = chunk.rfind(b"\n") + 1
-            self._read[path] = self._read.get(path, 0) + complete
+            self._read[path] = (inode, offset + complete)
             for match in STEP_LINE.finditer(chunk[:complete]):
                 self.last_line_at = now
                 if int(match.group(2)) > self.newest:
