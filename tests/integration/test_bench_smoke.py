@@ -214,6 +214,7 @@ def test_checkpoint_benchmark_prints_one_json_line_and_stops_its_daemons() -> No
     tuned async_save's settings in the output, and no daemon or segment left behind."""
     env = clean_env()
     command = [sys.executable, "bench/checkpoint.py", "--sizes-mb", "8", "--sharded-mb", "8"]
+    command += ["--loop-sizes-mb", "8"]  # the loop case too, at the smoke's size
     bench = subprocess.Popen(
         [*command, "--reps", "1", "--cuda"],
         cwd=ROOT,
@@ -240,6 +241,10 @@ def test_checkpoint_benchmark_prints_one_json_line_and_stops_its_daemons() -> No
     assert config["use_async_staging"] is True
     assert config["timed_until"] == "staging_completion"
     assert config["process_group"] == "gloo, one rank"
+    for mode in ("split", "shared"):  # a computing loop, its CPUs shared or split
+        loop = report["loop"]["8MB"][mode]
+        for key in ("step_ms", "pitstop_added_ms", "async_save_added_ms", "memcpy_ms"):
+            assert loop[key] > 0, (mode, key, loop)
     if not report.get("gpu"):
         assert report["cuda"] == "skipped: torch.cuda.is_available() is False"
     # Its daemons (node ids bench-a-PID, bench-b-PID) are gone, with their segments.

@@ -15,7 +15,7 @@ import pytest
 from kit.agents import AgentSpec, run_agents
 from kit.events import follow_events, wait_for
 from kit.ranks import FAKE_RANK
-from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.schedulers import SchedulerThread, agents_leader
 from kit.stores import StoreUrls, unique
 from pitstop.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
 
@@ -24,18 +24,7 @@ SLOWER = "w2's host: infiniband link mlx5_0/1 runs at 200 Gb/s, below the 400 Gb
 
 @pytest.fixture
 def deciding(stores: StoreUrls, tmp_path: Path) -> Iterator[SchedulerThread]:
-    thread = SchedulerThread(
-        scheduler_settings(
-            stores,
-            tmp_path / "scheduler",
-            database_url=stores.fresh_database(),
-            redis_prefix=f"{stores.redis_prefix}{unique('host')}:",
-            leader_loops=True,
-            heartbeat_interval_seconds=0.5,
-            liveness_timeout_intervals=5.0,
-            liveness_startup_grace_seconds=0.0,
-        )
-    )
+    thread = agents_leader(stores, tmp_path, "host")
     yield thread
     thread.stop()
 

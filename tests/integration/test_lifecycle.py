@@ -23,31 +23,21 @@ import pytest
 from kit.agents import AgentSpec, run_agents
 from kit.events import follow_events, wait_for
 from kit.ranks import FAKE_RANK
-from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.schedulers import (
+    AGENTS_LIVENESS_INTERVALS,
+    SchedulerThread,
+    agents_leader,
+    scheduler_settings,
+)
 from kit.stores import StoreUrls, unique
 from pitstop.v1 import common_pb2, jobs_pb2, jobs_pb2_grpc, nodes_pb2, nodes_pb2_grpc
-
-# Lost after 5 silent beats (2.5 s, the default deadline): at 1.25 s a node was declared
-# lost in a CI run while its agent started four ranks on the loaded 2-core machine. No
-# test here waits on a deadline: a broken stream or an Xid is noticed at once.
-LIVENESS_INTERVALS = 5.0
 
 
 @pytest.fixture
 def deciding(stores: StoreUrls, tmp_path: Path) -> Iterator[SchedulerThread]:
-    """A leading scheduler on a database of its own, with a short heartbeat."""
-    thread = SchedulerThread(
-        scheduler_settings(
-            stores,
-            tmp_path / "scheduler",
-            database_url=stores.fresh_database(),
-            redis_prefix=f"{stores.redis_prefix}{unique('life')}:",
-            leader_loops=True,
-            heartbeat_interval_seconds=0.5,
-            liveness_timeout_intervals=LIVENESS_INTERVALS,
-            liveness_startup_grace_seconds=0.0,
-        )
-    )
+    """A leading scheduler on a database of its own, with a short heartbeat. No test here
+    waits on a liveness deadline: a broken stream or an Xid is noticed at once."""
+    thread = agents_leader(stores, tmp_path, "life")
     yield thread
     thread.stop()
 
@@ -300,7 +290,7 @@ def test_ranks_that_exit_while_the_lease_lapses_still_finish_the_job(
             redis_prefix=f"{stores.redis_prefix}{unique('lapse')}:",
             leader_loops=True,
             heartbeat_interval_seconds=0.5,
-            liveness_timeout_intervals=LIVENESS_INTERVALS,
+            liveness_timeout_intervals=AGENTS_LIVENESS_INTERVALS,
             liveness_startup_grace_seconds=0.0,
         )
     )
