@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import re
 from collections import defaultdict
 from collections.abc import Callable, Collection
 from typing import Protocol
@@ -29,6 +28,7 @@ from pitstop.agent.config import AgentSettings
 from pitstop.agent.gpu import GpuBackend
 from pitstop.agent.host.watch import HostWatch
 from pitstop.agent.metrics import AgentMetrics
+from pitstop.health.host import gist
 from pitstop.health.verdict import assess_gpu, assess_node, worst_verdict
 from pitstop.health.xid import XidClass, classify_xid, verdict_for
 from pitstop.v1 import agent_pb2, common_pb2
@@ -61,9 +61,6 @@ class RunningRanks(Protocol):
     def kill_gpu(self, gpu_index: int, reason: str) -> list[tuple[str, int]]: ...
 
 
-_NUMBER = re.compile(r"\d+(?:\.\d+)?")
-
-
 def _gist(beat: agent_pb2.Heartbeat) -> tuple[object, ...]:
     """What the scheduler acts on in a heartbeat: the verdicts and their reasons (node,
     GPUs and host) and which processes run (not their step, nor the GPUs' temperatures
@@ -77,7 +74,7 @@ def _gist(beat: agent_pb2.Heartbeat) -> tuple[object, ...]:
         tuple(r for r in health.reasons if r not in host),
         tuple((g.index, g.verdict, tuple(g.reasons)) for g in health.gpus),
         health.host.verdict,
-        tuple(_NUMBER.sub("#", r) for r in health.host.reasons),
+        gist(health.host.reasons),
         tuple(
             sorted(
                 (r.job_id, r.generation, r.rank, r.pid, r.standby, r.ready)
@@ -173,8 +170,9 @@ class Heartbeats:
                     if self._steps.pending >= STEP_FLUSH_SAMPLES:
                         self.flush_steps()
 
-    async def _look(self) -> agent_pb2.Heartbeat:
-        """The node's health and running ranks now, as a heartbeat."""
+    async def _look(self, *, read_host: bool = True) -> agent_pb2.Heartbeat:
+        """The node's health and running ranks now, as a heartbeat; without `read_host`,
+        the host as the last look judged it (a command's ack waits for no host read)."""
         try:
             readings = await asyncio.to_thread(self._backend.read_health)
         except Exception as exc:
@@ -197,7 +195,8 @@ class Heartbeats:
         # is down (the checkpoint daemon).
         found = [c for s in self._conditions for c in s.conditions()]
         if self._host is not None:
-            host = await self._look_at_host()
+            latest = self._host.latest
+            host = await self._look_at_host() if read_host or latest is None else latest
             health.host.CopyFrom(host)
             found += [NodeCondition(host.verdict, reason) for reason in host.reasons]
         health = with_conditions(health, found)
@@ -242,7 +241,7 @@ class Heartbeats:
         """A heartbeat of the node now, to go with a command's ack instead of after it,
         and counted as sent (the loop sends the next one only when something changes
         again)."""
-        beat = await self._look()
+        beat = await self._look(read_host=False)
         self._sent, self._sent_at = _gist(beat), asyncio.get_running_loop().time()
         return beat
 

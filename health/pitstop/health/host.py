@@ -28,7 +28,8 @@ the numbers. A source named in the reading's `unsupported` list is skipped.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pitstop.health.verdict import worst_verdict
@@ -105,6 +106,16 @@ class HostThresholds:
             raise ValueError(
                 f"HostThresholds.disk_free_fraction is {self.disk_free_fraction}; give 0..1"
             )
+
+
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def gist(reasons: Iterable[str]) -> tuple[str, ...]:
+    """Reasons without their numbers: what they say, not how much. A disk filling or
+    memory pressure rising says a new number every look and is the same news until
+    what it says changes."""
+    return tuple(_NUMBER.sub("#", reason) for reason in reasons)
 
 
 Timed = tuple[float, common_pb2.HostHealth]

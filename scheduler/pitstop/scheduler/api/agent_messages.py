@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from google.protobuf import json_format
 
+from pitstop.health.host import gist
 from pitstop.scheduler.admission import PREEMPT_GRACE_SECONDS
 from pitstop.scheduler.api.agent_input import check_agent_message
 from pitstop.scheduler.api.agent_stream import StreamState
@@ -194,7 +195,7 @@ async def _beat(
     # numbers moving (a disk filling, memory pressure) is no change: the live health
     # above has them.
     host = set(beat.health.host.reasons)
-    reasons = tuple(health_service.gist([r])[0] if r in host else r for r in beat.health.reasons)
+    reasons = tuple(gist([r])[0] if r in host else r for r in beat.health.reasons)
     if (beat.health.verdict, reasons) == (state.verdict, state.reasons):
         return
     state.verdict, state.reasons = beat.health.verdict, reasons

@@ -15,13 +15,13 @@ node state change, with its event, in the caller's transaction:
 from __future__ import annotations
 
 import datetime as dt
-import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from pitstop.health.host import gist
 from pitstop.health.xid import XidClass, classify_xid
 from pitstop.scheduler.db import models
 from pitstop.scheduler.domain import HealthReport, HealthVerdict, LossCause, NodeState, XidReport
@@ -155,14 +155,6 @@ async def apply_health(
             reason=reason if degraded else "nothing degrades the node any more",
         )
     return None
-
-
-_NUMBER = re.compile(r"\d+(?:\.\d+)?")
-
-
-def gist(reasons: Iterable[str]) -> tuple[str, ...]:
-    """Health reasons without their numbers: what they say, not how much."""
-    return tuple(_NUMBER.sub("#", reason) for reason in reasons)
 
 
 LAST_SEEN_AT = "last_seen_at"
