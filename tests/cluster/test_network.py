@@ -17,6 +17,7 @@ from kit.faultcluster import (
     node_lost_events,
     restored_steps,
     steps_never_run,
+    wait_until,
 )
 
 # Every scenario is a `cluster` test (the second pass of `make test`); the fixtures are
@@ -90,6 +91,13 @@ def test_half_the_nodes_cut_off_at_once_hold_the_job_until_they_are_back(
     held = cluster.job_event(job.id, "job.held", "job.recovering")
     assert held.kind == "job.held", f"{held.kind}: {held.reason}\n{cluster.logs(job.id)}"
     assert held.attributes["nodes"] == ",".join(cut), dict(held.attributes)
+    # The hold comes once both streams have ended; each node is lost once its host does
+    # not answer either. A link healed before that judgement is no loss at all (its
+    # Register comes first), so the links come back once both are lost.
+    wait_until(
+        lambda: sorted(each.split(":", 1)[0] for each in node_lost_events(cluster)) == cut,
+        "both cut nodes judged lost",
+    )
     for node_id in cut:
         network.heal(node_id)
     released = cluster.job_event(job.id, "job.released", "job.recovering")
