@@ -9,7 +9,11 @@ stacks are in, or STACKS_WAIT_SECONDS after asking, the ranks that are not where
 others wait (pitstop.health.hang) are named (job.hang_located) and killed: their exits
 are rank failures, recovered as any other (the standby beside them, or a fresh process,
 and every other rank reconfigured from the committed step). Naming nobody, every rank
-of the job is killed: the job restarts from its committed step.
+of the job is killed: the job restarts from its committed step. The kill is confirmed by
+the killed ranks' exits; a rank whose node reports none within KILL_EXIT_WAIT_SECONDS
+(the process gone with no exit on record, or an agent that never got the stop) is
+recorded as killed by the scheduler itself, so the job restarts instead of waiting for
+an exit that will not come.
 
 What this remembers is telemetry: a new leader that finds the job still hung declares
 it again (a second incident, its own stacks).
@@ -31,6 +35,7 @@ from pitstop.scheduler.reconcile.context import Leader, locked_job
 from pitstop.scheduler.reconcile.steps import StepFollower
 from pitstop.scheduler.services.events import record_event
 from pitstop.scheduler.services.jobs import spec_from_json
+from pitstop.scheduler.services.rank_exits import record_exit
 from pitstop.v1 import agent_pb2, jobs_pb2
 
 log = logging.getLogger(__name__)
@@ -38,6 +43,11 @@ log = logging.getLogger(__name__)
 STACKS_WAIT_SECONDS = 20.0
 """How long the stacks of a hung job's ranks are waited for before the ranks that
 answered are judged (py-spy takes well under a second a process)."""
+
+KILL_EXIT_WAIT_SECONDS = 30.0
+"""How long the exits of ranks killed as hung are waited for before the scheduler records
+them itself: well past an agent's kill (immediate) and its next Register's replay of
+the exits a broken stream lost (a reconnect and a heartbeat or two)."""
 
 
 @dataclass
@@ -49,6 +59,16 @@ class Incident:
     world_size: int
     asked_at: float  # the leader's clock
     nodes: dict[int, str]  # rank -> node
+
+
+@dataclass
+class Kill:
+    """Ranks killed as hung, their exits not yet seen."""
+
+    job_id: str
+    generation: int
+    ranks: dict[int, str]  # rank -> node
+    sent_at: float  # the leader's clock
 
 
 def threshold(policy: jobs_pb2.IntegrityPolicy, step_seconds: float) -> float:
@@ -64,6 +84,7 @@ class HangWatch:
         self.leader = leader
         self.steps = steps
         self.open: dict[int, Incident] = {}  # incident (job.hang event id) -> what is known
+        self.killing: dict[int, Kill] = {}  # incident -> the ranks its verdict killed
         self.declared: set[tuple[str, int, int]] = set()  # (job, generation, step)
         # When each live job was last seen not RUNNING (paused, recovering): silence is
         # measured from then at the earliest, so a job resumed after a long pause is not
@@ -75,6 +96,8 @@ class HangWatch:
         await self._declare()
         for incident_id in sorted(self.open):
             await self._settle(incident_id)
+        for incident_id in sorted(self.killing):
+            await self._confirm(incident_id)
 
     async def _declare(self) -> None:
         """Over the live jobs the step follower just read (no read of its own)."""
@@ -207,4 +230,58 @@ class HangWatch:
                         reason=f"hung (incident {incident_id}): {verdict.reason}",
                     )
                 ),
+            )
+        killed = {rank: incident.nodes[rank] for rank in named}
+        self.killing[incident_id] = Kill(
+            incident.job_id, incident.generation, killed, leader.clock()
+        )
+
+    async def _confirm(self, incident_id: int) -> None:
+        """Once KILL_EXIT_WAIT_SECONDS passed: each killed rank with no exit on record in
+        the job's generation, still running, is recorded as killed (signal 9, by the
+        scheduler); the exit follower restarts it as any failed rank. A late exit from
+        its agent is then the same exit, recorded once."""
+        leader, kill = self.leader, self.killing[incident_id]
+        if leader.clock() - kill.sent_at < KILL_EXIT_WAIT_SECONDS:
+            return
+        del self.killing[incident_id]
+        attrs = models.Event.attributes
+        async with leader.store.write() as session:
+            job = await locked_job(leader, session, kill.job_id, (JobState.RUNNING,))
+            if job is None or job.generation != kill.generation:
+                return  # the exits came (or something else) and the job moved on
+            if job.held_since is not None:  # a partition's exits wait for its end
+                self.killing[incident_id] = kill
+                return
+            exited = set(
+                await session.scalars(
+                    select(attrs["rank"].astext)
+                    .where(models.Event.job_id == kill.job_id)
+                    .where(models.Event.kind == "rank.exited")
+                    .where(attrs["generation"].astext == str(kill.generation))
+                )
+            )
+            missing = sorted(rank for rank in kill.ranks if str(rank) not in exited)
+            for rank in missing:
+                record_exit(
+                    session,
+                    kill.ranks[rank],
+                    agent_pb2.RankExited(
+                        job_id=kill.job_id,
+                        generation=kill.generation,
+                        rank=rank,
+                        signal=9,
+                        cause=(
+                            f"killed as hung (incident {incident_id}); its node reported "
+                            f"no exit within {KILL_EXIT_WAIT_SECONDS:g} s"
+                        ),
+                    ),
+                    actor="scheduler",
+                )
+        if missing:
+            log.warning(
+                "job %s: no exit from ranks %s killed as hung %g s ago: recorded as killed",
+                kill.job_id,
+                missing,
+                KILL_EXIT_WAIT_SECONDS,
             )

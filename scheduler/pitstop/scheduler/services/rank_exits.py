@@ -14,14 +14,17 @@ from pitstop.scheduler.services.events import record_event
 from pitstop.v1 import agent_pb2
 
 
-def record_exit(session: AsyncSession, node_id: str, exited: agent_pb2.RankExited) -> None:
-    """The exit's event, with its code or signal and the result the rank reported."""
+def record_exit(
+    session: AsyncSession, node_id: str, exited: agent_pb2.RankExited, actor: str = ""
+) -> None:
+    """The exit's event, with its code or signal and the result the rank reported; its
+    actor the node's agent unless said (the scheduler, for an exit it concluded)."""
     how = f"signal {exited.signal}" if exited.signal else f"exit code {exited.exit_code}"
     cause = exited.cause.replace("\x00", "")[:500]
     record_event(
         session,
         "rank.exited",
-        actor=f"agent:{node_id}",
+        actor=actor or f"agent:{node_id}",
         job_id=exited.job_id or None,
         node_id=node_id,
         reason=f"rank {exited.rank} ended with {how}" + (f": {cause}" if cause else ""),
