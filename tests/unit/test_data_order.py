@@ -4,6 +4,7 @@ same samples per step at any dp, and a resume at any dp from the cursor alone.""
 from __future__ import annotations
 
 import hashlib
+import pickle
 from typing import Any
 
 import numpy as np
@@ -116,6 +117,14 @@ def test_loss_scale_gives_the_global_mean_after_a_sum_all_reduce(dp: int) -> Non
     assert sum(averaged) / dp == pytest.approx(global_mean, rel=1e-12)
     weights = [order.replica_weight(dp, replica) for replica in range(dp)]
     assert sum(weights) == pytest.approx(1.0)
+
+
+def test_an_order_pickles_to_an_equal_order() -> None:
+    order = SampleOrder(60, 12, 2, seed=8)
+    order.permutation(0)  # something cached, and the lock, must not stop it
+    copied = pickle.loads(pickle.dumps(order))
+    assert copied == order
+    assert copied.step_samples(4) == order.step_samples(4)
 
 
 def test_the_permutation_cannot_be_changed_through_what_it_returns() -> None:

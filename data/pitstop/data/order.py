@@ -93,6 +93,11 @@ class SampleOrder:
                 f"or more data"
             )
 
+    def __reduce__(self) -> tuple[type[SampleOrder], tuple[int, int, int, int]]:
+        # Pickled (for a DataLoader worker, say) as its four numbers: the cache is
+        # recomputed, and a lock cannot be pickled.
+        return SampleOrder, (self.samples, self.global_batch, self.microbatch_size, self.seed)
+
     @property
     def steps_per_epoch(self) -> int:
         """Full global batches in one epoch (the tail of fewer than B samples is dropped)."""
