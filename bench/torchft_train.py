@@ -149,7 +149,7 @@ def train_step(job: Job, state: TrainState, manager: Any, replica: int) -> None:
     step = manager.current_step() + 1
     rank, world = manager.participating_rank(), manager.num_participants()
     cursor = dict(state.cursor)
-    x, y = job.next_batch(cursor, args.shards * args.shard_batch)
+    x, y = job.next_batch(cursor)
     params = list(model.parameters())
     sizes = [p.numel() for p in params]
     rows = torch.zeros(args.shards, sum(sizes) + 1)

@@ -24,6 +24,7 @@ PARTS = (
     "rankside",
     "trainer",
     "client",
+    "data",
 )
 MAX_FILE_LINES = 800
 MAX_CLASS_LINES = 300

@@ -42,7 +42,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"", "sh", "bash", "console", "shell"}
 ALT = "\x00"  # stands for a `|` between two words: `cancel|pause|resume`
 TOP = (
-    *("proto", "common", "health", "scheduler", "agent", "checkpointd", "rankside"),
+    *("proto", "common", "health", "scheduler", "agent", "checkpointd", "rankside", "data"),
     *("trainer", "client", "tests", "bench", "scripts", "deploy", "examples", "docs"),
 )
 REPO_PATH = re.compile(rf"(?:{'|'.join(TOP)})/[\w./*-]*")

@@ -14,8 +14,13 @@ rank owns the shard (shard s goes to rank s % world_size). The ranks all_gather 
 per-shard gradients and every rank sums them in shard order, so the floating-point
 additions happen in one order whatever the world size, and no reduction inside a
 collective decides it. CPU kernels run single-threaded with deterministic algorithms.
-The data order comes from a seeded permutation per epoch, its position (the cursor)
-lives in the TrainState, so a restore continues with the very next batch.
+The data is read through `pitstop.data`: the synthetic corpus is written once as a
+token shard (`.npy`) and cut into windows of --context + 1 tokens; each epoch reads them
+in a permutation fixed by (seed, epoch), and global batch b is the same slice of it at any
+world size. The shards of the gradient are that batch's microbatches, and a rank reads
+only its own. The cursor (the batches consumed) lives in the TrainState, so a restore
+continues with the very next batch; each step line names the batch's samples (the first
+16 hex digits of `SampleOrder.step_digest`).
 """
 
 from __future__ import annotations
@@ -29,16 +34,19 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 (torch's own convention)
 from torch import nn
 
+from pitstop.data import Manifest, SampleOrder, SampleReader, Windows
 from pitstop.trainer import Session, TrainState
 from pitstop.trainer.state import apply, capture
 
@@ -70,14 +78,30 @@ def make_corpus(chars: int = 16_000, seed: int = 7) -> str:
     return "".join(words)
 
 
-def data_digest(corpus: str, **config: object) -> str:
-    """The example's data version, for the job's record (`Session.record_data`). Its
-    data is synthetic: the corpus `make_corpus` draws and the seeded order its batches
-    are taken in, which `config` fixes (the seed, the window and batch shapes). A digest
-    of the corpus's bytes and that config names exactly the batches a run reads."""
-    corpus_sha256 = hashlib.sha256(corpus.encode()).hexdigest()
-    described = json.dumps({"corpus_sha256": corpus_sha256, **config}, sort_keys=True)
+def data_digest(manifest_digest: str, **config: object) -> str:
+    """The example's data version, for the job's record (`Session.record_data`): the
+    digest of its token shards' manifest and the config that orders its batches (the
+    seed, the window and batch shapes), which together name exactly the batches a run
+    reads."""
+    described = json.dumps({"manifest": manifest_digest, **config}, sort_keys=True)
     return hashlib.sha256(described.encode()).hexdigest()
+
+
+def corpus_shard(ids: list[int], folder: Path | None = None) -> Path:
+    """The corpus's token ids as a `.npy` shard, written once per content (named by its
+    digest) into `folder` (default: the temporary directory), whole or not at all: ranks
+    starting side by side each write their own partial file and rename it."""
+    tokens = np.asarray(ids, dtype=np.uint16)
+    name = hashlib.sha256(tokens.tobytes()).hexdigest()[:16]
+    folder = folder or Path(tempfile.gettempdir()) / "pitstop-example"
+    path = folder / f"corpus-{name}.npy"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = folder / f".corpus-{name}.{os.getpid()}.npy"
+        with partial.open("wb") as out:
+            np.save(out, tokens)
+        os.replace(partial, path)
+    return path
 
 
 class Block(nn.Module):
@@ -135,18 +159,28 @@ class Job:
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         self.args, self.device = args, device
         corpus = make_corpus()
+        self.vocab = sorted(set(corpus))
+        lookup = {c: i for i, c in enumerate(self.vocab)}
+        manifest = Manifest.build([str(corpus_shard([lookup[c] for c in corpus]))], "npy")
+        windows = Windows(manifest, args.context)
+        self.order = SampleOrder(
+            samples=windows.samples,
+            global_batch=args.shards * args.shard_batch,
+            microbatch_size=args.shard_batch,
+            seed=args.seed,
+        )
+        # A local shard is memory-mapped: no cache, and no prefetch thread ever starts.
+        self.reader = SampleReader(windows)
         self.data_digest = data_digest(
-            corpus,
+            manifest.digest,
             seed=args.seed,
             context=args.context,
             shards=args.shards,
             shard_batch=args.shard_batch,
         )
-        self.vocab = sorted(set(corpus))
-        lookup = {c: i for i, c in enumerate(self.vocab)}
-        self.ids = torch.tensor([lookup[c] for c in corpus], dtype=torch.int64)
-        self.windows = len(self.ids) - args.context - 1
-        self._perm: tuple[int, torch.Tensor] | None = None
+        self.data_source = manifest.shards[0].url
+        self.samples_digest = ""
+        """The last step's batch: the first 16 hex digits of its sample ids' digest."""
         self.grad_norm: torch.Tensor | None = None
         """The last step's gradient norm (before clipping)."""
 
@@ -160,29 +194,24 @@ class Job:
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1
         )
-        return TrainState(model, optimizer, cursor={"epoch": 0, "index": 0})
+        return TrainState(model, optimizer, cursor={"batch": 0})
 
-    def next_batch(self, cursor: dict[str, int], size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next `size` windows in the seeded order; advances `cursor`."""
-        starts: list[int] = []
-        while len(starts) < size:
-            epoch, index = cursor["epoch"], cursor["index"]
-            if self._perm is None or self._perm[0] != epoch:
-                order = torch.Generator().manual_seed(self.args.seed * 1_000_003 + epoch)
-                self._perm = (epoch, torch.randperm(self.windows, generator=order))
-            take = self._perm[1][index : index + size - len(starts)].tolist()
-            starts += take
-            cursor["index"] = index + len(take)
-            if cursor["index"] >= self.windows:
-                cursor["epoch"], cursor["index"] = epoch + 1, 0
-        context = self.args.context
-        x = torch.stack([self.ids[s : s + context] for s in starts])
-        y = torch.stack([self.ids[s + 1 : s + context + 1] for s in starts])
+    def next_batch(self, cursor: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole of the next global batch (every shard's windows); advances `cursor`.
+        For a loop that takes the batch at once (bench/torchft_train.py)."""
+        batch = cursor["batch"]
+        x, y = self.reader.read(self.order.step_samples(batch))
+        cursor["batch"] = batch + 1
+        return x.to(self.device), y.to(self.device)
+
+    def shard_batch(self, batch: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Shard `shard`'s windows of global batch `batch` (its microbatch)."""
+        x, y = self.reader.read(self.order.microbatch_samples(batch, shard))
         return x.to(self.device), y.to(self.device)
 
     def skip_batch(self, state: TrainState) -> None:
         """Move the data position past one global batch (a rolled-back bad batch)."""
-        self.next_batch(state.cursor, self.args.shards * self.args.shard_batch)
+        state.cursor["batch"] += 1
 
     def train_step(
         self,
@@ -198,19 +227,21 @@ class Job:
         began = time.monotonic()
         args, model, optimizer = self.args, state.model, state.optimizer
         assert optimizer is not None
-        x, y = self.next_batch(state.cursor, args.shards * args.shard_batch)
+        batch = state.cursor["batch"]
+        state.cursor["batch"] = batch + 1
+        self.samples_digest = self.order.step_digest(batch)[:16]
         params = list(model.parameters())
         sizes = [p.numel() for p in params]
         mine = range(rank, args.shards, world)
         slots = math.ceil(args.shards / world)
         local = torch.zeros(slots, sum(sizes) + 1, device=self.device)
         for slot, shard in enumerate(mine):
-            rows = slice(shard * args.shard_batch, (shard + 1) * args.shard_batch)
+            x, y = self.shard_batch(batch, shard)
             generator = torch.Generator(device=self.device)
             generator.manual_seed((args.seed * 1_000_003 + step) * 1_000_033 + shard)
             model.zero_grad(set_to_none=True)
-            logits = model(x[rows], generator)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[rows].reshape(-1))
+            logits = model(x, generator)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             loss.backward()  # type: ignore[no-untyped-call]
             local[slot, :-1] = torch.cat([_grad(p).reshape(-1) for p in params])
             local[slot, -1] = loss.detach()
@@ -321,9 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     with Session.from_env() as session:
         job = Job(args, session.device)
-        # Synthetic data: its digest is of the generated corpus and the config that
-        # orders its batches (see data_digest), which is all there is to name.
-        session.record_data(job.data_digest, source="pitstop.trainer.example.make_corpus")
+        # Its shard's manifest and the config that orders its batches (see data_digest).
+        session.record_data(job.data_digest, source=job.data_source)
         state = session.restore(default=job.make_state)
         if args.save_dir:
             load_saved(state, Path(args.save_dir))
@@ -349,7 +379,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 if args.log_every and step % args.log_every == 0:
                     at = round(time.time(), 3)  # when the step was done, for benchmarks
-                    _say(rank=session.rank, step=step, loss=round(float(loss), 4), at=at)
+                    _say(
+                        rank=session.rank,
+                        step=step,
+                        loss=round(float(loss), 4),
+                        at=at,
+                        samples=job.samples_digest,
+                    )
             if args.save_dir and step % args.save_every == 0 and session.rank == 0:
                 save(state, Path(args.save_dir))
         if not session.finished:

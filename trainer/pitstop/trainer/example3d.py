@@ -50,8 +50,9 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.data import Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from pitstop.data import Manifest
 from pitstop.trainer import Session, TrainState
-from pitstop.trainer.example import data_digest, learning_rate, make_corpus
+from pitstop.trainer.example import corpus_shard, data_digest, learning_rate, make_corpus
 
 
 class Attention(nn.Module):
@@ -175,15 +176,19 @@ class Job:
     def __init__(self, args: argparse.Namespace, session: Session) -> None:
         self.args, self.session = args, session
         corpus = make_corpus()
+        self.vocab = sorted(set(corpus))
+        lookup = {c: i for i, c in enumerate(self.vocab)}
+        # Named as the data example names it (its token shard's manifest), though this
+        # job still reads the corpus through its own per-replica loader.
+        manifest = Manifest.build([str(corpus_shard([lookup[c] for c in corpus]))], "npy")
+        self.data_source = manifest.shards[0].url
         self.data_digest = data_digest(
-            corpus,
+            manifest.digest,
             seed=args.seed,
             context=args.context,
             microbatches=args.microbatches,
             microbatch_size=args.microbatch_size,
         )
-        self.vocab = sorted(set(corpus))
-        lookup = {c: i for i, c in enumerate(self.vocab)}
         self.ids = torch.tensor([lookup[c] for c in corpus], dtype=torch.int64)
 
     def make_state(self, mesh: DeviceMesh) -> TrainState:
@@ -309,7 +314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         job = Job(args, session)
         # Synthetic data: its digest is of the generated corpus and the config that
         # orders its batches (see example.data_digest), which is all there is to name.
-        session.record_data(job.data_digest, source="pitstop.trainer.example.make_corpus")
+        session.record_data(job.data_digest, source=job.data_source)
         state = session.restore(default=job.make_state)
         _say(rank=session.rank, shape=session.shape.sizes, coordinates=session.shape.coordinates)
         for step in session.steps(state, until=args.steps):
