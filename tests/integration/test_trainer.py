@@ -280,6 +280,27 @@ def test_two_ranks_give_the_single_process_weights(
     assert [p.result()["final_weights_sha256"] for p in processes] == [reference] * 2
 
 
+def test_every_step_reads_the_same_samples_at_any_world_size(
+    reference: str, processes: list[Proc], forks: ForkClient
+) -> None:
+    """The example's data order is global (pitstop.data): at three ranks, whose shares of
+    the four gradient shards are uneven (two, one, one), every step names the samples
+    the single process's same step names, and the weights end the same."""
+    processes.append(Proc([*EXAMPLE, "--log-every", "1"], base_env(), forks))
+    processes += start_ranks(forks, 3, ["--log-every", "1"])
+    assert [p.result()["final_weights_sha256"] for p in processes] == [reference] * 4
+
+    def samples(proc: Proc) -> dict[int, str]:
+        lines = (json.loads(line) for line in proc.seen if line.startswith('{"rank"'))
+        return {said["step"]: said["samples"] for said in lines if "samples" in said}
+
+    alone = samples(processes[0])
+    assert sorted(alone) == list(range(1, STEPS + 1)), alone
+    assert len(set(alone.values())) == STEPS, alone  # no batch read twice
+    for proc in processes[1:]:
+        assert samples(proc) == alone
+
+
 def test_a_restart_from_a_snapshot_is_bitwise_the_same(
     reference: str, processes: list[Proc], checkpointd: str, forks: ForkClient
 ) -> None:
