@@ -45,7 +45,7 @@ benchmark's clock for the failure, the scheduler's goodput incident and the rank
   report later (`reported`: how much later).
 
 pitstop also trains the 3D example (``pitstop_3d``: tp = pp = dp = 2, a TP pair on
-each of four 2-GPU nodes, one block a stage, 1F1B over two microbatches; unpaced, its
+each of four 2-GPU nodes, one block a stage, 1F1B over two microbatches a replica; unpaced, its
 steps CPU-bound) through --failures-3d of each shared kind, warm, on a cluster of its
 own; a failed node's TP pair moves to a spare together, and every other rank rebuilds
 the mesh, its process groups and the parallelized model in place. Its lost GPU-seconds

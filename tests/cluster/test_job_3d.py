@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(360)]
 # node holds one TP pair: a pipeline stage of a replica) and a 2-GPU spare.
 STEPS_3D = 16
 MODEL_3D = list(scenario.MODEL_3D)
-"""One block a stage and two microbatches through 1F1B, as the recovery benchmark's 3D
+"""One block a stage and two microbatches a replica through 1F1B, as the recovery benchmark's 3D
 job: still every kind of parallelism, at 0.4 s a step here rather than the example's
 default 1.2 s (8 ranks on 2 cores)."""
 EXAMPLE_3D = [
@@ -52,13 +52,14 @@ RESHARDED_LINE = re.compile(
 
 
 @pytest.fixture(scope="module")
-def hash_3d(rank_forks: ForkClient) -> str:
+def fault_free_3d(rank_forks: ForkClient) -> tuple[str, dict[int, str]]:
     """The 3D example run without pitstop: its 8 ranks (the same mesh) one gloo world on
     loopback, as torchrun would start them (`RANK`, `WORLD_SIZE`, `MASTER_*`), forked
-    from the ranks' fork server: the hash every run of it must end with. (torchrun
-    itself meets pitstop in tests/integration/test_torchrun.py.)"""
+    from the ranks' fork server: the hash every run of it must end with, and the samples
+    each of its steps read. (torchrun itself meets pitstop in
+    tests/integration/test_torchrun.py.)"""
     outputs = run_mesh_ranks(
-        [*EXAMPLE_3D[1:], "--log-every", "0"],
+        [*EXAMPLE_3D[1:], "--log-every", "1"],
         dp=2,
         pp=2,
         tp=2,
@@ -70,7 +71,27 @@ def hash_3d(rank_forks: ForkClient) -> str:
     hashes = {h for found in said for h in found}
     assert all(said), [out[-1500:] for out in outputs]
     assert len(hashes) == 1, hashes
-    return hashes.pop()
+    samples = step_samples([out.encode() for out in outputs])
+    assert sorted(samples) == list(range(1, STEPS_3D + 1)), samples
+    return hashes.pop(), samples
+
+
+@pytest.fixture(scope="module")
+def hash_3d(fault_free_3d: tuple[str, dict[int, str]]) -> str:
+    return fault_free_3d[0]
+
+
+def step_samples(logs: list[bytes]) -> dict[int, str]:
+    """The samples each step read (its `samples` digest), from every rank's step lines;
+    fails on a step whose ranks read different samples."""
+    read: dict[int, set[str]] = {}
+    for text in logs:
+        for line in text.splitlines():
+            if line.startswith(b'{"rank"') and b'"samples": ' in line:
+                said = json.loads(line)
+                read.setdefault(said["step"], set()).add(said["samples"])
+    assert all(len(seen) == 1 for seen in read.values()), read
+    return {step: seen.pop() for step, seen in read.items()}
 
 
 @pytest.mark.parametrize("durable_every", [8])
@@ -147,13 +168,17 @@ def durable_step(url: str, job_id: str) -> int:
 
 
 @pytest.mark.parametrize("gpus", [2])
-def test_the_3d_job_shrinks_to_one_replica_when_the_spares_run_out(cluster: Cluster) -> None:
+def test_the_3d_job_shrinks_to_one_replica_when_the_spares_run_out(
+    cluster: Cluster, fault_free_3d: tuple[str, dict[int, str]]
+) -> None:
     """A fatal Xid on a node's GPU: the node is unhealthy and its TP pair moves to the
     spare (its buddies stop replicating to it). Then a node is killed and no spare is
     left, so the job drops the replica that lost it (min_dp 1) and the four survivors
     reshard their FSDP state to dp = 1 from the snapshots of the old ranks, in place, and
-    train on to the end with the loss still falling (half the global batch: not the
-    fault-free hash)."""
+    train on to the end with the loss still falling. The one replica left runs both
+    replicas' microbatches: every step reads the global batch the fault-free run's same
+    step reads (pitstop.data), though the sums, added in another order, are not bitwise
+    the fault-free run's."""
     steps = STEPS_3D + 8
     spec = jobs_pb2.JobSpec(
         name=unique("llama3d"),
@@ -198,6 +223,12 @@ def test_the_3d_job_shrinks_to_one_replica_when_the_spares_run_out(cluster: Clus
     # Each survivor cut its shards from both old replicas' snapshots of one step.
     assert len(resharded) >= 4, cluster.logs(job.id)
     restored = {int(m.group(1)) for m in resharded}
+    # Every step read its global batch, at dp 2 and at dp 1: the fault-free run's.
+    samples = step_samples(logs)
+    assert sorted(samples) == list(range(1, steps + 1)), sorted(samples)
+    assert len(set(samples.values())) == steps, samples  # no batch read twice
+    fault_free = fault_free_3d[1]
+    assert {s: samples[s] for s in fault_free} == fault_free, (samples, fault_free)
     # The last stage's loss, step by step (a step run again after a rollback: its last).
     losses: dict[int, float] = {}
     for text in logs:

@@ -8,8 +8,12 @@ are tensor parallel over "tp" (DTensor: q, k, v and the MLP's up projections spl
 column, the output projections by row), the blocks are cut into `pp` pipeline stages
 run with a 1F1B schedule over several microbatches (`torch.distributed.pipelining`, the
 stage-to-stage activations over "pp"), and each stage is FSDP2-sharded over "dp".
-The data comes from a StatefulDataLoader over this replica's share of a deterministic
-corpus; its position is part of the state. `make_state(mesh)` is the script's
+The data is read through `pitstop.data`: a global batch of --microbatches microbatches
+whose samples depend on the seed and the step only, microbatch m computed by replica
+m mod dp (its pipeline runs its share), each microbatch's loss scaled by dp/M under
+FSDP's averaging reduce, so a job that shrinks keeps its global batch, its sample order
+and its schedule; the cursor (the batches consumed) is part of the state, and each step
+line names its batch's samples. `make_state(mesh)` is the script's
 parallelize step: the session runs it again on the new mesh after every in-place
 recovery, and the step reads the model, optimizer and schedule from the state.
 
@@ -47,10 +51,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
-from torch.utils.data import Dataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
-from pitstop.data import Manifest
+from pitstop.data import Manifest, SampleOrder, SampleReader, Windows
 from pitstop.trainer import Session, TrainState
 from pitstop.trainer.example import corpus_shard, data_digest, learning_rate, make_corpus
 
@@ -151,25 +153,6 @@ class Stage(nn.Module):
         return x
 
 
-class Windows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """One data-parallel replica's share of the corpus's windows, in a seeded order."""
-
-    def __init__(self, args: argparse.Namespace, ids: torch.Tensor, replica: int, replicas: int):
-        self.ids, self.context = ids, args.context
-        order = torch.randperm(
-            len(ids) - args.context - 1, generator=torch.Generator().manual_seed(args.seed)
-        )
-        self.starts = order[replica::replicas]
-
-    def __len__(self) -> int:
-        return len(self.starts)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = int(self.starts[index])
-        window = self.ids[start : start + self.context + 1]
-        return window[:-1], window[1:]
-
-
 class Job:
     """The 3D example's data and state."""
 
@@ -178,9 +161,15 @@ class Job:
         corpus = make_corpus()
         self.vocab = sorted(set(corpus))
         lookup = {c: i for i, c in enumerate(self.vocab)}
-        # Named as the data example names it (its token shard's manifest), though this
-        # job still reads the corpus through its own per-replica loader.
         manifest = Manifest.build([str(corpus_shard([lookup[c] for c in corpus]))], "npy")
+        windows = Windows(manifest, args.context)
+        self.order = SampleOrder(
+            samples=windows.samples,
+            global_batch=args.microbatches * args.microbatch_size,
+            microbatch_size=args.microbatch_size,
+            seed=args.seed,
+        )
+        self.reader = SampleReader(windows)
         self.data_source = manifest.shards[0].url
         self.data_digest = data_digest(
             manifest.digest,
@@ -189,7 +178,8 @@ class Job:
             microbatches=args.microbatches,
             microbatch_size=args.microbatch_size,
         )
-        self.ids = torch.tensor([lookup[c] for c in corpus], dtype=torch.int64)
+        self.samples_digest = ""
+        """The last step's batch: the first 16 hex digits of its sample ids' digest."""
 
     def make_state(self, mesh: DeviceMesh) -> TrainState:
         """Build, parallelize and shard this rank's stage on `mesh`; seeded, so every
@@ -203,12 +193,29 @@ class Job:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(stage, mesh=mesh["dp"])
         optimizer = torch.optim.AdamW(stage.parameters(), lr=args.lr, weight_decay=0.1)
-        windows = Windows(args, self.ids, shape.dp_rank, shape.dp)
-        loader = StatefulDataLoader(windows, batch_size=args.microbatches * args.microbatch_size)
+        share = self.order.replica_microbatches(shape.dp, shape.dp_rank)
+        if len(share) < shape.pp:
+            raise SystemExit(
+                f"--microbatches {args.microbatches}: replica {shape.dp_rank} of {shape.dp} "
+                f"gets {len(share)}, fewer than the {shape.pp} pipeline stages 1F1B needs; "
+                f"use at least {shape.pp * shape.dp}"
+            )
+        # FSDP averages the replicas' gradients (divides by dp): each microbatch's loss
+        # times dp/M makes their sum the global batch's mean loss's gradient at any dp.
+        # The schedule must not divide by its own microbatch count on top.
+        scale = self.order.averaged_loss_scale(shape.dp)
         pipeline = PipelineStage(stage, shape.pp_rank, shape.pp, device, group=mesh.get_group("pp"))
-        schedule = Schedule1F1B(pipeline, n_microbatches=args.microbatches, loss_fn=_loss)
+        schedule = Schedule1F1B(
+            pipeline,
+            n_microbatches=len(share),
+            loss_fn=lambda logits, target: _loss(logits, target) * scale,
+            scale_grads=False,
+        )
         return TrainState(
-            stage, optimizer, loaders={"train": loader}, objects={"schedule": schedule}
+            stage,
+            optimizer,
+            cursor={"batch": 0},
+            objects={"schedule": schedule, "share": share, "scale": scale},
         )
 
     def train_step(self, state: TrainState, step: int) -> torch.Tensor:
@@ -217,7 +224,16 @@ class Job:
         began = time.monotonic()
         shape, optimizer = self.session.shape, state.optimizer
         assert optimizer is not None
-        x, y = state.next_batch("train")
+        batch = state.cursor["batch"]
+        state.cursor["batch"] = batch + 1
+        self.samples_digest = self.order.step_digest(batch)[:16]
+        # This replica's microbatches, in order: the schedule cuts them apart again.
+        samples = [
+            sample
+            for microbatch in state.objects["share"]
+            for sample in self.order.microbatch_samples(batch, microbatch)
+        ]
+        x, y = self.reader.read(samples)
         x, y = x.to(self.session.device), y.to(self.session.device)
         schedule = state.objects["schedule"]
         losses: list[torch.Tensor] = []
@@ -236,7 +252,9 @@ class Job:
         optimizer.zero_grad(set_to_none=True)
         if self.args.step_seconds > 0:  # the stand-in for a real model's GPU time
             time.sleep(max(0.0, self.args.step_seconds - (time.monotonic() - began)))
-        return torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        if not losses:
+            return torch.zeros(())
+        return (torch.stack(losses).mean() / state.objects["scale"]).detach()
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -275,7 +293,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--context", type=int, default=32)
-    parser.add_argument("--microbatches", type=int, default=4, help="per step, through 1F1B")
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=8,
+        help="per step over all replicas (replica r runs those m with m mod dp == r, through 1F1B)",
+    )
     parser.add_argument("--microbatch-size", type=int, default=2, help="sequences each")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup", type=int, default=10)
@@ -312,8 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--layers {args.layers} does not split into {session.shape.pp} stages"
             )
         job = Job(args, session)
-        # Synthetic data: its digest is of the generated corpus and the config that
-        # orders its batches (see example.data_digest), which is all there is to name.
+        # Its shard's manifest and the config that orders its batches (example.data_digest).
         session.record_data(job.data_digest, source=job.data_source)
         state = session.restore(default=job.make_state)
         _say(rank=session.rank, shape=session.shape.sizes, coordinates=session.shape.coordinates)
@@ -325,7 +347,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     last = session.shape.pp_rank == session.shape.pp - 1
                     shown = round(float(loss), 4) if last else None  # the last stage's
                     at = round(time.time(), 3)  # when the step was done, for benchmarks
-                    _say(rank=session.rank, step=step, loss=shown, at=at)
+                    _say(
+                        rank=session.rank,
+                        step=step,
+                        loss=shown,
+                        at=at,
+                        samples=job.samples_digest,
+                    )
         if not session.finished:
             _say(rank=session.rank, stopped_at=state.step)
             return 0
