@@ -165,16 +165,18 @@ def _column_dtype(url: str, schema: Any, column: str) -> np.dtype[Any]:
     kind = schema.field(column).type
     if types.is_string(kind) or types.is_large_string(kind):
         raise ValueError(
-            f"column {column!r}: is a string column, not token ids; tokenize first or {_FIX}"
+            f"column {column!r} of {url}: is a string column, not token ids; tokenize first "
+            f"or {_FIX}"
         )
     if not (types.is_list(kind) or types.is_large_list(kind) or types.is_fixed_size_list(kind)):
         raise ValueError(
-            f"column {column!r}: is a {kind} column, not a list of token ids per row; {_FIX}"
+            f"column {column!r} of {url}: is a column of {kind}, not a list of token ids per "
+            f"row; {_FIX}"
         )
     value = kind.value_type
     if not types.is_integer(value):
         raise ValueError(
-            f"column {column!r}: holds lists of {value}, not integer token ids; save the "
+            f"column {column!r} of {url}: holds lists of {value}, not integer token ids; save the "
             f"token ids as integers (int32, or uint16 below 65,536) or {_FIX}"
         )
     dtype: np.dtype[Any] = np.dtype(value.to_pandas_dtype())
