@@ -143,8 +143,10 @@ def test_npy_that_is_not_a_token_array_is_refused(tmp_path: Path) -> None:
     (tmp_path / "junk.npy").write_bytes(b"not numpy at all")
     with pytest.raises(ValueError, match=r"not a readable \.npy file"):
         describe_shard(str(tmp_path / "junk.npy"), "npy")
-    with pytest.raises(ValueError, match="format 'parquet': must be one of nanogpt, npy, megatron"):
-        describe_shard(str(tmp_path / "f.npy"), "parquet")
+    with pytest.raises(
+        ValueError, match="format 'tfrecord': must be one of nanogpt, npy, megatron, parquet, hf"
+    ):
+        describe_shard(str(tmp_path / "f.npy"), "tfrecord")
 
 
 def test_the_manifest_digest_names_the_contents_not_the_place(tmp_path: Path) -> None:

@@ -3,7 +3,9 @@
 A shard on local disk (a path or a ``file://`` URL) is memory-mapped where it lies, never
 copied. Any other fsspec URL (``s3://``, ``gs://``, ``memory://``...) is first copied
 whole into a local `ShardCache` and mapped from there, since a window read through the
-network per sample would be far slower than one sequential copy.
+network per sample would be far slower than one sequential copy. A ``parquet`` or
+``hf`` shard, local or not, goes through the cache too: its "copy" is its token column
+converted to a flat array of the manifest's dtype, which is then mapped as a raw shard is.
 
 The cache holds at most `max_bytes`, counting the copies under way: room is reserved
 before a copy starts, by evicting the least recently used shards that nobody is reading.
@@ -38,6 +40,7 @@ import torch
 import xxhash
 from fsspec.implementations.local import LocalFileSystem
 
+from pitstop.data.arrow import COLUMNAR_FORMATS, DEFAULT_COLUMN, token_bytes
 from pitstop.data.shards import ShardInfo, Windows
 
 logger = logging.getLogger(__name__)
@@ -219,12 +222,19 @@ class SampleReader:
         self.windows = windows
         self.cache = cache
         shards = windows.manifest.shards
-        self._local = [is_local(shard.url) for shard in shards]
+        # Mapped where they lie: local shards of the flat formats. The rest are cached.
+        self._local = [
+            is_local(shard.url) and shard.format not in COLUMNAR_FORMATS for shard in shards
+        ]
         remote = [shard for shard, local in zip(shards, self._local, strict=True) if not local]
         if remote and cache is None:
+            first = remote[0]
+            if first.format in COLUMNAR_FORMATS:
+                why = f"a {first.format} shard, converted to a flat token file before it is read"
+            else:
+                why = "not on local disk"
             raise ValueError(
-                f"cache None: shard {remote[0].url} is not on local disk; pass a ShardCache "
-                f"to copy remote shards into"
+                f"cache None: shard {first.url} is {why}; pass a ShardCache to copy it into"
             )
         if remote and cache is not None:
             largest = max(remote, key=lambda shard: shard.byte_size)
@@ -353,11 +363,12 @@ def _key(shard: ShardInfo) -> str:
 
 
 def _download(shard: ShardInfo, destination: Path) -> None:
-    """Copy `shard` to `destination`, checking size and digest, flushed to disk."""
+    """Copy `shard` to `destination` (a columnar shard: its tokens, as a flat array),
+    checking size and digest, flushed to disk."""
     hasher = xxhash.xxh3_128()
     written = 0
-    with fsspec.open(shard.url, "rb") as source, open(destination, "wb") as target:
-        while chunk := source.read(_CHUNK):
+    with open(destination, "wb") as target:
+        for chunk in _chunks(shard):
             hasher.update(chunk)
             target.write(chunk)
             written += len(chunk)
@@ -370,3 +381,14 @@ def _download(shard: ShardInfo, destination: Path) -> None:
             f"{shard.byte_size} bytes with {shard.digest}; the shard changed since the "
             f"manifest was built: rebuild it with Manifest.build"
         )
+
+
+def _chunks(shard: ShardInfo) -> Iterator[bytes]:
+    """The bytes the cache keeps of `shard`: the file's, or a columnar shard's tokens."""
+    if shard.format in COLUMNAR_FORMATS:
+        # The digest check in _download catches a wrong column, as it does a changed file.
+        yield from token_bytes(shard.url, shard.format, shard.column or DEFAULT_COLUMN)
+        return
+    with fsspec.open(shard.url, "rb") as source:
+        while chunk := source.read(_CHUNK):
+            yield chunk

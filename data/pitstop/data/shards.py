@@ -10,11 +10,17 @@ of the formats users already have:
   (MMapIndexedDataset, index version 1). The sequences lie back to back in the .bin, and
   their concatenation (sum of the index's sizes) is the token stream; document
   boundaries are not used.
+- ``parquet``: a Parquet file whose column (``input_ids`` by default) holds a list of
+  token ids per row; the rows, concatenated, are the stream.
+- ``hf``: a dataset as Hugging Face's ``Dataset.save_to_disk`` writes it. The directory's
+  Arrow files (listed in its state.json) are its shards, in order, each read as a
+  ``parquet`` file is. See `pitstop.data.arrow` for both.
 
 A `Manifest` lists the shards in order, each with its byte size, dtype, token count and
-a content digest (xxh3-128 of the token file's bytes), and has one digest for the
-experiment record. That digest names the data, not where it lies: it leaves the URLs
-out, so a corpus copied from disk to object storage keeps its digest.
+a content digest (xxh3-128 of the token file's bytes; for ``parquet`` and ``hf``, of the
+tokens as a flat array), and has one digest for the experiment record. That digest names
+the data, not where it lies: it leaves the URLs (and the column name) out, so a corpus
+copied from disk to object storage keeps its digest.
 
 `Windows` cuts the streams into samples. Sample i is a window of context + 1 tokens (the
 input and, shifted by one, the target). Windows are laid at stride context + 1 within
@@ -39,7 +45,16 @@ import fsspec
 import numpy as np
 import xxhash
 
-FORMATS = ("nanogpt", "npy", "megatron")
+from pitstop.data.arrow import (
+    COLUMNAR_FORMATS,
+    DEFAULT_COLUMN,
+    describe_columnar,
+    hf_data_files,
+)
+
+FORMATS = ("nanogpt", "npy", "megatron", *COLUMNAR_FORMATS)
+# Where a shard lies, not what it holds: left out of the manifest's digest.
+_PLACE = ("url", "column")
 
 # Megatron-LM's MMapIndexedDataset index (megatron/core/datasets/indexed_dataset.py).
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
@@ -64,7 +79,11 @@ class ShardInfo:
 
     `dtype` is a NumPy dtype string with its byte order (``"<u2"``). `offset` is the byte
     where the tokens start in the file at `url` (an .npy header's length, else 0).
-    `digest` is ``"xxh3_128:<hex>"`` of the file's bytes (for Megatron, of the .bin)."""
+    `digest` is ``"xxh3_128:<hex>"`` of the file's bytes (for Megatron, of the .bin).
+
+    A ``parquet`` or ``hf`` shard is converted to a flat token array before it is read:
+    its `byte_size` and `digest` are that array's (tokens times the dtype's size), its
+    `offset` 0, and `column` names the column its tokens are in (None for the others)."""
 
     url: str
     format: str
@@ -73,6 +92,7 @@ class ShardInfo:
     tokens: int
     byte_size: int
     digest: str
+    column: str | None = None
 
 
 @dataclass(frozen=True)
@@ -120,10 +140,23 @@ def read_megatron_index(url: str) -> MegatronIndex:
     return MegatronIndex(MEGATRON_DTYPES[code], sizes, pointers, document_index)
 
 
-def describe_shard(url: str, format: str, dtype: str = "uint16") -> ShardInfo:
+def describe_shard(
+    url: str, format: str, dtype: str = "uint16", column: str = DEFAULT_COLUMN
+) -> ShardInfo:
     """Read `url`'s header (or index) and bytes into a ShardInfo. `dtype` is used by the
     ``nanogpt`` format only; the others record their own. For ``megatron`` `url` is the
-    .bin or the common prefix of the .bin and .idx."""
+    .bin or the common prefix of the .bin and .idx. `column` is the token column of a
+    ``parquet`` file or of an ``hf`` dataset's .arrow file (`Manifest.build` takes the
+    dataset's directory and lists these)."""
+    if format == "hf" and _is_directory(url):
+        raise ValueError(
+            f"hf shard {url}: a directory; a shard is one of a dataset's .arrow files, so "
+            f"pass the directory to Manifest.build, which lists them from its state.json"
+        )
+    if format in COLUMNAR_FORMATS:
+        token_dtype, tokens, digest = describe_columnar(url, format, column)
+        size = tokens * token_dtype.itemsize
+        return ShardInfo(url, format, token_dtype.str, 0, tokens, size, digest, column)
     if format == "nanogpt":
         token_dtype = _token_dtype(dtype, url)
         size = _byte_size(url)
@@ -169,15 +202,20 @@ class Manifest:
         self.shards: tuple[ShardInfo, ...] = tuple(shards)
 
     @classmethod
-    def build(cls, urls: Sequence[str], format: str, dtype: str = "uint16") -> Manifest:
-        """Describe every shard in `urls`, in that order (reads each file once)."""
-        return cls([describe_shard(url, format, dtype) for url in urls])
+    def build(
+        cls, urls: Sequence[str], format: str, dtype: str = "uint16", column: str = DEFAULT_COLUMN
+    ) -> Manifest:
+        """Describe every shard in `urls`, in that order (reads each file once). For
+        ``hf`` each URL is a save_to_disk directory, and its Arrow files are its shards."""
+        if format == "hf":
+            urls = [file for url in urls for file in hf_data_files(url)]
+        return cls([describe_shard(url, format, dtype, column) for url in urls])
 
     @property
     def digest(self) -> str:
-        """sha256 (hex) of the shards' descriptions in order, URLs left out."""
+        """sha256 (hex) of the shards' descriptions in order, URLs and columns left out."""
         described = [
-            {key: value for key, value in asdict(shard).items() if key != "url"}
+            {key: value for key, value in asdict(shard).items() if key not in _PLACE}
             for shard in self.shards
         ]
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
@@ -189,7 +227,11 @@ class Manifest:
 
     def to_json(self) -> str:
         """The manifest as JSON, with its digest for a person to compare."""
-        shards = [asdict(shard) for shard in self.shards]
+        # A column only where there is one, so the older formats' JSON is as it was.
+        shards = [
+            {key: value for key, value in asdict(shard).items() if value is not None}
+            for shard in self.shards
+        ]
         return json.dumps({"digest": self.digest, "shards": shards}, indent=1)
 
     @classmethod
@@ -284,6 +326,11 @@ def _npy_layout(url: str) -> tuple[np.dtype[Any], int, int]:
         )
     del fortran  # a 1-D array is the same in either order
     return _token_dtype(dtype.str, url), offset, int(shape[0])
+
+
+def _is_directory(url: str) -> bool:
+    filesystem, path = fsspec.core.url_to_fs(url)
+    return bool(filesystem.isdir(path))
 
 
 def _byte_size(url: str) -> int:
