@@ -118,8 +118,8 @@ MESH_3D = {"dp": 2, "pp": 2, "tp": 2}
 """The 3D example's shape in these runs: 8 ranks, a TP pair on each 2-GPU node."""
 MODEL_3D = ("--layers", "2", "--microbatches", "4")
 """The 3D example's model in these runs: one block a stage, four microbatches a step, two
-a replica through 1F1B at dp 2 (every kind of parallelism still; 0.4 s a step on 2 shared cores, the example's
-default model 1.2 s)."""
+a replica through 1F1B at dp 2 (every kind of parallelism still; 0.4 s a step on 2
+shared cores, the example's default model 1.2 s)."""
 
 
 def example3d_command(steps: int, step_seconds: float = 0.0, log_every: int = 1) -> list[str]:
