@@ -254,7 +254,8 @@ class Job:
             time.sleep(max(0.0, self.args.step_seconds - (time.monotonic() - began)))
         if not losses:
             return torch.zeros(())
-        return (torch.stack(losses).mean() / state.objects["scale"]).detach()
+        scale: float = state.objects["scale"]
+        return (torch.stack(losses).mean() / scale).detach()
 
 
 def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
