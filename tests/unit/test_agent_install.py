@@ -9,7 +9,7 @@ import pytest
 
 from kit.agents import AGENT_BINARY
 from pitstop.agent.config import load_settings
-from pitstop.agent.install import DEFAULT_EXECUTABLE, EXAMPLE_CONFIG, install, render_unit
+from pitstop.agent.install import DEFAULT_EXECUTABLE, example_config, install, render_unit
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -22,6 +22,9 @@ def test_install_writes_the_checked_in_files_byte_for_byte(tmp_path: Path) -> No
     assert result.kept == []
     assert unit.read_bytes() == (DEPLOY / "systemd/pitstop-agent.service").read_bytes()
     assert config.read_bytes() == (DEPLOY / "agent.yaml").read_bytes()
+    # One file, not two copies: deploy/agent.yaml is the package's.
+    packaged = Path(__file__).resolve().parents[2] / "agent/pitstop/agent/agent.yaml"
+    assert (DEPLOY / "agent.yaml").resolve() == packaged
 
 
 def test_the_unit_restarts_and_stops_the_agent_the_way_it_needs() -> None:
@@ -46,7 +49,7 @@ def test_an_existing_config_is_never_overwritten(tmp_path: Path) -> None:
     assert result.kept == [config]
     assert result.written == [tmp_path / "etc/systemd/system/pitstop-agent.service"]
     assert config.read_text() == "scheduler: 10.0.0.5:50051\n"
-    assert EXAMPLE_CONFIG.startswith("# pitstop agent configuration.")
+    assert example_config().startswith("# pitstop agent configuration.")
 
 
 def test_the_command_names_the_running_executable_and_says_what_it_did(tmp_path: Path) -> None:
