@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kit.monitoring import needs_promtool, promtool
 from kit.ranks import FAKE_RANK
-from kit.schedulers import SchedulerThread, scheduler_settings
+from kit.schedulers import SchedulerThread, agents_leader
 from kit.stores import StoreUrls, unique
 from kit.waits import wait_until
 from pitstop.client.launch import agent_command, clean_env
@@ -60,19 +60,7 @@ def rank_pid(job_id: str, rank: int) -> int:
 
 @pytest.fixture
 def leading(stores: StoreUrls, tmp_path: Path) -> Iterator[SchedulerThread]:
-    thread = SchedulerThread(
-        scheduler_settings(
-            stores,
-            tmp_path / "scheduler",
-            database_url=stores.fresh_database(),
-            redis_prefix=f"{stores.redis_prefix}{unique('metrics')}:",
-            leader_loops=True,
-            metrics_port=0,
-            heartbeat_interval_seconds=0.5,
-            liveness_timeout_intervals=5.0,
-            liveness_startup_grace_seconds=0.0,
-        )
-    )
+    thread = agents_leader(stores, tmp_path, "metrics", metrics_port=0)
     yield thread
     thread.stop()
 

@@ -131,10 +131,12 @@ a node was declared lost in a CI run while its agent started four ranks on the l
 2-core machine)."""
 
 
-def agents_leader(stores: StoreUrls, tmp_path: Path, name: str) -> SchedulerThread:
+def agents_leader(
+    stores: StoreUrls, tmp_path: Path, name: str, **overrides: Any
+) -> SchedulerThread:
     """A leading scheduler in a thread, on a database and Redis prefix of its own, for
     real agents: heartbeats every 0.5 s, AGENTS_LIVENESS_INTERVALS of them, no start-up
-    grace."""
+    grace; `overrides`: any other setting."""
     return SchedulerThread(
         scheduler_settings(
             stores,
@@ -145,6 +147,7 @@ def agents_leader(stores: StoreUrls, tmp_path: Path, name: str) -> SchedulerThre
             heartbeat_interval_seconds=0.5,
             liveness_timeout_intervals=AGENTS_LIVENESS_INTERVALS,
             liveness_startup_grace_seconds=0.0,
+            **overrides,
         )
     )
 
