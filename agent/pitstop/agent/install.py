@@ -49,6 +49,7 @@ LimitNOFILE=1048576
 WantedBy=multi-user.target
 """
 
+
 def example_config() -> str:
     """The example configuration: every setting at its default, said what it does. It
     ships in the package (pitstop/agent/agent.yaml); deploy/agent.yaml is a link to the
