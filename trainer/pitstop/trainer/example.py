@@ -38,6 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +105,38 @@ def corpus_shard(ids: list[int], folder: Path | None = None) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class CorpusData:
+    """The examples' corpus, read through `pitstop.data`."""
+
+    vocab: list[str]
+    """The characters of the corpus, a token id each."""
+    order: SampleOrder
+    reader: SampleReader
+    digest: str
+    """`data_digest` of its shard's manifest and the config that orders its batches."""
+    source: str
+    """The shard's URL."""
+
+
+def corpus_data(
+    context: int, global_batch: int, microbatch_size: int, seed: int, /, **config: object
+) -> CorpusData:
+    """The corpus `make_corpus` draws as a token shard, cut into windows of `context` + 1
+    tokens and ordered by `seed` in global batches of `global_batch` windows; `config`:
+    the rest of what orders the batches (named in the digest)."""
+    corpus = make_corpus()
+    vocab = sorted(set(corpus))
+    lookup = {c: i for i, c in enumerate(vocab)}
+    manifest = Manifest.build([str(corpus_shard([lookup[c] for c in corpus]))], "npy")
+    windows = Windows(manifest, context)
+    order = SampleOrder(windows.samples, global_batch, microbatch_size, seed)
+    # A local shard is memory-mapped: no cache, and no prefetch thread ever starts.
+    reader = SampleReader(windows)
+    digest = data_digest(manifest.digest, seed=seed, context=context, **config)
+    return CorpusData(vocab, order, reader, digest, manifest.shards[0].url)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention and an MLP."""
 
@@ -158,27 +191,16 @@ class Job:
 
     def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
         self.args, self.device = args, device
-        corpus = make_corpus()
-        self.vocab = sorted(set(corpus))
-        lookup = {c: i for i, c in enumerate(self.vocab)}
-        manifest = Manifest.build([str(corpus_shard([lookup[c] for c in corpus]))], "npy")
-        windows = Windows(manifest, args.context)
-        self.order = SampleOrder(
-            samples=windows.samples,
-            global_batch=args.shards * args.shard_batch,
-            microbatch_size=args.shard_batch,
-            seed=args.seed,
-        )
-        # A local shard is memory-mapped: no cache, and no prefetch thread ever starts.
-        self.reader = SampleReader(windows)
-        self.data_digest = data_digest(
-            manifest.digest,
-            seed=args.seed,
-            context=args.context,
+        data = corpus_data(
+            args.context,
+            args.shards * args.shard_batch,
+            args.shard_batch,
+            args.seed,
             shards=args.shards,
             shard_batch=args.shard_batch,
         )
-        self.data_source = manifest.shards[0].url
+        self.vocab, self.order, self.reader = data.vocab, data.order, data.reader
+        self.data_digest, self.data_source = data.digest, data.source
         self.samples_digest = ""
         """The last step's batch: the first 16 hex digits of its sample ids' digest."""
         self.grad_norm: torch.Tensor | None = None

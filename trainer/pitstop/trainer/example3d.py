@@ -52,9 +52,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from pitstop.data import Manifest, SampleOrder, SampleReader, Windows
 from pitstop.trainer import Session, TrainState
-from pitstop.trainer.example import corpus_shard, data_digest, learning_rate, make_corpus
+from pitstop.trainer.example import corpus_data, learning_rate
 
 
 class Attention(nn.Module):
@@ -158,26 +157,16 @@ class Job:
 
     def __init__(self, args: argparse.Namespace, session: Session) -> None:
         self.args, self.session = args, session
-        corpus = make_corpus()
-        self.vocab = sorted(set(corpus))
-        lookup = {c: i for i, c in enumerate(self.vocab)}
-        manifest = Manifest.build([str(corpus_shard([lookup[c] for c in corpus]))], "npy")
-        windows = Windows(manifest, args.context)
-        self.order = SampleOrder(
-            samples=windows.samples,
-            global_batch=args.microbatches * args.microbatch_size,
-            microbatch_size=args.microbatch_size,
-            seed=args.seed,
-        )
-        self.reader = SampleReader(windows)
-        self.data_source = manifest.shards[0].url
-        self.data_digest = data_digest(
-            manifest.digest,
-            seed=args.seed,
-            context=args.context,
+        data = corpus_data(
+            args.context,
+            args.microbatches * args.microbatch_size,
+            args.microbatch_size,
+            args.seed,
             microbatches=args.microbatches,
             microbatch_size=args.microbatch_size,
         )
+        self.vocab, self.order, self.reader = data.vocab, data.order, data.reader
+        self.data_digest, self.data_source = data.digest, data.source
         self.samples_digest = ""
         """The last step's batch: the first 16 hex digits of its sample ids' digest."""
 
